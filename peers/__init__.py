@@ -1,0 +1,1 @@
+"""Runnable peer processes (bootstrap, stage, trainer, status); thin wrappers over `swarm`."""

@@ -1,0 +1,23 @@
+"""The wire: what crosses a link, byte for byte.
+
+`message` holds the in-memory parts a codec produces, `wire` turns them into the bytes of a
+`CompressedTensor` (compressed_tensor.proto) and back, validating everything it reads.
+"""
+
+from protocols.errors import PayloadError
+from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
+from protocols.wire import FORMAT_VERSION, DecodeLimits, decode, encode
+
+__all__ = [
+    "DecodeLimits",
+    "Encoded",
+    "FORMAT_VERSION",
+    "Granularity",
+    "PayloadError",
+    "QuantPart",
+    "RawPart",
+    "SparsePart",
+    "StateStamp",
+    "decode",
+    "encode",
+]

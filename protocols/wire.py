@@ -1,0 +1,299 @@
+"""`Encoded` <-> bytes of a `CompressedTensor` message, validated before anything is allocated.
+
+Every buffer is counted in `buffer_length` and covered by a crc32, both written last, so a
+truncated or corrupted payload is caught here rather than trusted (hivemind's stream
+reassembly does not check lengths).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import torch
+from google.protobuf.message import DecodeError
+
+from protocols import bitpack, indices
+from protocols import compressed_tensor_pb2 as pb
+from protocols.errors import PayloadError
+from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
+
+FORMAT_VERSION = 1
+
+_DTYPES = {
+    torch.float32: pb.FLOAT32,
+    torch.float16: pb.FLOAT16,
+    torch.bfloat16: pb.BFLOAT16,
+    torch.float64: pb.FLOAT64,
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_GRANULARITY = {
+    Granularity.TENSOR: pb.PER_TENSOR,
+    Granularity.SAMPLE: pb.PER_SAMPLE,
+    Granularity.CHANNEL: pb.PER_CHANNEL,
+}
+_GRANULARITY_BACK = {v: k for k, v in _GRANULARITY.items()}
+_CODINGS = {"bitmap": pb.BITMAP, "varint": pb.DELTA_VARINT}
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What a receiver accepts; anything larger is refused before allocation."""
+
+    max_elements: int = 1 << 31
+    max_payload_bytes: int = 1 << 32
+    max_rank: int = 8
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+def rows_of(shape: tuple[int, ...]) -> int:
+    """Samples in a tensor: its first dimension, or 1 for scalars and vectors."""
+    return shape[0] if len(shape) >= 2 else 1
+
+
+def quant_groups(shape: tuple[int, ...], granularity: Granularity) -> int:
+    """Number of (low, step) pairs a quantized tensor of this shape carries."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return 0
+    if granularity is Granularity.TENSOR:
+        return 1
+    if granularity is Granularity.CHANNEL and len(shape) >= 3:
+        return shape[0] * shape[1]
+    return rows_of(shape)
+
+
+# ---- tensors <-> bytes -------------------------------------------------------------------------
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only view of received bytes; every decoder copies before writing."""
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+
+
+class _Checksum:
+    def __init__(self) -> None:
+        self.crc = 0
+        self.length = 0
+
+    def add(self, data: bytes) -> bytes:
+        self.crc = zlib.crc32(data, self.crc)
+        self.length += len(data)
+        return data
+
+
+# ---- encode --------------------------------------------------------------------------------------
+
+
+def _raw_pb(part: RawPart, check: _Checksum) -> pb.Raw:
+    if part.data.dtype not in _DTYPES:
+        raise TypeError(f"cannot send dtype {part.data.dtype}")
+    return pb.Raw(wire_dtype=_DTYPES[part.data.dtype], data=check.add(_to_bytes(part.data)))
+
+
+def _quant_pb(part: QuantPart, check: _Checksum) -> pb.Quantized:
+    return pb.Quantized(
+        bits=part.bits,
+        granularity=_GRANULARITY[part.granularity],
+        codes=check.add(_to_bytes(bitpack.pack(part.codes, part.bits))),
+        lows=check.add(_to_bytes(part.lows.float())),
+        steps=check.add(_to_bytes(part.steps.float())),
+    )
+
+
+def _sparse_pb(part: SparsePart, total: int, check: _Checksum) -> tuple[pb.Sparse, int]:
+    if part.positions is None:
+        msg = pb.Sparse(index_coding=pb.REUSED, index_digest=part.index_digest)
+        digest = part.index_digest
+    else:
+        coding, data = indices.encode_indices(part.positions, total)
+        raw = _to_bytes(data)
+        digest = zlib.crc32(raw)
+        msg = pb.Sparse(index_coding=_CODINGS[coding], indices=check.add(raw))
+    msg.kept_per_sample = part.kept_per_sample
+    if isinstance(part.values, QuantPart):
+        msg.quantized_values.CopyFrom(_quant_pb(part.values, check))
+    else:
+        msg.raw_values.CopyFrom(_raw_pb(part.values, check))
+    return msg, digest
+
+
+def encode(enc: Encoded) -> bytes:
+    """Serialize; also records the index digest on `enc` for reused-index replies."""
+    check = _Checksum()
+    msg = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype])
+    body = enc.body
+    if isinstance(body, RawPart):
+        msg.raw.CopyFrom(_raw_pb(body, check))
+    elif isinstance(body, QuantPart):
+        msg.quantized.CopyFrom(_quant_pb(body, check))
+    else:
+        sparse, enc.index_digest = _sparse_pb(body, enc.numel, check)
+        msg.sparse.CopyFrom(sparse)
+    if enc.stamp is not None:
+        msg.state.version = enc.stamp.version
+        msg.state.sample_versions.extend(enc.stamp.sample_versions)
+        msg.state.warmup = enc.stamp.warmup
+    msg.buffer_length = check.length
+    msg.checksum = check.crc
+    return msg.SerializeToString()
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+
+def _expect_length(what: str, data: bytes, expected: int) -> None:
+    if len(data) != expected:
+        raise PayloadError(f"{what} has {len(data)} bytes, expected {expected}")
+
+
+def _dtype(value: int, what: str) -> torch.dtype:
+    if value not in _TORCH_DTYPES:
+        raise PayloadError(f"unknown {what} {value}")
+    return _TORCH_DTYPES[value]
+
+
+def _raw_from(msg: pb.Raw, count: int) -> RawPart:
+    dtype = _dtype(msg.wire_dtype, "wire dtype")
+    _expect_length("raw data", msg.data, count * dtype.itemsize)
+    return RawPart(_from_bytes(msg.data, dtype))
+
+
+def _quant_from(msg: pb.Quantized, shape: tuple[int, ...]) -> QuantPart:
+    if not 1 <= msg.bits <= 8:
+        raise PayloadError(f"quantization bits {msg.bits} out of range 1..8")
+    if msg.granularity not in _GRANULARITY_BACK:
+        raise PayloadError(f"unknown quantization granularity {msg.granularity}")
+    granularity = _GRANULARITY_BACK[msg.granularity]
+    count = math.prod(shape)
+    groups = quant_groups(shape, granularity)
+    _expect_length("quantized codes", msg.codes, bitpack.packed_length(count, msg.bits))
+    _expect_length("quantization lows", msg.lows, 4 * groups)
+    _expect_length("quantization steps", msg.steps, 4 * groups)
+    lows = _from_bytes(msg.lows, torch.float32)
+    steps = _from_bytes(msg.steps, torch.float32)
+    if not (bool(torch.isfinite(lows).all()) and bool(torch.isfinite(steps).all())):
+        raise PayloadError("quantization ranges are not finite")
+    codes = bitpack.unpack(_from_bytes(msg.codes, torch.uint8), msg.bits, count)
+    return QuantPart(msg.bits, granularity, codes, lows, steps)
+
+
+def _sparse_from(msg: pb.Sparse, shape: tuple[int, ...]) -> SparsePart:
+    total = math.prod(shape)
+    rows = rows_of(shape)
+    per_row = total // rows if rows else 0
+    k = msg.kept_per_sample
+    if k > per_row:
+        raise PayloadError(f"TopK keeps {k} values per sample out of {per_row}")
+    kept = k * rows
+    which = msg.WhichOneof("values")
+    if which is None:
+        raise PayloadError("TopK payload has no values")
+    values = (
+        _quant_from(msg.quantized_values, (rows, k))
+        if which == "quantized_values"
+        else _raw_from(msg.raw_values, kept)
+    )
+    if msg.index_coding == pb.REUSED:
+        if msg.indices:
+            raise PayloadError("reused-index payload carries indices")
+        return SparsePart(k, None, values, msg.index_digest)
+    data = _from_bytes(msg.indices, torch.uint8)
+    if msg.index_coding == pb.BITMAP:
+        positions = indices.decode_bitmap(data, total)
+        if positions.numel() != kept:
+            raise PayloadError(f"bitmap marks {positions.numel()} values, expected {kept}")
+    elif msg.index_coding == pb.DELTA_VARINT:
+        positions = indices.decode_varint(data, kept, total)
+    else:
+        raise PayloadError(f"unknown index coding {msg.index_coding}")
+    if kept and not bool((torch.bincount(torch.div(positions, per_row, rounding_mode="floor"), minlength=rows) == k).all()):
+        raise PayloadError(f"TopK indices do not mark {k} values in every sample")
+    return SparsePart(k, positions, values, zlib.crc32(msg.indices))
+
+
+def _buffers(msg: pb.CompressedTensor) -> list[bytes]:
+    """Every buffer field, in the order encode() checksums them."""
+
+    def raw(m: pb.Raw) -> list[bytes]:
+        return [m.data]
+
+    def quant(m: pb.Quantized) -> list[bytes]:
+        return [m.codes, m.lows, m.steps]
+
+    which = msg.WhichOneof("body")
+    if which == "raw":
+        return raw(msg.raw)
+    if which == "quantized":
+        return quant(msg.quantized)
+    if which == "sparse":
+        s = msg.sparse
+        inner = quant(s.quantized_values) if s.WhichOneof("values") == "quantized_values" else raw(s.raw_values)
+        return [s.indices, *inner]
+    raise PayloadError("payload has no body")
+
+
+def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
+    """Parse and validate a payload; raises PayloadError with a one-line reason."""
+    if len(payload) > limits.max_payload_bytes:
+        raise PayloadError(f"payload of {len(payload)} bytes exceeds the limit of {limits.max_payload_bytes}")
+    msg = pb.CompressedTensor()
+    try:
+        msg.ParseFromString(payload)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise PayloadError(f"payload is not a CompressedTensor: {e}") from None
+    if msg.format_version != FORMAT_VERSION:
+        raise PayloadError(f"unsupported format version {msg.format_version} (this peer reads {FORMAT_VERSION})")
+    shape = tuple(int(d) for d in msg.shape)
+    if len(shape) > limits.max_rank:
+        raise PayloadError(f"tensor rank {len(shape)} exceeds the limit of {limits.max_rank}")
+    numel = math.prod(shape)
+    if numel > limits.max_elements:
+        raise PayloadError(f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
+    dtype = _dtype(msg.dtype, "dtype")
+    buffers = _buffers(msg)
+    length = sum(len(b) for b in buffers)
+    if length != msg.buffer_length:
+        raise PayloadError(f"payload carries {length} buffer bytes, header says {msg.buffer_length}")
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    if crc != msg.checksum:
+        raise PayloadError("payload checksum mismatch")
+    which = msg.WhichOneof("body")
+    if which == "raw":
+        body: RawPart | QuantPart | SparsePart = _raw_from(msg.raw, numel)
+    elif which == "quantized":
+        body = _quant_from(msg.quantized, shape)
+    else:
+        body = _sparse_from(msg.sparse, shape)
+    stamp = None
+    if msg.HasField("state"):
+        stamp = StateStamp(msg.state.version, tuple(msg.state.sample_versions), msg.state.warmup)
+    enc = Encoded(shape, dtype, body, stamp)
+    if isinstance(body, SparsePart) and body.positions is not None:
+        enc.index_digest = body.index_digest
+    return enc
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a tensor (used by benchmarks and stores)."""
+    return _to_bytes(t)
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    return _from_bytes(data, dtype)
+
+

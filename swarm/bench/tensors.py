@@ -1,0 +1,47 @@
+"""Realistic boundary tensors for codec benchmarks, made from a seed (no download needed).
+
+- post-ReLU ResNet-18 (CIFAR) boundaries: per-channel scale and bias before the ReLU, so
+  channels differ in magnitude and sparsity as real feature maps do (~50% zeros);
+- a GPT-2-like residual-stream activation: per-channel scales with a few outlier channels;
+- an activation gradient of the same shape: heavy-tailed (Student-t) and small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def post_relu(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    channels = shape[1]
+    scale = torch.exp(0.5 * torch.randn(channels, generator=gen)).view(1, -1, 1, 1)
+    bias = (0.5 * torch.randn(channels, generator=gen) - 0.3).view(1, -1, 1, 1)
+    return torch.relu(torch.randn(shape, generator=gen) * scale + bias)
+
+
+def transformer_activation(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    width = shape[-1]
+    scale = torch.exp(0.4 * torch.randn(width, generator=gen))
+    outliers = torch.randperm(width, generator=gen)[: max(1, width // 128)]
+    scale[outliers] *= 20.0
+    return torch.randn(shape, generator=gen) * scale
+
+
+def activation_gradient(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    normal = torch.randn(shape, generator=gen)
+    chi = torch.randn((3, *shape), generator=gen).pow_(2).sum(0).div_(3).sqrt_()
+    return normal.div_(chi).mul_(1e-4)  # Student-t with 3 degrees of freedom, scaled
+
+
+def benchmark_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """name -> tensor; `scale` < 1 shrinks the batch dimension for quick runs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(n: int) -> int:
+        return max(1, round(n * scale))
+
+    return {
+        "resnet18.layer1 [100,64,32,32]": post_relu((batch(100), 64, 32, 32), gen),
+        "resnet18.layer2 [100,128,16,16]": post_relu((batch(100), 128, 16, 16), gen),
+        "gpt2.activation [8,1024,768]": transformer_activation((batch(8), 1024, 768), gen),
+        "gpt2.gradient [8,1024,768]": activation_gradient((batch(8), 1024, 768), gen),
+    }

@@ -1,0 +1,251 @@
+"""The two ends of a compressed link direction, with optional error feedback.
+
+A `Sender` turns a tensor into payload bytes, a `Receiver` turns them back. Stateful variants:
+
+- `ef`      Seide EF, sender only: send C(x + e), keep e = (x + e) - C(x + e).
+- `efmixed` EF for TopK: K/2 largest of x plus K/2 largest of e, sent from x + e.
+- `ef21`    mirrored g on both ends: send C(x - g), both ends g += C(x - g), receiver outputs g.
+- `aqsgd`   like ef21 with one buffer per sample id (AQ-SGD), stored compactly.
+
+State changes only when the caller commits a message it knows was delivered (`commit()` on the
+`Outgoing` / `Incoming`); mirrored payloads carry state versions, and a receiver whose state
+differs raises `StateMismatchError` instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from protocols import wire
+from protocols.errors import PayloadError
+from protocols.message import Encoded, SparsePart, StateStamp
+from protocols.wire import DEFAULT_LIMITS, DecodeLimits, rows_of
+from swarm.compression.codecs import Cast, Codec, TopK, decode_sparse, decode_values, selection_of
+from swarm.compression.state import GlobalState, SampleStore, StaleStateError
+from swarm.compression.topk import Selection, kept_per_sample
+
+_EXACT = Cast()
+
+
+class StateMismatchError(PayloadError):
+    """The payload was computed against mirrored state this end does not have."""
+
+
+@dataclass
+class _Delivery:
+    """Something whose state update waits for `commit()`; committing twice is a no-op."""
+
+    _apply: Callable[[], None] | None = field(default=None, repr=False)
+
+    def commit(self) -> None:
+        apply, self._apply = self._apply, None
+        if apply is not None:
+            apply()
+
+
+@dataclass
+class Outgoing(_Delivery):
+    payload: bytes = b""
+    selection: Selection | None = None  # remembered for a reused-index reply
+
+
+@dataclass
+class Incoming(_Delivery):
+    tensor: torch.Tensor | None = None
+    selection: Selection | None = None
+
+
+def decode_payload(enc: Encoded, reuse: Selection | None, device) -> torch.Tensor:
+    """Decode any body: dense, TopK with indices, or TopK values at reused indices."""
+    if isinstance(enc.body, SparsePart):
+        return decode_sparse(enc, reuse, device)
+    return decode_values(enc.body, enc.shape, enc.dtype, device)
+
+
+def _ids(sample_ids, rows: int) -> list[int]:
+    if sample_ids is None:
+        raise ValueError("per-sample error feedback needs the sample ids of the micro-batch")
+    ids = [int(i) for i in (sample_ids.tolist() if torch.is_tensor(sample_ids) else sample_ids)]
+    if len(ids) != rows:
+        raise ValueError(f"got {len(ids)} sample ids for {rows} samples")
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample ids within a micro-batch must be distinct")
+    return ids
+
+
+def _commit_if_current(table, shape, ids, based_on: tuple[int, ...], write: Callable[[], object]) -> Callable[[], None]:
+    def apply() -> None:
+        if table.versions(shape, ids) != based_on:
+            raise StaleStateError("error-feedback state changed since this message was encoded")
+        write()
+
+    return apply
+
+
+class Sender:
+    """Plain codec, no state."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+
+    def _encode(self, x: torch.Tensor, sample_ids, reuse: Selection | None, warmup: bool) -> tuple[Encoded, Callable | None]:
+        return (_EXACT if warmup else self.codec).encode(x, reuse), None
+
+    def send(self, x: torch.Tensor, sample_ids=None, reuse: Selection | None = None, warmup: bool = False) -> Outgoing:
+        """Encode x. `reuse`: the forward selection (topk:reuse); `warmup`: send exact values."""
+        enc, apply = self._encode(x, sample_ids, reuse, warmup)
+        payload = wire.encode(enc)
+        return Outgoing(apply, payload, selection_of(enc))
+
+    def reset(self) -> None:
+        """Forget all state (a new peer on the other end)."""
+
+    @property
+    def state_bytes(self) -> int:
+        return 0
+
+
+class Receiver:
+    def __init__(self, codec: Codec, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+        self.codec = codec
+        self.limits = limits
+
+    def _decode(self, enc: Encoded, sample_ids, reuse: Selection | None, device) -> tuple[torch.Tensor, Callable | None]:
+        return decode_payload(enc, reuse, device), None
+
+    def receive(self, payload: bytes, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
+        enc = wire.decode(payload, self.limits)
+        tensor, apply = self._decode(enc, sample_ids, reuse, device)
+        return Incoming(apply, tensor, selection_of(enc))
+
+    def reset(self) -> None:
+        pass
+
+    @property
+    def state_bytes(self) -> int:
+        return 0
+
+
+def _table(per_sample: bool, store: str, path, capacity):
+    return SampleStore(store, path, capacity) if per_sample else GlobalState()
+
+
+class ErrorFeedbackSender(Sender):
+    """Seide EF (and EF-mixed for TopK): the error buffer lives on the sender only."""
+
+    def __init__(self, codec: Codec, per_sample: bool = False, mixed: bool = False, store: str = "fp32", path=None, capacity=None) -> None:
+        super().__init__(codec)
+        if mixed and not isinstance(codec, TopK):
+            raise ValueError("efmixed needs a topk codec")
+        self.per_sample = per_sample
+        self.mixed = mixed
+        self.table = _table(per_sample, store, path, capacity)
+
+    def _mixed_positions(self, x: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, int]:
+        rows = rows_of(tuple(x.shape))
+        per_sample = x.numel() // rows if rows else 0
+        k = kept_per_sample(self.codec.ratio, per_sample)
+        from_input = (k + 1) // 2
+        mask = torch.zeros((rows, per_sample), dtype=torch.bool, device=x.device)
+        if from_input:
+            mask.scatter_(1, torch.topk(x.detach().reshape(rows, -1).abs(), from_input, dim=1, sorted=False).indices, True)
+        if k - from_input:
+            scores = error.reshape(rows, -1).abs().masked_fill_(mask, -1.0)
+            mask.scatter_(1, torch.topk(scores, k - from_input, dim=1, sorted=False).indices, True)
+        return mask.view(-1).nonzero().squeeze(1), k
+
+    def _encode(self, x, sample_ids, reuse, warmup):
+        shape = tuple(x.shape)
+        ids = _ids(sample_ids, rows_of(shape)) if self.per_sample else None
+        error, versions = self.table.load(shape, ids, x.device)
+        if warmup:  # exact values leave no error
+            return _EXACT.encode(x), _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, torch.zeros_like(error), tuple(v + 1 for v in versions)))
+        corrected = error.add_(x.detach())
+        if self.mixed:
+            positions, k = self._mixed_positions(x, corrected - x.detach())
+            enc = self.codec.encode_at(corrected, positions, k)
+        else:
+            enc = self.codec.encode(corrected, reuse)
+        enc.dtype = x.dtype
+        residual = corrected - decode_payload(enc, reuse, x.device).float()
+        new_versions = tuple(v + 1 for v in versions)
+        return enc, _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, residual, new_versions))
+
+    def reset(self) -> None:
+        self.table.reset()
+
+    @property
+    def state_bytes(self) -> int:
+        return self.table.nbytes
+
+
+class _Mirrored:
+    """Shared by both ends of EF21 / AQ-SGD: the state table and the stamp check."""
+
+    def _setup(self, per_sample: bool, store: str, path, capacity) -> None:
+        self.per_sample = per_sample
+        self.table = _table(per_sample, store, path, capacity)
+
+    def _stamp(self, versions: tuple[int, ...], warmup: bool) -> StateStamp:
+        if self.per_sample:
+            return StateStamp(sample_versions=versions, warmup=warmup)
+        return StateStamp(version=versions[0], warmup=warmup)
+
+    def _keys(self, shape, sample_ids):
+        return _ids(sample_ids, rows_of(shape)) if self.per_sample else None
+
+    def reset(self) -> None:
+        self.table.reset()
+
+    @property
+    def state_bytes(self) -> int:
+        return self.table.nbytes
+
+
+class MirroredSender(_Mirrored, Sender):
+    """EF21 (global g) or AQ-SGD (per-sample m): send C(x - m), then m += C(x - m)."""
+
+    def __init__(self, codec: Codec, per_sample: bool, store: str = "fp32", path=None, capacity=None) -> None:
+        Sender.__init__(self, codec)
+        self._setup(per_sample, store, path, capacity)
+
+    def _encode(self, x, sample_ids, reuse, warmup):
+        shape = tuple(x.shape)
+        ids = self._keys(shape, sample_ids)
+        state, versions = self.table.load(shape, ids, x.device)
+        if warmup:  # AQ-SGD warmup: exact values fill the buffers on both ends
+            enc = _EXACT.encode(x)
+            updated = x.detach().float()
+        else:
+            enc = self.codec.encode(x.detach().float() - state, reuse)
+            enc.dtype = x.dtype
+            updated = state.add_(decode_payload(enc, reuse, x.device).float())
+        enc.stamp = self._stamp(versions, warmup)
+        new_versions = tuple(v + 1 for v in versions)
+        return enc, _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))
+
+
+class MirroredReceiver(_Mirrored, Receiver):
+    def __init__(self, codec: Codec, per_sample: bool, store: str = "fp32", path=None, capacity=None, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+        Receiver.__init__(self, codec, limits)
+        self._setup(per_sample, store, path, capacity)
+
+    def _decode(self, enc, sample_ids, reuse, device):
+        ids = self._keys(enc.shape, sample_ids)
+        state, versions = self.table.load(enc.shape, ids, device)
+        stamp = enc.stamp
+        if stamp is None:
+            raise StateMismatchError("payload carries no state version, but this link keeps mirrored state")
+        theirs = stamp.sample_versions if self.per_sample else (stamp.version,)
+        if tuple(theirs) != versions:
+            raise StateMismatchError(f"mirrored state versions differ: sender {tuple(theirs)[:4]}, receiver {versions[:4]}")
+        if stamp.warmup:
+            updated = decode_payload(enc, reuse, device).float()
+        else:
+            updated = state.add_(decode_payload(enc, reuse, device).float())
+        new_versions = tuple(v + 1 for v in versions)
+        out = updated.to(enc.dtype)
+        return out, _commit_if_current(self.table, enc.shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))

@@ -1,0 +1,144 @@
+"""The compression spec grammar used by configs and the CLI.
+
+    spec      := codec [ "+" feedback ]
+    codec     := "none" | "fp32" | "fp16" | "bf16"
+               | "quant:" BITS { "/" ("tensor" | "sample" | "channel" | "stochastic") }
+               | "topk:" RATIO { "/" value }          RATIO in (0, 1]
+               | "topk:reuse" { "/" value }            backward only: the forward's indices
+    value     := "fp32" | "fp16" | "bf16" | "q" BITS [ "/stochastic" ]    (TopK values)
+    feedback  := ("ef" | "ef21" | "efmixed") [ "/sample" ] | "aqsgd" [ "/" STORE ]
+    STORE     := "fp32" | "fp16" | "bf16" | "q1".."q8"      (AQ-SGD buffer format, default q6)
+
+Examples: `topk:0.1`, `quant:4`, `quant:4/tensor`, `topk:0.1/fp16`, `topk:0.1/q8`,
+`topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from protocols.message import Granularity
+from swarm.compression.codecs import Cast, Codec, Quantize, TopK, TopKReuse
+from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender, Receiver, Sender
+from swarm.compression.state import STORE_FORMATS, check_store_format
+
+VALID_FORMS = (
+    "none | fp32 | fp16 | bf16 | quant:BITS[/tensor|/sample|/channel][/stochastic] | "
+    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...]; "
+    "optionally +ef | +ef21 | +efmixed (each [/sample]) | +aqsgd[/STORE]"
+)
+DEFAULT_STORE = "q6"  # AQ-SGD buffers: 6-bit codes, under a quarter of an fp32 copy
+_CASTS = {"none": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class SpecError(ValueError):
+    """A compression spec that does not parse; the message lists the valid forms."""
+
+    def __init__(self, spec: str, why: str) -> None:
+        super().__init__(f"bad compression spec {spec!r}: {why}; valid forms: {VALID_FORMS}")
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    text: str
+    codec: Codec
+    feedback: str | None = None  # "ef", "efmixed", "ef21", "aqsgd"
+    per_sample: bool = False
+    store: str = "fp32"
+
+    @property
+    def mirrored(self) -> bool:
+        return self.feedback in ("ef21", "aqsgd")
+
+    @property
+    def reuses_indices(self) -> bool:
+        return isinstance(self.codec, TopKReuse)
+
+    def sender(self, store_path=None, capacity: int | None = None) -> Sender:
+        if self.feedback in ("ef", "efmixed"):
+            return ErrorFeedbackSender(self.codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity)
+        if self.mirrored:
+            return MirroredSender(self.codec, self.per_sample, self.store, store_path, capacity)
+        return Sender(self.codec)
+
+    def receiver(self, store_path=None, capacity: int | None = None) -> Receiver:
+        if self.mirrored:
+            return MirroredReceiver(self.codec, self.per_sample, self.store, store_path, capacity)
+        return Receiver(self.codec)
+
+
+def _bits(text: str, spec: str) -> int:
+    if not re.fullmatch(r"[1-8]", text):
+        raise SpecError(spec, f"bits must be 1..8, got {text!r}")
+    return int(text)
+
+
+def _value_codec(options: list[str], spec: str) -> Cast | Quantize:
+    if not options:
+        return Cast()
+    head, rest = options[0], options[1:]
+    if head in _CASTS and not rest:
+        return Cast(_CASTS[head])
+    if head.startswith("q") and rest in ([], ["stochastic"]):
+        return Quantize(_bits(head[1:], spec), Granularity.SAMPLE, stochastic=bool(rest))
+    raise SpecError(spec, f"unknown TopK value format {'/'.join(options)!r}")
+
+
+def _quant(arg: str, options: list[str], spec: str) -> Quantize:
+    granularity = Granularity.SAMPLE
+    stochastic = False
+    for opt in options:
+        if opt in ("tensor", "sample", "channel"):
+            granularity = Granularity(opt)
+        elif opt == "stochastic":
+            stochastic = True
+        else:
+            raise SpecError(spec, f"unknown quantization option {opt!r}")
+    return Quantize(_bits(arg, spec), granularity, stochastic)
+
+
+def _codec(text: str, spec: str) -> Codec:
+    name, _, rest = text.partition(":")
+    parts = rest.split("/") if rest else []
+    if name in _CASTS and not rest:
+        return Cast(_CASTS[name])
+    if name == "quant" and parts:
+        return _quant(parts[0], parts[1:], spec)
+    if name == "topk" and parts:
+        if parts[0] == "reuse":
+            return TopKReuse(_value_codec(parts[1:], spec))
+        try:
+            ratio = float(parts[0])
+        except ValueError:
+            raise SpecError(spec, f"TopK ratio must be a number in (0, 1], got {parts[0]!r}") from None
+        if not 0.0 < ratio <= 1.0:
+            raise SpecError(spec, f"TopK ratio must be in (0, 1], got {parts[0]}")
+        return TopK(ratio, _value_codec(parts[1:], spec))
+    raise SpecError(spec, f"unknown codec {text!r}")
+
+
+def parse(spec: str) -> CompressionSpec:
+    if not isinstance(spec, str) or not spec.strip():
+        raise SpecError(str(spec), "empty spec")
+    text = spec.strip().lower()
+    codec_text, plus, feedback_text = text.partition("+")
+    codec = _codec(codec_text, spec)
+    if not plus:
+        return CompressionSpec(text, codec)
+    name, _, option = feedback_text.partition("/")
+    if name in ("ef", "ef21", "efmixed"):
+        if option not in ("", "sample"):
+            raise SpecError(spec, f"{name} takes only /sample, got {option!r}")
+        if name == "efmixed" and not isinstance(codec, TopK):
+            raise SpecError(spec, "efmixed works with a topk:RATIO codec")
+        return CompressionSpec(text, codec, name, per_sample=option == "sample")
+    if name == "aqsgd":
+        try:
+            store = check_store_format(option or DEFAULT_STORE)
+        except ValueError:
+            raise SpecError(spec, f"unknown AQ-SGD store {option!r} (use {STORE_FORMATS})") from None
+        return CompressionSpec(text, codec, "aqsgd", per_sample=True, store=store)
+    raise SpecError(spec, f"unknown error feedback {feedback_text!r}")

@@ -1,0 +1,66 @@
+"""The codec benchmark's command line: JSON rows with the documented keys, and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    result = run_cli("bench", "codecs", "--json", "--scale", "0.02", "--repeat", "1")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_json_rows_have_the_documented_keys(rows):
+    assert rows, "no rows"
+    for row in rows:
+        assert REQUIRED <= row.keys(), row
+
+
+def test_every_codec_and_reference_is_measured_on_every_tensor(rows):
+    from swarm.bench.codecs import CODECS
+
+    tensors = {r["tensor"] for r in rows}
+    assert len(tensors) == 4
+    for tensor in tensors:
+        codecs = {r["codec"] for r in rows if r["tensor"] == tensor}
+        assert set(CODECS) | {"hivemind:float16", "torch:topk:0.1"} <= codecs
+
+
+def test_bits_per_element_come_from_payload_sizes(rows):
+    by = {(r["codec"], r["tensor"]): r for r in rows}
+    for (codec, tensor), row in by.items():
+        if codec == "none":
+            assert 32.0 <= row["bits_per_element"] < 32.5
+            assert row["rel_error"] == 0.0
+        if codec in ("quant:4", "quant:2"):
+            bits = int(codec.split(":")[1])
+            assert bits <= row["bits_per_element"] <= bits + 0.1
+        if codec == "topk:reuse/fp16":
+            # values only: 10% of the elements at 16 bits, no indices
+            assert row["bits_per_element"] < by[("topk:0.1/fp16", tensor)]["bits_per_element"]
+
+
+def test_store_rows_report_memory(rows):
+    stores = [r for r in rows if r.get("kind") == "aqsgd_store"]
+    assert {r["codec"] for r in stores} >= {"aqsgd-store:fp32", "aqsgd-store:q6"}
+    fp32 = next(r for r in stores if r["codec"] == "aqsgd-store:fp32")
+    q6 = next(r for r in stores if r["codec"] == "aqsgd-store:q6")
+    assert q6["bytes_per_sample"] < 0.25 * fp32["bytes_per_sample"]
+
+
+def test_bad_cli_values_get_one_line_errors():
+    result = run_cli("bench", "codecs", "--scale", "2")
+    assert result.returncode == 2
+    assert "expected a number in (0, 1]" in result.stderr
+    result = run_cli("bench", "nothing")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
