@@ -34,7 +34,7 @@ def _pack_field(values: torch.Tensor, width: int) -> torch.Tensor:
     pad = (-values.shape[-1]) % per_byte
     if pad:
         values = torch.nn.functional.pad(values, (0, pad))
-    lanes = values.view(*values.shape[:-1], -1, per_byte)
+    lanes = values.view(*values.shape[:-1], values.shape[-1] // per_byte, per_byte)
     out = lanes[..., 0].clone()
     for lane in range(1, per_byte):
         out |= lanes[..., lane] << (width * lane)
@@ -49,7 +49,7 @@ def _unpack_field(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     lanes = torch.empty((*packed.shape, per_byte), dtype=torch.uint8, device=packed.device)
     for lane in range(per_byte):
         torch.bitwise_and(packed >> (width * lane), mask, out=lanes[..., lane])
-    return lanes.view(*packed.shape[:-1], -1)[..., :count]
+    return lanes.view(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :count]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -40,10 +40,14 @@ _CODINGS = {"bitmap": pb.BITMAP, "varint": pb.DELTA_VARINT}
 
 @dataclass(frozen=True)
 class DecodeLimits:
-    """What a receiver accepts; anything larger is refused before allocation."""
+    """What a receiver accepts; anything larger is refused before allocation.
 
-    max_elements: int = 1 << 31
-    max_payload_bytes: int = 1 << 32
+    `max_elements` bounds the decoded tensor (a TopK payload of a few bytes can describe a huge
+    dense tensor): 2**28 elements is 1 GiB of fp32, far above any stage boundary we train.
+    """
+
+    max_elements: int = 1 << 28
+    max_payload_bytes: int = 1 << 31
     max_rank: int = 8
 
 
@@ -260,9 +264,11 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     if len(shape) > limits.max_rank:
         raise PayloadError(f"tensor rank {len(shape)} exceeds the limit of {limits.max_rank}")
     numel = math.prod(shape)
-    if numel > limits.max_elements:
+    if numel > limits.max_elements or any(d > limits.max_elements for d in shape):
         raise PayloadError(f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
     dtype = _dtype(msg.dtype, "dtype")
+    if not (msg.HasField("buffer_length") and msg.HasField("checksum")):
+        raise PayloadError("payload is truncated: it has no length and checksum")
     buffers = _buffers(msg)
     length = sum(len(b) for b in buffers)
     if length != msg.buffer_length:

@@ -74,7 +74,8 @@ class Cast(DenseCodec):
         if self.wire_dtype is None or x.dtype == self.wire_dtype:
             return RawPart(x)
         if self.wire_dtype == torch.float16:  # saturate instead of overflowing to inf
-            x = x.clamp(-_FP16_MAX, _FP16_MAX)
+            wide = x if x.dtype in (torch.float32, torch.float64) else x.float()  # bf16 cannot hold 65504
+            x = wide.clamp(-_FP16_MAX, _FP16_MAX)
         return RawPart(x.to(self.wire_dtype))
 
 

@@ -100,6 +100,10 @@ class Sender:
         payload = wire.encode(enc)
         return Outgoing(apply, payload, selection_of(enc))
 
+    def send_stateless(self, x: torch.Tensor, exact: bool = False) -> Outgoing:
+        """Encode with the plain codec (or exactly), touching no state: for evaluation."""
+        return Outgoing(None, wire.encode((_EXACT if exact else self.codec).encode(x)))
+
     def reset(self) -> None:
         """Forget all state (a new peer on the other end)."""
 
@@ -120,6 +124,10 @@ class Receiver:
         enc = wire.decode(payload, self.limits)
         tensor, apply = self._decode(enc, sample_ids, reuse, device)
         return Incoming(apply, tensor, selection_of(enc))
+
+    def receive_stateless(self, payload: bytes, device=None) -> Incoming:
+        """Decode a stateless payload (evaluation): no versions, no state."""
+        return Incoming(None, decode_payload(wire.decode(payload, self.limits), None, device))
 
     def reset(self) -> None:
         pass
@@ -197,6 +205,16 @@ class _Mirrored:
     def _keys(self, shape, sample_ids):
         return _ids(sample_ids, rows_of(shape)) if self.per_sample else None
 
+
+class _ReceiverKeys:
+    """A receiver checks the payload against the micro-batch's ids: a mismatch is a bad payload."""
+
+    def _keys(self, shape, sample_ids):
+        try:
+            return super()._keys(shape, sample_ids)
+        except ValueError as e:
+            raise PayloadError(f"payload does not fit the micro-batch: {e}") from None
+
     def reset(self) -> None:
         self.table.reset()
 
@@ -218,7 +236,7 @@ class MirroredSender(_Mirrored, Sender):
         state, versions = self.table.load(shape, ids, x.device)
         if warmup:  # AQ-SGD warmup: exact values fill the buffers on both ends
             enc = _EXACT.encode(x)
-            updated = x.detach().float()
+            updated = x.detach().to(torch.float32, copy=True)  # the caller may change x before commit
         else:
             enc = self.codec.encode(x.detach().float() - state, reuse)
             enc.dtype = x.dtype
@@ -228,7 +246,7 @@ class MirroredSender(_Mirrored, Sender):
         return enc, _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))
 
 
-class MirroredReceiver(_Mirrored, Receiver):
+class MirroredReceiver(_ReceiverKeys, _Mirrored, Receiver):
     def __init__(self, codec: Codec, per_sample: bool, store: str = "fp32", path=None, capacity=None, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
         Receiver.__init__(self, codec, limits)
         self._setup(per_sample, store, path, capacity)
@@ -247,5 +265,5 @@ class MirroredReceiver(_Mirrored, Receiver):
         else:
             updated = state.add_(decode_payload(enc, reuse, device).float())
         new_versions = tuple(v + 1 for v in versions)
-        out = updated.to(enc.dtype)
+        out = updated.to(enc.dtype, copy=True)  # the caller may change the output before commit
         return out, _commit_if_current(self.table, enc.shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))

@@ -13,6 +13,7 @@ from protocols.wire import quant_groups
 
 # Ranges below this are treated as constant: their inverse would overflow float32.
 _TINY_RANGE = 1e-30
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # Fused scaling is used while |x| / step < this: float32 rounding then moves a code by < 2**-12.
 _FUSED_LIMIT = float(1 << 12)
 
@@ -30,13 +31,18 @@ def quantize(
         empty = torch.empty(0, dtype=torch.float32, device=x.device)
         return QuantPart(bits, granularity, torch.empty(0, dtype=torch.uint8, device=x.device), empty, empty)
     rows = x.detach().reshape(groups, -1)
+    if rows.dtype == torch.float64:  # codes and ranges are float32: quantize what float32 sees
+        rows = rows.float()
     lows, highs = torch.aminmax(rows, dim=1)
     lows, highs = lows.float(), highs.float()
     if not bool(torch.isfinite(lows).all() & torch.isfinite(highs).all()):
         raise ValueError("cannot quantize a tensor with NaN or infinite values")
-    span = highs - lows
-    live = span > _TINY_RANGE
-    inverse = torch.where(live, levels / torch.where(live, span, 1.0), 0.0)
+    span64 = highs.double() - lows.double()  # float32 would overflow for ranges near its limit
+    live = span64 > _TINY_RANGE
+    inverse = torch.where(live, levels / torch.where(live, span64, 1.0), 0.0).float()
+    if float(span64.max()) > _FLOAT32_MAX:  # decoding would overflow: low + code * step
+        raise ValueError("cannot quantize: the value range exceeds the float32 range")
+    steps = torch.where(live, span64 / levels, 0.0).float()
     # code = trunc((x - low) * inverse + 1/2): round-to-nearest, in [0, levels]. The fused form
     # x * inverse + (1/2 - low * inverse) is one pass, exact enough while |x| * inverse stays
     # small (always when the range spans zero); far-from-zero groups take the two-step path.
@@ -47,7 +53,6 @@ def quantize(
     if stochastic:  # trunc(q + u) instead of trunc(q + 1/2): unbiased
         noise = torch.rand(scaled.shape, generator=generator, device=scaled.device).sub_(0.5)
         scaled.add_(noise).clamp_(0, levels)
-    steps = torch.where(live, span / levels, 0.0)
     return QuantPart(bits, granularity, scaled.to(torch.uint8).reshape(-1), lows, steps)
 
 

@@ -101,9 +101,9 @@ def _quant(arg: str, options: list[str], spec: str) -> Quantize:
 
 
 def _codec(text: str, spec: str) -> Codec:
-    name, _, rest = text.partition(":")
+    name, colon, rest = text.partition(":")
     parts = rest.split("/") if rest else []
-    if name in _CASTS and not rest:
+    if name in _CASTS and not colon:
         return Cast(_CASTS[name])
     if name == "quant" and parts:
         return _quant(parts[0], parts[1:], spec)
@@ -115,7 +115,7 @@ def _codec(text: str, spec: str) -> Codec:
         except ValueError:
             raise SpecError(spec, f"TopK ratio must be a number in (0, 1], got {parts[0]!r}") from None
         if not 0.0 < ratio <= 1.0:
-            raise SpecError(spec, f"TopK ratio must be in (0, 1], got {parts[0]}")
+            raise SpecError(spec, f"TopK ratio must be in (0, 1], got {parts[0]!r}")
         return TopK(ratio, _value_codec(parts[1:], spec))
     raise SpecError(spec, f"unknown codec {text!r}")
 
@@ -124,6 +124,10 @@ def parse(spec: str) -> CompressionSpec:
     if not isinstance(spec, str) or not spec.strip():
         raise SpecError(str(spec), "empty spec")
     text = spec.strip().lower()
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise SpecError(spec, "a spec has no spaces or control characters")
+    if any(not piece for piece in text.replace("+", "/").split("/")):
+        raise SpecError(spec, "empty part (a stray '/' or '+')")
     codec_text, plus, feedback_text = text.partition("+")
     codec = _codec(codec_text, spec)
     if not plus:

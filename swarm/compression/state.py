@@ -60,6 +60,8 @@ class RowFormat:
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """[B, numel] float -> [B, row_bytes] uint8."""
+        if self.numel == 0 or rows.shape[0] == 0:
+            return torch.zeros((rows.shape[0], self.row_bytes), dtype=torch.uint8)
         if self.bits is None:
             return rows.to(_FLOAT_FORMATS[self.fmt]).contiguous().view(torch.uint8)
         part = quantize(rows, self.bits, Granularity.SAMPLE)
@@ -69,9 +71,11 @@ class RowFormat:
 
     def decode(self, raw: torch.Tensor) -> torch.Tensor:
         """[B, row_bytes] uint8 -> [B, numel] float32."""
+        if self.numel == 0 or raw.shape[0] == 0:
+            return torch.zeros((raw.shape[0], self.numel), dtype=torch.float32)
         if self.bits is None:
-            return raw.contiguous().view(_FLOAT_FORMATS[self.fmt]).float()
-        ranges = raw[:, -8:].contiguous().view(torch.float32)
+            return raw.reshape(-1).clone().view(_FLOAT_FORMATS[self.fmt]).view(raw.shape[0], -1).float()
+        ranges = raw[:, -8:].reshape(-1).clone().view(torch.float32).view(-1, 2)  # a copy: views need alignment
         codes = bitpack.unpack(raw[:, :-8], self.bits, self.numel)
         part = QuantPart(self.bits, Granularity.SAMPLE, codes.reshape(-1), ranges[:, 0].contiguous(), ranges[:, 1].contiguous())
         return dequantize(part, (raw.shape[0], self.numel), torch.float32, raw.device)
@@ -159,6 +163,8 @@ class SampleStore:
 
     def load(self, shape: tuple[int, ...], ids: list[int], device) -> tuple[torch.Tensor, tuple[int, ...]]:
         out = torch.zeros((len(ids), math.prod(shape[1:])), dtype=torch.float32)
+        if not ids:
+            return out.view(shape).to(device), ()
         versions = [0] * len(ids)
         if self._rows is not None and self._slots:
             if tuple(shape[1:]) != self._row_shape:
@@ -172,6 +178,8 @@ class SampleStore:
 
     def save(self, ids: list[int], values: torch.Tensor, versions: tuple[int, ...]) -> torch.Tensor:
         """Store rows; returns what reading them back gives."""
+        if not ids:
+            return values
         rows = values.detach().reshape(len(ids), -1).float().cpu()
         new = [i for i in ids if i not in self._slots]
         self._ensure(tuple(values.shape[1:]), len(self._slots) + len(set(new)))

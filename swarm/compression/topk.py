@@ -35,8 +35,8 @@ class Selection:
 
 
 def kept_per_sample(ratio: float, per_sample: int) -> int:
-    # Fraction keeps decimal ratios exact: ceil(0.1 * 10) must be 1, not 2.
-    return math.ceil(Fraction(ratio).limit_denominator(1_000_000) * per_sample)
+    # The ratio's shortest decimal form keeps ceil exact: ceil(0.1 * 10) must be 1, not 2.
+    return math.ceil(Fraction(repr(float(ratio))) * per_sample)
 
 
 def _exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:

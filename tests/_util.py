@@ -1,0 +1,86 @@
+"""Helpers shared by the test modules (not a test module itself)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+from protocols import compressed_tensor_pb2 as pb
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def make(shape, dtype=torch.float32, layout="contiguous", scale=1.0, gen=None):
+    """A random tensor of `shape` and `dtype`; `layout` picks a non-contiguous variant.
+
+    - "contiguous": plain
+    - "transposed": the transpose of a contiguous tensor (last two dims swapped)
+    - "strided": every other element of a twice-as-long last dim
+    - "permuted": for 4-D, a permuted view
+    """
+    shape = tuple(shape)
+    if layout == "contiguous" or len(shape) == 0:
+        return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    if layout == "transposed":
+        assert len(shape) >= 2
+        base = torch.randn((*shape[:-2], shape[-1], shape[-2]), generator=gen, dtype=torch.float64) * scale
+        x = base.to(dtype).transpose(-1, -2)
+    elif layout == "strided":
+        base = torch.randn((*shape[:-1], 2 * shape[-1]), generator=gen, dtype=torch.float64) * scale
+        x = base.to(dtype)[..., ::2]
+    elif layout == "permuted":
+        assert len(shape) == 4
+        b, c, h, w = shape
+        x = (torch.randn((b, h, w, c), generator=gen, dtype=torch.float64) * scale).to(dtype).permute(0, 3, 1, 2)
+    else:
+        raise ValueError(layout)
+    assert tuple(x.shape) == shape
+    if x.numel() > 1:
+        assert not x.is_contiguous()
+    return x
+
+
+def buffers_of(msg: pb.CompressedTensor) -> list[bytes]:
+    """Every buffer field of a message, in schema order (what buffer_length/checksum cover)."""
+
+    def quant(q):
+        return [q.codes, q.lows, q.steps]
+
+    which = msg.WhichOneof("body")
+    if which == "raw":
+        return [msg.raw.data]
+    if which == "quantized":
+        return quant(msg.quantized)
+    if which == "sparse":
+        s = msg.sparse
+        inner = quant(s.quantized_values) if s.WhichOneof("values") == "quantized_values" else [s.raw_values.data]
+        return [s.indices, *inner]
+    return []
+
+
+def seal(msg: pb.CompressedTensor) -> bytes:
+    """Recompute buffer_length and checksum so a hand-made message passes the integrity check."""
+    bufs = buffers_of(msg)
+    crc = 0
+    for b in bufs:
+        crc = zlib.crc32(b, crc)
+    msg.buffer_length = sum(len(b) for b in bufs)
+    msg.checksum = crc
+    return msg.SerializeToString()
+
+
+def parse_pb(payload: bytes) -> pb.CompressedTensor:
+    msg = pb.CompressedTensor()
+    msg.ParseFromString(payload)
+    return msg
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to(torch.float64)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)

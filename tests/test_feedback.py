@@ -1,0 +1,549 @@
+"""swarm.compression.feedback: EF / EF21 / AQ-SGD state, mirroring, commits and retries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _util import make
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols import PayloadError, wire
+from swarm.compression import StaleStateError, StateMismatchError, parse
+from swarm.compression.state import RowFormat
+
+MIRRORED = [
+    "topk:0.1+ef21",
+    "quant:4+ef21",
+    "fp16+ef21",
+    "topk:0.2/q8+ef21",
+    "topk:0.1+ef21/sample",
+    "quant:3+ef21/sample",
+    "topk:0.2+aqsgd/fp32",
+    "topk:0.2+aqsgd/fp16",
+    "topk:0.2+aqsgd",  # default store: q6
+    "quant:4+aqsgd/q4",
+    "topk:0.3/q6+aqsgd/q8",
+    "quant:2/tensor+aqsgd/bf16",
+]
+PER_SAMPLE = [s for s in MIRRORED if "aqsgd" in s or "/sample" in s]
+GLOBAL = [s for s in MIRRORED if s not in PER_SAMPLE]
+
+DATASET = 8
+SAMPLE_SHAPE = (3, 10)
+
+
+class Link:
+    """Both ends of one link direction, with helpers to look at their state."""
+
+    def __init__(self, spec: str, **kw) -> None:
+        self.spec = parse(spec)
+        self.sender = self.spec.sender(**kw.get("sender", {}))
+        self.receiver = self.spec.receiver(**kw.get("receiver", {}))
+        self.per_sample = self.spec.per_sample
+
+    def keys(self, ids):
+        return list(ids) if self.per_sample else None
+
+    def state(self, end, shape, ids):
+        table = (self.sender if end == "sender" else self.receiver).table
+        return table.load(tuple(shape), self.keys(ids), "cpu")
+
+    def assert_mirrored(self, shape, ids):
+        s, sv = self.state("sender", shape, ids)
+        r, rv = self.state("receiver", shape, ids)
+        assert sv == rv
+        assert torch.equal(s, r), float((s - r).abs().max())
+
+    def step(self, x, ids, warmup=False, commit=True):
+        out = self.sender.send(x, sample_ids=ids, warmup=warmup)
+        inc = self.receiver.receive(out.payload, sample_ids=ids)
+        if commit:
+            out.commit()
+            inc.commit()
+        return out, inc
+
+
+def dataset(dtype=torch.float32):
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn((DATASET, *SAMPLE_SHAPE), generator=g)
+    drift = torch.randn((DATASET, *SAMPLE_SHAPE), generator=g)
+    return base, drift
+
+
+def store_error_bound(spec, x):
+    """Largest error that storing x in the spec's state format may add, per element."""
+    parsed = parse(spec)
+    if not parsed.per_sample or parsed.store == "fp32":
+        return torch.zeros(())
+    if parsed.store in ("fp16", "bf16"):
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[parsed.store]
+        return torch.finfo(dtype).eps * x.abs().max()
+    bits = int(parsed.store[1:])
+    rows = x.reshape(x.shape[0], -1).float()
+    span = (rows.max(dim=1).values - rows.min(dim=1).values).max()
+    return span / ((1 << bits) - 1) / 2 + 1e-5 * x.abs().max()
+
+
+# ---- 6. mirrored state ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_mirrored_state_identical_after_many_steps(spec):
+    link = Link(spec)
+    base, drift = dataset()
+    g = torch.Generator().manual_seed(3)
+    everyone = list(range(DATASET))
+    for t in range(40):
+        if link.per_sample:
+            ids = torch.randperm(DATASET, generator=g)[:4].tolist()
+            x = base[ids] + 0.01 * t * drift[ids]
+        else:
+            ids = [0, 1, 2, 3]
+            x = base[:4] + 0.01 * t * drift[:4]
+        out, inc = link.step(x, ids, warmup=(t == 0))
+        assert inc.tensor.shape == x.shape and inc.tensor.dtype == x.dtype
+        link.assert_mirrored(x.shape, ids)
+    if link.per_sample:
+        link.assert_mirrored((DATASET, *SAMPLE_SHAPE), everyone)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=["fp16", "bf16", "fp64"])
+def test_mirrored_state_identical_other_dtypes(spec, dtype):
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [5, 1, 6]
+    for t in range(12):
+        x = (base[ids] + 0.02 * t * drift[ids]).to(dtype)
+        _, inc = link.step(x, ids, warmup=(t == 0 and link.per_sample))
+        assert inc.tensor.dtype == dtype and inc.tensor.shape == x.shape
+        link.assert_mirrored(x.shape, ids)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_received_tensor_converges_on_slowly_changing_input(spec):
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1, 2, 3]
+    errors = []
+    for t in range(80):
+        x = base[ids] + 0.001 * t * drift[ids]
+        _, inc = link.step(x, ids)
+        errors.append(float((inc.tensor - x).norm() / x.norm()))
+    assert all(e == e for e in errors)
+    # from the first message (a compressed cold start) to the last, the error shrinks a lot
+    assert errors[-1] < 0.1 * errors[0] + 1e-6, (errors[0], errors[-1])
+    assert max(errors[-10:]) < 0.05, errors[-10:]
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_warmup_fills_buffers_with_exact_values(spec):
+    link = Link(spec)
+    base, _ = dataset()
+    ids = [2, 4, 6]
+    x = base[ids]
+    out, inc = link.step(x, ids, warmup=True)
+    assert torch.equal(inc.tensor, x), "warmup messages carry exact values"
+    assert wire.decode(out.payload).stamp.warmup
+    link.assert_mirrored(x.shape, ids)
+    state, versions = link.state("receiver", x.shape, ids)
+    assert all(v == 1 for v in versions)
+    bound = store_error_bound(spec, x)
+    assert float((state - x).abs().max()) <= float(bound), (float((state - x).abs().max()), float(bound))
+    # the next message on the same input only carries the (small) store error
+    _, inc2 = link.step(x, ids)
+    gap = float((x - state).abs().max())
+    assert float((inc2.tensor - x).abs().max()) <= gap * (1 + 1e-5) + 1e-6
+    if float(bound) == 0.0:
+        assert torch.equal(inc2.tensor, x)
+    link.assert_mirrored(x.shape, ids)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+ef21", "quant:4+ef21", "fp16+ef21", "topk:0.2/q8+ef21", "topk:0.1+ef21/sample", "quant:3+ef21/sample", "topk:0.2+aqsgd/fp32"])
+def test_state_float_store_equals_receiver_output(spec):
+    """With fp32 state, the state after commit is exactly what the receiver output."""
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 3, 5, 7]
+    for t in range(5):
+        x = base[ids] + 0.1 * t * drift[ids]
+        _, inc = link.step(x, ids)
+        state, _ = link.state("receiver", x.shape, ids)
+        assert torch.equal(state, inc.tensor)
+
+
+@pytest.mark.parametrize("store", ["fp32", "fp16", "bf16", "q8", "q6", "q4", "q1"])
+def test_aqsgd_store_readback_is_store_roundtrip(store):
+    link = Link(f"topk:0.5+aqsgd/{store}")
+    base, _ = dataset()
+    ids = [1, 2]
+    x = base[ids]
+    link.step(x, ids, warmup=True)
+    state, _ = link.state("sender", x.shape, ids)
+    fmt = RowFormat(store, x[0].numel())
+    assert torch.equal(state.reshape(2, -1), fmt.roundtrip(x.reshape(2, -1)))
+    link.assert_mirrored(x.shape, ids)
+
+
+def test_aqsgd_samples_are_independent():
+    link = Link("quant:4+aqsgd/fp32")
+    base, _ = dataset()
+    link.step(base[[0, 1]], [0, 1], warmup=True)
+    before, _ = link.state("receiver", (1, *SAMPLE_SHAPE), [0])
+    link.step(base[[1, 2]] * 3, [1, 2])  # touches samples 1 and 2 only
+    after, versions = link.state("receiver", (1, *SAMPLE_SHAPE), [0])
+    assert torch.equal(before, after)
+    _, v = link.state("receiver", (3, *SAMPLE_SHAPE), [0, 1, 2])
+    assert v == (1, 2, 1)
+    link.assert_mirrored((3, *SAMPLE_SHAPE), [0, 1, 2])
+
+
+def test_per_sample_needs_valid_ids():
+    link = Link("topk:0.2+aqsgd")
+    x = make((3, 4))
+    with pytest.raises(ValueError):
+        link.sender.send(x)
+    with pytest.raises(ValueError):
+        link.sender.send(x, sample_ids=[1, 2])
+    with pytest.raises(ValueError):
+        link.sender.send(x, sample_ids=[1, 1, 2])
+    out = link.sender.send(x, sample_ids=torch.tensor([4, 5, 6]))
+    assert link.receiver.receive(out.payload, sample_ids=torch.tensor([4, 5, 6])).tensor.shape == x.shape
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_mirrored_empty_batches(spec):
+    """An empty micro-batch (no samples, or samples with no elements) goes through and commits."""
+    for shape in [(0, 5), (3, 0)]:
+        link = Link(spec)
+        x = torch.zeros(shape)
+        ids = list(range(shape[0]))
+        for warmup in (True, False):
+            out, inc = link.step(x, ids, warmup=warmup)
+            assert inc.tensor.shape == x.shape
+        link.assert_mirrored(shape, ids)
+
+
+@pytest.mark.parametrize("spec", PER_SAMPLE)
+def test_per_sample_batch_of_one(spec):
+    """Micro-batches of a single sample (and batches where only one sample has state yet)."""
+    link = Link(spec)
+    base, drift = dataset()
+    for t in range(3):
+        for i in (0, 1):
+            x = base[[i]] + 0.1 * t * drift[[i]]
+            link.step(x, [i], warmup=(t == 0))
+            link.assert_mirrored(x.shape, [i])
+    x = base[[1, 2]]
+    link.step(x, [1, 2])
+    link.assert_mirrored(x.shape, [1, 2])
+
+
+def test_stamp_carries_versions():
+    link = Link("topk:0.2+aqsgd")
+    base, _ = dataset()
+    link.step(base[[0, 1, 3]], [0, 1, 3], warmup=True)
+    link.step(base[[0, 3]], [0, 3])
+    out = link.sender.send(base[[1, 2, 0]], sample_ids=[1, 2, 0])
+    assert wire.decode(out.payload).stamp.sample_versions == (1, 0, 2)
+    g = Link("topk:0.2+ef21")
+    for _ in range(3):
+        g.step(base[:2], [0, 1])
+    assert wire.decode(g.sender.send(base[:2]).payload).stamp.version == 3
+
+
+def test_mirrored_receiver_rejects_unstamped_payload():
+    link = Link("topk:0.2+ef21")
+    plain = parse("topk:0.2").sender().send(make((2, 10))).payload
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(plain)
+    assert issubclass(StateMismatchError, PayloadError)
+
+
+# ---- in-place use of tensors between send/receive and commit -----------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["topk:0.5+ef21", "quant:4+ef21", "topk:0.5+aqsgd/fp32", "topk:0.5+aqsgd"])
+def test_receiver_state_independent_of_output_mutation(spec):
+    """The consumer may modify the received activation in place (e.g. an in-place ReLU) before it
+    commits; the mirrored state must still be what the sender computed."""
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1, 2]
+    for t in range(3):
+        x = base[ids] + 0.1 * t * drift[ids]
+        out = link.sender.send(x, sample_ids=ids, warmup=(t == 0))
+        inc = link.receiver.receive(out.payload, sample_ids=ids)
+        inc.tensor.relu_()
+        out.commit()
+        inc.commit()
+        link.assert_mirrored(x.shape, ids)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.5+ef21", "topk:0.5+aqsgd/fp32", "quant:4+aqsgd"])
+def test_sender_state_independent_of_input_mutation(spec):
+    """The caller may reuse its input buffer after send() and before the delivery is confirmed."""
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1, 2]
+    for t in range(3):
+        x = (base[ids] + 0.1 * t * drift[ids]).clone()
+        out = link.sender.send(x, sample_ids=ids, warmup=(t == 0))
+        inc = link.receiver.receive(out.payload, sample_ids=ids)
+        x.mul_(-2.0)
+        out.commit()
+        inc.commit()
+        link.assert_mirrored(x.shape, ids)
+
+
+# ---- EF (sender-only) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+ef", "quant:2+ef", "topk:0.2+ef/sample", "topk:0.2+efmixed", "topk:0.3/q4+efmixed/sample", "quant:3/tensor+ef/sample"])
+def test_error_feedback_telescopes(spec):
+    """EF: the sum of what was received equals the sum of inputs minus the final error."""
+    parsed = parse(spec)
+    sender, receiver = parsed.sender(), parsed.receiver()
+    base, drift = dataset()
+    ids = [3, 1, 4, 0]
+    keys = ids if parsed.per_sample else None
+    total_x = torch.zeros((4, *SAMPLE_SHAPE), dtype=torch.float64)
+    total_y = torch.zeros_like(total_x)
+    for t in range(30):
+        x = base[ids] + 0.05 * t * drift[ids]
+        out = sender.send(x, sample_ids=ids)
+        y = receiver.receive(out.payload, sample_ids=ids).tensor
+        out.commit()
+        total_x += x.double()
+        total_y += y.double()
+    error, versions = sender.table.load((4, *SAMPLE_SHAPE), keys, "cpu")
+    assert set(versions) == {30}
+    assert float((total_y + error.double() - total_x).abs().max()) < 1e-3
+    # the error does not grow with the number of steps
+    assert float(error.abs().max()) < 30 * float(base.abs().max())
+    assert float(error.norm()) < float(total_x.norm()) / 3
+
+
+def test_efmixed_keeps_exactly_k_and_reaches_error_positions():
+    parsed = parse("topk:0.2+efmixed")
+    sender = parsed.sender()
+    x = make((2, 20))
+    sender.send(x).commit()
+    out = sender.send(x)
+    enc = wire.decode(out.payload)
+    assert enc.body.kept_per_sample == 4
+    assert torch.bincount(enc.body.positions // 20, minlength=2).tolist() == [4, 4]
+
+
+@pytest.mark.parametrize("spec", ["topk:0.2+ef", "quant:2+ef/sample", "topk:0.2+efmixed"])
+def test_ef_warmup_sends_exact_and_clears_error(spec):
+    parsed = parse(spec)
+    sender, receiver = parsed.sender(), parsed.receiver()
+    ids = [0, 1]
+    keys = ids if parsed.per_sample else None
+    sender.send(make((2, 20)), sample_ids=ids).commit()
+    err, _ = sender.table.load((2, 20), keys, "cpu")
+    assert float(err.abs().max()) > 0
+    x = make((2, 20))
+    out = sender.send(x, sample_ids=ids, warmup=True)
+    assert torch.equal(receiver.receive(out.payload, sample_ids=ids).tensor, x)
+    out.commit()
+    err, _ = sender.table.load((2, 20), keys, "cpu")
+    assert float(err.abs().max()) == 0.0
+
+
+# ---- 7. commits and retries ------------------------------------------------------------------------
+
+
+def _snap(link, shape, ids):
+    return link.state("sender", shape, ids), link.state("receiver", shape, ids)
+
+
+def _same(a, b):
+    (sa, sva), (ra, rva) = a
+    (sb, svb), (rb, rvb) = b
+    return torch.equal(sa, sb) and sva == svb and torch.equal(ra, rb) and rva == rvb
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_uncommitted_message_leaves_state_unchanged(spec):
+    link = Link(spec)
+    base, _ = dataset()
+    ids = [0, 1, 2]
+    link.step(base[ids], ids, warmup=True)
+    link.step(base[ids] * 1.1, ids)
+    before = _snap(link, base[ids].shape, ids)
+    out = link.sender.send(base[ids] * 0.5, sample_ids=ids)
+    inc = link.receiver.receive(out.payload, sample_ids=ids)
+    assert _same(before, _snap(link, base[ids].shape, ids))
+    del out, inc
+    # and the link still works: the next message is accepted
+    link.step(base[ids], ids)
+    link.assert_mirrored(base[ids].shape, ids)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_commit_twice_is_a_no_op(spec):
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [4, 5]
+    x = base[ids]
+    out, inc = link.step(x, ids)
+    after_one = _snap(link, x.shape, ids)
+    out.commit()
+    inc.commit()
+    assert _same(after_one, _snap(link, x.shape, ids))
+    (_, sv), (_, rv) = after_one
+    assert set(sv) == {1} and set(rv) == {1}
+    # the next message still goes through
+    link.step(x + drift[ids], ids)
+    link.assert_mirrored(x.shape, ids)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_duplicate_delivery_is_detected(spec):
+    """The same payload received twice (sender never confirmed it): the second one is refused."""
+    link = Link(spec)
+    base, _ = dataset()
+    ids = [0, 1]
+    x = base[ids]
+    out = link.sender.send(x, sample_ids=ids)
+    link.receiver.receive(out.payload, sample_ids=ids).commit()
+    before = link.state("receiver", x.shape, ids)
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(out.payload, sample_ids=ids)
+    after = link.state("receiver", x.shape, ids)
+    assert torch.equal(before[0], after[0]) and before[1] == after[1]
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_retransmission_after_receiver_commit_is_detected(spec):
+    """Receiver committed, the sender did not (ack lost) and sends again: StateMismatchError."""
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1]
+    x = base[ids]
+    out = link.sender.send(x, sample_ids=ids)
+    link.receiver.receive(out.payload, sample_ids=ids).commit()
+    retry = link.sender.send(x, sample_ids=ids)  # same input, recomputed against the sender's state
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(retry.payload, sample_ids=ids)
+    nxt = link.sender.send(x + drift[ids], sample_ids=ids)
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(nxt.payload, sample_ids=ids)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_sender_commit_without_receiver_commit_is_detected(spec):
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1]
+    out = link.sender.send(base[ids], sample_ids=ids)
+    link.receiver.receive(out.payload, sample_ids=ids)  # decoded, never committed
+    out.commit()
+    nxt = link.sender.send(base[ids] + drift[ids], sample_ids=ids)
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(nxt.payload, sample_ids=ids)
+
+
+@pytest.mark.parametrize("spec", MIRRORED)
+def test_stale_pending_commit_raises(spec):
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1]
+    first = link.sender.send(base[ids], sample_ids=ids)
+    second = link.sender.send(base[ids] + drift[ids], sample_ids=ids)  # also against version 0
+    r_first = link.receiver.receive(first.payload, sample_ids=ids)
+    r_second = link.receiver.receive(second.payload, sample_ids=ids)
+    first.commit()
+    r_first.commit()
+    snap = _snap(link, base[ids].shape, ids)
+    with pytest.raises(StaleStateError):
+        second.commit()
+    with pytest.raises(StaleStateError):
+        r_second.commit()
+    assert _same(snap, _snap(link, base[ids].shape, ids))
+    link.assert_mirrored(base[ids].shape, ids)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.1+ef", "quant:2+ef/sample", "topk:0.2+efmixed"])
+def test_ef_sender_commit_semantics(spec):
+    parsed = parse(spec)
+    sender = parsed.sender()
+    ids = [0, 1]
+    keys = ids if parsed.per_sample else None
+    x = make((2, 30))
+    sender.send(x, sample_ids=ids).commit()
+    before = sender.table.load((2, 30), keys, "cpu")
+    sender.send(x * 2, sample_ids=ids)  # never committed
+    after = sender.table.load((2, 30), keys, "cpu")
+    assert torch.equal(before[0], after[0]) and before[1] == after[1]
+    a = sender.send(x, sample_ids=ids)
+    b = sender.send(x, sample_ids=ids)
+    a.commit()
+    once = sender.table.load((2, 30), keys, "cpu")
+    a.commit()
+    twice = sender.table.load((2, 30), keys, "cpu")
+    assert torch.equal(once[0], twice[0]) and once[1] == twice[1]
+    with pytest.raises(StaleStateError):
+        b.commit()
+
+
+@pytest.mark.parametrize("spec", ["quant:3+ef21", "topk:0.2+aqsgd"])
+def test_reset_both_ends_resynchronizes(spec):
+    link = Link(spec)
+    base, _ = dataset()
+    ids = [0, 1]
+    out = link.sender.send(base[ids], sample_ids=ids)
+    link.receiver.receive(out.payload, sample_ids=ids).commit()  # out of sync now
+    with pytest.raises(StateMismatchError):
+        link.receiver.receive(link.sender.send(base[ids], sample_ids=ids).payload, sample_ids=ids)
+    link.sender.reset()
+    link.receiver.reset()
+    link.step(base[ids], ids, warmup=True)
+    link.step(base[ids] * 1.5, ids)
+    link.assert_mirrored(base[ids].shape, ids)
+
+
+@pytest.mark.parametrize("spec", ["quant:3+ef21", "topk:0.3+aqsgd/q4", "topk:0.2/q8+ef21/sample"])
+@settings(max_examples=60)
+@given(plan=st.lists(st.tuples(st.integers(0, 7), st.booleans(), st.booleans(), st.integers(0, 3)), min_size=1, max_size=25))
+def test_lossy_link_never_diverges_silently(spec, plan):
+    """Random delivery: messages lost, duplicated, replayed late; acks lost. The sender commits a
+    message only when the receiver accepted and committed it (an ack). Whenever the receiver
+    accepts a message, its output is exactly what the sender computed, so the ends never
+    silently disagree."""
+    link = Link(spec)
+    base, drift = dataset()
+    ids = [0, 1, 2]
+    sent = []  # (payload, outgoing, expected receiver output)
+    for t, (replay, delivered, acked, _) in enumerate(plan):
+        x = base[ids] + 0.05 * t * drift[ids]
+        s_state, _ = link.state("sender", x.shape, ids)
+        out = link.sender.send(x, sample_ids=ids)
+        enc = wire.decode(out.payload)
+        expected = (s_state + parse("none").receiver().receive(out.payload).tensor.float()).to(x.dtype)
+        if enc.stamp.warmup:
+            expected = x
+        sent.append((out.payload, out, expected))
+        candidates = [len(sent) - 1] if delivered else []
+        if replay < len(sent) - 1:
+            candidates.append(replay)  # a late duplicate of an older message
+        for i in candidates:
+            payload, outgoing, exp = sent[i]
+            try:
+                inc = link.receiver.receive(payload, sample_ids=ids)
+            except StateMismatchError:
+                continue
+            assert torch.equal(inc.tensor, exp), "receiver accepted a message computed against other state"
+            inc.commit()
+            if acked:
+                try:
+                    outgoing.commit()
+                except StaleStateError:
+                    pytest.fail("sender could not commit a message the receiver accepted")
+        s, sv = link.state("sender", x.shape, ids)
+        r, rv = link.state("receiver", x.shape, ids)
+        if sv == rv:
+            assert torch.equal(s, r), "equal versions but different state"

@@ -1,0 +1,179 @@
+"""swarm.compression.spec: the spec grammar."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols.message import Granularity
+from swarm.compression import Cast, CompressionSpec, Quantize, SpecError, TopK, TopKReuse, parse
+from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender
+
+G = Granularity
+
+VALID = {
+    "none": (Cast(), None, False, None),
+    "fp32": (Cast(torch.float32), None, False, None),
+    "fp16": (Cast(torch.float16), None, False, None),
+    "bf16": (Cast(torch.bfloat16), None, False, None),
+    "quant:1": (Quantize(1, G.SAMPLE), None, False, None),
+    "quant:8": (Quantize(8, G.SAMPLE), None, False, None),
+    "quant:4/tensor": (Quantize(4, G.TENSOR), None, False, None),
+    "quant:4/sample": (Quantize(4, G.SAMPLE), None, False, None),
+    "quant:4/channel": (Quantize(4, G.CHANNEL), None, False, None),
+    "quant:4/stochastic": (Quantize(4, G.SAMPLE, True), None, False, None),
+    "quant:3/channel/stochastic": (Quantize(3, G.CHANNEL, True), None, False, None),
+    "topk:0.1": (TopK(0.1), None, False, None),
+    "topk:1": (TopK(1.0), None, False, None),
+    "topk:0.1/fp16": (TopK(0.1, Cast(torch.float16)), None, False, None),
+    "topk:0.1/bf16": (TopK(0.1, Cast(torch.bfloat16)), None, False, None),
+    "topk:0.1/fp32": (TopK(0.1, Cast(torch.float32)), None, False, None),
+    "topk:0.1/q8": (TopK(0.1, Quantize(8, G.SAMPLE)), None, False, None),
+    "topk:0.05/q4/stochastic": (TopK(0.05, Quantize(4, G.SAMPLE, True)), None, False, None),
+    "topk:reuse": (TopKReuse(), None, False, None),
+    "topk:reuse/fp16": (TopKReuse(Cast(torch.float16)), None, False, None),
+    "topk:reuse/q4": (TopKReuse(Quantize(4, G.SAMPLE)), None, False, None),
+    "topk:0.1+ef": (TopK(0.1), "ef", False, None),
+    "quant:2+ef/sample": (Quantize(2, G.SAMPLE), "ef", True, None),
+    "topk:0.1+efmixed": (TopK(0.1), "efmixed", False, None),
+    "topk:0.1+efmixed/sample": (TopK(0.1), "efmixed", True, None),
+    "topk:0.1+ef21": (TopK(0.1), "ef21", False, None),
+    "topk:0.1+ef21/sample": (TopK(0.1), "ef21", True, None),
+    "topk:reuse/fp16+ef21": (TopKReuse(Cast(torch.float16)), "ef21", False, None),
+    "topk:0.3+aqsgd": (TopK(0.3), "aqsgd", True, "q6"),
+    "topk:0.3+aqsgd/fp16": (TopK(0.3), "aqsgd", True, "fp16"),
+    "topk:0.3+aqsgd/fp32": (TopK(0.3), "aqsgd", True, "fp32"),
+    "quant:4+aqsgd/q4": (Quantize(4, G.SAMPLE), "aqsgd", True, "q4"),
+    "fp16+aqsgd/bf16": (Cast(torch.float16), "aqsgd", True, "bf16"),
+    "  TopK:0.1/FP16+EF21  ": (TopK(0.1, Cast(torch.float16)), "ef21", False, None),
+}
+
+
+@pytest.mark.parametrize("text", list(VALID))
+def test_valid_forms(text):
+    codec, feedback, per_sample, store = VALID[text]
+    spec = parse(text)
+    assert isinstance(spec, CompressionSpec)
+    assert spec.codec == codec
+    assert spec.feedback == feedback
+    assert spec.per_sample == per_sample
+    if store is not None:
+        assert spec.store == store
+    assert spec.mirrored == (feedback in ("ef21", "aqsgd"))
+    assert spec.reuses_indices == isinstance(codec, TopKReuse)
+    sender, receiver = spec.sender(), spec.receiver()
+    if spec.mirrored:
+        assert isinstance(sender, MirroredSender) and isinstance(receiver, MirroredReceiver)
+    elif feedback:
+        assert isinstance(sender, ErrorFeedbackSender)
+    # a working link
+    x = torch.randn(2, 20)
+    ids = [0, 1]
+    reuse = None
+    if spec.reuses_indices:
+        reuse = parse("topk:0.25").sender().send(x).selection
+    out = sender.send(x, sample_ids=ids, reuse=reuse)
+    inc = receiver.receive(out.payload, sample_ids=ids, reuse=reuse)
+    assert inc.tensor.shape == x.shape
+
+
+@pytest.mark.parametrize("text", [t for t in VALID if "+" not in t and "reuse" not in t])
+def test_codec_spec_string_parses_back(text):
+    codec = parse(text).codec
+    assert parse(codec.spec).codec == codec
+
+
+TYPOS = [
+    "",
+    "   ",
+    "topk",
+    "topk:",
+    "topk:abc",
+    "topk:0",
+    "topk:0.0",
+    "topk:1.5",
+    "topk:-0.1",
+    "topk:nan",
+    "topk:inf",
+    "topk:0.1/fp8",
+    "topk:0.1/q9",
+    "topk:0.1/q0",
+    "topk:0.1/q",
+    "topk:0.1/q4/fp16",
+    "topk:0.1/",
+    "topk:reuse/q4/fp16",
+    "topk0.1",
+    "top-k:0.1",
+    "quant",
+    "quant:",
+    "quant:0",
+    "quant:9",
+    "quant:16",
+    "quant:x",
+    "quant:4/channels",
+    "quant:4/",
+    "quant:4/fp16",
+    "fp61",
+    "float16",
+    "fp16+",
+    "fp16+ef22",
+    "fp16+ef21/samples",
+    "topk:0.1+ef/samples",
+    "topk:0.1+ef/fp16",
+    "topk:0.1+aqsgd/q9",
+    "topk:0.1+aqsgd/fp8",
+    "topk:0.1+aqsgd/q",
+    "fp16+efmixed",
+    "quant:4+efmixed",
+    "topk:reuse+efmixed",
+    "quant:4+ef21/global",
+    "topk:0.1+ef21+ef",
+    "topk:0.1++ef",
+    "+ef21",
+]
+
+
+@pytest.mark.parametrize("text", TYPOS)
+def test_typos_raise_spec_error(text):
+    with pytest.raises(SpecError) as info:
+        parse(text)
+    err = info.value
+    assert isinstance(err, ValueError)
+    message = str(err)
+    assert "\n" not in message and "\r" not in message
+    for form in ("quant:BITS", "topk:RATIO", "topk:reuse", "ef21", "aqsgd", "fp16"):
+        assert form in message, form
+    assert repr(text) in message or text.strip() in message
+
+
+@pytest.mark.parametrize("text", ["topk:5\n/fp16", "topk:2\n+ef21", "quant:4\n/x", "topk:0.1+aqsgd/q9\nx"])
+def test_error_message_is_one_line_even_for_multiline_input(text):
+    with pytest.raises(SpecError) as info:
+        parse(text)
+    assert "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("value", [None, 3, 0.1, b"topk:0.1", ["topk:0.1"]])
+def test_non_string_spec(value):
+    with pytest.raises(SpecError):
+        parse(value)
+
+
+TOKENS = ["none", "fp32", "fp16", "bf16", "quant", "topk", "reuse", ":", "/", "+", "0.1", "1", "4", "9", "q4", "q9",
+          "tensor", "sample", "channel", "stochastic", "ef", "ef21", "efmixed", "aqsgd", " ", "\n", "\t", "x", "-", "."]
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from(TOKENS), max_size=8))
+def test_parse_fuzz_only_spec_errors(tokens):
+    text = "".join(tokens)
+    try:
+        spec = parse(text)
+    except SpecError as e:
+        assert isinstance(e, ValueError)
+        assert "\n" not in str(e), repr(str(e))
+        return
+    assert isinstance(spec, CompressionSpec)
+    assert spec.sender() is not None and spec.receiver() is not None
