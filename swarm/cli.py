@@ -1,4 +1,4 @@
-"""`python -m swarm ...`: the command line of the library (benchmarks now; runs and reports later)."""
+"""`python -m swarm ...`: benchmarks, single-process runs, and reports."""
 
 from __future__ import annotations
 
@@ -34,7 +34,51 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     codecs.add_argument("--repeat", type=_positive_int, default=3, help="timed repeats per row (median is reported)")
     codecs.add_argument("--scale", type=_positive_float, default=1.0, help="shrink the batch dimension of the tensors (0, 1]")
+    run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
+    run.add_argument("config", help="experiment YAML (see configs/)")
+    run.add_argument("--results", help="write JSON-lines results here")
+    run.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. --set compression.forward=topk:0.1")
+    run.add_argument("--device", help="cpu, cuda, cuda:N (overrides the config)")
+    report = commands.add_parser("report", help="markdown tables and PNG curves from results")
+    report.add_argument("results", nargs="+", help="JSON-lines results files")
+    report.add_argument("--out", default="docs/results", help="output directory")
     return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from swarm.config import ConfigError, load_config
+    from swarm.run import run_experiment
+
+    overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty())
+    final = summary.get("final") or {}
+    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
+    for mode in ("uncompressed", "compressed"):
+        if mode in final:
+            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
+    print("; ".join(parts))
+    if args.results:
+        print(f"results written to {args.results}")
+    return 0
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from swarm.report import write_report
+
+    try:
+        written = write_report(args.results, args.out)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 def bench_codecs(args: argparse.Namespace) -> int:
@@ -61,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     if args.command == "bench" and args.bench == "codecs":
         return bench_codecs(args)
+    if args.command == "run":
+        return run_command(args)
+    if args.command == "report":
+        return report_command(args)
     return 2
 
 

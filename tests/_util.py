@@ -84,3 +84,31 @@ def f32(x: torch.Tensor) -> torch.Tensor:
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
+
+
+def write_tiny_tokenizer(root):
+    """A tiny byte-level BPE in GPT-2's file format (256 bytes, three merges, <|endoftext|>)."""
+    import json
+
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    merges = ["Ġ t", "h e", "Ġt he"]
+    for merge in merges:
+        vocab[merge.replace(" ", "")] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (root / "vocab.json").write_text(json.dumps(vocab))
+    (root / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return root

@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# Tests never reach outside the machine: the Hugging Face libraries stay offline.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
 import torch
 from hypothesis import HealthCheck, settings
 

@@ -1,0 +1,64 @@
+"""scikit-learn's bundled 8x8 digits: real data that needs no download (the offline default).
+
+1,797 images, 10 classes; a fixed seeded split (default 1,500 train / 297 test). Inputs are
+[1, 8, 8] floats standardised with the train split's pixel mean and std; `upscale=True` makes
+them [3, 32, 32] (bilinear) so CIFAR models such as resnet18 run on them. Sample ids are the
+indices into load_digits(), unique across both splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swarm.data.base import SampleDataset, balanced_subset
+
+
+class DigitsDataset(SampleDataset):
+    num_classes = 10
+
+    def __init__(self, ids: torch.Tensor, images: torch.Tensor, labels: torch.Tensor, seed: int = 0) -> None:
+        super().__init__(ids, seed)
+        self.images = images
+        self.labels = labels
+
+    def load(self, index: int, sample_id: int):
+        return self.images[index], int(self.labels[index])
+
+
+def build_digits(
+    data_dir: str | None = None,
+    seed: int = 0,
+    split_seed: int = 0,
+    train_size: int = 1500,
+    upscale: bool = False,
+    subset: int | None = None,
+) -> tuple[DigitsDataset, DigitsDataset]:
+    """(train, test); `subset` keeps a seeded class-balanced part of the train split."""
+    from sklearn.datasets import load_digits
+
+    if data_dir is not None:
+        raise ValueError("digits: data_dir is not used (the data ships with scikit-learn); leave it unset")
+    bunch = load_digits()
+    total = len(bunch.target)
+    if not isinstance(train_size, int) or not 0 < train_size < total:
+        raise ValueError(f"digits: train_size must be an integer in 1..{total - 1}, got {train_size!r}")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(int(split_seed)))
+    train_ids, test_ids = order[:train_size].sort().values, order[train_size:].sort().values
+
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8] in [0, 1]
+    mean, std = images[train_ids].mean(), images[train_ids].std()
+    images = (images - mean) / std
+    if upscale:
+        images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+
+    if subset is not None:
+        train_ids = train_ids[
+            torch.from_numpy(balanced_subset(labels[train_ids].numpy(), subset, split_seed, "digits"))
+        ]
+
+    def make(ids: torch.Tensor) -> DigitsDataset:
+        return DigitsDataset(ids, images[ids].contiguous(), labels[ids], seed)
+
+    return make(train_ids), make(test_ids)

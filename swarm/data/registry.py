@@ -1,0 +1,32 @@
+"""Dataset names -> builders, with options checked against each builder's signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swarm.data.cifar import build_cifar10
+from swarm.data.digits import build_digits
+from swarm.data.wikitext import build_wikitext2
+from swarm.options import accepted_options, reject_unknown
+
+DATASETS: dict[str, Callable] = {
+    "digits": build_digits,
+    "cifar10": build_cifar10,
+    "wikitext2": build_wikitext2,
+}
+
+
+def dataset_options(name: str) -> list[str]:
+    return accepted_options(DATASETS[name], skip=("data_dir",))
+
+
+def build_datasets(name: str, data_dir: str | None = None, **options):
+    """(train, test) datasets of (sample_id, input, target) items.
+
+    digits: scikit-learn's bundled digits (offline); cifar10: torchvision download or an
+    ImageFolder `data_dir`; wikitext2: the Hub or raw files in `data_dir`.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    reject_unknown(name, options, ["data_dir", *dataset_options(name)])
+    return DATASETS[name](data_dir=data_dir, **options)

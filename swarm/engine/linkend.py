@@ -1,0 +1,76 @@
+"""One stage's half of a boundary with one neighbour peer.
+
+The upstream half sends activations and receives gradients; the downstream half receives
+activations and sends gradients. Each half keeps the compression state of its ends (keyed by the
+neighbour, so a new neighbour starts fresh), the forward TopK selections that reused-index
+gradients need, and byte counters.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from swarm.compression.spec import CompressionSpec, parse
+from swarm.compression.topk import Selection
+from swarm.engine.microbatch import MicroBatch, Mode
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class LinkEnd:
+    def __init__(self, boundary: int, upstream: bool, forward: str, backward: str, store_dir: str | None = None, capacity: int | None = None) -> None:
+        self.boundary = boundary
+        self.upstream = upstream
+        self.forward_spec: CompressionSpec = parse(forward)
+        self.backward_spec: CompressionSpec = parse(backward)
+        store = None if store_dir is None else f"{store_dir}/boundary{boundary}-{'up' if upstream else 'down'}"
+        if upstream:
+            self.sender = self.forward_spec.sender(f"{store}-forward.npy" if store else None, capacity)
+            self.receiver = self.backward_spec.receiver(f"{store}-backward.npy" if store else None, capacity)
+        else:
+            self.receiver = self.forward_spec.receiver(f"{store}-forward.npy" if store else None, capacity)
+            self.sender = self.backward_spec.sender(f"{store}-backward.npy" if store else None, capacity)
+        self.selections: dict[tuple, Selection] = {}
+        self.bytes = Counter()  # (mode, direction) -> bytes sent by this half
+
+    @property
+    def _send_direction(self) -> str:
+        return FORWARD if self.upstream else BACKWARD
+
+    def send(self, batch: MicroBatch, tensor: torch.Tensor):
+        """Encode for the neighbour; returns the Outgoing (commit it once delivered)."""
+        if batch.mode is Mode.EVAL:
+            out = self.sender.send_stateless(tensor, exact=batch.exact)
+        else:
+            reuse = None if self.upstream else self.selections.pop(batch.key, None)
+            out = self.sender.send(tensor, batch.sample_ids, reuse=reuse, warmup=batch.exact)
+            if self.upstream and out.selection is not None:
+                self.selections[batch.key] = out.selection
+        self.bytes[(batch.mode.value, self._send_direction)] += len(out.payload)
+        return out
+
+    def receive(self, batch: MicroBatch, payload: bytes, device):
+        """Decode from the neighbour; returns the Incoming (commit it once processed)."""
+        if batch.mode is Mode.EVAL:
+            return self.receiver.receive_stateless(payload, device=device)
+        reuse = self.selections.pop(batch.key, None) if self.upstream else None
+        incoming = self.receiver.receive(payload, batch.sample_ids, reuse=reuse, device=device)
+        if not self.upstream and incoming.selection is not None:
+            self.selections[batch.key] = incoming.selection
+        return incoming
+
+    def forget(self, batch: MicroBatch) -> None:
+        """Drop what a failed micro-batch left behind."""
+        self.selections.pop(batch.key, None)
+
+    def reset(self) -> None:
+        """A new neighbour: mirrored state starts fresh on both ends."""
+        self.sender.reset()
+        self.receiver.reset()
+        self.selections.clear()
+
+    @property
+    def state_bytes(self) -> int:
+        return self.sender.state_bytes + self.receiver.state_bytes

@@ -1,0 +1,57 @@
+"""What travels with a micro-batch between stages (besides the compressed tensor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+
+class Mode(StrEnum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: its place in the schedule, sample ids and targets (labels travel along).
+
+    `weight` scales the loss so micro-batch gradients add up to the batch mean.
+    `exact` sends uncompressed tensors (warmup epochs, uncompressed evaluation).
+    """
+
+    step: int
+    index: int
+    sample_ids: torch.Tensor
+    targets: torch.Tensor
+    mode: Mode = Mode.TRAIN
+    weight: float = 1.0
+    exact: bool = False
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.mode.value, self.step, self.index)
+
+    @property
+    def size(self) -> int:
+        return int(self.sample_ids.numel())
+
+
+class Kind(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    DONE = "done"  # the micro-batch is finished: training loss/metrics or evaluation metrics
+
+
+@dataclass
+class Message:
+    """A stage's output: where it goes next and what it carries."""
+
+    kind: Kind
+    to_stage: int
+    batch: MicroBatch
+    payload: bytes = b""
+    metrics: dict[str, float] = field(default_factory=dict)
+    delivered: Callable[[], None] = field(default=lambda: None, repr=False)  # commits sender state

@@ -1,0 +1,37 @@
+"""Per-stage optimizers and learning-rate schedules (each stage owns its own)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from swarm.config import OptimizerConfig
+
+
+def make_optimizer(cfg: OptimizerConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in module.parameters() if p.requires_grad]
+    if cfg.name == "sgd":  # the paper's ResNet recipe: momentum 0.9, weight decay 5e-4 on everything
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    # AdamW as HF Trainer sets it up: no decay for biases and norm weights (1-D parameters)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def schedule_factor(cfg: OptimizerConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at `step` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress  # linear decay to zero (HF run_clm default)
+
+
+def make_scheduler(cfg: OptimizerConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule_factor(cfg, step, total_steps))

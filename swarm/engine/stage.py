@@ -1,0 +1,147 @@
+"""A stage runtime: one stage's module, optimizer and link ends, driven by messages.
+
+`forward` and `backward` each take one incoming message and return the next one; they never
+deliver anything themselves, so the same runtime serves the in-process transport and the
+hivemind one. Receiver-side compression state commits when the stage has processed a message;
+sender-side state commits through `Message.delivered` once the transport has delivered it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from swarm.engine.linkend import LinkEnd
+from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+
+
+class StageRuntime:
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None,
+        inbound: LinkEnd | None,
+        outbound: LinkEnd | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = module
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.metrics_fn = metrics_fn
+        self.inbound = inbound  # boundary index - 1: we receive activations, send gradients
+        self.outbound = outbound  # boundary index: we send activations, receive gradients
+        self.device = torch.device(device)
+        self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def _input(self, batch: MicroBatch, payload) -> tuple[torch.Tensor, Callable[[], None]]:
+        if self.first:
+            return payload.to(self.device), lambda: None
+        incoming = self.inbound.receive(batch, payload, self.device)
+        return incoming.tensor, incoming.commit
+
+    def forward(self, batch: MicroBatch, payload) -> Message:
+        """Stage 0 gets the input tensor, later stages the payload bytes of their boundary."""
+        x, commit_received = self._input(batch, payload)
+        training = batch.mode is Mode.TRAIN
+        self.module.train(training)
+        if training and not self.first:
+            x = x.detach().requires_grad_(True)
+        with torch.set_grad_enabled(training):
+            y = self.module(x)
+        if self.last:
+            message = self._finish(batch, x, y)
+        else:
+            if training:
+                self._saved[batch.key] = (x, y)
+            out = self.outbound.send(batch, y.detach())
+            message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
+        commit_received()
+        return message
+
+    def _finish(self, batch: MicroBatch, x: torch.Tensor, logits: torch.Tensor) -> Message:
+        targets = batch.targets.to(self.device)
+        with torch.no_grad():
+            metrics = dict(self.metrics_fn(logits.detach(), targets)) if self.metrics_fn else {}
+        if batch.mode is Mode.EVAL:
+            return Message(Kind.DONE, -1, batch, metrics=metrics)
+        loss = self.loss_fn(logits, targets)
+        metrics["loss"] = float(loss.detach())
+        (loss * batch.weight).backward()
+        return self._gradient_message(batch, x, metrics)
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def _gradient_message(self, batch: MicroBatch, x: torch.Tensor, metrics: dict | None = None) -> Message:
+        """Where the gradient goes next; `metrics` (the loss) ride along to stage 0."""
+        if self.first:
+            return Message(Kind.DONE, -1, batch, metrics=metrics or {})
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        out = self.inbound.send(batch, grad)
+        return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
+
+    def backward(self, batch: MicroBatch, payload: bytes, metrics: dict | None = None) -> Message:
+        saved = self._saved.pop(batch.key, None)
+        if saved is None:
+            raise KeyError(f"stage {self.index} has no forward state for micro-batch {batch.key}")
+        x, y = saved
+        incoming = self.outbound.receive(batch, payload, self.device)
+        y.backward(incoming.tensor.to(y.dtype))
+        message = self._gradient_message(batch, x, metrics)
+        incoming.commit()
+        return message
+
+    def drop(self, batch: MicroBatch) -> None:
+        """Forget a micro-batch that failed somewhere in the pipeline."""
+        self._saved.pop(batch.key, None)
+        for end in (self.inbound, self.outbound):
+            if end is not None:
+                end.forget(batch)
+
+    # ---- optimizer -------------------------------------------------------------------------
+
+    def grad_sq_norm(self) -> float:
+        total = 0.0
+        for p in self.module.parameters():
+            if p.grad is not None:
+                total += float(p.grad.detach().float().pow(2).sum())
+        return total
+
+    def scale_grads(self, factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def apply_step(self) -> float:
+        """Optimizer and schedule step; returns the learning rate used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    @property
+    def pending(self) -> int:
+        return len(self._saved)
+
+    def state_bytes(self) -> int:
+        return sum(end.state_bytes for end in (self.inbound, self.outbound) if end is not None)

@@ -1,0 +1,242 @@
+"""What every model builder returns: stages, a loss, summable metrics, and tied parameters.
+
+A model is built whole under the caller's seed and then cut into stages, so the number of
+stages never changes the initial weights and the composed stages compute exactly what the
+unsplit model computes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class TiedPair:
+    """One parameter held by two stages (each its own copy), e.g. GPT-2's wte and lm_head."""
+
+    first: tuple[int, str]  # (stage index, name in that stage's named_parameters())
+    second: tuple[int, str]
+
+
+@dataclass
+class StagedModel:
+    """A model cut into pipeline stages.
+
+    Stage i takes stage i-1's output (stage 0 the batch input); the last returns logits.
+    `metrics` returns sums and counts (e.g. correct, count, loss_sum) so micro-batches add up.
+    """
+
+    stages: list[nn.Module]
+    loss: LossFn
+    metrics: MetricsFn
+    tied: list[TiedPair] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        """All stages in order, in this process (for tests and single-process evaluation)."""
+        x = inputs
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        for stage in self.stages:
+            yield from stage.parameters()
+
+    def train(self, mode: bool = True) -> StagedModel:
+        for stage in self.stages:
+            stage.train(mode)
+        return self
+
+    def eval(self) -> StagedModel:
+        return self.train(False)
+
+    def to(self, *args, **kwargs) -> StagedModel:
+        for stage in self.stages:
+            stage.to(*args, **kwargs)
+        return self
+
+
+# ---- tied parameters ---------------------------------------------------------------------------
+
+
+def _stage_list(model_or_stages) -> list[nn.Module]:
+    if isinstance(model_or_stages, StagedModel):
+        return model_or_stages.stages
+    return list(model_or_stages)
+
+
+def _tied_params(stages: Sequence[nn.Module], pair: TiedPair) -> tuple[nn.Parameter, nn.Parameter]:
+    found = []
+    for stage_index, name in (pair.first, pair.second):
+        if not 0 <= stage_index < len(stages):
+            raise ValueError(f"tied parameter {name!r}: stage {stage_index} does not exist ({len(stages)} stages)")
+        params = dict(stages[stage_index].named_parameters())
+        if name not in params:
+            raise ValueError(f"tied parameter {name!r} is not a parameter of stage {stage_index}")
+        found.append(params[name])
+    return found[0], found[1]
+
+
+def sync_tied_gradients(model_or_stages, tied: Sequence[TiedPair] | None = None) -> None:
+    """After backward: both copies of a tied parameter get g_first + g_second (Megatron-style).
+
+    The unsplit model's gradient of a shared weight is that sum, so with equal gradients (and
+    equal optimizer state) both copies take the same step and stay identical.
+    """
+    stages = _stage_list(model_or_stages)
+    if tied is None:
+        tied = model_or_stages.tied if isinstance(model_or_stages, StagedModel) else []
+    for pair in tied:
+        a, b = _tied_params(stages, pair)
+        if a is b:
+            continue
+        if a.grad is None and b.grad is None:
+            continue
+        ga = a.grad if a.grad is not None else torch.zeros_like(a)
+        gb = b.grad if b.grad is not None else torch.zeros_like(b)
+        total = ga + gb.to(ga.device)
+        a.grad = total
+        b.grad = total.to(b.device, copy=True)
+
+
+def tied_weight_drift(model_or_stages, tied: Sequence[TiedPair] | None = None) -> float:
+    """Largest absolute difference between the copies of tied parameters (0.0 when in sync)."""
+    stages = _stage_list(model_or_stages)
+    if tied is None:
+        tied = model_or_stages.tied if isinstance(model_or_stages, StagedModel) else []
+    drift = 0.0
+    for pair in tied:
+        a, b = _tied_params(stages, pair)
+        drift = max(drift, float((a.detach() - b.detach().to(a.device)).abs().max()))
+    return drift
+
+
+# ---- losses and metrics --------------------------------------------------------------------------
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets)
+
+
+def classification_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Sums, not means: correct predictions, sample count and summed cross entropy."""
+    logits = logits.detach().float()
+    return {
+        "correct": float((logits.argmax(dim=-1) == targets).sum()),
+        "count": float(targets.numel()),
+        "loss_sum": float(F.cross_entropy(logits, targets, reduction="sum")),
+    }
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """As Hugging Face: logits[:, :-1] predict labels[:, 1:]; mean over tokens, -100 ignored."""
+    vocab = logits.shape[-1]
+    shifted = logits[:, :-1].float().reshape(-1, vocab)
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+
+
+def causal_lm_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Token accuracy and summed token loss (perplexity = exp(loss_sum / count))."""
+    vocab = logits.shape[-1]
+    shifted = logits.detach()[:, :-1].float().reshape(-1, vocab)
+    target = labels[:, 1:].reshape(-1).to(logits.device)
+    keep = target != -100
+    return {
+        "correct": float(((shifted.argmax(dim=-1) == target) & keep).sum()),
+        "count": float(keep.sum()),
+        "loss_sum": float(F.cross_entropy(shifted, target, ignore_index=-100, reduction="sum")),
+    }
+
+
+def loss_metrics(loss: LossFn) -> MetricsFn:
+    """Default metrics for a custom model: its loss as a sum, plus accuracy for class logits."""
+
+    def metrics(output: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        count = output.shape[0] if output.dim() else 1
+        out = {"count": float(count), "loss_sum": float(loss(output.detach(), targets)) * count}
+        if output.dim() == 2 and targets.dim() == 1 and not targets.is_floating_point() and len(targets) == count:
+            out["correct"] = float((output.detach().argmax(dim=-1) == targets).sum())
+        return out
+
+    return metrics
+
+
+def summarize(totals: dict[str, float]) -> dict[str, float]:
+    """Summed metrics -> means: accuracy, loss and perplexity where their sums are present."""
+    out: dict[str, float] = {}
+    count = totals.get("count", 0.0)
+    if count:
+        if "correct" in totals:
+            out["accuracy"] = totals["correct"] / count
+        if "loss_sum" in totals:
+            out["loss"] = totals["loss_sum"] / count
+            out["perplexity"] = math.exp(min(out["loss"], 700.0))
+    return out
+
+
+# ---- where to cut ------------------------------------------------------------------------------
+
+
+def plan_cuts(
+    name: str,
+    num_blocks: int,
+    num_stages: int,
+    *,
+    stem: bool = True,
+    head: bool = True,
+    split_after: Sequence[int] | None = None,
+) -> list[int]:
+    """Block indices after which the model is cut (len = num_stages - 1).
+
+    The model is [stem?, block 0 .. block n-1, head?]; the stem always sits in stage 0 and the
+    head in the last stage. A cut at -1 leaves the stem alone in stage 0, a cut at n-1 the head
+    alone in the last stage. By default blocks are shared out evenly (extra stages isolate the
+    head, then the stem); `split_after` picks the cuts explicitly.
+    """
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"{name}: num_stages must be a positive integer, got {num_stages!r}")
+    low = -1 if stem else 0
+    high = num_blocks - 1 if head else num_blocks - 2
+    most = high - low + 2
+    if split_after is not None:
+        cuts = [int(c) for c in split_after]
+        if len(cuts) != num_stages - 1:
+            raise ValueError(
+                f"{name}: split_after needs {num_stages - 1} cut(s) for {num_stages} stages, got {len(cuts)}"
+            )
+        if any(c < low or c > high for c in cuts) or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+            raise ValueError(f"{name}: split_after must be increasing block indices in {low}..{high}, got {cuts}")
+        return cuts
+    if num_stages > most:
+        parts = " + stem" * stem + " + head" * head
+        raise ValueError(f"{name}: {num_blocks} blocks{parts} can be split into 1..{most} stages, not {num_stages}")
+    if num_stages <= num_blocks:
+        return [(i * num_blocks) // num_stages - 1 for i in range(1, num_stages)]
+    # more stages than blocks: one block per stage, then the head alone, then the stem alone
+    cuts = list(range(num_blocks - 1))
+    extra = num_stages - num_blocks
+    if head and extra > 0:
+        cuts.append(num_blocks - 1)
+        extra -= 1
+    if stem and extra > 0:
+        cuts.insert(0, -1)
+    return cuts
+
+
+def stage_block_ranges(num_blocks: int, cuts: Sequence[int]) -> list[range]:
+    """The blocks of each stage, from the cuts of `plan_cuts`."""
+    bounds = [-1, *cuts, num_blocks - 1]
+    return [range(bounds[i] + 1, bounds[i + 1] + 1) for i in range(len(bounds) - 1)]

@@ -1,0 +1,39 @@
+"""Model names -> builders, with options checked against each builder's signature."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swarm.models.base import StagedModel
+from swarm.models.custom import build_custom
+from swarm.models.digits import build_digits_cnn, build_digits_mlp
+from swarm.models.gpt2 import build_gpt2
+from swarm.models.resnet import build_resnet18
+from swarm.options import accepted_options, reject_unknown
+
+MODELS: dict[str, Callable[..., StagedModel]] = {
+    "resnet18": build_resnet18,
+    "gpt2": build_gpt2,
+    "digits_cnn": build_digits_cnn,
+    "digits_mlp": build_digits_mlp,
+}
+
+
+def model_options(name: str) -> list[str]:
+    """The options a built-in model accepts."""
+    return accepted_options(MODELS[name], skip=("num_stages",))
+
+
+def build_model(name: str, num_stages: int, **options) -> StagedModel:
+    """Build `name` cut into `num_stages` stages, under the caller's torch seed.
+
+    `name` is a built-in model (resnet18, gpt2, digits_cnn, digits_mlp) or "package.module:function".
+    """
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    if ":" in name:
+        return build_custom(name, num_stages, **options)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or 'package.module:function'")
+    reject_unknown(name, options, model_options(name))
+    return MODELS[name](num_stages, **options)

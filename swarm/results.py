@@ -1,0 +1,54 @@
+"""Results as JSON lines: one object per line with a "type" (config, step, eval, summary).
+
+Schema (every line has "type"):
+- config:  {"name", "config": {...}, "started": ISO time}
+- step:    {"step", "epoch", "loss", "lr", "samples", "exact", "bytes": {"boundary<i>.<direction>": bytes this step}, "time_s"}
+- eval:    {"step", "epoch", "uncompressed": {metrics}, "compressed": {metrics}}  (metrics: loss and
+           accuracy; perplexity for language models)
+- summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
+           {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ResultsWriter:
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w")
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    rows = []
+    with Path(path).open() as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number}: not a JSON line") from None
+            if not isinstance(row, dict) or "type" not in row:
+                raise ValueError(f"{path}:{number}: a results line needs a 'type'")
+            rows.append(row)
+    return rows

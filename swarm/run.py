@@ -1,0 +1,166 @@
+"""`python -m swarm run CONFIG`: train and evaluate an experiment through a pipeline.
+
+The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run`, `step`,
+`link_bytes` and `state_bytes` (the in-process one here, the swarm's trainer in peers/).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from swarm.config import ExperimentConfig
+from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.results import ResultsWriter
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps_per_epoch: int
+    total_steps: int
+    eval_every_steps: int
+    warmup_steps: int
+    lr_horizon: int  # steps the learning-rate schedule spans (the paper's cosine used T_max = 200 epochs)
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, train_size: int, max_steps: int | None = None) -> Schedule:
+        per_epoch = train_size // cfg.train.batch_size
+        if per_epoch == 0:
+            raise ValueError(f"the training set ({train_size} samples) is smaller than one batch ({cfg.train.batch_size})")
+        total = max(1, math.ceil(cfg.train.epochs * per_epoch))
+        for cap in (cfg.train.max_steps, max_steps):
+            if cap is not None:
+                total = min(total, cap)
+        horizon = total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
+        return cls(per_epoch, total, max(1, round(cfg.train.eval_every * per_epoch)), round(cfg.train.warmup_epochs * per_epoch), horizon)
+
+
+def build_data(cfg: ExperimentConfig):
+    from swarm.data import build_datasets
+
+    return build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+
+
+def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode, exact: bool):
+    """(MicroBatch, inputs) pairs; loss weights make the gradients add up to the batch mean."""
+    total = ids.numel()
+    out = []
+    for index, (i, x, y) in enumerate(zip(ids.chunk(count), inputs.chunk(count), targets.chunk(count), strict=True)):
+        out.append((MicroBatch(step, index, i, y, mode, i.numel() / total, exact), x))
+    return out
+
+
+def summarize(sums: Counter, language_model: bool) -> dict[str, float]:
+    """Metric sums over micro-batches -> means (and perplexity for language models)."""
+    count = sums.get("count", 0) or 1
+    out = {}
+    if "loss_sum" in sums:
+        out["loss"] = sums["loss_sum"] / count
+        if language_model:
+            out["perplexity"] = math.exp(min(out["loss"], 50.0))
+    if "correct" in sums:
+        out["accuracy"] = sums["correct"] / count
+    return out
+
+
+def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
+    loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
+    sums: Counter = Counter()
+    for index, (ids, inputs, targets) in enumerate(loader):
+        batch = MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact)
+        sums.update(pipeline.run(batch, inputs))
+    return summarize(sums, cfg.data.name == "wikitext2")
+
+
+def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if k.endswith(".train") and v - before.get(k, 0)}
+
+
+def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_steps: int | None = None, progress: bool = True) -> dict:
+    """The training loop; returns the summary row (also written to `results`)."""
+    from tqdm import tqdm
+
+    from swarm.data import collate
+
+    train_set, test_set = data
+    schedule = Schedule.of(cfg, len(train_set), max_steps)
+    results.write({"type": "config", "name": cfg.name, "config": cfg.model_dump(mode="json"), "started": datetime.datetime.now(datetime.UTC).isoformat()})
+    generator = torch.Generator().manual_seed(cfg.seed)
+    started = time.perf_counter()
+    step, samples = 0, 0
+    evals: list[dict] = []
+    bytes_before: dict[str, int] = {}
+    bar = tqdm(total=schedule.total_steps, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True)
+
+    def run_eval() -> None:
+        row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
+        row["uncompressed"] = evaluate(pipeline, cfg, test_set, step, True, collate)
+        if cfg.train.eval_compressed:
+            row["compressed"] = evaluate(pipeline, cfg, test_set, step, False, collate)
+        evals.append(row)
+        results.write(row)
+        bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
+
+    epoch = 0
+    while step < schedule.total_steps:
+        if hasattr(train_set, "set_epoch"):
+            train_set.set_epoch(epoch)
+        loader = DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True, generator=generator, collate_fn=collate)
+        for ids, inputs, targets in loader:
+            exact = step < schedule.warmup_steps
+            losses = []
+            for batch, x in split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact):
+                metrics = pipeline.run(batch, x)
+                losses.append(metrics["loss"] * batch.weight)
+            lr = pipeline.step()
+            step += 1
+            samples += ids.numel()
+            now = pipeline.link_bytes()
+            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started})
+            bytes_before = now
+            bar.update(1)
+            bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
+            if step % schedule.eval_every_steps == 0 or step == schedule.total_steps:
+                run_eval()
+            if step >= schedule.total_steps:
+                break
+        epoch += 1
+    bar.close()
+    totals = {k.removesuffix(".train"): v for k, v in pipeline.link_bytes().items() if k.endswith(".train")}
+    summary = {
+        "type": "summary",
+        "name": cfg.name,
+        "steps": step,
+        "samples": samples,
+        "wall_time_s": time.perf_counter() - started,
+        "bytes": totals,
+        "bytes_per_sample": {k: v / max(samples, 1) for k, v in totals.items()},
+        "state_bytes": pipeline.state_bytes(),
+        "final": evals[-1] if evals else None,
+        "best": {
+            mode: max((e[mode] for e in evals if mode in e), key=lambda m: m.get("accuracy", -m.get("loss", 0.0)), default=None)
+            for mode in ("uncompressed", "compressed")
+        },
+    }
+    results.write(summary)
+    return summary
+
+
+def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True) -> dict:
+    """Single-process run: the in-process transport."""
+    from swarm.engine.build import build_local_pipeline
+
+    data = build_data(cfg)
+    schedule = Schedule.of(cfg, len(data[0]), max_steps)
+    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+    results = ResultsWriter(results_path)
+    try:
+        return train(cfg, pipeline, data, results, max_steps, progress)
+    finally:
+        results.close()

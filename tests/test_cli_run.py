@@ -1,0 +1,65 @@
+"""`python -m swarm run` and `python -m swarm report` as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from swarm.results import read_results
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_run_writes_the_documented_results(tmp_path):
+    out = tmp_path / "smoke.jsonl"
+    result = cli("run", str(SMOKE), "--steps", "3", "--results", str(out), "--set", "train.eval_every=0.2")
+    assert result.returncode == 0, result.stderr
+    rows = read_results(out)
+    kinds = [r["type"] for r in rows]
+    assert kinds[0] == "config" and kinds[-1] == "summary"
+    steps = [r for r in rows if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(isinstance(r["loss"], float) and r["bytes"] for r in steps)
+    evals = [r for r in rows if r["type"] == "eval"]
+    assert evals and {"compressed", "uncompressed"} <= evals[-1].keys()
+    summary = rows[-1]
+    assert summary["steps"] == 3 and summary["samples"] == 3 * 40
+    assert set(summary["bytes"]) == {f"boundary{b}.{d}" for b in range(3) for d in ("forward", "backward")}
+    assert summary["wall_time_s"] > 0
+
+
+def test_report_writes_tables_and_curves(tmp_path):
+    runs = []
+    for spec in ("none", "topk:0.2"):
+        out = tmp_path / f"{spec.replace(':', '')}.jsonl"
+        result = cli("run", str(SMOKE), "--steps", "2", "--results", str(out), "--set", f"compression.forward={spec}", "--set", "compression.backward=none", "--set", f"name=run-{spec}")
+        assert result.returncode == 0, result.stderr
+        runs.append(str(out))
+    result = cli("report", *runs, "--out", str(tmp_path / "report"))
+    assert result.returncode == 0, result.stderr
+    md = (tmp_path / "report" / "results.md").read_text()
+    assert "run-none" in md and "run-topk:0.2" in md and "test acc % (on)" in md
+    pngs = list((tmp_path / "report").glob("*.png"))
+    assert pngs and pngs[0].stat().st_size > 1000
+
+
+def test_bad_configs_fail_with_one_line(tmp_path):
+    result = cli("run", str(SMOKE), "--set", "train.bogus=1")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: train.bogus: Extra inputs are not permitted"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    result = cli("run", str(broken))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "not valid YAML" in result.stderr
+    result = cli("run", str(SMOKE), "--set", "compression.forward=topk:7")
+    assert result.returncode == 2 and "compression.forward" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = cli("run", str(tmp_path / "missing.yaml"))
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    result = cli("report", str(broken))
+    assert result.returncode == 2 and result.stderr.startswith("error:")
