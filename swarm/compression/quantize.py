@@ -33,8 +33,8 @@ def quantize(
     rows = x.detach().reshape(groups, -1)
     if rows.dtype == torch.float64:  # codes and ranges are float32: quantize what float32 sees
         rows = rows.float()
-    lows, highs = torch.aminmax(rows, dim=1)
-    lows, highs = lows.float(), highs.float()
+    # amin and amax separately: torch.aminmax over a dim is ~30x slower on CPU (torch 2.14)
+    lows, highs = rows.amin(dim=1).float(), rows.amax(dim=1).float()
     if not bool(torch.isfinite(lows).all() & torch.isfinite(highs).all()):
         raise ValueError("cannot quantize a tensor with NaN or infinite values")
     span64 = highs.double() - lows.double()  # float32 would overflow for ranges near its limit
