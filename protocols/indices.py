@@ -7,6 +7,7 @@ bitmap wins above K = 1/8 and varints below. Both decoders validate what they re
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from protocols.bitpack import pack, unpack
@@ -15,20 +16,28 @@ from protocols.errors import PayloadError
 _MAX_VARINT_BYTES = 9  # 63-bit positions
 
 
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
+def _gaps(positions: np.ndarray) -> np.ndarray:
     """Gaps between sorted positions, minus one; the first is the first position."""
-    gaps = positions.diff(prepend=positions.new_full((1,), -1))
-    return gaps.sub_(1)
+    gaps = np.diff(positions, prepend=-1)
+    gaps -= 1
+    return gaps
 
 
-def _varint_lengths(gaps: torch.Tensor) -> torch.Tensor:
-    lengths = torch.ones_like(gaps)
-    largest = int(gaps.max()) if gaps.numel() else 0
-    for level in range(1, _MAX_VARINT_BYTES):
-        if largest < (1 << (7 * level)):
-            break
-        lengths += gaps >= (1 << (7 * level))
-    return lengths
+def _extra_bytes(gaps: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The bytes after the first of every varint: (insert-before index, byte) per level.
+
+    Gaps of 128 and more are rare for TopK (K >= ~1%), so this works on that subset only.
+    """
+    levels = []
+    at = np.flatnonzero(gaps >= 0x80)
+    rest = gaps[at] >> 7
+    at = at + 1
+    while at.size:
+        more = rest >= 0x80
+        levels.append((at, ((rest & 0x7F) | (more.astype(np.int64) << 7)).astype(np.uint8)))
+        keep = np.flatnonzero(more)
+        at, rest = at[keep], rest[keep] >> 7
+    return levels
 
 
 def bitmap_length(total: int) -> int:
@@ -56,69 +65,62 @@ def encode_indices(positions: torch.Tensor, total: int) -> tuple[str, torch.Tens
     """The cheaper coding of sorted positions: ("bitmap" | "varint", bytes as a uint8 tensor)."""
     if positions.numel() >= bitmap_length(total):  # varints take at least a byte per position
         return "bitmap", encode_bitmap(positions, total)
-    gaps = _gaps(positions)
-    lengths = _varint_lengths(gaps)
-    if int(lengths.sum()) >= bitmap_length(total):
+    gaps = _gaps(positions.cpu().numpy())
+    extra = _extra_bytes(gaps)
+    if gaps.size + sum(at.size for at, _ in extra) >= bitmap_length(total):
         return "bitmap", encode_bitmap(positions, total)
-    return "varint", _encode_varint(gaps, lengths)
+    return "varint", _encode_varint(gaps, extra)
 
 
 def encode_varint(positions: torch.Tensor) -> torch.Tensor:
-    """Sorted positions -> gap varints."""
-    gaps = _gaps(positions)
-    return _encode_varint(gaps, _varint_lengths(gaps))
+    """Sorted positions -> gap varints (LEB128: low 7 bits first, high bit = more bytes follow)."""
+    gaps = _gaps(positions.cpu().numpy())
+    return _encode_varint(gaps, _extra_bytes(gaps))
 
 
-def _encode_varint(gaps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    if gaps.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=gaps.device)
-    longest = int(lengths.max())
-    if longest == 1:  # the common case: every gap fits in one byte
-        return gaps.to(torch.uint8)
-    extra = lengths - 1
-    starts = torch.arange(gaps.numel(), device=gaps.device) + (extra.cumsum(0) - extra)
-    out = torch.empty(int(starts[-1] + lengths[-1]), dtype=torch.uint8, device=gaps.device)
-    out[starts] = ((gaps & 0x7F) | ((extra > 0).long() << 7)).to(torch.uint8)
-    for level in range(1, longest):  # the rare multi-byte gaps, one byte level at a time
-        sel = (lengths > level).nonzero().squeeze(1)
-        more = (lengths[sel] > level + 1).long() << 7
-        out[starts[sel] + level] = (((gaps[sel] >> (7 * level)) & 0x7F) | more).to(torch.uint8)
-    return out
+def _encode_varint(gaps: np.ndarray, extra: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
+    first = (gaps & 0x7F).astype(np.uint8)
+    if not extra:
+        return torch.from_numpy(first)
+    first[extra[0][0] - 1] |= 0x80
+    at = np.concatenate([a for a, _ in extra])
+    values = np.concatenate([v for _, v in extra])
+    order = np.argsort(at, kind="stable")  # a varint's bytes stay in level order
+    return torch.from_numpy(np.insert(first, at[order], values[order]))
 
 
 def decode_varint(data: torch.Tensor, count: int, total: int) -> torch.Tensor:
     """Positions from gap varints; exactly `count` of them, strictly increasing, below `total`."""
-    size = data.numel()
-    if size == 0:
+    raw = data.cpu().numpy()
+    if raw.size == 0:
         if count:
             raise PayloadError(f"index stream is empty, expected {count} positions")
-        return torch.empty(0, dtype=torch.long, device=data.device)
-    ends = data < 0x80
-    found = int(torch.count_nonzero(ends))
+        return torch.empty(0, dtype=torch.long)
+    ends = raw < 0x80
+    found = int(np.count_nonzero(ends))
     if found != count:
         raise PayloadError(f"index stream holds {found} positions, expected {count}")
-    if not bool(ends[-1]):
+    if not ends[-1]:
         raise PayloadError("index stream ends inside a varint")
-    if found == size:
-        gaps = data.long()
+    if found == raw.size:  # every gap in one byte
+        gaps = raw.astype(np.int64)
     else:
-        last = ends.nonzero().squeeze(1)  # the final byte of every varint
-        first = torch.zeros_like(last)
-        first[1:] = last[:-1] + 1
-        span = last - first
-        if int(span.max()) >= _MAX_VARINT_BYTES:
+        last = np.flatnonzero(ends)  # the final byte of every varint
+        gaps = raw[last].astype(np.int64)
+        cont = np.flatnonzero(~ends)  # rare: the leading bytes of multi-byte varints
+        group = np.searchsorted(last, cont)
+        start = np.where(group > 0, last[group - 1] + 1, 0)
+        if int((last[group] - start).max()) >= _MAX_VARINT_BYTES:
             raise PayloadError("index stream has an overlong varint")
-        gaps = data[last].long()
-        multi = (span > 0).nonzero().squeeze(1)  # rare: gaps of 128 or more
-        first_m, span_m = first[multi], span[multi]
-        value = torch.zeros_like(first_m)
-        for level in range(int(span_m.max()) + 1):
-            byte = (data[torch.minimum(first_m + level, last[multi])] & 0x7F).long()
-            value += torch.where(span_m >= level, byte << (7 * level), 0)
-        gaps[multi] = value
+        multi = np.unique(group)
+        multi_start = np.where(multi > 0, last[multi - 1] + 1, 0)
+        gaps[multi] <<= 7 * (last[multi] - multi_start)  # the final byte holds the highest bits
+        np.add.at(gaps, group, (raw[cont] & 0x7F).astype(np.int64) << (7 * (cont - start)))
+    if int(gaps.min()) < 0:  # a 9-byte varint can reach the sign bit
+        raise PayloadError("index stream has a gap out of range")
     if int(gaps.max()) >= total:  # also keeps the running sum below from overflowing
         raise PayloadError(f"index gap {int(gaps.max())} is past the tensor's {total} elements")
-    positions = gaps.add_(1).cumsum(0).sub_(1)
+    positions = np.cumsum(gaps + 1) - 1
     if int(positions[-1]) >= total:
         raise PayloadError(f"index {int(positions[-1])} is past the tensor's {total} elements")
-    return positions
+    return torch.from_numpy(positions)
