@@ -4,25 +4,26 @@ Exactly ceil(K * n) values are kept per sample. The selection is a sorted vector
 positions into the whole tensor: values are read with index_select and written back with
 index_put, and the wire codes the positions.
 
-Selection is exact but cheaper than torch.topk over the whole row: a strided sample of every row
-gives a threshold that leaves a little more than K * n candidates, and torch.topk runs on those
-candidates only. Every value in the true top-k is at least the threshold whenever a row has k
-candidates, so the result is a valid top-k; rows without enough candidates (or with too many,
-e.g. mostly zeros) take plain torch.topk.
+On CPU the k-th largest magnitude of every row comes from numpy's introselect (np.partition),
+several times faster than torch.topk, which selects (value, index) pairs; one comparison and one
+flatnonzero then give the sorted positions directly. Introselect slows down on long runs of equal
+values, so exact zeros (half of a post-ReLU activation) are replaced by distinct negative
+numbers first; that also decides deterministically which zeros fill a row with fewer than k
+non-zeros. Of values tied at a row's threshold the first ones are kept. float64 and tensors on
+other devices use torch.topk.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 from protocols.wire import rows_of
-
-_SAMPLE_PER_ROW = 4096  # strided sample used to place the candidate threshold
-_CANDIDATE_SLACK = 1.3  # aim for 30% more candidates than kept values (plus sampling noise)
 
 
 @dataclass(frozen=True)
@@ -47,33 +48,27 @@ def _exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return mask.view(-1).nonzero().squeeze(1)
 
 
-def _candidates(magnitude: torch.Tensor, k: int) -> torch.Tensor | None:
-    """Top-k positions via a sampled threshold, or None when the shortcut does not apply."""
+@functools.lru_cache(maxsize=8)
+def _zero_stand_ins(n: int) -> torch.Tensor:
+    """Distinct negative numbers that replace exact zeros (fixed, so selections are deterministic)."""
+    rng = np.random.default_rng(0)
+    return torch.from_numpy(-1.0 - rng.random(n, dtype=np.float32))
+
+
+def _partition_select(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted top-k positions of every row via np.partition (CPU float32)."""
     rows, n = magnitude.shape
-    stride = n // _SAMPLE_PER_ROW
-    while stride > 1 and math.gcd(stride, 210) != 1:  # coprime to 2, 3, 5, 7: no aliasing with channel widths
-        stride -= 1
-    if stride < 4:
-        return None
-    sample = magnitude[:, ::stride]
-    size = sample.shape[1]
-    expected = size * k / n
-    wanted = min(size, math.ceil(expected * _CANDIDATE_SLACK + 4 * math.sqrt(expected) + 8))
-    threshold = torch.kthvalue(sample, size - wanted + 1, dim=1).values
-    positions = (magnitude >= threshold[:, None]).view(-1).nonzero().squeeze(1)
-    row = torch.div(positions, n, rounding_mode="floor")
-    counts = torch.bincount(row, minlength=rows)
-    widest = int(counts.max())
-    if int(counts.min()) < k or widest > n // 2:
-        return None
-    starts = counts.cumsum(0) - counts
-    column = torch.arange(positions.numel(), device=positions.device) - starts[row]
-    padded = torch.full((rows, widest), -1.0, dtype=magnitude.dtype, device=magnitude.device)
-    padded[row, column] = magnitude.view(-1)[positions]
-    top = torch.topk(padded, k, dim=1, sorted=False).indices
-    chosen = torch.zeros((rows, widest), dtype=torch.bool, device=magnitude.device)
-    chosen.scatter_(1, top, True)
-    return positions[chosen[row, column]]
+    zeros = magnitude == 0
+    if bool(zeros.any()):  # stand-ins are added to zeros only (addcmul beats torch.where here)
+        magnitude = torch.addcmul(magnitude, zeros.to(magnitude.dtype), _zero_stand_ins(n))
+    keyed = magnitude.numpy()
+    threshold = np.partition(keyed, n - k, axis=1)[:, n - k : n - k + 1]
+    mask = keyed >= threshold
+    if int(np.count_nonzero(mask)) != rows * k:  # equal values at a threshold: keep the first ones
+        for row in np.flatnonzero(np.count_nonzero(mask, axis=1) > k):
+            tied = np.flatnonzero(keyed[row] == threshold[row, 0])
+            mask[row, tied[len(tied) - (int(np.count_nonzero(mask[row])) - k) :]] = False
+    return torch.from_numpy(np.flatnonzero(mask))
 
 
 def top_positions(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, int]:
@@ -86,8 +81,9 @@ def top_positions(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, int]:
     if k >= per_sample:
         return torch.arange(total, device=x.device), per_sample
     magnitude = x.detach().reshape(rows, per_sample).abs()
-    positions = _candidates(magnitude, k)
-    return (_exact(magnitude, k) if positions is None else positions), k
+    if magnitude.device.type == "cpu" and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return _partition_select(magnitude.float(), k), k
+    return _exact(magnitude, k), k
 
 
 def gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
