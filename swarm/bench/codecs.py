@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,15 +61,34 @@ class Row:
         return d
 
 
-def _median_seconds(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
-    """Median wall time of `repeat` calls after one warm-up call (whose result is returned)."""
-    result = fn()  # warm-up, also the result we report on
-    times = []
-    for _ in range(repeat):
+@dataclass
+class Probe:
+    """One row to measure: encode() -> out, decode(out) -> result, and what to report of them."""
+
+    codec: str
+    tensor: str
+    x: torch.Tensor
+    encode: Callable[[], object]
+    decode: Callable[[object], object] | None
+    report: Callable[[object, object], tuple[float | None, float | None, dict | None]]
+    encode_times: list[float] = field(default_factory=list)
+    decode_times: list[float] = field(default_factory=list)
+
+    def once(self) -> tuple[object, object]:
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        out = self.encode()
+        middle = time.perf_counter()
+        result = self.decode(out) if self.decode is not None else None
+        end = time.perf_counter()
+        self.encode_times.append(middle - start)
+        self.decode_times.append(end - middle)
+        return out, result
+
+    def row(self, out: object, result: object) -> Row:
+        bits, error, extra = self.report(out, result)
+        enc = _mbps(self.x, statistics.median(self.encode_times))
+        dec = _mbps(self.x, statistics.median(self.decode_times)) if self.decode is not None else None
+        return Row(self.codec, self.tensor, bits, error, enc, dec, extra)
 
 
 def _rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -81,84 +100,93 @@ def _mbps(x: torch.Tensor, seconds: float) -> float:
     return x.numel() * 4 / 1e6 / seconds
 
 
-def codec_row(name: str, x: torch.Tensor, spec: str, repeat: int) -> Row:
+def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
     parsed = parse(spec)
     reuse = None
     target = x
     if parsed.reuses_indices:  # a gradient sent back at the activation's TopK positions
-        forward = parse("topk:0.1/fp16").sender().send(x)
-        reuse = forward.selection
+        reuse = parse("topk:0.1/fp16").sender().send(x).selection
         target = activation_gradient(tuple(x.shape), torch.Generator().manual_seed(1))
     sender, receiver = parsed.sender(), parsed.receiver()
-    enc_s, out = _median_seconds(lambda: sender.send(target, reuse=reuse), repeat)
-    dec_s, inc = _median_seconds(lambda: receiver.receive(out.payload, reuse=reuse), repeat)
-    bits = len(out.payload) * 8 / x.numel()
-    return Row(spec, name, bits, _rel_error(target, inc.tensor), _mbps(x, enc_s), _mbps(x, dec_s))
+    return Probe(
+        spec,
+        name,
+        x,
+        lambda: sender.send(target, reuse=reuse).payload,
+        lambda payload: receiver.receive(payload, reuse=reuse).tensor,
+        lambda payload, y: (len(payload) * 8 / x.numel(), _rel_error(target, y), None),
+    )
 
 
-def hivemind_float16_row(name: str, x: torch.Tensor, repeat: int) -> Row:
+def hivemind_float16_probe(name: str, x: torch.Tensor) -> Probe:
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
     from hivemind.proto import runtime_pb2
 
-    def encode() -> bytes:
-        return serialize_torch_tensor(x, runtime_pb2.CompressionType.FLOAT16).SerializeToString()
-
-    enc_s, payload = _median_seconds(encode, repeat)
-
-    def decode() -> torch.Tensor:
-        return deserialize_torch_tensor(runtime_pb2.Tensor.FromString(payload))
-
-    dec_s, y = _median_seconds(decode, repeat)
-    return Row("hivemind:float16", name, len(payload) * 8 / x.numel(), _rel_error(x, y), _mbps(x, enc_s), _mbps(x, dec_s))
+    return Probe(
+        "hivemind:float16",
+        name,
+        x,
+        lambda: serialize_torch_tensor(x, runtime_pb2.CompressionType.FLOAT16).SerializeToString(),
+        lambda payload: deserialize_torch_tensor(runtime_pb2.Tensor.FromString(payload)),
+        lambda payload, y: (len(payload) * 8 / x.numel(), _rel_error(x, y), None),
+    )
 
 
-def torch_topk_row(name: str, x: torch.Tensor, repeat: int, ratio: float = 0.1) -> Row:
-    rows = x.shape[0]
-    flat = x.reshape(rows, -1)
+def torch_topk_probe(name: str, x: torch.Tensor, ratio: float = 0.1) -> Probe:
+    flat = x.reshape(x.shape[0], -1)
     k = kept_per_sample(ratio, flat.shape[1])
-    enc_s, _ = _median_seconds(lambda: torch.topk(flat.abs(), k, dim=1, sorted=False), repeat)
-    return Row(f"torch:topk:{ratio:g}", name, None, None, _mbps(x, enc_s), None)
+    return Probe(f"torch:topk:{ratio:g}", name, x, lambda: torch.topk(flat.abs(), k, dim=1, sorted=False), None, lambda out, y: (None, None, None))
 
 
-def store_row(name: str, x: torch.Tensor, fmt: str, repeat: int) -> Row:
+def store_probe(name: str, x: torch.Tensor, fmt: str) -> Probe:
     """AQ-SGD buffer: bytes per sample in this format, and what storing costs in accuracy."""
     ids = list(range(x.shape[0]))
     store = SampleStore(fmt)
-    save_s, _ = _median_seconds(lambda: store.save(ids, x, (1,) * len(ids)), repeat)
-    load_s, (y, _) = _median_seconds(lambda: store.load(tuple(x.shape), ids, x.device), repeat)
-    per_sample_fp32 = math.prod(x.shape[1:]) * 4
-    fraction = store.bytes_per_sample / per_sample_fp32
-    extra = {
-        "kind": "aqsgd_store",
-        "bytes_per_sample": store.bytes_per_sample,
-        "fraction_of_fp32": fraction,
-        "gb_for_50k_samples": store.bytes_per_sample * CIFAR_TRAIN_SAMPLES / 1e9,
-    }
-    bits = store.bytes_per_sample * 8 / math.prod(x.shape[1:])
-    return Row(f"aqsgd-store:{fmt}", name, bits, _rel_error(x, y), _mbps(x, save_s), _mbps(x, load_s), extra)
+    per_sample = math.prod(x.shape[1:])
+
+    def report(out, loaded):
+        extra = {
+            "kind": "aqsgd_store",
+            "bytes_per_sample": store.bytes_per_sample,
+            "fraction_of_fp32": store.bytes_per_sample / (per_sample * 4),
+            "gb_for_50k_samples": store.bytes_per_sample * CIFAR_TRAIN_SAMPLES / 1e9,
+        }
+        return store.bytes_per_sample * 8 / per_sample, _rel_error(x, loaded[0]), extra
+
+    return Probe(
+        f"aqsgd-store:{fmt}",
+        name,
+        x,
+        lambda: store.save(ids, x, (1,) * len(ids)),
+        lambda out: store.load(tuple(x.shape), ids, x.device),
+        report,
+    )
 
 
 def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]:
+    """Measure every probe of a tensor in rounds, so load changes hit all rows alike."""
     from tqdm import tqdm
 
     tensors = benchmark_tensors(scale)
-    jobs: list[tuple[str, Callable[[], Row]]] = []
-    for name, x in tensors.items():
-        jobs.append(("hivemind:float16", lambda n=name, t=x: hivemind_float16_row(n, t, repeat)))
-        jobs.append(("torch:topk:0.1", lambda n=name, t=x: torch_topk_row(n, t, repeat)))
-        for spec in CODECS:
-            jobs.append((spec, lambda n=name, t=x, s=spec: codec_row(n, t, s, repeat)))
-        if name.startswith("resnet18.layer1"):
-            for fmt in STORE_FORMATS:
-                jobs.append((f"aqsgd-store:{fmt}", lambda n=name, t=x, f=fmt: store_row(n, t, f, repeat)))
     rows = []
-    bar = tqdm(jobs, desc="bench codecs", unit="row", disable=not progress, leave=False)
-    for label, job in bar:
-        bar.set_postfix_str(label)
-        rows.append(job())
+    bar = tqdm(total=len(tensors) * (repeat + 1), desc="bench codecs", unit="round", disable=not progress, leave=False)
+    for name, x in tensors.items():
+        probes = [hivemind_float16_probe(name, x), torch_topk_probe(name, x)]
+        probes += [codec_probe(name, x, spec) for spec in CODECS]
+        if name.startswith("resnet18.layer1"):
+            probes += [store_probe(name, x, fmt) for fmt in STORE_FORMATS]
+        results = [p.once() for p in probes]  # warm-up; also what rows report on
+        for p in probes:
+            p.encode_times.clear()
+            p.decode_times.clear()
+        bar.update(1)
+        for _ in range(repeat):
+            for p in probes:
+                p.once()
+            bar.update(1)
+        rows += [p.row(*result) for p, result in zip(probes, results, strict=True)]
+    bar.close()
     return rows
-
-
 
 
 # ---- targets and printing -------------------------------------------------------------------------
