@@ -1,3 +1,8 @@
 """hivepipe's library: compression, stages, data, the pipeline engine, the lab, reports."""
 
 __version__ = "0.1.0"
+
+import warnings
+
+# hivemind still calls torch.jit.script at import; its deprecation notice is not ours to act on
+warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)

@@ -1,4 +1,4 @@
-"""`python -m swarm ...`: benchmarks, single-process runs, and reports."""
+"""`python -m swarm ...`: benchmarks, single-process runs, local swarms (lab), and reports."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. --set compression.forward=topk:0.1")
     run.add_argument("--device", help="cpu, cuda, cuda:N (overrides the config)")
+    lab = commands.add_parser("lab", help="a swarm on this machine: bootstrap, stage peers and trainer as separate processes")
+    lab.add_argument("config", help="experiment YAML (see configs/)")
+    lab.add_argument("--stages", type=_positive_int, required=True, help="number of stage peers (the model is split into this many stages)")
+    lab.add_argument("--results", help="write JSON-lines results here")
+    lab.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
+    lab.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    lab.add_argument("--device", help="cpu, cuda, cuda:N for the stage peers (overrides the config)")
     report = commands.add_parser("report", help="markdown tables and PNG curves from results")
     report.add_argument("results", nargs="+", help="JSON-lines results files")
     report.add_argument("--out", default="docs/results", help="output directory")
@@ -48,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     from swarm.config import ConfigError, load_config
-    from swarm.run import run_experiment
+    from swarm.run import describe, run_experiment
 
     overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
     try:
@@ -57,14 +64,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty())
-    final = summary.get("final") or {}
-    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
-    for mode in ("uncompressed", "compressed"):
-        if mode in final:
-            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
-    print("; ".join(parts))
-    if args.results:
-        print(f"results written to {args.results}")
+    print("\n".join(describe(summary, args.results)))
     return 0
 
 
@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     if args.command == "report":
         return report_command(args)
+    if args.command == "lab":
+        from swarm.lab import run_lab
+
+        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device)
     return 2
 
 

@@ -152,6 +152,16 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
     return summary
 
 
+def describe(summary: dict, results_path=None) -> list[str]:
+    """What a finished run prints: steps, time and the final metrics (and where results went)."""
+    final = summary.get("final") or {}
+    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
+    for mode in ("uncompressed", "compressed"):
+        if mode in final:
+            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
+    return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
+
+
 def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True) -> dict:
     """Single-process run: the in-process transport."""
     from swarm.engine.build import build_local_pipeline

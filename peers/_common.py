@@ -1,0 +1,67 @@
+"""What every peer process shares: hivemind/Petals-style network options and a clean shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from swarm.network.node import NodeOptions
+
+
+def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:
+    net = parser.add_argument_group("network (as in hivemind and Petals)")
+    net.add_argument("--initial_peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm (python -m peers.bootstrap prints them)")
+    net.add_argument("--host_maddrs", nargs="+", default=[host_default], help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337")
+    net.add_argument("--announce_maddrs", nargs="+", default=None, help="multiaddrs others should dial (behind NAT or port forwarding)")
+    net.add_argument("--identity_path", default=None, help="private key file: a stable peer id across restarts (created if missing)")
+    net.add_argument("--no_relay", action="store_true", help="do not use libp2p circuit relays")
+    net.add_argument("--use_auto_relay", action="store_true", help="look for relays automatically (for peers behind NAT)")
+    net.add_argument("--startup_timeout", type=float, default=30.0, help="seconds to wait for the p2p daemon to start")
+
+
+def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOptions:
+    return NodeOptions(
+        initial_peers=list(args.initial_peers),
+        host_maddrs=list(args.host_maddrs),
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        client_mode=client_mode,
+        use_relay=not args.no_relay,
+        use_auto_relay=args.use_auto_relay,
+        startup_timeout=args.startup_timeout,
+    )
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+async def until_stopped() -> None:
+    """Waits for SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run_until_stopped(coro) -> int:
+    """asyncio.run, with Ctrl-C and SIGTERM ending the peer cleanly (its `finally` blocks run)."""
+    try:
+        return asyncio.run(coro)
+    except KeyboardInterrupt:
+        return 0
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2

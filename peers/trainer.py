@@ -1,0 +1,96 @@
+"""`python -m peers.trainer --config CFG --initial_peers ...`: drive a run through the swarm.
+
+It owns the data and the schedule, finds the stage peers on the DHT, sets them up, and runs
+`swarm.run.train` over a `SwarmPipeline`: the same loop, the same JSON lines as `python -m swarm run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from peers._common import add_network_args, fail, node_options, say, setup_logging
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m peers.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="experiment YAML (the stage peers must use the same one)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    parser.add_argument("--results", help="write JSON-lines results here")
+    parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument("--run_id", default=None, help="the run the stage peers joined (default: the config's name)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one micro-batch")
+    parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for every stage to have a peer")
+    add_network_args(parser)
+    return parser
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _echoing(writer_cls):
+    """Results that also print one line per step and evaluation (progress under `swarm lab`)."""
+
+    class Echo(writer_cls):
+        def write(self, row):
+            super().write(row)
+            if row.get("type") == "step":
+                say(f"step {row['step']}: loss {row['loss']:.6f} lr {row['lr']:.5f} ({row['time_s']:.1f}s)")
+            elif row.get("type") == "eval":
+                say(f"eval at step {row['step']}: " + "; ".join(f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items()) for mode in ("uncompressed", "compressed") if mode in row))
+
+    return Echo
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    signal.signal(signal.SIGTERM, _interrupt)
+    from swarm.config import ConfigError, load_config
+    from swarm.network.loop import LoopThread
+    from swarm.network.node import SwarmNode
+    from swarm.network.pipeline import SwarmPipeline
+    from swarm.results import ResultsWriter
+    from swarm.run import Schedule, build_data, describe, train
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return fail(str(e))
+    if args.steps is not None and args.steps < 1:
+        return fail(f"--steps must be a positive integer, got {args.steps}")
+    run_id = args.run_id or cfg.name
+    loop = LoopThread("trainer-loop")
+    try:
+        node = loop.run(SwarmNode.create(node_options(args, client_mode=True)))
+    except RuntimeError as e:
+        loop.stop()
+        return fail(str(e))
+    results = (ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter))(args.results)
+    try:
+        data = build_data(cfg)
+        schedule = Schedule.of(cfg, len(data[0]), args.steps)
+        pipeline = SwarmPipeline(node, loop, cfg, run_id, timeout=args.timeout)
+        members = pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=args.wait)
+        say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
+        summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty())
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    except Exception as e:
+        return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    finally:
+        results.close()
+        try:
+            loop.run(node.shutdown(), timeout=20)
+        finally:
+            loop.stop()
+    for line in describe(summary, args.results):
+        say(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The client side of every stage RPC, each under a deadline (`asyncio.wait_for`).
+
+hivemind's stub methods reject a timeout for streaming calls, so the calls here go through
+`P2P.iterate_protobuf_handler` / `call_protobuf_handler` directly and bound them themselves.
+A micro-batch exchange is one bidirectional stream: the request payload goes out, the reply
+payload (gradients, or DONE) comes back, and only once the caller has processed the reply does
+it send a `Confirm`, on which the replier commits its sender-side compression state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from hivemind.p2p import P2P, PeerID
+
+from protocols import stage_pb2 as pb
+from swarm.network import PROTOCOL_VERSION
+from swarm.network.chunks import frame, read_frame
+
+NAMESPACE = "hivepipe"
+SERVICER = "StageServicer"
+
+
+def handle_name(method: str) -> str:
+    """The protocol name hivemind's ServicerBase registers `StageServicer.<method>` under."""
+    return f"{NAMESPACE}::{SERVICER}.{method}"
+
+
+class RemoteError(RuntimeError):
+    """The peer answered, with an error reply (it keeps serving)."""
+
+
+class TransportError(RuntimeError):
+    """The peer did not answer properly: unreachable, died, timed out or sent a broken reply."""
+
+
+def _peer(peer_id) -> PeerID:
+    return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:300]
+
+
+class _Stream:
+    """A protobuf stream to a hivemind stream handler, read and written by hand.
+
+    hivemind's `iterate_protobuf_handler` only finishes reading once its request iterator is
+    exhausted, so a reply that waits for a later request (our Confirm) could hang on a peer that
+    closed early; here reading and writing are independent.
+    """
+
+    def __init__(self, reader, writer) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer_id: str, method: str) -> _Stream:
+        _, reader, writer = await p2p.call_binary_stream_handler(_peer(peer_id), handle_name(method))
+        return cls(reader, writer)
+
+    async def send(self, message) -> None:
+        await P2P.send_protobuf(message, self.writer)
+
+    async def end(self) -> None:
+        await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
+
+    async def replies(self):
+        while True:
+            try:
+                message, error = await P2P.receive_protobuf(pb.StageReply, self.reader)
+            except asyncio.IncompleteReadError:  # the peer closed the stream
+                return
+            if error is not None:
+                if error.message:
+                    raise RemoteError(_short(RuntimeError(error.message)))
+                return
+            yield message
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class MicroBatchCall:
+    """One micro-batch exchange with a downstream stage peer (or stage 0, from the trainer)."""
+
+    def __init__(self, p2p: P2P, peer_id: str, head: pb.MicroBatchHead, payload: bytes) -> None:
+        self.p2p, self.peer_id = p2p, str(peer_id)
+        self.head, self.payload = head, payload
+        self._stream: _Stream | None = None
+        self._replies = None
+
+    async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
+        self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward")
+        for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
+            await self._stream.send(message)
+        self._replies = self._stream.replies()
+        head, payload = await read_frame(self._replies, "result")
+        if isinstance(head, pb.ErrorReply):
+            raise RemoteError(head.message)
+        return head, payload
+
+    async def reply(self, timeout: float) -> tuple[pb.ResultHead, bytes]:
+        """Sends the request and waits (at most `timeout` s) for the verified reply."""
+        try:
+            return await asyncio.wait_for(self._exchange(), timeout)
+        except RemoteError:
+            await self.close()
+            raise
+        except TimeoutError:
+            await self.close()
+            raise TransportError(f"peer {self.peer_id[-8:]} did not reply within {timeout:.1f}s") from None
+        except Exception as e:
+            await self.close()
+            raise TransportError(f"peer {self.peer_id[-8:]}: {_short(e)}") from e
+
+    async def confirm(self, timeout: float = 10.0) -> None:
+        """Tells the replier its reply was processed (it commits its state), then ends the call."""
+        await self._finish(True, timeout)
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Ends the call without confirming (the replier does not commit)."""
+        await self._finish(False, timeout)
+
+    async def _finish(self, confirmed: bool, timeout: float) -> None:
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        try:
+            async def finish():
+                if confirmed:
+                    await stream.send(pb.StageRequest(confirm=pb.Confirm(ok=True)))
+                await stream.end()
+                if self._replies is not None:
+                    async for _ in self._replies:  # until the replier closes the stream
+                        pass
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(finish(), timeout)
+        finally:
+            stream.close()
+
+
+async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, timeout: float) -> tuple[pb.StepResult, bytes]:
+    async def run():
+        stream = await _Stream.open(p2p, peer_id, "rpc_step")
+        try:
+            for message in frame(pb.StageRequest, "step", head, payload):
+                await stream.send(message)
+            result, data = await read_frame(stream.replies(), "step")
+            await stream.end()  # only now may the servicer close its end (see `StageServicer._linger`)
+        finally:
+            stream.close()
+        if isinstance(result, pb.ErrorReply):
+            raise RemoteError(result.message)
+        return result, data
+
+    return await _bounded(run(), peer_id, timeout)
+
+
+async def call_setup(p2p: P2P, peer_id: str, request: pb.SetupRequest, timeout: float) -> pb.SetupReply:
+    reply = await _bounded(p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_setup"), request, pb.SetupReply), peer_id, timeout)
+    if reply.error:
+        raise RemoteError(reply.error)
+    return reply
+
+
+async def call_info(p2p: P2P, peer_id: str, run_id: str = "", timeout: float = 10.0) -> pb.InfoReply:
+    request = pb.InfoRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id)
+    reply = await _bounded(p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_info"), request, pb.InfoReply), peer_id, timeout)
+    if reply.error:
+        raise RemoteError(reply.error)
+    return reply
+
+
+async def _bounded(coro, peer_id: str, timeout: float):
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except RemoteError:
+        raise
+    except TimeoutError:
+        raise TransportError(f"peer {str(peer_id)[-8:]} did not reply within {timeout:.1f}s") from None
+    except Exception as e:
+        raise TransportError(f"peer {str(peer_id)[-8:]}: {_short(e)}") from e

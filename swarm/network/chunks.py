@@ -1,0 +1,101 @@
+"""Payloads cut into chunks that each repeat the total length and crc32, and their reassembly.
+
+hivemind neither checks a stream's chunk count nor its length, and a streamed reply was seen to
+end short without an error; so every payload is verified here before anyone decodes it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import AsyncIterator, Iterator
+
+from protocols import stage_pb2 as pb
+
+CHUNK_BYTES = 1 << 20  # well under hivemind's 2 MiB unary guidance and 4 MiB message cap
+MAX_PAYLOAD_BYTES = 1 << 34
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the stage protocol (truncated, corrupted, out of order, wrong kind)."""
+
+
+def split(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
+    """At least one chunk, even for an empty payload."""
+    total, crc = len(payload), zlib.crc32(payload)
+    count = max(1, -(-total // chunk_bytes))
+    view = memoryview(payload)
+    for i in range(count):
+        yield pb.Chunk(index=i, count=count, total_length=total, crc32=crc, data=bytes(view[i * chunk_bytes : (i + 1) * chunk_bytes]))
+
+
+class Assembler:
+    """Collects the chunks of one payload and verifies them."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.count = self.total = self.crc = None
+        self.size = 0
+
+    def add(self, chunk: pb.Chunk) -> bool:
+        """Adds a chunk; True once the payload is complete."""
+        if self.count is None:
+            if chunk.count < 1 or chunk.total_length > MAX_PAYLOAD_BYTES:
+                raise ProtocolError(f"bad chunk header: count {chunk.count}, total length {chunk.total_length}")
+            self.count, self.total, self.crc = chunk.count, chunk.total_length, chunk.crc32
+        elif (chunk.count, chunk.total_length, chunk.crc32) != (self.count, self.total, self.crc):
+            raise ProtocolError("chunk totals changed within one payload")
+        if chunk.index != len(self.parts):
+            raise ProtocolError(f"chunk {chunk.index} arrived, expected chunk {len(self.parts)} of {self.count}")
+        self.size += len(chunk.data)
+        if self.size > self.total:
+            raise ProtocolError(f"payload longer than announced: {self.size} > {self.total} bytes")
+        self.parts.append(chunk.data)
+        return len(self.parts) == self.count
+
+    def payload(self) -> bytes:
+        if self.count is None or len(self.parts) != self.count:
+            got = 0 if self.count is None else len(self.parts)
+            raise ProtocolError(f"truncated payload: {got} of {self.count or '?'} chunks, {self.size} of {self.total or '?'} bytes")
+        data = b"".join(self.parts)
+        if len(data) != self.total:
+            raise ProtocolError(f"truncated payload: {len(data)} of {self.total} bytes")
+        if zlib.crc32(data) != self.crc:
+            raise ProtocolError("payload checksum mismatch (corrupted in transit)")
+        return data
+
+
+async def read_frame(messages: AsyncIterator, head_field: str | None = None):
+    """(head, payload) of one framed message sequence: the head rides on the first message.
+
+    Returns the first message's oneof head (checked against `head_field` when given; an
+    `error` head is returned as is) and the verified payload.
+    """
+    first = None
+    assembler = Assembler()
+    async for message in messages:
+        if first is None:
+            first = message
+            which = message.WhichOneof("head")
+            if which == "error":
+                return message.error, b""
+            if head_field is not None and which != head_field:
+                raise ProtocolError(f"expected a {head_field} head, got {which or 'none'}")
+        elif message.WhichOneof("head") is not None:
+            raise ProtocolError("a head arrived in the middle of a payload")
+        if not message.HasField("chunk"):
+            raise ProtocolError("message without a payload chunk")
+        if assembler.add(message.chunk):
+            return getattr(first, first.WhichOneof("head")), assembler.payload()
+    if first is None:
+        raise ProtocolError("the stream ended before any message")
+    assembler.payload()  # raises: truncated
+    raise ProtocolError("truncated payload")
+
+
+def frame(message_type, head_field: str, head, payload: bytes) -> Iterator:
+    """The messages carrying `head` and `payload` (head on the first one)."""
+    for i, chunk in enumerate(split(payload)):
+        if i == 0:
+            yield message_type(**{head_field: head}, chunk=chunk)
+        else:
+            yield message_type(chunk=chunk)

@@ -1,0 +1,78 @@
+"""One peer's presence in the swarm: a hivemind P2P daemon plus a DHT node sharing it.
+
+Every process (bootstrap, stage, trainer, status) is one `SwarmNode`; the DHT node lives in the
+same asyncio loop as the RPC servicer, so there is no extra DHT process per peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
+
+
+@dataclass
+class NodeOptions:
+    """What hivemind and Petals users pass to a peer (see `peers/_args.py`)."""
+
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Sequence[str] | None = None
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    startup_timeout: float = 30.0
+    extra: dict = field(default_factory=dict)
+
+
+class SwarmNode:
+    def __init__(self, p2p: P2P, dht: DHTNode) -> None:
+        self.p2p = p2p
+        self.dht = dht
+
+    @classmethod
+    async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
+        options = options or NodeOptions()
+        initial = list(options.initial_peers)
+        try:
+            p2p = await P2P.create(
+                initial_peers=initial,
+                host_maddrs=list(options.host_maddrs),
+                announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,
+                identity_path=options.identity_path,
+                use_relay=options.use_relay,
+                use_auto_relay=options.use_auto_relay,
+                startup_timeout=options.startup_timeout,
+                dht_mode="client" if options.client_mode else "server",
+                **options.extra,
+            )
+        except Exception as e:
+            raise RuntimeError(f"the p2p daemon did not start: {e} (check --host_maddrs and --identity_path)") from e
+        try:
+            dht = await DHTNode.create(p2p=p2p, initial_peers=initial, client_mode=options.client_mode, num_workers=4)
+        except Exception as e:
+            await p2p.shutdown()
+            where = ", ".join(initial) or "no initial peers"
+            raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
+        return cls(p2p, dht)
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def maddrs(self) -> list[str]:
+        """Full multiaddrs others join with (`.../p2p/<peer id>`)."""
+        return [str(a) for a in await self.p2p.get_visible_maddrs()]
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Bounded: the DHT's goodbye talks to the daemon, which may already be gone."""
+        try:
+            await asyncio.wait_for(self.dht.shutdown(), timeout)
+        except Exception:
+            pass
+        finally:
+            await asyncio.wait_for(self.p2p.shutdown(), timeout)

@@ -1,0 +1,172 @@
+"""The stage peer's RPC servicer on hivemind's P2P (ServicerBase, our own protobufs).
+
+It frames and checks what arrives, hands micro-batches and steps to the `HostedStage`, and turns
+every failure into a one-line `ErrorReply`: a bad payload, a version mismatch or a stage this
+peer does not host never stops it serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase recognises typing's alias only)
+
+from hivemind.p2p import P2PContext, ServicerBase
+
+from protocols import stage_pb2 as pb
+from swarm.engine.microbatch import Kind
+from swarm.network import PROTOCOL_VERSION
+from swarm.network.announce import Announcer
+from swarm.network.calls import NAMESPACE, RemoteError
+from swarm.network.chunks import ProtocolError, frame, read_frame
+from swarm.network.hosted import HostedStage
+from swarm.network.node import SwarmNode
+
+log = logging.getLogger(__name__)
+_KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    text = text.splitlines()[0] if text else ""
+    if isinstance(e, RemoteError | ProtocolError) and text:
+        return text[:500]
+    return f"{type(e).__name__}: {text}"[:500] if text else type(e).__name__
+
+
+def _check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this peer speaks version {PROTOCOL_VERSION})")
+
+
+def _error(message: str) -> pb.StageReply:
+    return pb.StageReply(error=pb.ErrorReply(message=message))
+
+
+async def _linger(requests, timeout: float = 10.0) -> None:
+    """Keeps the stream open until the caller ends it.
+
+    Closing right after the last reply was seen to cut replies short on their way through p2pd
+    (the caller then reads fewer chunks, or none); the caller ends the stream once it has read
+    the whole reply, so waiting for that costs nothing.
+    """
+    try:
+        async def drain():
+            async for _ in requests:
+                pass
+        await asyncio.wait_for(drain(), timeout)
+    except Exception:
+        pass
+
+
+class StageServicer(ServicerBase):
+    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, confirm_timeout: float = 60.0) -> None:
+        self.node = node
+        self.hosted: dict[tuple[str, int], HostedStage] = {}
+        self.read_timeout, self.confirm_timeout = read_timeout, confirm_timeout
+        self.announcer = Announcer(node, self._records)
+        self._addrs: list[str] = []
+
+    async def start(self, announce: bool = True) -> None:
+        self._addrs = await self.node.maddrs()
+        await self.add_p2p_handlers(self.node.p2p, namespace=NAMESPACE)
+        if announce:
+            await self.announcer.announce_now()
+            self.announcer.start()
+
+    async def stop(self) -> None:
+        await self.announcer.stop()
+        for hosted in self.hosted.values():
+            hosted.close()
+
+    def host(self, hosted: HostedStage) -> HostedStage:
+        self.hosted[(hosted.run_id, hosted.stage)] = hosted
+        return hosted
+
+    async def unhost(self, run_id: str, stage: int) -> None:
+        hosted = self.hosted.pop((run_id, stage), None)
+        if hosted is not None:
+            hosted.close()
+
+    def _records(self):
+        return [(run_id, hosted.record(self._addrs)) for (run_id, _), hosted in self.hosted.items()]
+
+    def _find(self, run_id: str, stage: int) -> HostedStage:
+        hosted = self.hosted.get((run_id, stage))
+        if hosted is None:
+            have = ", ".join(f"{r}/stage{s}" for r, s in self.hosted) or "nothing"
+            raise RemoteError(f"this peer does not host stage {stage} of run {run_id!r} (it hosts {have})")
+        return hosted
+
+    # ---- streamed calls --------------------------------------------------------------------
+
+    async def rpc_forward(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
+        """One micro-batch: activations in, gradients (or DONE) out, then the caller's Confirm."""
+        sender = context.remote_id.to_base58()
+        try:
+            head, payload = await asyncio.wait_for(read_frame(requests, "micro_batch"), self.read_timeout)
+            _check_version(head.protocol_version)
+            if head.sender and head.sender != sender:
+                raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
+            hosted = self._find(head.run_id, head.stage)
+            outcome = await hosted.micro_batch(head, payload, sender)
+        except Exception as e:
+            log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
+            yield _error(one_line(e))
+            await _linger(requests)
+            return
+        result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route)
+        confirmed = False
+        try:
+            for message in frame(pb.StageReply, "result", result, outcome.payload):
+                yield message
+            try:
+                confirm = await asyncio.wait_for(anext(requests), self.confirm_timeout)
+                confirmed = confirm.WhichOneof("head") == "confirm" and confirm.confirm.ok
+            except (StopAsyncIteration, TimeoutError):
+                pass
+            else:
+                await _linger(requests)
+        finally:
+            try:
+                outcome.commit(confirmed)
+            except Exception as e:  # a stale commit must not kill the handler
+                log.warning("committing micro-batch state failed: %s", one_line(e))
+
+    async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
+        """One round of the synchronous step: tied gradients, norm, scale, apply."""
+        try:
+            head, payload = await asyncio.wait_for(read_frame(requests, "step"), self.read_timeout)
+            _check_version(head.protocol_version)
+            result, data = await self._find(head.run_id, head.stage).step(head, payload)
+        except Exception as e:
+            log.warning("step from %s rejected: %s", context.remote_id.to_base58()[-8:], one_line(e))
+            yield _error(one_line(e))
+            await _linger(requests)
+            return
+        for message in frame(pb.StageReply, "step", result, data):
+            yield message
+        await _linger(requests)
+
+    # ---- unary calls -----------------------------------------------------------------------
+
+    async def rpc_setup(self, request: pb.SetupRequest, context: P2PContext) -> pb.SetupReply:
+        try:
+            _check_version(request.protocol_version)
+            reply = await self._find(request.run_id, request.stage).setup(request)
+        except Exception as e:
+            return pb.SetupReply(error=one_line(e), peer_id=self.node.peer_id)
+        await self.announcer.announce_now()  # others see it ready now, not at the next refresh
+        return reply
+
+    async def rpc_info(self, request: pb.InfoRequest, context: P2PContext) -> pb.InfoReply:
+        reply = pb.InfoReply(protocol_version=PROTOCOL_VERSION, peer_id=self.node.peer_id, addrs=self._addrs)
+        try:
+            _check_version(request.protocol_version)
+        except ProtocolError as e:
+            reply.error = one_line(e)
+            return reply
+        for (run_id, _), hosted in sorted(self.hosted.items()):
+            if not request.run_id or request.run_id == run_id:
+                reply.stages.append(hosted.status())
+        return reply

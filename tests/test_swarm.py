@@ -1,0 +1,388 @@
+"""The swarm transport on real hivemind (loopback, never mocked).
+
+The oracle: with the same config and seed, stage peers talking over hivemind's P2P reproduce the
+single-process run's per-step losses, bytes and evaluations. Stage peers run in this process
+(each with its own p2p daemon and DHT node) for speed; one test runs `python -m swarm lab` with
+separate processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocols import stage_pb2 as pb
+from swarm.config import load_config
+from swarm.engine.microbatch import MicroBatch
+from swarm.network import PROTOCOL_VERSION
+from swarm.network.announce import discover
+from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
+from swarm.network.chunks import Assembler, ProtocolError, frame, read_frame, split
+from swarm.network.hosted import HostedStage, config_digest
+from swarm.network.loop import LoopThread
+from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
+from swarm.network.node import NodeOptions, SwarmNode
+from swarm.network.pipeline import SwarmPipeline
+from swarm.network.servicer import StageServicer
+from swarm.network.status import format_table, survey
+from swarm.results import ResultsWriter, read_results
+from swarm.run import Schedule, build_data, run_experiment, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+STEPS = 5
+HOSTS = 5
+
+
+def p2pd_count() -> int:
+    out = subprocess.run(["pgrep", "-c", "-x", "p2pd"], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
+class Swarm:
+    """A bootstrap peer, HOSTS stage hosts (each a P2P daemon + DHT node + servicer) and a trainer."""
+
+    def __init__(self) -> None:
+        self.loop = LoopThread("test-swarm")
+        self.boot = self.loop.run(SwarmNode.create())
+        self.maddrs = self.loop.run(self.boot.maddrs())
+        self.hosts: list[tuple[SwarmNode, StageServicer]] = []
+        for _ in range(HOSTS):
+            node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
+            servicer = StageServicer(node, read_timeout=10, confirm_timeout=10)
+            self.loop.run(servicer.start())
+            self.hosts.append((node, servicer))
+        self.trainer = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs, client_mode=True)))
+
+    def host(self, cfg, run_id: str, placement: list[tuple[int, int]]) -> list[HostedStage]:
+        """Hosts stage s on host h for every (s, h) and announces at once."""
+        hosted = []
+        for stage, index in placement:
+            node, servicer = self.hosts[index]
+            hosted.append(servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30)))
+        for _, index in placement:
+            self.loop.run(self.hosts[index][1].announcer.announce_now())
+        return hosted
+
+    def unhost(self, run_id: str) -> None:
+        for _, servicer in self.hosts:
+            for key in [k for k in servicer.hosted if k[0] == run_id]:
+                self.loop.run(servicer.unhost(*key))
+
+    def pipeline(self, cfg, run_id: str, steps: int, data) -> SwarmPipeline:
+        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id, timeout=30)
+        schedule = Schedule.of(cfg, len(data[0]), steps)
+        pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=20)
+        return pipeline
+
+    def close(self) -> None:
+        for node, servicer in self.hosts:
+            self.loop.run(servicer.stop())
+            self.loop.run(node.shutdown())
+        self.loop.run(self.trainer.shutdown())
+        self.loop.run(self.boot.shutdown())
+        self.loop.stop()
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    env = Swarm()
+    yield env
+    env.close()
+
+
+def smoke(*overrides: str):
+    return load_config(SMOKE, ["train.eval_every=0.5", *overrides])
+
+
+def swarm_rows(env: Swarm, cfg, steps: int = STEPS, placement=None):
+    run_id = uuid.uuid4().hex[:8]
+    env.host(cfg, run_id, placement or [(s, s) for s in range(cfg.model.num_stages)])
+    try:
+        data = build_data(cfg)
+        pipeline = env.pipeline(cfg, run_id, steps, data)
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, steps, progress=False)
+        return results.rows
+    finally:
+        env.unhost(run_id)
+
+
+def local_rows(cfg, tmp_path, steps: int = STEPS):
+    path = tmp_path / f"local-{uuid.uuid4().hex[:6]}.jsonl"
+    run_experiment(cfg, path, steps, progress=False)
+    return read_results(path)
+
+
+def assert_same_run(ours, theirs):
+    steps = [r for r in ours if r["type"] == "step"]
+    reference = [r for r in theirs if r["type"] == "step"]
+    assert len(steps) == len(reference) > 0
+    for a, b in zip(steps, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"])
+        assert a["bytes"] == b["bytes"]
+    evals = [r for r in ours if r["type"] == "eval"]
+    reference_evals = [r for r in theirs if r["type"] == "eval"]
+    assert len(evals) == len(reference_evals) > 0
+    for a, b in zip(evals, reference_evals, strict=True):
+        for mode in ("uncompressed", "compressed"):
+            for key, value in b[mode].items():
+                assert a[mode][key] == pytest.approx(value, rel=1e-5)
+    assert ours[-1]["bytes"] == theirs[-1]["bytes"]
+    assert ours[-1]["state_bytes"] == theirs[-1]["state_bytes"]
+
+
+CODECS = [
+    ("none", "none"),
+    ("quant:4", "quant:4"),
+    ("topk:0.1", "topk:reuse"),
+    ("topk:0.1+ef21", "topk:0.1+ef21"),
+    ("topk:0.3+aqsgd", "none"),
+]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize(("forward", "backward"), CODECS, ids=[f"{f}|{b}" for f, b in CODECS])
+def test_oracle_swarm_equals_single_process(swarm, tmp_path, stages, forward, backward):
+    cfg = smoke(f"model.num_stages={stages}", f"compression.forward={forward}", f"compression.backward={backward}")
+    assert_same_run(swarm_rows(swarm, cfg), local_rows(cfg, tmp_path))
+
+
+def test_oracle_with_clipping_and_two_peers_on_a_stage(swarm, tmp_path):
+    """Gradient clipping across stages, and a stage with two peers: one serves, both step."""
+    cfg = smoke("model.num_stages=3", "optimizer.grad_clip=0.05", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
+    rows = swarm_rows(swarm, cfg, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
+    assert_same_run(rows, local_rows(cfg, tmp_path))
+
+
+# ---- discovery and status ---------------------------------------------------------------------
+
+
+def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
+    cfg = smoke("model.num_stages=2")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 2), (1, 3)])
+    try:
+        records = swarm.loop.run(discover(swarm.trainer, run_id, 1))
+        assert {r.peer_id for r in records} == {swarm.hosts[i][0].peer_id for i in (1, 2, 3)}
+        assert all(r.version == PROTOCOL_VERSION and r.codecs == {"forward": "topk:0.2", "backward": "topk:reuse"} for r in records)
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 2, data)
+        assert len(pipeline.members[1]) == 3
+        train(cfg, pipeline, data, ResultsWriter(None), 2, progress=False)
+        rows = swarm.loop.run(survey(swarm.trainer, run_id))
+        assert sorted(r.stage for r in rows) == [0, 1, 1, 1]
+        assert all(r.reachable and r.ready for r in rows)
+        served = [r for r in rows if r.processed > 0]
+        assert {r.stage for r in served} == {0, 1}
+        assert any(link["sent"] and link["received"] for r in served for link in r.links)
+        table = format_table(rows)
+        assert run_id in table and "b0down" in table and "ago" in table
+    finally:
+        swarm.unhost(run_id)
+
+
+# ---- integrity, versions, unknown calls --------------------------------------------------------
+
+
+def test_chunks_verify_length_order_and_checksum():
+    payload = os.urandom(3 * 1024 * 1024 + 17)  # > 2 MiB: several chunks
+    chunks = list(split(payload))
+    assert len(chunks) == 4 and all(len(c.data) <= 1 << 20 for c in chunks)
+    assembler = Assembler()
+    assert [assembler.add(c) for c in chunks] == [False, False, False, True]
+    assert assembler.payload() == payload
+    short = Assembler()
+    for c in chunks[:2]:
+        short.add(c)
+    with pytest.raises(ProtocolError, match="truncated"):
+        short.payload()
+    out_of_order = Assembler()
+    out_of_order.add(chunks[0])
+    with pytest.raises(ProtocolError, match="expected chunk 1"):
+        out_of_order.add(chunks[2])
+    (single,) = split(b"activations")
+    single.data = b"activatiOns"
+    corrupt = Assembler()
+    assert corrupt.add(single)
+    with pytest.raises(ProtocolError, match="checksum"):
+        corrupt.payload()
+
+
+def test_raw_tensors_and_batch_meta_round_trip_and_validate():
+    batch = MicroBatch(3, 1, torch.arange(5), torch.tensor([1, 0, 2, 9, 4]), weight=0.25, exact=True)
+    back = meta_to_batch(batch_to_meta(batch))
+    assert back.key == batch.key and back.weight == 0.25 and back.exact
+    assert torch.equal(back.sample_ids, batch.sample_ids) and torch.equal(back.targets, batch.targets)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    assert torch.equal(raw_to_tensor(tensor_to_raw(x)), x)
+    raw = tensor_to_raw(x)
+    raw.data = raw.data[:-1]
+    with pytest.raises(ProtocolError, match="bytes for shape"):
+        raw_to_tensor(raw)
+    with pytest.raises(ProtocolError, match="unknown dtype"):
+        raw_to_tensor(pb.RawTensor(dtype="complex32", shape=[1], data=b"12345678"))
+    meta = batch_to_meta(batch)
+    meta.targets.CopyFrom(tensor_to_raw(torch.tensor([1, 2])))
+    with pytest.raises(ProtocolError, match="do not match"):
+        meta_to_batch(meta)
+
+
+async def _raw_call(p2p, peer_id: str, messages, method: str = "rpc_forward"):
+    stream = await _Stream.open(p2p, peer_id, method)
+    try:
+        for message in messages:
+            await stream.send(message)
+        await stream.end()
+        return await asyncio.wait_for(read_frame(stream.replies()), 20)
+    finally:
+        stream.close()
+
+
+def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
+    cfg = smoke("model.num_stages=1")
+    run_id = uuid.uuid4().hex[:8]
+    (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
+    peer = hosted.node.peer_id
+    p2p = swarm.trainer.p2p
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 2, data)
+        ids, x, y = torch.arange(4), torch.stack([data[0][i][1] for i in range(4)]), torch.tensor([data[0][i][2] for i in range(4)])
+        batch = MicroBatch(0, 0, ids, y)
+        head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, sender=swarm.trainer.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=10)
+        payload = tensor_to_raw(x).SerializeToString()
+        good = list(frame(pb.StageRequest, "micro_batch", head, payload))
+
+        corrupted = [pb.StageRequest() for _ in good]
+        for a, b in zip(corrupted, good, strict=True):
+            a.CopyFrom(b)
+        corrupted[0].chunk.crc32 = zlib.crc32(b"something else")
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, corrupted))
+        assert isinstance(error, pb.ErrorReply) and "checksum" in error.message and "\n" not in error.message
+
+        truncated = [pb.StageRequest()]
+        truncated[0].CopyFrom(good[0])
+        truncated[0].chunk.count, truncated[0].chunk.total_length = 2, len(payload) + 10
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, truncated))
+        assert isinstance(error, pb.ErrorReply) and "truncated" in error.message
+
+        future = pb.MicroBatchHead()
+        future.CopyFrom(head)
+        future.protocol_version = 99
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", future, payload)))
+        assert "protocol version 99 is not supported" in error.message
+
+        elsewhere = pb.MicroBatchHead()
+        elsewhere.CopyFrom(head)
+        elsewhere.stage = 5
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", elsewhere, payload)))
+        assert "does not host stage 5" in error.message
+
+        bad_targets = pb.MicroBatchHead()
+        bad_targets.CopyFrom(head)
+        bad_targets.batch.targets.data = b"\x00"
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", bad_targets, payload)))
+        assert "targets" in error.message
+
+        with pytest.raises(Exception):  # noqa: B017 (hivemind reports an unknown protocol in several ways)
+            swarm.loop.run(asyncio.wait_for(p2p.call_protobuf_handler(hosted.node.p2p.peer_id, handle_name("rpc_bogus"), pb.InfoRequest(), pb.InfoReply), 10))
+        reply = swarm.loop.run(call_info(p2p, peer, "", 10))
+        assert reply.peer_id == peer
+        old = swarm.loop.run(p2p.call_protobuf_handler(hosted.node.p2p.peer_id, handle_name("rpc_info"), pb.InfoRequest(protocol_version=0), pb.InfoReply))
+        assert "protocol version 0" in old.error
+        with pytest.raises(RemoteError, match="config mismatch"):
+            request = pb.SetupRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, config_digest="0" * 16, lr_horizon=2)
+            swarm.loop.run(call_setup(p2p, peer, request, 10))
+
+        # the peer kept serving: a good micro-batch still trains
+        metrics = pipeline.run(batch, x)
+        assert metrics["count"] == 4 and torch.isfinite(torch.tensor(metrics["loss"]))
+        assert hosted.processed == 1
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_config_digest_covers_what_stages_compute():
+    base = smoke()
+    assert config_digest(base) == config_digest(smoke("train.batch_size=20", "name=other"))
+    assert config_digest(base) != config_digest(smoke("compression.forward=quant:4", "compression.backward=none"))
+    assert config_digest(base) != config_digest(smoke("seed=1"))
+
+
+# ---- separate processes ---------------------------------------------------------------------
+
+
+def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
+    before = p2pd_count()
+    results = tmp_path / "lab.jsonl"
+    overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
+    sets = [a for o in overrides for a in ("--set", o)]
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), *sets],
+        capture_output=True, text=True, timeout=150, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
+    cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
+    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
+    assert p2pd_count() == before  # every daemon the lab started is gone
+
+
+def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
+    """Stage 1 has two peers; the one serving dies mid-run; stage 0 retries on the other."""
+    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
+    run_id = uuid.uuid4().hex[:8]
+    victim = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs)))
+    victim_servicer = StageServicer(victim)
+    swarm.loop.run(victim_servicer.start())
+    try:
+        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+        backup = hosted[1]
+        doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
+        swarm.loop.run(victim_servicer.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 4, data)
+        assert len(pipeline.members[1]) == 2
+        hosted[0].downstream = victim.peer_id  # make the victim the peer in use
+        schedule = split_batches(cfg, data)
+        for batch, x in schedule[0]:
+            pipeline.run(batch, x)
+        pipeline.step()
+        assert doomed.processed == cfg.train.micro_batches and backup.processed == 0
+        swarm.loop.run(victim_servicer.stop())
+        swarm.loop.run(victim.shutdown())
+        losses = []
+        for step in schedule[1:3]:
+            losses += [pipeline.run(batch, x)["loss"] for batch, x in step]
+            pipeline.step()
+        assert backup.processed == 2 * cfg.train.micro_batches
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert victim.peer_id not in pipeline.members[1]
+        assert hosted[0].router.bans.banned(victim.peer_id)
+    finally:
+        swarm.unhost(run_id)
+
+
+def split_batches(cfg, data, steps: int = 3):
+    """The first `steps` steps' (MicroBatch, inputs) pairs, as swarm.run.train would make them."""
+    from swarm.data import collate
+    from swarm.engine.microbatch import Mode
+    from swarm.run import split_micro_batches
+
+    train_set = data[0]
+    out = []
+    for step in range(steps):
+        items = [train_set[i] for i in range(step * cfg.train.batch_size, (step + 1) * cfg.train.batch_size)]
+        ids, inputs, targets = collate(items)
+        out.append(split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, False))
+    return out
