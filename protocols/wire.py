@@ -1,8 +1,9 @@
 """`Encoded` <-> bytes of a `CompressedTensor` message, validated before anything is allocated.
 
-Every buffer is counted in `buffer_length` and covered by a crc32, both written last, so a
-truncated or corrupted payload is caught here rather than trusted (hivemind's stream
-reassembly does not check lengths).
+The payload is the serialized message followed by its `checksum` field (field 15, fixed32): the
+crc32 of every byte before it, header fields included. A truncated or corrupted payload (in a
+buffer, a shape, a dtype or a state stamp) is caught here rather than trusted (hivemind's stream
+reassembly does not check lengths). `buffer_length` also counts the buffers' bytes.
 """
 
 from __future__ import annotations
@@ -88,14 +89,17 @@ def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Checksum:
+    """Counts buffer bytes (the crc32 covers the whole message, see encode)."""
+
     def __init__(self) -> None:
-        self.crc = 0
         self.length = 0
 
     def add(self, data: bytes) -> bytes:
-        self.crc = zlib.crc32(data, self.crc)
         self.length += len(data)
         return data
+
+
+_CHECKSUM_TAG = bytes([(15 << 3) | 5])  # field 15, wire type fixed32: the last 5 bytes of a payload
 
 
 # ---- encode --------------------------------------------------------------------------------------
@@ -151,8 +155,8 @@ def encode(enc: Encoded) -> bytes:
         msg.state.sample_versions.extend(enc.stamp.sample_versions)
         msg.state.warmup = enc.stamp.warmup
     msg.buffer_length = check.length
-    msg.checksum = check.crc
-    return msg.SerializeToString()
+    body = msg.SerializeToString()
+    return body + _CHECKSUM_TAG + zlib.crc32(body).to_bytes(4, "little")
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -253,6 +257,10 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     """Parse and validate a payload; raises PayloadError with a one-line reason."""
     if len(payload) > limits.max_payload_bytes:
         raise PayloadError(f"payload of {len(payload)} bytes exceeds the limit of {limits.max_payload_bytes}")
+    if len(payload) < 5 or payload[-5:-4] != _CHECKSUM_TAG:
+        raise PayloadError("payload is truncated: it does not end with its checksum")
+    if zlib.crc32(memoryview(payload)[:-5]) != int.from_bytes(payload[-4:], "little"):
+        raise PayloadError("payload checksum mismatch")
     msg = pb.CompressedTensor()
     try:
         msg.ParseFromString(payload)
@@ -273,11 +281,6 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     length = sum(len(b) for b in buffers)
     if length != msg.buffer_length:
         raise PayloadError(f"payload carries {length} buffer bytes, header says {msg.buffer_length}")
-    crc = 0
-    for b in buffers:
-        crc = zlib.crc32(b, crc)
-    if crc != msg.checksum:
-        raise PayloadError("payload checksum mismatch")
     which = msg.WhichOneof("body")
     if which == "raw":
         body: RawPart | QuantPart | SparsePart = _raw_from(msg.raw, numel)
@@ -293,13 +296,5 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         enc.index_digest = body.index_digest
     return enc
 
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a tensor (used by benchmarks and stores)."""
-    return _to_bytes(t)
-
-
-def tensor_from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
-    return _from_bytes(data, dtype)
 
 

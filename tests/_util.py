@@ -44,7 +44,7 @@ def make(shape, dtype=torch.float32, layout="contiguous", scale=1.0, gen=None):
 
 
 def buffers_of(msg: pb.CompressedTensor) -> list[bytes]:
-    """Every buffer field of a message, in schema order (what buffer_length/checksum cover)."""
+    """Every buffer field of a message, in schema order (what buffer_length counts)."""
 
     def quant(q):
         return [q.codes, q.lows, q.steps]
@@ -62,14 +62,13 @@ def buffers_of(msg: pb.CompressedTensor) -> list[bytes]:
 
 
 def seal(msg: pb.CompressedTensor) -> bytes:
-    """Recompute buffer_length and checksum so a hand-made message passes the integrity check."""
-    bufs = buffers_of(msg)
-    crc = 0
-    for b in bufs:
-        crc = zlib.crc32(b, crc)
-    msg.buffer_length = sum(len(b) for b in bufs)
-    msg.checksum = crc
-    return msg.SerializeToString()
+    """Recompute buffer_length and checksum so a hand-made message passes the integrity check:
+    the checksum is the crc32 of the serialized message without it, appended as field 15."""
+    msg.buffer_length = sum(len(b) for b in buffers_of(msg))
+    msg.ClearField("checksum")
+    body = msg.SerializeToString()
+    msg.checksum = zlib.crc32(body)
+    return body + bytes([(15 << 3) | 5]) + msg.checksum.to_bytes(4, "little")
 
 
 def parse_pb(payload: bytes) -> pb.CompressedTensor:
