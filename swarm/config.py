@@ -24,7 +24,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _check_spec(value: str) -> str:
+def _check_spec(value: str | None) -> str | None:
+    if value is None:
+        return value
     try:
         parse(value)
     except SpecError as e:
@@ -41,24 +43,33 @@ class LinkConfig(_Strict):
     _forward_ok = field_validator("forward")(_check_spec)
     _backward_ok = field_validator("backward")(_check_spec)
 
-    @model_validator(mode="after")
-    def _reuse_needs_topk(self) -> LinkConfig:
+    def check(self, where: str) -> None:
         if parse(self.backward).reuses_indices and not parse(self.forward).codec.sparse:
-            raise ValueError("backward topk:reuse needs a topk forward codec on the same boundary")
+            raise ValueError(f"{where}: backward topk:reuse needs a topk forward codec on the same boundary")
         if parse(self.forward).reuses_indices:
-            raise ValueError("topk:reuse is for the backward direction only")
-        return self
+            raise ValueError(f"{where}: topk:reuse is for the backward direction only")
+
+
+class LinkOverride(_Strict):
+    """A boundary's own settings; an unset direction keeps the default."""
+
+    forward: str | None = None
+    backward: str | None = None
+
+    _forward_ok = field_validator("forward")(_check_spec)
+    _backward_ok = field_validator("backward")(_check_spec)
 
 
 class CompressionConfig(LinkConfig):
     """Defaults for every boundary, with per-boundary overrides (boundary i sits after stage i)."""
 
-    boundaries: dict[int, LinkConfig] = Field(default_factory=dict)
+    boundaries: dict[int, LinkOverride] = Field(default_factory=dict)
     store_dir: str | None = None  # disk-backed AQ-SGD / per-sample EF buffers go here
     store_capacity: int | None = None  # samples per disk-backed buffer (the train set size)
 
     def link(self, boundary: int) -> LinkConfig:
-        return self.boundaries.get(boundary, LinkConfig(forward=self.forward, backward=self.backward))
+        own = self.boundaries.get(boundary, LinkOverride())
+        return LinkConfig(forward=own.forward or self.forward, backward=own.backward or self.backward)
 
 
 class ModelConfig(_Strict):
@@ -121,6 +132,16 @@ class ExperimentConfig(_Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+
+    @model_validator(mode="after")
+    def _links_fit_the_model(self) -> ExperimentConfig:
+        boundaries = self.model.num_stages - 1
+        extra = sorted(b for b in self.compression.boundaries if not 0 <= b < boundaries)
+        if extra:
+            raise ValueError(f"compression.boundaries: {self.model.num_stages} stages have boundaries 0..{boundaries - 1}, got {extra}")
+        for b in range(max(boundaries, 1)):
+            self.compression.link(b).check(f"compression (boundary {b})")
+        return self
 
     @field_validator("device")
     @classmethod
