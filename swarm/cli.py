@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. --set compression.forward=topk:0.1")
     run.add_argument("--device", help="cpu, cuda, cuda:N (overrides the config)")
+    run.add_argument("--checkpoint_dir", help="save checkpoints here and resume from the newest one it holds")
+    run.add_argument("--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)")
     lab = commands.add_parser("lab", help="a swarm on this machine: bootstrap, stage peers and trainer as separate processes")
     lab.add_argument("config", help="experiment YAML (see configs/)")
     lab.add_argument("--stages", type=_positive_int, required=True, help="number of stage peers (the model is split into this many stages)")
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     from swarm.config import ConfigError, load_config
-    from swarm.run import describe, run_experiment
+    from swarm.run import Checkpointing, describe, run_experiment
 
     overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
     try:
@@ -63,7 +65,11 @@ def run_command(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty())
+    if args.checkpoint_every and not args.checkpoint_dir:
+        print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
+        return 2
+    checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+    summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
     print("\n".join(describe(summary, args.results)))
     return 0
 

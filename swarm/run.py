@@ -7,7 +7,9 @@ The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.results import ResultsWriter
+from swarm.results import ResultsWriter, read_results
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,15 @@ class Schedule:
                 total = min(total, cap)
         horizon = total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
         return cls(per_epoch, total, max(1, round(cfg.train.eval_every * per_epoch)), round(cfg.train.warmup_epochs * per_epoch), horizon)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often `train` checkpoints every stage and its own position."""
+
+    directory: str
+    every: int | None = None  # steps between checkpoints; None: after every evaluation
+    keep: int = 2  # newest checkpoints kept
 
 
 def build_data(cfg: ExperimentConfig):
@@ -82,21 +93,47 @@ def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in now.items() if k.endswith(".train") and v - before.get(k, 0)}
 
 
-def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_steps: int | None = None, progress: bool = True) -> dict:
-    """The training loop; returns the summary row (also written to `results`)."""
+def _skip_batches(loader: DataLoader, count: int):
+    """An iterator over `loader` past its first `count` batches, drawing the same random numbers
+    as iterating them (in one process without loading them)."""
+    batches = iter(loader)
+    indices = getattr(batches, "_sampler_iter", None) if loader.num_workers == 0 else None
+    for _ in range(count):
+        next(indices if indices is not None else batches)
+    return batches
+
+
+def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+    """The training loop; returns the summary row (also written to `results`).
+
+    With `checkpoint`, it resumes from the newest complete checkpoint in its directory (the
+    pipeline needs `save_checkpoint` / `load_checkpoint`) and saves new ones as it goes.
+    """
     from tqdm import tqdm
 
     from swarm.data import collate
 
     train_set, test_set = data
     schedule = Schedule.of(cfg, len(train_set), max_steps)
-    results.write({"type": "config", "name": cfg.name, "config": cfg.model_dump(mode="json"), "started": datetime.datetime.now(datetime.UTC).isoformat()})
+    if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
+        results.write({"type": "config", "name": cfg.name, "config": cfg.model_dump(mode="json"), "started": datetime.datetime.now(datetime.UTC).isoformat()})
     generator = torch.Generator().manual_seed(cfg.seed)
-    started = time.perf_counter()
-    step, samples = 0, 0
+    step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
-    bytes_before: dict[str, int] = {}
-    bar = tqdm(total=schedule.total_steps, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True)
+    if checkpoint is not None:
+        from swarm.engine.checkpoint import latest_run, load_run
+
+        latest = latest_run(checkpoint.directory)
+        if latest is not None:
+            state = load_run(latest, pipeline)
+            step, samples, epoch, done_in_epoch, elapsed = state["step"], state["samples"], state["epoch"], state["batch"], state["time_s"]
+            generator.set_state(state["generator"])
+            torch.set_rng_state(state["rng"])
+            evals = json.loads(state["evals"])
+            print(f"resuming from checkpoint {latest} at step {step}", file=sys.stderr)
+    started = time.perf_counter() - elapsed
+    bytes_before: dict[str, int] = pipeline.link_bytes() if step else {}
+    bar = tqdm(total=schedule.total_steps, initial=step, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True)
 
     def run_eval() -> None:
         row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
@@ -107,12 +144,19 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
         results.write(row)
         bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
 
-    epoch = 0
+    def save_checkpoint(epoch_start: torch.Tensor) -> None:
+        from swarm.engine.checkpoint import save_run
+
+        position = {"epoch": epoch, "batch": done_in_epoch, "generator": epoch_start, "rng": torch.get_rng_state(), "samples": samples, "evals": json.dumps(evals), "time_s": time.perf_counter() - started}
+        save_run(checkpoint.directory, step, pipeline, position, checkpoint.keep)
+
     while step < schedule.total_steps:
         if hasattr(train_set, "set_epoch"):
             train_set.set_epoch(epoch)
+        epoch_start = generator.get_state()  # what replays this epoch's order on resume
         loader = DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True, generator=generator, collate_fn=collate)
-        for ids, inputs, targets in loader:
+        for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
+            done_in_epoch += 1
             exact = step < schedule.warmup_steps
             losses = []
             for batch, x in split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact):
@@ -126,11 +170,15 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
             bytes_before = now
             bar.update(1)
             bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
-            if step % schedule.eval_every_steps == 0 or step == schedule.total_steps:
+            evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
+            if evaluated:
                 run_eval()
+            if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
+                save_checkpoint(epoch_start)
             if step >= schedule.total_steps:
                 break
-        epoch += 1
+        else:
+            epoch, done_in_epoch = epoch + 1, 0
     bar.close()
     totals = {k.removesuffix(".train"): v for k, v in pipeline.link_bytes().items() if k.endswith(".train")}
     summary = {
@@ -162,15 +210,33 @@ def describe(summary: dict, results_path=None) -> list[str]:
     return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
 
 
-def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True) -> dict:
-    """Single-process run: the in-process transport."""
+def _rows_until(results_path, step: int) -> list[dict]:
+    """A resumed run's results so far: the config and the step and eval rows up to `step`."""
+    try:
+        rows = read_results(results_path)
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
+
+
+def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
     from swarm.engine.build import build_local_pipeline
 
     data = build_data(cfg)
     schedule = Schedule.of(cfg, len(data[0]), max_steps)
     pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+    kept = []
+    if checkpoint is not None and results_path is not None:
+        from swarm.engine.checkpoint import latest_run
+
+        latest = latest_run(checkpoint.directory)
+        if latest is not None:
+            kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
     results = ResultsWriter(results_path)
+    for row in kept:
+        results.write(row)
     try:
-        return train(cfg, pipeline, data, results, max_steps, progress)
+        return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
     finally:
         results.close()

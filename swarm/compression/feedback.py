@@ -107,6 +107,13 @@ class Sender:
     def reset(self) -> None:
         """Forget all state (a new peer on the other end)."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this end: its state table, if it has one."""
+        return _table_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        _load_table_state(self, state)
+
     @property
     def state_bytes(self) -> int:
         return 0
@@ -132,9 +139,29 @@ class Receiver:
     def reset(self) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        return _table_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        _load_table_state(self, state)
+
     @property
     def state_bytes(self) -> int:
         return 0
+
+
+def _table_state(end) -> dict:
+    table = getattr(end, "table", None)
+    return {} if table is None else {"table": table.state_dict()}
+
+
+def _load_table_state(end, state: dict) -> None:
+    table = getattr(end, "table", None)
+    if (table is None) != ("table" not in state):
+        have, got = ("no" if table is None else "a"), ("no" if "table" not in state else "a")
+        raise ValueError(f"checkpoint has {got} error-feedback state where this {type(end).__name__} keeps {have} state (was the compression spec changed?)")
+    if table is not None:
+        table.load_state_dict(state["table"])
 
 
 def _table(per_sample: bool, store: str, path, capacity):

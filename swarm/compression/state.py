@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,15 @@ class GlobalState:
 
     def reset(self) -> None:
         self._buffers.clear()
+
+    def state_dict(self) -> dict:
+        """The buffers and their versions (plain tensors and ints: a checkpoint)."""
+        return {"kind": "global", "buffers": [{"shape": list(shape), "values": buf.cpu().clone(), "version": int(version)} for shape, (buf, version) in self._buffers.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "global":
+            raise ValueError(f"checkpoint holds a {state.get('kind')!r} state table, this link keeps a global one")
+        self._buffers = {tuple(b["shape"]): (b["values"].float().clone(), int(b["version"])) for b in state["buffers"]}
 
     @property
     def nbytes(self) -> int:
@@ -201,6 +211,55 @@ class SampleStore:
         self._slots.clear()
         if self._versions is not None:
             self._versions.zero_()
+
+    def _rows_crc(self, n: int) -> int:
+        return zlib.crc32(self._rows[:n].numpy().tobytes()) if n else 0
+
+    def state_dict(self) -> dict:
+        """Slots, versions and (in memory) rows. A disk-backed store's rows stay in its memmap
+        file; the checkpoint keeps their crc32, so loading refuses rows changed since."""
+        n = len(self._slots)
+        ids = sorted(self._slots, key=self._slots.get)  # slot order: ids[slot] is the sample id
+        state = {
+            "kind": "samples",
+            "fmt": self.fmt,
+            "row_shape": None if self._row_shape is None else list(self._row_shape),
+            "ids": torch.tensor(ids, dtype=torch.long),
+            "versions": torch.zeros(0, dtype=torch.long) if self._versions is None else self._versions[:n].clone(),
+            "path": None if self.path is None else str(self.path),
+        }
+        if self.path is None:
+            state["rows"] = None if self._rows is None else self._rows[:n].clone()
+        else:
+            state["rows_crc32"] = self._rows_crc(n) if self._rows is not None else 0
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "samples":
+            raise ValueError(f"checkpoint holds a {state.get('kind')!r} state table, this link keeps per-sample rows")
+        if state["fmt"] != self.fmt:
+            raise ValueError(f"checkpoint stores rows as {state['fmt']}, this store as {self.fmt}")
+        ids = [int(i) for i in state["ids"].tolist()]
+        self._slots, self._row_shape, self._format, self._rows, self._versions = {}, None, None, None, None
+        if state["row_shape"] is None:
+            return
+        row_shape = tuple(state["row_shape"])
+        if self.path is None:
+            self._ensure(row_shape, len(ids))
+            self._rows[: len(ids)] = state["rows"]
+        else:
+            self._row_shape, self._format = row_shape, RowFormat(self.fmt, math.prod(row_shape))
+            if not os.path.exists(self.path):
+                raise FileNotFoundError(f"the disk-backed state store {self.path} is gone; its rows are not in the checkpoint")
+            mm = np.lib.format.open_memmap(self.path, mode="r+")
+            if mm.shape != (self.capacity, self._format.row_bytes) or mm.dtype != np.uint8:
+                raise ValueError(f"state store {self.path} holds {mm.shape} {mm.dtype}, expected ({self.capacity}, {self._format.row_bytes}) uint8")
+            self._rows = torch.from_numpy(mm)
+            self._versions = torch.zeros(self.capacity, dtype=torch.long)
+            if self._rows_crc(len(ids)) != state.get("rows_crc32", 0):
+                raise ValueError(f"the rows in {self.path} changed since this checkpoint (disk-backed stores keep rows in place: only the newest checkpoint can resume)")
+        self._versions[: len(ids)] = state["versions"]
+        self._slots = {i: slot for slot, i in enumerate(ids)}
 
     @property
     def samples(self) -> int:

@@ -71,6 +71,29 @@ class LinkEnd:
         self.receiver.reset()
         self.selections.clear()
 
+    def state_dict(self) -> dict:
+        """Compression state of both ends and the byte counters; only between micro-batches."""
+        if self.selections:
+            raise RuntimeError(f"boundary {self.boundary} has {len(self.selections)} micro-batch(es) in flight; checkpoint between steps")
+        return {
+            "boundary": self.boundary,
+            "upstream": self.upstream,
+            "specs": [self.forward_spec.text, self.backward_spec.text],
+            "sender": self.sender.state_dict(),
+            "receiver": self.receiver.state_dict(),
+            "bytes": [[mode, direction, int(n)] for (mode, direction), n in self.bytes.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = (self.boundary, self.upstream, [self.forward_spec.text, self.backward_spec.text])
+        theirs = (state["boundary"], state["upstream"], list(state["specs"]))
+        if mine != theirs:
+            raise ValueError(f"checkpoint is for link end (boundary, upstream, specs) {theirs}, this one is {mine}")
+        self.sender.load_state_dict(state["sender"])
+        self.receiver.load_state_dict(state["receiver"])
+        self.selections.clear()
+        self.bytes = Counter({(mode, direction): n for mode, direction, n in state["bytes"]})
+
     @property
     def state_bytes(self) -> int:
         return self.sender.state_bytes + self.receiver.state_bytes

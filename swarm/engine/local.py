@@ -73,3 +73,19 @@ class LocalPipeline:
 
     def state_bytes(self) -> int:
         return sum(r.state_bytes() for r in self.runtimes)
+
+    def save_checkpoint(self, directory, step: int) -> None:
+        """One file per stage, `stage<i>.pt`, in `directory`."""
+        from swarm.engine.checkpoint import save_stage
+
+        for r in self.runtimes:
+            save_stage(r, f"{directory}/stage{r.index}.pt", step)
+
+    def load_checkpoint(self, directory) -> int:
+        """Load every stage's file from `directory`; returns the step they were saved at."""
+        from swarm.engine.checkpoint import load_stage
+
+        steps = {load_stage(r, f"{directory}/stage{r.index}.pt") for r in self.runtimes}
+        if len(steps) != 1:
+            raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
+        return steps.pop()

@@ -208,3 +208,9 @@ class SwarmPipeline:
 
     def state_bytes(self) -> int:
         return sum(status.state_bytes for status in self.statuses())
+
+    def save_checkpoint(self, directory, step: int) -> None:
+        raise NotImplementedError("checkpoints of a swarm run are not supported yet (use python -m swarm run --checkpoint_dir)")
+
+    def load_checkpoint(self, directory) -> int:
+        raise NotImplementedError("resuming a swarm run from a checkpoint is not supported yet (use python -m swarm run --checkpoint_dir)")
