@@ -9,7 +9,7 @@ import sys
 from swarm.allocator import keep_freed_memory
 
 
-def _positive_float(text: str) -> float:
+def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     codecs = which.add_parser("codecs", help="bits per element, error and speed of every codec")
     codecs.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     codecs.add_argument("--repeat", type=_positive_int, default=3, help="timed repeats per row (median is reported)")
-    codecs.add_argument("--scale", type=_positive_float, default=1.0, help="shrink the batch dimension of the tensors (0, 1]")
+    codecs.add_argument("--scale", type=_fraction, default=1.0, help="shrink the batch dimension of the tensors (0, 1]")
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
     run.add_argument("config", help="experiment YAML (see configs/)")
     run.add_argument("--results", help="write JSON-lines results here")
@@ -69,7 +69,11 @@ def run_command(args: argparse.Namespace) -> int:
         print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
         return 2
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
-    summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
+    try:
+        summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
+    except (ValueError, OSError) as e:  # bad model/data options, missing data, unwritable paths
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
     print("\n".join(describe(summary, args.results)))
     return 0
 

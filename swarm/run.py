@@ -59,10 +59,14 @@ def build_data(cfg: ExperimentConfig):
 
 
 def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode, exact: bool):
-    """(MicroBatch, inputs) pairs; loss weights make the gradients add up to the batch mean."""
+    """(MicroBatch, inputs) pairs; loss weights make the gradients add up to the batch mean.
+
+    tensor_split gives exactly `count` pieces (chunk may give fewer), sizes differing by at most 1.
+    """
     total = ids.numel()
     out = []
-    for index, (i, x, y) in enumerate(zip(ids.chunk(count), inputs.chunk(count), targets.chunk(count), strict=True)):
+    pieces = zip(ids.tensor_split(count), inputs.tensor_split(count), targets.tensor_split(count), strict=True)
+    for index, (i, x, y) in enumerate(pieces):
         out.append((MicroBatch(step, index, i, y, mode, i.numel() / total, exact), x))
     return out
 

@@ -63,3 +63,11 @@ def test_bad_configs_fail_with_one_line(tmp_path):
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = cli("report", str(broken))
     assert result.returncode == 2 and result.stderr.startswith("error:")
+
+
+def test_bad_options_and_paths_fail_with_one_line(tmp_path):
+    result = cli("run", str(SMOKE), "--set", "model.options={bogus: 1}")
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert "bogus" in result.stderr
+    result = cli("run", str(SMOKE), "--set", "data.options={train_size: 10}")
+    assert result.returncode == 2 and "smaller than one batch" in result.stderr

@@ -228,3 +228,13 @@ def test_gpt2_recipe_with_topk_reuse_reduces_the_loss(tiny_text, tmp_path):
     steps = [r["loss"] for r in read_results(tmp_path / "g.jsonl") if r["type"] == "step"]
     assert sum(steps[-3:]) / 3 < 0.8 * sum(steps[:3]) / 3
     assert "perplexity" in summary["final"]["uncompressed"]
+
+
+def test_micro_batch_split_gives_the_asked_count_and_weights_sum_to_one():
+    from swarm.run import split_micro_batches
+
+    ids = torch.arange(6)
+    parts = split_micro_batches(0, ids, torch.randn(6, 3), torch.zeros(6), 4, Mode.TRAIN, False)
+    assert [b.size for b, _ in parts] == [2, 2, 1, 1]
+    assert math.isclose(sum(b.weight for b, _ in parts), 1.0)
+    assert torch.equal(torch.cat([b.sample_ids for b, _ in parts]), ids)

@@ -16,7 +16,7 @@ from hivemind.p2p import P2P
 
 @dataclass
 class NodeOptions:
-    """What hivemind and Petals users pass to a peer (see `peers/_args.py`)."""
+    """What hivemind and Petals users pass to a peer (see `peers/_common.py`)."""
 
     initial_peers: Sequence[str] = ()
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
