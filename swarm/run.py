@@ -71,26 +71,15 @@ def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode,
     return out
 
 
-def summarize(sums: Counter, language_model: bool) -> dict[str, float]:
-    """Metric sums over micro-batches -> means (and perplexity for language models)."""
-    count = sums.get("count", 0) or 1
-    out = {}
-    if "loss_sum" in sums:
-        out["loss"] = sums["loss_sum"] / count
-        if language_model:
-            out["perplexity"] = math.exp(min(out["loss"], 50.0))
-    if "correct" in sums:
-        out["accuracy"] = sums["correct"] / count
-    return out
-
-
 def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
     loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
     sums: Counter = Counter()
     for index, (ids, inputs, targets) in enumerate(loader):
         batch = MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact)
         sums.update(pipeline.run(batch, inputs))
-    return summarize(sums, cfg.data.name == "wikitext2")
+    from swarm.models import summarize
+
+    return summarize(sums, perplexity=cfg.data.name == "wikitext2")
 
 
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:

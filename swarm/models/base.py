@@ -174,16 +174,17 @@ def loss_metrics(loss: LossFn) -> MetricsFn:
     return metrics
 
 
-def summarize(totals: dict[str, float]) -> dict[str, float]:
-    """Summed metrics -> means: accuracy, loss and perplexity where their sums are present."""
+def summarize(totals: dict[str, float], perplexity: bool = True) -> dict[str, float]:
+    """Summed metrics -> means: loss, accuracy, and perplexity (language models) where present."""
     out: dict[str, float] = {}
     count = totals.get("count", 0.0)
     if count:
-        if "correct" in totals:
-            out["accuracy"] = totals["correct"] / count
         if "loss_sum" in totals:
             out["loss"] = totals["loss_sum"] / count
-            out["perplexity"] = math.exp(min(out["loss"], 700.0))
+            if perplexity:
+                out["perplexity"] = math.exp(min(out["loss"], 700.0))
+        if "correct" in totals:
+            out["accuracy"] = totals["correct"] / count
     return out
 
 
