@@ -1,0 +1,71 @@
+"""Codec cases shared by the codec test modules (not a test module itself)."""
+
+from __future__ import annotations
+
+import torch
+
+from protocols import wire
+from protocols.message import Granularity
+from swarm.compression import Cast, Quantize, TopK
+
+G = Granularity
+CODECS = {
+    "none": Cast(),
+    "fp32": Cast(torch.float32),
+    "fp16": Cast(torch.float16),
+    "bf16": Cast(torch.bfloat16),
+    "quant:1/sample": Quantize(1, G.SAMPLE),
+    "quant:2/tensor": Quantize(2, G.TENSOR),
+    "quant:3/channel": Quantize(3, G.CHANNEL),
+    "quant:4/sample/stochastic": Quantize(4, G.SAMPLE, stochastic=True),
+    "quant:5/tensor": Quantize(5, G.TENSOR),
+    "quant:6/channel/stochastic": Quantize(6, G.CHANNEL, stochastic=True),
+    "quant:7/sample": Quantize(7, G.SAMPLE),
+    "quant:8/channel": Quantize(8, G.CHANNEL),
+    "topk:0.1": TopK(0.1),
+    "topk:0.3/fp16": TopK(0.3, Cast(torch.float16)),
+    "topk:0.5/bf16": TopK(0.5, Cast(torch.bfloat16)),
+    "topk:0.25/q4": TopK(0.25, Quantize(4, G.SAMPLE)),
+    "topk:0.2/q8/stochastic": TopK(0.2, Quantize(8, G.SAMPLE, stochastic=True)),
+    "topk:1.0": TopK(1.0),
+}
+
+SHAPES = [
+    ((0, 5), "contiguous"),
+    ((3, 0), "contiguous"),
+    ((0,), "contiguous"),
+    ((), "contiguous"),
+    ((1,), "contiguous"),
+    ((1, 1), "contiguous"),
+    ((7,), "contiguous"),
+    ((4, 10), "contiguous"),
+    ((2, 3, 4, 5), "contiguous"),
+    ((4, 10), "transposed"),
+    ((4, 10), "strided"),
+    ((9,), "strided"),
+    ((2, 3, 4, 5), "permuted"),
+    ((2, 3, 4, 5), "strided"),
+]
+
+
+def shape_id(case):
+    shape, layout = case
+    return f"{'x'.join(map(str, shape)) or 'scalar'}-{layout}"
+
+
+def through_wire(enc):
+    return wire.decode(wire.encode(enc))
+
+
+def rows_of(shape):
+    return shape[0] if len(shape) >= 2 else 1
+
+
+def group_view(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """x as [groups, elements] for the given granularity (independent of the library)."""
+    shape = tuple(x.shape)
+    if granularity is G.TENSOR:
+        return x.reshape(1, -1)
+    if granularity is G.CHANNEL and len(shape) >= 3:
+        return x.reshape(shape[0] * shape[1], -1)
+    return x.reshape(rows_of(shape), -1)
