@@ -88,8 +88,8 @@ def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
 
 
-class _Checksum:
-    """Counts buffer bytes (the crc32 covers the whole message, see encode)."""
+class _BufferBytes:
+    """Counts the bytes of the buffer fields as they are added (for buffer_length)."""
 
     def __init__(self) -> None:
         self.length = 0
@@ -105,13 +105,13 @@ _CHECKSUM_TAG = bytes([(15 << 3) | 5])  # field 15, wire type fixed32: the last 
 # ---- encode --------------------------------------------------------------------------------------
 
 
-def _raw_pb(part: RawPart, check: _Checksum) -> pb.Raw:
+def _raw_pb(part: RawPart, check: _BufferBytes) -> pb.Raw:
     if part.data.dtype not in _DTYPES:
         raise TypeError(f"cannot send dtype {part.data.dtype}")
     return pb.Raw(wire_dtype=_DTYPES[part.data.dtype], data=check.add(_to_bytes(part.data)))
 
 
-def _quant_pb(part: QuantPart, check: _Checksum) -> pb.Quantized:
+def _quant_pb(part: QuantPart, check: _BufferBytes) -> pb.Quantized:
     return pb.Quantized(
         bits=part.bits,
         granularity=_GRANULARITY[part.granularity],
@@ -121,7 +121,7 @@ def _quant_pb(part: QuantPart, check: _Checksum) -> pb.Quantized:
     )
 
 
-def _sparse_pb(part: SparsePart, total: int, check: _Checksum) -> tuple[pb.Sparse, int]:
+def _sparse_pb(part: SparsePart, total: int, check: _BufferBytes) -> tuple[pb.Sparse, int]:
     if part.positions is None:
         msg = pb.Sparse(index_coding=pb.REUSED, index_digest=part.index_digest)
         digest = part.index_digest
@@ -140,7 +140,7 @@ def _sparse_pb(part: SparsePart, total: int, check: _Checksum) -> tuple[pb.Spars
 
 def encode(enc: Encoded) -> bytes:
     """Serialize; also records the index digest on `enc` for reused-index replies."""
-    check = _Checksum()
+    check = _BufferBytes()
     msg = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype])
     body = enc.body
     if isinstance(body, RawPart):
