@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x11hivepipe.stage.v1\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcf\x01\n\tBatchMeta\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.hivepipe.stage.v1.Mode\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\r\n\x05\x65xact\x18\x05 \x01(\x08\x12\x30\n\nsample_ids\x18\x06 \x01(\x0b\x32\x1c.hivepipe.stage.v1.RawTensor\x12-\n\x07targets\x18\x07 \x01(\x0b\x32\x1c.hivepipe.stage.v1.RawTensor\"X\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\xc4\x02\n\x0eMicroBatchHead\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12%\n\x04kind\x18\x05 \x01(\x0e\x32\x17.hivepipe.stage.v1.Kind\x12+\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x1c.hivepipe.stage.v1.BatchMeta\x12?\n\x07metrics\x18\x07 \x03(\x0b\x32..hivepipe.stage.v1.MicroBatchHead.MetricsEntry\x12\x12\n\nfresh_link\x18\x08 \x01(\x08\x12\x10\n\x08\x62udget_s\x18\t \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x07\x43onfirm\x12\n\n\x02ok\x18\x01 \x01(\x08\"X\n\nTensorSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"\xc7\x01\n\x08StepHead\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x30\n\tset_grads\x18\x05 \x03(\x0b\x32\x1d.hivepipe.stage.v1.TensorSlot\x12\x11\n\tget_grads\x18\x06 \x03(\t\x12\x11\n\twant_norm\x18\x07 \x01(\x08\x12\r\n\x05scale\x18\x08 \x01(\x01\x12\r\n\x05\x61pply\x18\t \x01(\x08\"\xd5\x01\n\x0cStageRequest\x12\x38\n\x0bmicro_batch\x18\x01 \x01(\x0b\x32!.hivepipe.stage.v1.MicroBatchHeadH\x00\x12+\n\x04step\x18\x02 \x01(\x0b\x32\x1b.hivepipe.stage.v1.StepHeadH\x00\x12-\n\x07\x63onfirm\x18\x03 \x01(\x0b\x32\x1a.hivepipe.stage.v1.ConfirmH\x00\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.hivepipe.stage.v1.ChunkB\x06\n\x04head\"\xaf\x01\n\nResultHead\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hivepipe.stage.v1.Kind\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.hivepipe.stage.v1.ResultHead.MetricsEntry\x12\r\n\x05route\x18\x03 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\nStepResult\x12,\n\x05grads\x18\x01 \x03(\x0b\x32\x1d.hivepipe.stage.v1.TensorSlot\x12\x14\n\x0cgrad_sq_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\"\x1d\n\nErrorReply\x12\x0f\n\x07message\x18\x01 \x01(\t\"\xcd\x01\n\nStageReply\x12/\n\x06result\x18\x01 \x01(\x0b\x32\x1d.hivepipe.stage.v1.ResultHeadH\x00\x12-\n\x04step\x18\x02 \x01(\x0b\x32\x1d.hivepipe.stage.v1.StepResultH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.hivepipe.stage.v1.ErrorReplyH\x00\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.hivepipe.stage.v1.ChunkB\x06\n\x04head\"\x84\x01\n\x0cSetupRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rconfig_digest\x18\x04 \x01(\t\x12\x12\n\nlr_horizon\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\"_\n\tTiedParam\x12\x13\n\x0b\x66irst_stage\x18\x01 \x01(\r\x12\x12\n\nfirst_name\x18\x02 \x01(\t\x12\x14\n\x0csecond_stage\x18\x03 \x01(\r\x12\x13\n\x0bsecond_name\x18\x04 \x01(\t\"X\n\nSetupReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12*\n\x04tied\x18\x03 \x03(\x0b\x32\x1c.hivepipe.stage.v1.TiedParam\"7\n\x0bInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\x97\x02\n\nLinkStatus\x12\x11\n\tneighbour\x18\x01 \x01(\t\x12\x10\n\x08\x62oundary\x18\x02 \x01(\r\x12\x10\n\x08upstream\x18\x03 \x01(\x08\x12\x35\n\x04sent\x18\x04 \x03(\x0b\x32\'.hivepipe.stage.v1.LinkStatus.SentEntry\x12=\n\x08received\x18\x05 \x03(\x0b\x32+.hivepipe.stage.v1.LinkStatus.ReceivedEntry\x1a+\n\tSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rReceivedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x86\x02\n\x0bStageStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x12\n\nthroughput\x18\x05 \x01(\x01\x12\r\n\x05queue\x18\x06 \x01(\r\x12\x11\n\tprocessed\x18\x07 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x04\x12,\n\x05links\x18\t \x03(\x0b\x32\x1d.hivepipe.stage.v1.LinkStatus\x12\x15\n\rforward_codec\x18\n \x01(\t\x12\x16\n\x0e\x62\x61\x63kward_codec\x18\x0b \x01(\t\x12\r\n\x05steps\x18\x0c \x01(\x04\"\x84\x01\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.hivepipe.stage.v1.StageStatus\x12\r\n\x05\x65rror\x18\x05 \x01(\t*A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x08\n\x04\x44ONE\x10\x03*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x08\n\x04\x45VAL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x11hivepipe.stage.v1\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcf\x01\n\tBatchMeta\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12%\n\x04mode\x18\x03 \x01(\x0e\x32\x17.hivepipe.stage.v1.Mode\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\r\n\x05\x65xact\x18\x05 \x01(\x08\x12\x30\n\nsample_ids\x18\x06 \x01(\x0b\x32\x1c.hivepipe.stage.v1.RawTensor\x12-\n\x07targets\x18\x07 \x01(\x0b\x32\x1c.hivepipe.stage.v1.RawTensor\"X\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x14\n\x0ctotal_length\x18\x03 \x01(\x04\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\xd2\x02\n\x0eMicroBatchHead\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12%\n\x04kind\x18\x05 \x01(\x0e\x32\x17.hivepipe.stage.v1.Kind\x12+\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x1c.hivepipe.stage.v1.BatchMeta\x12?\n\x07metrics\x18\x07 \x03(\x0b\x32..hivepipe.stage.v1.MicroBatchHead.MetricsEntry\x12\x10\n\x08\x62udget_s\x18\t \x01(\x01\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x0b\n\x03seq\x18\x0b \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08\x08\x10\t\"X\n\nTensorSlot\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"\x85\x02\n\x08StepHead\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x30\n\tset_grads\x18\x05 \x03(\x0b\x32\x1d.hivepipe.stage.v1.TensorSlot\x12\x11\n\tget_grads\x18\x06 \x03(\t\x12\x11\n\twant_norm\x18\x07 \x01(\x08\x12\r\n\x05scale\x18\x08 \x01(\x01\x12\r\n\x05\x61pply\x18\t \x01(\x08\x12\x15\n\rmicro_batches\x18\n \x03(\r\x12\x12\n\naccumulate\x18\x0b \x01(\x08\x12\x11\n\tall_grads\x18\x0c \x01(\x08\"\xac\x01\n\x0cStageRequest\x12\x38\n\x0bmicro_batch\x18\x01 \x01(\x0b\x32!.hivepipe.stage.v1.MicroBatchHeadH\x00\x12+\n\x04step\x18\x02 \x01(\x0b\x32\x1b.hivepipe.stage.v1.StepHeadH\x00\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.hivepipe.stage.v1.ChunkB\x06\n\x04headJ\x04\x08\x03\x10\x04\"\xaf\x01\n\nResultHead\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hivepipe.stage.v1.Kind\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.hivepipe.stage.v1.ResultHead.MetricsEntry\x12\r\n\x05route\x18\x03 \x03(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\\\n\nStepResult\x12,\n\x05grads\x18\x01 \x03(\x0b\x32\x1d.hivepipe.stage.v1.TensorSlot\x12\x14\n\x0cgrad_sq_norm\x18\x02 \x01(\x01\x12\n\n\x02lr\x18\x03 \x01(\x01\"I\n\nErrorReply\x12\x0f\n\x07message\x18\x01 \x01(\t\x12*\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x1c.hivepipe.stage.v1.ErrorCode\"\xcd\x01\n\nStageReply\x12/\n\x06result\x18\x01 \x01(\x0b\x32\x1d.hivepipe.stage.v1.ResultHeadH\x00\x12-\n\x04step\x18\x02 \x01(\x0b\x32\x1d.hivepipe.stage.v1.StepResultH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.hivepipe.stage.v1.ErrorReplyH\x00\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.hivepipe.stage.v1.ChunkB\x06\n\x04head\"\x95\x01\n\x0cSetupRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x15\n\rconfig_digest\x18\x04 \x01(\t\x12\x12\n\nlr_horizon\x18\x05 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x06 \x01(\x04\x12\x0f\n\x07session\x18\x07 \x01(\t\"_\n\tTiedParam\x12\x13\n\x0b\x66irst_stage\x18\x01 \x01(\r\x12\x12\n\nfirst_name\x18\x02 \x01(\t\x12\x14\n\x0csecond_stage\x18\x03 \x01(\r\x12\x13\n\x0bsecond_name\x18\x04 \x01(\t\"X\n\nSetupReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12*\n\x04tied\x18\x03 \x03(\x0b\x32\x1c.hivepipe.stage.v1.TiedParam\"7\n\x0bInfoRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\x97\x02\n\nLinkStatus\x12\x11\n\tneighbour\x18\x01 \x01(\t\x12\x10\n\x08\x62oundary\x18\x02 \x01(\r\x12\x10\n\x08upstream\x18\x03 \x01(\x08\x12\x35\n\x04sent\x18\x04 \x03(\x0b\x32\'.hivepipe.stage.v1.LinkStatus.SentEntry\x12=\n\x08received\x18\x05 \x03(\x0b\x32+.hivepipe.stage.v1.LinkStatus.ReceivedEntry\x1a+\n\tSentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rReceivedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x86\x02\n\x0bStageStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x12\n\nthroughput\x18\x05 \x01(\x01\x12\r\n\x05queue\x18\x06 \x01(\r\x12\x11\n\tprocessed\x18\x07 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x08 \x01(\x04\x12,\n\x05links\x18\t \x03(\x0b\x32\x1d.hivepipe.stage.v1.LinkStatus\x12\x15\n\rforward_codec\x18\n \x01(\t\x12\x16\n\x0e\x62\x61\x63kward_codec\x18\x0b \x01(\t\x12\r\n\x05steps\x18\x0c \x01(\x04\"\x84\x01\n\tInfoReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\r\n\x05\x61\x64\x64rs\x18\x03 \x03(\t\x12.\n\x06stages\x18\x04 \x03(\x0b\x32\x1e.hivepipe.stage.v1.StageStatus\x12\r\n\x05\x65rror\x18\x05 \x01(\t*A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46ORWARD\x10\x01\x12\x0c\n\x08\x42\x41\x43KWARD\x10\x02\x12\x08\n\x04\x44ONE\x10\x03*1\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\t\n\x05TRAIN\x10\x01\x12\x08\n\x04\x45VAL\x10\x02*A\n\tErrorCode\x12\x15\n\x11\x45RROR_UNSPECIFIED\x10\x00\x12\x0e\n\nLINK_RESET\x10\x01\x12\r\n\tNOT_READY\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LINKSTATUS_SENTENTRY']._serialized_options = b'8\001'
   _globals['_LINKSTATUS_RECEIVEDENTRY']._loaded_options = None
   _globals['_LINKSTATUS_RECEIVEDENTRY']._serialized_options = b'8\001'
-  _globals['_KIND']._serialized_start=2821
-  _globals['_KIND']._serialized_end=2886
-  _globals['_MODE']._serialized_start=2888
-  _globals['_MODE']._serialized_end=2937
+  _globals['_KIND']._serialized_start=2894
+  _globals['_KIND']._serialized_end=2959
+  _globals['_MODE']._serialized_start=2961
+  _globals['_MODE']._serialized_end=3010
+  _globals['_ERRORCODE']._serialized_start=3012
+  _globals['_ERRORCODE']._serialized_end=3077
   _globals['_RAWTENSOR']._serialized_start=34
   _globals['_RAWTENSOR']._serialized_end=89
   _globals['_BATCHMETA']._serialized_start=92
@@ -50,43 +52,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=301
   _globals['_CHUNK']._serialized_end=389
   _globals['_MICROBATCHHEAD']._serialized_start=392
-  _globals['_MICROBATCHHEAD']._serialized_end=716
-  _globals['_MICROBATCHHEAD_METRICSENTRY']._serialized_start=670
-  _globals['_MICROBATCHHEAD_METRICSENTRY']._serialized_end=716
-  _globals['_CONFIRM']._serialized_start=718
-  _globals['_CONFIRM']._serialized_end=739
-  _globals['_TENSORSLOT']._serialized_start=741
-  _globals['_TENSORSLOT']._serialized_end=829
-  _globals['_STEPHEAD']._serialized_start=832
-  _globals['_STEPHEAD']._serialized_end=1031
-  _globals['_STAGEREQUEST']._serialized_start=1034
-  _globals['_STAGEREQUEST']._serialized_end=1247
-  _globals['_RESULTHEAD']._serialized_start=1250
-  _globals['_RESULTHEAD']._serialized_end=1425
-  _globals['_RESULTHEAD_METRICSENTRY']._serialized_start=670
-  _globals['_RESULTHEAD_METRICSENTRY']._serialized_end=716
-  _globals['_STEPRESULT']._serialized_start=1427
-  _globals['_STEPRESULT']._serialized_end=1519
-  _globals['_ERRORREPLY']._serialized_start=1521
-  _globals['_ERRORREPLY']._serialized_end=1550
-  _globals['_STAGEREPLY']._serialized_start=1553
-  _globals['_STAGEREPLY']._serialized_end=1758
-  _globals['_SETUPREQUEST']._serialized_start=1761
-  _globals['_SETUPREQUEST']._serialized_end=1893
-  _globals['_TIEDPARAM']._serialized_start=1895
-  _globals['_TIEDPARAM']._serialized_end=1990
-  _globals['_SETUPREPLY']._serialized_start=1992
-  _globals['_SETUPREPLY']._serialized_end=2080
-  _globals['_INFOREQUEST']._serialized_start=2082
-  _globals['_INFOREQUEST']._serialized_end=2137
-  _globals['_LINKSTATUS']._serialized_start=2140
-  _globals['_LINKSTATUS']._serialized_end=2419
-  _globals['_LINKSTATUS_SENTENTRY']._serialized_start=2327
-  _globals['_LINKSTATUS_SENTENTRY']._serialized_end=2370
-  _globals['_LINKSTATUS_RECEIVEDENTRY']._serialized_start=2372
-  _globals['_LINKSTATUS_RECEIVEDENTRY']._serialized_end=2419
-  _globals['_STAGESTATUS']._serialized_start=2422
-  _globals['_STAGESTATUS']._serialized_end=2684
-  _globals['_INFOREPLY']._serialized_start=2687
-  _globals['_INFOREPLY']._serialized_end=2819
+  _globals['_MICROBATCHHEAD']._serialized_end=730
+  _globals['_MICROBATCHHEAD_METRICSENTRY']._serialized_start=678
+  _globals['_MICROBATCHHEAD_METRICSENTRY']._serialized_end=724
+  _globals['_TENSORSLOT']._serialized_start=732
+  _globals['_TENSORSLOT']._serialized_end=820
+  _globals['_STEPHEAD']._serialized_start=823
+  _globals['_STEPHEAD']._serialized_end=1084
+  _globals['_STAGEREQUEST']._serialized_start=1087
+  _globals['_STAGEREQUEST']._serialized_end=1259
+  _globals['_RESULTHEAD']._serialized_start=1262
+  _globals['_RESULTHEAD']._serialized_end=1437
+  _globals['_RESULTHEAD_METRICSENTRY']._serialized_start=678
+  _globals['_RESULTHEAD_METRICSENTRY']._serialized_end=724
+  _globals['_STEPRESULT']._serialized_start=1439
+  _globals['_STEPRESULT']._serialized_end=1531
+  _globals['_ERRORREPLY']._serialized_start=1533
+  _globals['_ERRORREPLY']._serialized_end=1606
+  _globals['_STAGEREPLY']._serialized_start=1609
+  _globals['_STAGEREPLY']._serialized_end=1814
+  _globals['_SETUPREQUEST']._serialized_start=1817
+  _globals['_SETUPREQUEST']._serialized_end=1966
+  _globals['_TIEDPARAM']._serialized_start=1968
+  _globals['_TIEDPARAM']._serialized_end=2063
+  _globals['_SETUPREPLY']._serialized_start=2065
+  _globals['_SETUPREPLY']._serialized_end=2153
+  _globals['_INFOREQUEST']._serialized_start=2155
+  _globals['_INFOREQUEST']._serialized_end=2210
+  _globals['_LINKSTATUS']._serialized_start=2213
+  _globals['_LINKSTATUS']._serialized_end=2492
+  _globals['_LINKSTATUS_SENTENTRY']._serialized_start=2400
+  _globals['_LINKSTATUS_SENTENTRY']._serialized_end=2443
+  _globals['_LINKSTATUS_RECEIVEDENTRY']._serialized_start=2445
+  _globals['_LINKSTATUS_RECEIVEDENTRY']._serialized_end=2492
+  _globals['_STAGESTATUS']._serialized_start=2495
+  _globals['_STAGESTATUS']._serialized_end=2757
+  _globals['_INFOREPLY']._serialized_start=2760
+  _globals['_INFOREPLY']._serialized_end=2892
 # @@protoc_insertion_point(module_scope)

@@ -106,6 +106,7 @@ class TrainConfig(_Strict):
     eval_compressed: bool = True  # evaluate with compression on as well as off
     warmup_epochs: float = Field(0, ge=0)  # uncompressed epochs first (fills AQ-SGD buffers)
     max_steps: int | None = Field(None, ge=1)
+    in_flight: int | None = Field(None, ge=1)  # micro-batches in a swarm's pipeline at once (default: 2 x stages)
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> TrainConfig:

@@ -1,6 +1,6 @@
 """`python -m swarm run CONFIG`: train and evaluate an experiment through a pipeline.
 
-The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run`, `step`,
+The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run_many`, `step`,
 `link_bytes` and `state_bytes` (the in-process one here, the swarm's trainer in peers/).
 """
 
@@ -71,12 +71,21 @@ def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode,
     return out
 
 
+EVAL_GROUP = 16  # evaluation micro-batches handed to the pipeline at once (a swarm overlaps them)
+
+
 def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
     loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
     sums: Counter = Counter()
+    group: list = []
     for index, (ids, inputs, targets) in enumerate(loader):
-        batch = MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact)
-        sums.update(pipeline.run(batch, inputs))
+        group.append((MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact), inputs))
+        if len(group) == EVAL_GROUP:
+            for metrics in pipeline.run_many(group):
+                sums.update(metrics)
+            group = []
+    for metrics in pipeline.run_many(group):
+        sums.update(metrics)
     from swarm.models import summarize
 
     return summarize(sums, perplexity=cfg.data.name == "wikitext2")
@@ -151,10 +160,8 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
         for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
             done_in_epoch += 1
             exact = step < schedule.warmup_steps
-            losses = []
-            for batch, x in split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact):
-                metrics = pipeline.run(batch, x)
-                losses.append(metrics["loss"] * batch.weight)
+            pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
+            losses = [metrics["loss"] * batch.weight for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)]
             lr = pipeline.step()
             step += 1
             samples += ids.numel()

@@ -31,7 +31,7 @@ def link_ends(cfg: ExperimentConfig, index: int, capacity: int | None = None) ->
     return inbound, outbound
 
 
-def build_runtime(cfg: ExperimentConfig, staged, index: int, total_steps: int, capacity: int | None = None) -> StageRuntime:
+def build_runtime(cfg: ExperimentConfig, staged, index: int, total_steps: int, capacity: int | None = None, hold_grads: bool = False) -> StageRuntime:
     device = torch.device(cfg.device)
     module = staged.stages[index].to(device)
     optimizer = make_optimizer(cfg.optimizer, module)
@@ -49,6 +49,7 @@ def build_runtime(cfg: ExperimentConfig, staged, index: int, total_steps: int, c
         inbound,
         outbound,
         device,
+        hold_grads,
     )
 
 

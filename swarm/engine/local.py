@@ -40,6 +40,10 @@ class LocalPipeline:
             raise
         return message.metrics
 
+    def run_many(self, items) -> list[dict[str, float]]:
+        """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap."""
+        return [self.run(batch, inputs) for batch, inputs in items]
+
     def step(self) -> float:
         """After every micro-batch of a step went backward: tie, clip, and step every stage."""
         modules = [r.module for r in self.runtimes]

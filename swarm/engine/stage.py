@@ -4,6 +4,11 @@
 deliver anything themselves, so the same runtime serves the in-process transport and the
 hivemind one. Receiver-side compression state commits when the stage has processed a message;
 sender-side state commits through `Message.delivered` once the transport has delivered it.
+
+With `hold_grads` (the swarm), each micro-batch's parameter gradients are kept apart until the
+step says which micro-batches count (`accumulate`): a micro-batch retried after a failure further
+down the pipeline then never counts twice. Held gradients are added in micro-batch order, so the
+sums equal the in-process run's direct accumulation.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class StageRuntime:
         inbound: LinkEnd | None,
         outbound: LinkEnd | None,
         device: torch.device | str = "cpu",
+        hold_grads: bool = False,
     ) -> None:
         self.index = index
         self.num_stages = num_stages
@@ -41,6 +47,8 @@ class StageRuntime:
         self.outbound = outbound  # boundary index: we send activations, receive gradients
         self.device = torch.device(device)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hold_grads = hold_grads
+        self.held: dict[tuple, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
 
     @property
     def first(self) -> bool:
@@ -85,16 +93,41 @@ class StageRuntime:
             return Message(Kind.DONE, -1, batch, metrics=metrics)
         loss = self.loss_fn(logits, targets)
         metrics["loss"] = float(loss.detach())
-        (loss * batch.weight).backward()
-        return self._gradient_message(batch, x, metrics)
+        x_grad = self._backprop(batch, loss * batch.weight, None, x)
+        return self._gradient_message(batch, x, x_grad, metrics)
 
     # ---- backward --------------------------------------------------------------------------
 
-    def _gradient_message(self, batch: MicroBatch, x: torch.Tensor, metrics: dict | None = None) -> Message:
+    def _backprop(self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """Backward through this stage; the input's gradient (None for stage 0's input)."""
+        if not self.hold_grads:
+            output.backward(grad_output)
+            return x.grad
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        wants_x = x.requires_grad
+        grads = torch.autograd.grad(output, [*params, x] if wants_x else params, grad_output, allow_unused=True)
+        self.held[batch.key] = [(p, g) for p, g in zip(params, grads, strict=False) if g is not None]
+        return grads[-1] if wants_x else None
+
+    def accumulate(self, keys) -> None:
+        """Gradients := the sum of the held gradients of `keys`, in the given order.
+
+        Repeatable (held gradients stay until `apply_step`), so a step whose micro-batches had to
+        be re-run can accumulate again. Raises KeyError, before touching anything, if a key is not held."""
+        missing = [key for key in keys if key not in self.held]
+        if missing:
+            raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
+        for p in self.module.parameters():
+            p.grad = None
+        for key in keys:
+            for p, g in self.held[key]:
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+    def _gradient_message(self, batch: MicroBatch, x: torch.Tensor, x_grad: torch.Tensor | None, metrics: dict | None = None) -> Message:
         """Where the gradient goes next; `metrics` (the loss) ride along to stage 0."""
         if self.first:
             return Message(Kind.DONE, -1, batch, metrics=metrics or {})
-        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        grad = x_grad if x_grad is not None else torch.zeros_like(x)
         out = self.inbound.send(batch, grad)
         return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
 
@@ -104,14 +137,15 @@ class StageRuntime:
             raise KeyError(f"stage {self.index} has no forward state for micro-batch {batch.key}")
         x, y = saved
         incoming = self.outbound.receive(batch, payload, self.device)
-        y.backward(incoming.tensor.to(y.dtype))
-        message = self._gradient_message(batch, x, metrics)
+        x_grad = self._backprop(batch, y, incoming.tensor.to(y.dtype), x)
+        message = self._gradient_message(batch, x, x_grad, metrics)
         incoming.commit()
         return message
 
     def drop(self, batch: MicroBatch) -> None:
         """Forget a micro-batch that failed somewhere in the pipeline."""
         self._saved.pop(batch.key, None)
+        self.held.pop(batch.key, None)
         for end in (self.inbound, self.outbound):
             if end is not None:
                 end.forget(batch)
@@ -137,6 +171,7 @@ class StageRuntime:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.held.clear()
         return lr
 
     @property

@@ -43,6 +43,7 @@ class StageRecord:
     version: int = PROTOCOL_VERSION
     ready: bool = False  # set up by the run's trainer: it can take micro-batches
     updated: float = 0.0
+    session: str = ""  # the trainer session it was set up by (peers route only within one session)
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:
@@ -60,6 +61,7 @@ class StageRecord:
                 version=int(value.get("version", 0)),
                 ready=bool(value.get("ready", False)),
                 updated=float(value.get("updated", 0.0)),
+                session=str(value.get("session", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None

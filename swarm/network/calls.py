@@ -3,8 +3,7 @@
 hivemind's stub methods reject a timeout for streaming calls, so the calls here go through
 `P2P.iterate_protobuf_handler` / `call_protobuf_handler` directly and bound them themselves.
 A micro-batch exchange is one bidirectional stream: the request payload goes out, the reply
-payload (gradients, or DONE) comes back, and only once the caller has processed the reply does
-it send a `Confirm`, on which the replier commits its sender-side compression state.
+payload (gradients, or DONE) comes back, and the caller ends the stream once it has read it all.
 """
 
 from __future__ import annotations
@@ -28,7 +27,15 @@ def handle_name(method: str) -> str:
 
 
 class RemoteError(RuntimeError):
-    """The peer answered, with an error reply (it keeps serving)."""
+    """The peer answered, with an error reply (it keeps serving); `code` says what may help."""
+
+    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def retry_link(self) -> bool:
+        return self.code == pb.LINK_RESET
 
 
 class TransportError(RuntimeError):
@@ -48,8 +55,8 @@ class _Stream:
     """A protobuf stream to a hivemind stream handler, read and written by hand.
 
     hivemind's `iterate_protobuf_handler` only finishes reading once its request iterator is
-    exhausted, so a reply that waits for a later request (our Confirm) could hang on a peer that
-    closed early; here reading and writing are independent.
+    exhausted, so a reply read while the request side stays open could hang on a peer that closed
+    early; here reading and writing are independent.
     """
 
     def __init__(self, reader, writer) -> None:
@@ -99,7 +106,7 @@ class MicroBatchCall:
         self._replies = self._stream.replies()
         head, payload = await read_frame(self._replies, "result")
         if isinstance(head, pb.ErrorReply):
-            raise RemoteError(head.message)
+            raise RemoteError(head.message, head.code)
         return head, payload
 
     async def reply(self, timeout: float) -> tuple[pb.ResultHead, bytes]:
@@ -116,22 +123,13 @@ class MicroBatchCall:
             await self.close()
             raise TransportError(f"peer {self.peer_id[-8:]}: {_short(e)}") from e
 
-    async def confirm(self, timeout: float = 10.0) -> None:
-        """Tells the replier its reply was processed (it commits its state), then ends the call."""
-        await self._finish(True, timeout)
-
     async def close(self, timeout: float = 2.0) -> None:
-        """Ends the call without confirming (the replier does not commit)."""
-        await self._finish(False, timeout)
-
-    async def _finish(self, confirmed: bool, timeout: float) -> None:
+        """Ends the call: the replier may close its side once it sees the end of our stream."""
         stream, self._stream = self._stream, None
         if stream is None:
             return
         try:
             async def finish():
-                if confirmed:
-                    await stream.send(pb.StageRequest(confirm=pb.Confirm(ok=True)))
                 await stream.end()
                 if self._replies is not None:
                     async for _ in self._replies:  # until the replier closes the stream
@@ -153,7 +151,7 @@ async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, t
         finally:
             stream.close()
         if isinstance(result, pb.ErrorReply):
-            raise RemoteError(result.message)
+            raise RemoteError(result.message, result.code)
         return result, data
 
     return await _bounded(run(), peer_id, timeout)

@@ -6,6 +6,11 @@ new neighbour starts fresh), calls the next stage's peer, and measures throughpu
 runs as a chain: forward here, the downstream call (whose reply is the gradient), backward here,
 and the result goes back to the caller, so forward and backward of a micro-batch always use the
 same pair of peers on every boundary.
+
+Several micro-batches are in flight at once: while one waits for its downstream reply, the next
+one's forward runs. Link state commits as soon as a message is encoded or decoded; the order of
+messages on every link is kept by `swarm.network.ordering`, and any failure on a link makes the
+sender start a new epoch, so both ends restart that link's state together instead of diverging.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,6 +37,7 @@ from swarm.network.calls import MicroBatchCall, RemoteError, TransportError
 from swarm.network.chunks import ProtocolError
 from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors, raw_to_tensor, tensors_to_payload
 from swarm.network.node import SwarmNode
+from swarm.network.ordering import LinkReset, Ordinals, OutLink, Turnstile
 from swarm.network.routing import NoPeerError, Router
 
 log = logging.getLogger(__name__)
@@ -48,13 +53,12 @@ def config_digest(cfg: ExperimentConfig) -> str:
 
 @dataclass
 class Outcome:
-    """A processed micro-batch: the reply for the caller and what to do once it is confirmed."""
+    """A processed micro-batch: the reply for the caller."""
 
     kind: Kind
     payload: bytes = b""
     metrics: dict[str, float] = field(default_factory=dict)
     route: list[str] = field(default_factory=list)
-    commit: Callable[[], None] = lambda: None
 
 
 class HostedStage:
@@ -68,12 +72,16 @@ class HostedStage:
         self.timeout = timeout
         self.router = Router(node, run_id)
         self.runtime = None
-        self.setup_key: tuple | None = None
+        self.session: tuple | None = None
         self.tied: list = []
         self.capacity: int | None = None
-        self.ends_in: dict[str, LinkEnd] = {}
-        self.ends_out: dict[str, LinkEnd] = {}
+        self.ends_in: dict[str, LinkEnd] = {}  # upstream peer -> our half of that link
+        self.ends_out: dict[str, LinkEnd] = {}  # downstream peer -> our half of that link
+        self.out_links: dict[str, OutLink] = {}
+        self.turnstiles: dict[str, Turnstile] = {}
+        self.ordinals = Ordinals()
         self._spare: dict[bool, LinkEnd | None] = {}
+        self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
         self.downstream: str | None = None
         self.throughput = 0.0
@@ -81,7 +89,7 @@ class HostedStage:
         self.processed = 0
         self.steps = 0
         self._applied: tuple[int, pb.StepResult] | None = None
-        self._settled: asyncio.Event | None = None
+        self._closing: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
 
     @property
@@ -99,23 +107,23 @@ class HostedStage:
 
         with _BUILD_LOCK:
             staged = build_staged_model(self.cfg)
-            runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, capacity)
+            runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, capacity, hold_grads=True)
         self._spare = {False: runtime.inbound, True: runtime.outbound}
-        self.ends_in.clear()
-        self.ends_out.clear()
-        self.received.clear()
+        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received):
+            table.clear()
+        self.ordinals = Ordinals()
         self.tied = list(staged.tied)
         self.capacity = capacity
         self.runtime = runtime
 
     async def setup(self, request: pb.SetupRequest) -> pb.SetupReply:
+        """A trainer (re)starts the run: a new session builds the stage afresh."""
         if request.config_digest != self.digest:
             raise RemoteError(f"config mismatch on stage {self.stage}: this peer has {self.digest}, the trainer {request.config_digest} (start both with the same config and --set)")
-        key = (int(request.lr_horizon), int(request.capacity))
-        if self.setup_key != key or self.runtime is None:
-            capacity = int(request.capacity) or None
-            await self._compute(self._build, int(request.lr_horizon), capacity)
-            self.setup_key = key
+        session = (request.session, int(request.lr_horizon), int(request.capacity))
+        if self.session != session or self.runtime is None:
+            await self._compute(self._build, int(request.lr_horizon), int(request.capacity) or None)
+            self.session = session
             self.steps = 0
             self._applied = None
         tied = [pb.TiedParam(first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]) for t in self.tied]
@@ -124,11 +132,13 @@ class HostedStage:
     def record(self, addrs: list[str]) -> StageRecord:
         link = self.cfg.compression.link(self.stage - 1) if self.stage > 0 else None
         codecs = {"forward": link.forward, "backward": link.backward} if link else {}
-        return StageRecord(self.node.peer_id, self.stage, self.num_stages, addrs, self.throughput, self.queue, codecs, PROTOCOL_VERSION, ready=self.runtime is not None)
+        session = self.session[0] if self.session else ""
+        return StageRecord(self.node.peer_id, self.stage, self.num_stages, addrs, self.throughput, self.queue, codecs, PROTOCOL_VERSION, ready=self.runtime is not None, session=session)
 
     # ---- link ends per neighbour ---------------------------------------------------------
 
     def _new_end(self, upstream: bool, neighbour: str) -> LinkEnd:
+        """A fresh half-link; ends are replaced, never reset in place (a compute may still hold the old one)."""
         spare = self._spare.get(upstream)
         if spare is not None:
             self._spare[upstream] = None
@@ -136,32 +146,56 @@ class HostedStage:
         boundary = self.stage if upstream else self.stage - 1
         link = self.cfg.compression.link(boundary)
         store = self.cfg.compression.store_dir
-        store = None if store is None else f"{store}/{neighbour[-12:]}"
+        self._ends_made += 1
+        store = None if store is None else f"{store}/stage{self.stage}-{neighbour[-12:]}-{self._ends_made}"
         return LinkEnd(boundary, upstream, link.forward, link.backward, store, self.cfg.compression.store_capacity or self.capacity)
 
     def _end_in(self, sender: str, fresh: bool) -> LinkEnd:
         end = self.ends_in.get(sender)
-        if end is None:
+        if end is None or fresh:
             end = self.ends_in[sender] = self._new_end(False, sender)
-        elif fresh:
-            end.reset()
         return end
 
-    def _end_out(self, receiver: str) -> tuple[LinkEnd, bool]:
+    def _end_out(self, receiver: str) -> LinkEnd:
         end = self.ends_out.get(receiver)
         if end is None:
             end = self.ends_out[receiver] = self._new_end(True, receiver)
-            return end, True
-        return end, False
+            self.out_links.setdefault(receiver, OutLink()).reset()
+        return end
+
+    def _drop_out(self, receiver: str) -> None:
+        """Our link with `receiver` lost its order or state: the next message starts a new epoch."""
+        self.ends_out.pop(receiver, None)
+        if self.downstream == receiver:
+            self.downstream = None
 
     # ---- compute ---------------------------------------------------------------------------
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _with_ends(self, inbound, outbound, fn, *args):
+    def _forward(self, batch: MicroBatch, data, inbound: LinkEnd | None, outbound: LinkEnd | None) -> Message:
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
-        return fn(*args)
+        message = self.runtime.forward(batch, data)
+        message.delivered()  # link state commits on encoding; a failed delivery resets the link
+        return message
+
+    def _backward(self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd) -> Message:
+        self.runtime.inbound, self.runtime.outbound = inbound, outbound
+        message = self.runtime.backward(batch, payload, metrics)
+        message.delivered()
+        return message
+
+    def _resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
+        """The same activations for a new link: re-encoded against its fresh state."""
+        if batch.mode is Mode.EVAL:
+            return message  # stateless encoding: valid on any link
+        saved = self.runtime._saved.get(batch.key)
+        if saved is None:
+            raise RuntimeError(f"stage {self.stage} lost the activations of micro-batch {batch.key}")
+        out = outbound.send(batch, saved[1].detach())
+        out.commit()
+        return Message(Kind.FORWARD, self.stage + 1, batch, out.payload)
 
     def _measure(self, batch: MicroBatch, seconds: float) -> None:
         if seconds > 0:
@@ -173,118 +207,113 @@ class HostedStage:
     async def micro_batch(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
         """Forward here, then downstream and backward here; the reply for `sender`."""
         if self.runtime is None:
-            raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet (the trainer sets stages up when it starts)")
+            raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet (the trainer sets stages up when it starts)", pb.NOT_READY)
         if head.kind != pb.FORWARD:
             raise ProtocolError(f"rpc_forward expects a FORWARD head, got kind {head.kind}")
         batch = meta_to_batch(head.batch)
-        if self._settled is not None:  # the previous reply's state commits before we go on
-            try:
-                await asyncio.wait_for(self._settled.wait(), self.timeout)
-            except TimeoutError:
-                pass
-        settled = self._settled = asyncio.Event()
+        deadline = time.monotonic() + (head.budget_s or self.timeout) - 0.5  # from arrival: the sender's clock runs meanwhile
+        runtime = self.runtime
         self.queue += 1
         try:
-            outcome = await self._chain(head, batch, payload, sender)
+            outcome = await self._chain(head, batch, payload, sender, deadline)
         except BaseException:
-            settled.set()
-            await self._compute(self.runtime.drop, batch)
+            if runtime is self.runtime:
+                await self._compute(runtime.drop, batch)
             raise
         finally:
             self.queue -= 1
-        commit = outcome.commit
-
-        def settle(confirmed: bool) -> None:
-            if confirmed:
-                commit()
-            elif not self.first:
-                self.ends_in.pop(sender, None)  # unconfirmed state: start afresh with this neighbour
-            settled.set()
-
-        outcome.commit = settle
         self.processed += 1
         return outcome
 
-    async def _chain(self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str) -> Outcome:
+    async def _chain(self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str, deadline: float) -> Outcome:
         started = time.perf_counter()
-        if self.first:
-            inputs = pb.RawTensor()
-            inputs.ParseFromString(payload)
-            data = raw_to_tensor(inputs, "stage 0 input")
-            inbound = None
-        else:
-            data = payload
-            inbound = self._end_in(sender, head.fresh_link)
-            self.received[(sender, "forward", batch.mode.value)] += len(payload)
-        target = None if self.last else await self.router.choose(self.stage + 1, sticky=self.downstream)
-        outbound, fresh = (None, False) if target is None else self._end_out(target.peer_id)
-        message: Message = await self._compute(self._with_ends, inbound, outbound, self.runtime.forward, batch, data)
-        elapsed = time.perf_counter() - started
-        if message.kind is not Kind.FORWARD:  # the last stage: gradient (training) or metrics (eval)
-            self._measure(batch, elapsed)
-            return Outcome(message.kind, message.payload, dict(message.metrics), [self.node.peer_id], message.delivered)
+        ticket = None
+        try:
+            gate = self.turnstiles.setdefault(sender, Turnstile())
+            async with gate.admit(head.epoch, head.seq, max(deadline - time.monotonic(), 0.1)) as fresh:
+                if self.first:
+                    inputs = pb.RawTensor()
+                    inputs.ParseFromString(payload)
+                    data, inbound = raw_to_tensor(inputs, "stage 0 input"), None
+                else:
+                    data, inbound = payload, self._end_in(sender, fresh)
+                    self.received[(sender, "forward", batch.mode.value)] += len(payload)
+                target = None if self.last else await self.router.choose(self.stage + 1, sticky=self.downstream, session=self.session[0])
+                if target is not None:
+                    self.downstream = target.peer_id  # the micro-batches behind this one follow it
+                outbound = None if target is None else self._end_out(target.peer_id)
+                if target is not None and batch.mode is Mode.TRAIN:
+                    ticket = self.ordinals.issue()
+                sent = None if target is None else self.out_links[target.peer_id].take()  # in encoding order
+                try:
+                    message: Message = await self._compute(self._forward, batch, data, inbound, outbound)
+                except BaseException:
+                    if target is not None:
+                        self._drop_out(target.peer_id)  # the number we took was never sent
+                    raise
+            if target is None:  # the last stage: gradient (training) or metrics (eval)
+                self._measure(batch, time.perf_counter() - started)
+                return Outcome(message.kind, message.payload, dict(message.metrics), [self.node.peer_id])
+            return await self._downstream(head, batch, message, inbound, target.peer_id, sent, ticket, started, deadline)
+        finally:
+            if ticket is not None:
+                await self.ordinals.finish(ticket)
 
-        budget = head.budget_s or self.timeout
-        deadline = time.monotonic() + budget - 1.0
+    async def _downstream(self, head, batch: MicroBatch, message: Message, inbound, target: str, sent: tuple[int, int], ticket, started: float, deadline: float) -> Outcome:
+        """Sends our activations on (retrying on a reset link or another peer) and runs our backward."""
+        elapsed = time.perf_counter() - started
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            tried.add(target.peer_id)
-            call = MicroBatchCall(self.node.p2p, target.peer_id, self._head(batch, message.payload, fresh, deadline - time.monotonic()), message.payload)
+            tried.add(target)
+            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload)
             try:
                 result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
                 break
-            except TransportError as e:
-                self.router.failed(target.peer_id)
-                self.ends_out.pop(target.peer_id, None)
-                self.downstream = None
+            except (TransportError, RemoteError) as e:
+                self._drop_out(target)
+                if isinstance(e, RemoteError) and not e.retry_link:
+                    raise
                 if attempt + 1 == MAX_ATTEMPTS or time.monotonic() >= deadline:
                     raise
-                try:
-                    target = await self.router.choose(self.stage + 1, exclude=tried)
-                except NoPeerError:
-                    raise e from None
-                log.warning("stage %d peer failed (%s); retrying on %s", self.stage + 1, e, target.peer_id[-8:])
-                outbound, fresh = self._end_out(target.peer_id)
+                if isinstance(e, TransportError):
+                    self.router.failed(target)
+                    try:
+                        target = (await self.router.choose(self.stage + 1, exclude=tried, session=self.session[0])).peer_id
+                    except NoPeerError:
+                        raise e from None
+                log.warning("micro-batch %s: stage %d peer failed (%s); retrying on %s", batch.key, self.stage + 1, e, target[-8:])
+                outbound = self._end_out(target)
+                sent = self.out_links[target].take()
                 message = await self._compute(self._resend, batch, outbound, message)
-            except RemoteError:
-                self.ends_out.pop(target.peer_id, None)  # its state may have moved: start afresh next time
-                self.downstream = None
-                raise
-        self.router.succeeded(target.peer_id)
-        self.downstream = target.peer_id
-        message.delivered()  # the downstream stage processed our activations
+        self._close_later(call)
+        self.router.succeeded(target)
         route = [self.node.peer_id, *result.route]
         if result.kind == pb.DONE:
-            await call.confirm()
             self._measure(batch, elapsed)
             return Outcome(Kind.DONE, b"", dict(result.metrics), route)
-        if result.kind != pb.BACKWARD:
-            await call.close()
-            raise ProtocolError(f"stage {self.stage + 1} replied with kind {result.kind}, expected BACKWARD or DONE")
-        self.received[(target.peer_id, "backward", batch.mode.value)] += len(reply)
-        started = time.perf_counter()
-        try:
-            back: Message = await self._compute(self._with_ends, inbound, outbound, self.runtime.backward, batch, reply, dict(result.metrics))
-        except BaseException:
-            await call.close()
-            self.ends_out.pop(target.peer_id, None)
-            raise
-        await call.confirm()
+        if result.kind != pb.BACKWARD or ticket is None:
+            raise ProtocolError(f"stage {self.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch")
+        self.received[(target, "backward", batch.mode.value)] += len(reply)
+        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), 0.1)):
+            link, outbound = self.out_links[target], self.ends_out.get(target)
+            if outbound is None or link.epoch != sent[0]:
+                raise LinkReset(f"the link to stage {self.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it")
+            started = time.perf_counter()
+            try:
+                back: Message = await self._compute(self._backward, batch, reply, dict(result.metrics), inbound, outbound)
+            except BaseException:
+                self._drop_out(target)
+                raise
         self._measure(batch, elapsed + time.perf_counter() - started)
-        return Outcome(back.kind, back.payload, dict(back.metrics), route, back.delivered)
+        return Outcome(back.kind, back.payload, dict(back.metrics), route)
 
-    def _resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
-        """The same activations for a new neighbour: re-encoded against its fresh link state."""
-        self.runtime.outbound = outbound
-        if batch.mode is Mode.EVAL:
-            return message  # stateless encoding: valid for any neighbour
-        saved = self.runtime._saved.get(batch.key)
-        if saved is None:
-            raise RuntimeError(f"stage {self.stage} lost the activations of micro-batch {batch.key}")
-        out = outbound.send(batch, saved[1].detach())
-        return Message(Kind.FORWARD, self.stage + 1, batch, out.payload, delivered=out.commit)
+    def _close_later(self, call: MicroBatchCall) -> None:
+        """Ends a finished call in the background (its reply is read; nothing waits on the close)."""
+        task = asyncio.get_running_loop().create_task(call.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
-    def _head(self, batch: MicroBatch, payload: bytes, fresh: bool, budget: float) -> pb.MicroBatchHead:
+    def _head(self, batch: MicroBatch, sent: tuple[int, int], budget: float) -> pb.MicroBatchHead:
         return pb.MicroBatchHead(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
@@ -292,24 +321,31 @@ class HostedStage:
             sender=self.node.peer_id,
             kind=pb.FORWARD,
             batch=batch_to_meta(batch),
-            fresh_link=fresh,
             budget_s=max(budget, 0.1),
+            epoch=sent[0],
+            seq=sent[1],
         )
 
     # ---- the synchronous step --------------------------------------------------------------
 
     def _step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
-        """Rounds are idempotent: a retried apply for a step already taken returns the same reply."""
+        """Rounds are idempotent: accumulating is repeatable, a retried apply returns the same reply."""
         if head.apply and self._applied is not None and self._applied[0] == head.step:
             return self._applied[1], b""
         runtime = self.runtime
+        if head.accumulate:
+            try:
+                runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
+            except KeyError as e:
+                raise RemoteError(str(e.args[0])) from None
         for name, grad in payload_to_tensors(head.set_grads, payload).items():
             param = self._param(name)
             if tuple(grad.shape) != tuple(param.shape):
                 raise ProtocolError(f"gradient for {name!r} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}")
             param.grad = grad.to(param.device, param.dtype).clone()
+        names = [name for name, _ in runtime.module.named_parameters()] if head.all_grads else head.get_grads
         grads = {}
-        for name in head.get_grads:
+        for name in names:
             param = self._param(name)
             if param.grad is not None:
                 grads[name] = param.grad.detach()
@@ -333,9 +369,7 @@ class HostedStage:
 
     async def step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
         if self.runtime is None:
-            raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet")
-        if self._settled is not None:
-            await asyncio.wait_for(self._settled.wait(), self.timeout)
+            raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet", pb.NOT_READY)
         return await self._compute(self._step, head, payload)
 
     # ---- status ----------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """`SwarmPipeline`: the trainer's side of the swarm, shaped like `LocalPipeline` so that
 `swarm.run.train` drives stage peers over hivemind unchanged.
 
-The trainer owns data and schedule: it sends each micro-batch to a stage-0 peer (which chains it
-through the stages and back) and, after the last micro-batch of a step, runs the synchronous step
-across every stage peer as `LocalPipeline.step` does in one process: tied-gradient sum between the
-first and last stage, global gradient-norm clipping (tied parameters counted once), then every
-stage's optimizer. Micro-batches run one at a time, in index order, as in `LocalPipeline`, so
-order-dependent error-feedback state evolves exactly as in the single-process run.
+The trainer owns data and schedule: it sends micro-batches to stage-0 peers (each chains its
+micro-batch through the stages and back), several at once and numbered on each link so every
+stage processes them in the trainer's order. After the last micro-batch of a step it runs the
+synchronous step across every stage peer as `LocalPipeline.step` does in one process: each peer
+adds up the gradients of the micro-batches that finished through it (its held gradients of
+failed attempts never count), replicas of a stage are summed, tied gradients summed between the
+first and last stage, gradients clipped by the global norm (tied parameters counted once), then
+every stage's optimizer steps.
 """
 
 from __future__ import annotations
@@ -15,35 +17,43 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections import Counter, defaultdict
 
 import torch
 
 from protocols import stage_pb2 as pb
 from swarm.config import ExperimentConfig
-from swarm.engine.microbatch import MicroBatch
+from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.models import TiedPair
 from swarm.network import PROTOCOL_VERSION
-from swarm.network.calls import MicroBatchCall, TransportError, call_info, call_setup, call_step
+from swarm.network.calls import MicroBatchCall, RemoteError, TransportError, call_info, call_setup, call_step
 from swarm.network.hosted import config_digest
 from swarm.network.meta import batch_to_meta, payload_to_tensors, tensor_to_raw, tensors_to_payload
 from swarm.network.node import SwarmNode
+from swarm.network.ordering import OutLink
 from swarm.network.routing import NoPeerError, Router
 
 log = logging.getLogger(__name__)
 
 
 class SwarmPipeline:
-    def __init__(self, node: SwarmNode, loop, cfg: ExperimentConfig, run_id: str, timeout: float = 120.0, attempts: int = 3) -> None:
+    def __init__(self, node: SwarmNode, loop, cfg: ExperimentConfig, run_id: str, timeout: float = 120.0, attempts: int = 3, in_flight: int | None = None) -> None:
         self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
         self.num_stages = cfg.model.num_stages
         self.timeout, self.attempts = timeout, attempts
+        self.in_flight = in_flight or cfg.train.in_flight or 2 * self.num_stages
         self.router = Router(node, run_id)
+        self.session = uuid.uuid4().hex
         self.members: dict[int, list[str]] = {}  # stage -> peers set up for this run
         self.tied: list[TiedPair] = []
         self.grad_clip = cfg.optimizer.grad_clip
+        self.links: dict[str, OutLink] = {}  # stage-0 peer -> our numbering of that link
         self._entry: str | None = None
         self._step = 0
+        self._routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
+        self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
+        self._closing: set[asyncio.Task] = set()
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -51,7 +61,7 @@ class SwarmPipeline:
         return self.loop.run(self._setup(lr_horizon, capacity, wait_s))
 
     async def _setup(self, lr_horizon: int, capacity: int | None, wait_s: float) -> dict[int, list[str]]:
-        """Waits until every stage has a peer, then sets each up for this run."""
+        """Waits until every stage has a peer, then sets each up for this session."""
         deadline = time.monotonic() + wait_s
         while True:
             found = {s: await self.router.peers(s, refresh=True) for s in range(self.num_stages)}
@@ -61,7 +71,7 @@ class SwarmPipeline:
             if time.monotonic() > deadline:
                 raise NoPeerError(f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})")
             await asyncio.sleep(0.5)
-        request = dict(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, config_digest=config_digest(self.cfg), lr_horizon=lr_horizon, capacity=capacity or 0)
+        request = dict(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, config_digest=config_digest(self.cfg), lr_horizon=lr_horizon, capacity=capacity or 0, session=self.session)
 
         async def one(stage: int, peer_id: str):
             return stage, peer_id, await call_setup(self.node.p2p, peer_id, pb.SetupRequest(stage=stage, **request), self.timeout)
@@ -77,39 +87,65 @@ class SwarmPipeline:
     # ---- micro-batches -----------------------------------------------------------------------
 
     def run(self, batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
-        return self.loop.run(self._run(batch, inputs))
+        return self.run_many([(batch, inputs)])[0]
 
-    async def _run(self, batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
-        payload = tensor_to_raw(inputs).SerializeToString()
+    def run_many(self, items) -> list[dict[str, float]]:
+        """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time."""
+        return self.loop.run(self._run_many([(batch, tensor_to_raw(x).SerializeToString()) for batch, x in items]))
+
+    async def _run_many(self, items: list[tuple[MicroBatch, bytes]]) -> list[dict[str, float]]:
+        window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
+
+        async def one(batch: MicroBatch, payload: bytes) -> dict[str, float]:
+            async with window:  # both locks are fair: micro-batches leave in the order given
+                return await self._one(batch, payload, order)
+
+        results = await asyncio.gather(*(one(b, p) for b, p in items), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _one(self, batch: MicroBatch, payload: bytes, order: asyncio.Lock) -> dict[str, float]:
+        async with order:  # numbers are taken in the order the micro-batches were given
+            entry = self._entry = (await self.router.choose(0, sticky=self._entry, session=self.session)).peer_id
+            sent = self.links.setdefault(entry, OutLink()).take()
         tried: set[str] = set()
-        entry = await self.router.choose(0, sticky=self._entry)
         for attempt in range(self.attempts):
-            tried.add(entry.peer_id)
-            head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout)
-            call = MicroBatchCall(self.node.p2p, entry.peer_id, head, payload)
+            tried.add(entry)
+            head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
+            call = MicroBatchCall(self.node.p2p, entry, head, payload)
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
-            except TransportError as e:
-                self.router.failed(entry.peer_id)
-                self._entry = None
-                if attempt + 1 == self.attempts:
+                break
+            except (TransportError, RemoteError) as e:
+                self.links[entry].reset()
+                if isinstance(e, RemoteError) and not e.retry_link or attempt + 1 == self.attempts:
                     raise
-                try:
-                    entry = await self.router.choose(0, exclude=tried)
-                except NoPeerError:
-                    raise e from None
-                log.warning("stage 0 peer failed (%s); retrying micro-batch %s on %s", e, batch.key, entry.peer_id[-8:])
-                continue
-            await call.confirm()
-            self.router.succeeded(entry.peer_id)
-            self._entry = entry.peer_id
-            if result.kind != pb.DONE:
-                raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
-            for stage, peer_id in enumerate(result.route):  # a peer that joined after setup still steps
+                if isinstance(e, TransportError):
+                    self.router.failed(entry)
+                    self._entry = None
+                    try:
+                        entry = (await self.router.choose(0, exclude=tried, session=self.session)).peer_id
+                    except NoPeerError:
+                        raise e from None
+                log.warning("micro-batch %s failed (%s); retrying on stage 0 peer %s", batch.key, e, entry[-8:])
+                sent = self.links.setdefault(entry, OutLink()).take()
+        task = asyncio.get_running_loop().create_task(call.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        self.router.succeeded(entry)
+        if result.kind != pb.DONE:
+            raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
+        if len(result.route) != self.num_stages:
+            raise RuntimeError(f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {self.num_stages}")
+        if batch.mode is Mode.TRAIN:
+            self._routes[batch.index] = list(result.route)
+            self._sent[batch.index] = (batch, payload)
+            for stage, peer_id in enumerate(result.route):
                 if peer_id not in self.members.setdefault(stage, []):
                     self.members[stage].append(peer_id)
-            return dict(result.metrics)
-        raise RuntimeError("unreachable")
+        return dict(result.metrics)
 
     # ---- the synchronous step ----------------------------------------------------------------
 
@@ -132,60 +168,84 @@ class SwarmPipeline:
     def step(self) -> float:
         return self.loop.run(self._step_all())
 
+    async def _accumulate_on(self, stage: int, peer: str, indices: list[int], wanted: list[str]):
+        replicated = len(self.members[stage]) > 1
+        return await self._round(stage, peer, accumulate=True, micro_batches=sorted(indices), all_grads=replicated, get_grads=[] if replicated else wanted)
+
+    async def _accumulate(self) -> dict[int, dict[str, torch.Tensor]]:
+        """First round: every peer sums the gradients of its finished micro-batches; returns, per
+        stage, the gradients the trainer must combine (all of a replicated stage, tied ones).
+
+        A peer that left with micro-batches of this step makes them run again elsewhere first."""
+        wanted: dict[int, list[str]] = defaultdict(list)
+        for pair in self.tied:
+            for stage, name in (pair.first, pair.second):
+                wanted[stage].append(name)
+        for _ in range(self.attempts):
+            counted: dict[tuple[int, str], list[int]] = defaultdict(list)
+            for index, route in self._routes.items():
+                for stage, peer in enumerate(route):
+                    counted[(stage, peer)].append(index)
+            peers = self._peers()
+            replies = await asyncio.gather(*(self._accumulate_on(s, p, counted.get((s, p), []), wanted.get(s, [])) for s, p in peers), return_exceptions=True)
+            lost = [(s, p, r) for (s, p), r in zip(peers, replies, strict=True) if isinstance(r, TransportError)]
+            for reply in replies:
+                if isinstance(reply, BaseException) and not isinstance(reply, TransportError):
+                    raise reply
+            if not lost:
+                break
+            rerun = sorted({i for s, p, _ in lost for i in counted.get((s, p), [])})
+            for stage, peer, error in lost:
+                if len(self.members[stage]) <= 1:
+                    raise error
+                self.members[stage].remove(peer)
+                self.router.failed(peer)
+                log.warning("stage %d peer %s left the run (%s); re-running its micro-batches %s", stage, peer[-8:], error, rerun)
+            if rerun:
+                await self._run_many([self._sent[i] for i in rerun])
+        else:
+            raise RuntimeError(f"step {self._step}: stage peers kept leaving while gathering gradients")
+        combined: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+        for (stage, _), (result, data) in zip(peers, replies, strict=True):
+            for name, grad in payload_to_tensors(result.grads, data).items():
+                total = combined[stage].get(name)
+                combined[stage][name] = grad if total is None else total + grad
+        return combined
+
     async def _step_all(self) -> float:
-        """Tie, clip and step every stage peer, in `LocalPipeline.step`'s order of operations."""
-        peers = self._peers()
-        set_grads: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+        """Accumulate, combine, clip and step every stage peer, in `LocalPipeline.step`'s order of operations."""
+        combined = await self._accumulate()
+        set_grads: dict[int, dict[str, torch.Tensor]] = {s: dict(g) for s, g in combined.items() if len(self.members[s]) > 1}
         tied_squares: list[float] = []
         for pair in self.tied:
-            grads = []
-            for stage, name in (pair.first, pair.second):
-                peer = self.members.get(stage, [None])[0]
-                if peer is None:
-                    raise NoPeerError(f"no peer of stage {stage} holds tied parameter {name!r}")
-                result, data = await self._round(stage, peer, get_grads=[name])
-                grads.append(payload_to_tensors(result.grads, data).get(name))
-            first, second = grads
+            first, second = (combined.get(stage, {}).get(name) for stage, name in (pair.first, pair.second))
             if first is None and second is None:
                 continue
             total = (first if first is not None else torch.zeros_like(second)) + (second if second is not None else torch.zeros_like(first))
-            set_grads[pair.first[0]][pair.first[1]] = total
-            set_grads[pair.second[0]][pair.second[1]] = total
+            for stage, name in (pair.first, pair.second):
+                set_grads.setdefault(stage, {})[name] = total
             tied_squares.append(float(total.detach().float().pow(2).sum()))
-        norms: list[float] = []
+        squares = 0.0
         if set_grads or self.grad_clip is not None:
-            for stage, peer in peers:
+            async def second(stage: int, peer: str):
                 slots, data = tensors_to_payload(set_grads.get(stage, {}))
-                result = await self._round_or_drop(stage, peer, data, set_grads=slots, want_norm=self.grad_clip is not None)
-                if result is not None:
-                    norms.append(result[0].grad_sq_norm)
+                want_norm = self.grad_clip is not None and peer == self.members[stage][0]  # replicas hold the same sum
+                return await self._round(stage, peer, data, set_grads=slots, want_norm=want_norm)
+
+            replies = await asyncio.gather(*(second(s, p) for s, p in self._peers()))
+            squares = sum(result.grad_sq_norm for result, _ in replies)
         scale = 0.0
         if self.grad_clip is not None:
-            squares = sum(norms)
             for square in tied_squares:  # a tied parameter counts once, as in the unsplit model
                 squares -= square
             norm = math.sqrt(max(squares, 0.0))
             if norm > self.grad_clip:
                 scale = self.grad_clip / (norm + 1e-6)
-        lrs = []
-        for stage, peer in self._peers():
-            result = await self._round_or_drop(stage, peer, scale=scale, apply=True)
-            if result is not None:
-                lrs.append(result[0].lr)
+        replies = await asyncio.gather(*(self._round(s, p, scale=scale, apply=True) for s, p in self._peers()))
         self._step += 1
-        return lrs[0]
-
-    async def _round_or_drop(self, stage: int, peer_id: str, payload: bytes = b"", **fields):
-        """A round on a peer that may have left: it is dropped from the run unless its stage has no other peer."""
-        try:
-            return await self._round(stage, peer_id, payload, **fields)
-        except TransportError as e:
-            if len(self.members.get(stage, [])) <= 1:
-                raise
-            self.members[stage].remove(peer_id)
-            self.router.failed(peer_id)
-            log.warning("stage %d peer %s left the run (%s); continuing with %d peer(s)", stage, peer_id[-8:], e, len(self.members[stage]))
-            return None
+        self._routes.clear()
+        self._sent.clear()
+        return replies[0][0].lr
 
     # ---- accounting --------------------------------------------------------------------------
 

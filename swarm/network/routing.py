@@ -57,11 +57,12 @@ class Router:
             self._cache[stage] = (time.monotonic(), records)
         return self._cache[stage][1]
 
-    async def choose(self, stage: int, exclude=(), sticky: str | None = None, ready: bool = True) -> StageRecord:
-        """The best peer for `stage`: `sticky` if it is still usable, else by throughput/(queue+1)."""
+    async def choose(self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None) -> StageRecord:
+        """The best ready peer for `stage` (set up by `session`, when given): `sticky` if it is still
+        usable, else by throughput/(queue+1)."""
         for refresh in (False, True):
             records = await self.peers(stage, refresh)
-            candidates = [r for r in records if r.peer_id not in exclude and not self.bans.banned(r.peer_id) and (r.ready or not ready)]
+            candidates = [r for r in records if r.peer_id not in exclude and not self.bans.banned(r.peer_id) and r.ready and session in (None, r.session)]
             if candidates:
                 break
         else:

@@ -14,6 +14,8 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase recogni
 from hivemind.p2p import P2PContext, ServicerBase
 
 from protocols import stage_pb2 as pb
+from swarm.compression.feedback import StateMismatchError
+from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
@@ -39,8 +41,16 @@ def _check_version(version: int) -> None:
         raise ProtocolError(f"protocol version {version} is not supported (this peer speaks version {PROTOCOL_VERSION})")
 
 
-def _error(message: str) -> pb.StageReply:
-    return pb.StageReply(error=pb.ErrorReply(message=message))
+def _code(e: BaseException) -> int:
+    if isinstance(e, RemoteError):
+        return e.code
+    if isinstance(e, StateMismatchError | StaleStateError):  # our link state and the sender's differ
+        return pb.LINK_RESET
+    return pb.ERROR_UNSPECIFIED
+
+
+def _error(e: BaseException) -> pb.StageReply:
+    return pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e)))
 
 
 async def _linger(requests, timeout: float = 10.0) -> None:
@@ -60,10 +70,10 @@ async def _linger(requests, timeout: float = 10.0) -> None:
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, confirm_timeout: float = 60.0) -> None:
+    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, linger_timeout: float = 60.0) -> None:
         self.node = node
         self.hosted: dict[tuple[str, int], HostedStage] = {}
-        self.read_timeout, self.confirm_timeout = read_timeout, confirm_timeout
+        self.read_timeout, self.linger_timeout = read_timeout, linger_timeout
         self.announcer = Announcer(node, self._records)
         self._addrs: list[str] = []
 
@@ -101,37 +111,23 @@ class StageServicer(ServicerBase):
     # ---- streamed calls --------------------------------------------------------------------
 
     async def rpc_forward(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
-        """One micro-batch: activations in, gradients (or DONE) out, then the caller's Confirm."""
+        """One micro-batch: activations in, gradients (or DONE) out."""
         sender = context.remote_id.to_base58()
         try:
             head, payload = await asyncio.wait_for(read_frame(requests, "micro_batch"), self.read_timeout)
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
-            hosted = self._find(head.run_id, head.stage)
-            outcome = await hosted.micro_batch(head, payload, sender)
+            outcome = await self._find(head.run_id, head.stage).micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
-            yield _error(one_line(e))
+            yield _error(e)
             await _linger(requests)
             return
         result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route)
-        confirmed = False
-        try:
-            for message in frame(pb.StageReply, "result", result, outcome.payload):
-                yield message
-            try:
-                confirm = await asyncio.wait_for(anext(requests), self.confirm_timeout)
-                confirmed = confirm.WhichOneof("head") == "confirm" and confirm.confirm.ok
-            except (StopAsyncIteration, TimeoutError):
-                pass
-            else:
-                await _linger(requests)
-        finally:
-            try:
-                outcome.commit(confirmed)
-            except Exception as e:  # a stale commit must not kill the handler
-                log.warning("committing micro-batch state failed: %s", one_line(e))
+        for message in frame(pb.StageReply, "result", result, outcome.payload):
+            yield message
+        await _linger(requests, self.linger_timeout)
 
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
         """One round of the synchronous step: tied gradients, norm, scale, apply."""
@@ -141,7 +137,7 @@ class StageServicer(ServicerBase):
             result, data = await self._find(head.run_id, head.stage).step(head, payload)
         except Exception as e:
             log.warning("step from %s rejected: %s", context.remote_id.to_base58()[-8:], one_line(e))
-            yield _error(one_line(e))
+            yield _error(e)
             await _linger(requests)
             return
         for message in frame(pb.StageReply, "step", result, data):
