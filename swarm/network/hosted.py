@@ -80,6 +80,8 @@ class HostedStage:
         self.out_links: dict[str, OutLink] = {}
         self.turnstiles: dict[str, Turnstile] = {}
         self.ordinals = Ordinals()
+        self.link_grace = 10.0  # seconds a message of an unknown link epoch waits for the epoch's first
+        self.peak_queue = 0  # most micro-batches inside this stage at once
         self._spare: dict[bool, LinkEnd | None] = {}
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
@@ -214,6 +216,7 @@ class HostedStage:
         deadline = time.monotonic() + (head.budget_s or self.timeout) - 0.5  # from arrival: the sender's clock runs meanwhile
         runtime = self.runtime
         self.queue += 1
+        self.peak_queue = max(self.peak_queue, self.queue)
         try:
             outcome = await self._chain(head, batch, payload, sender, deadline)
         except BaseException:
@@ -230,7 +233,7 @@ class HostedStage:
         ticket = None
         try:
             gate = self.turnstiles.setdefault(sender, Turnstile())
-            async with gate.admit(head.epoch, head.seq, max(deadline - time.monotonic(), 0.1)) as fresh:
+            async with gate.admit(head.epoch, head.seq, max(deadline - time.monotonic(), 0.1), self.link_grace) as fresh:
                 if self.first:
                     inputs = pb.RawTensor()
                     inputs.ParseFromString(payload)

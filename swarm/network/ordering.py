@@ -67,13 +67,20 @@ class Turnstile:
         return seq == 0 and not self._stale(epoch)
 
     @asynccontextmanager
-    async def admit(self, epoch: int, seq: int, timeout: float):
-        """Waits for the message's turn; yields True when it starts a new epoch (reset the link end)."""
+    async def admit(self, epoch: int, seq: int, timeout: float, grace: float = 10.0):
+        """Waits for the message's turn; yields True when it starts a new epoch (reset the link end).
+
+        A later message of an epoch this end has not seen waits at most `grace` seconds for that
+        epoch's first one: past that, this end lost the link (it restarted) and says so."""
+        started = time.monotonic()
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._stale(epoch) or self._my_turn(epoch, seq)), timeout)
+                if epoch != self.epoch and seq > 0:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self._stale(epoch) or self.epoch == epoch), min(grace, timeout))
+                left = max(timeout - (time.monotonic() - started), 0.0)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._stale(epoch) or self._my_turn(epoch, seq)), left)
             except TimeoutError:
-                raise LinkReset(f"message {seq} of link epoch {epoch} waited {timeout:.1f}s for its turn (expected message {self.next} of epoch {self.epoch})") from None
+                raise LinkReset(f"message {seq} of link epoch {epoch} found no turn (this end expects message {self.next} of epoch {self.epoch})") from None
             if self._stale(epoch):
                 raise LinkReset(f"message from link epoch {epoch}, which was reset (now epoch {self.epoch})")
             fresh = epoch != self.epoch
