@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run_id", default=None, help="the run the stage peers joined (default: the config's name)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one micro-batch")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for every stage to have a peer")
+    parser.add_argument("--checkpoint_dir", help="save checkpoints (every stage's state, fetched from its peers) here and resume from the newest one")
+    parser.add_argument("--checkpoint_every", type=int, help="steps between checkpoints (default: after every evaluation)")
     add_network_args(parser)
     return parser
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.network.node import SwarmNode
     from swarm.network.pipeline import SwarmPipeline
     from swarm.results import ResultsWriter
-    from swarm.run import Schedule, build_data, describe, train
+    from swarm.run import Checkpointing, Schedule, build_data, describe, open_results, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     if args.steps is not None and args.steps < 1:
         return fail(f"--steps must be a positive integer, got {args.steps}")
+    if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
+        return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
+    checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     loop = LoopThread("trainer-loop")
     try:
@@ -68,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         loop.stop()
         return fail(str(e))
-    results = (ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter))(args.results)
+    results = open_results(args.results, checkpoint, ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter))
     try:
         data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
         pipeline = SwarmPipeline(node, loop, cfg, run_id, timeout=args.timeout)
         members = pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=args.wait)
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
-        summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty())
+        summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
     except KeyboardInterrupt:
         say("interrupted")
         return 130

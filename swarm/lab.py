@@ -22,8 +22,9 @@ _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection") 
 
 
 class Lab:
-    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0) -> None:
+    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None) -> None:
         self.config, self.stages, self.results, self.steps = config, stages, results, steps
+        self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
         self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
         self.out = out or sys.stdout
         self.startup_timeout = startup_timeout
@@ -83,7 +84,7 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            trainer = self._start("trainer", "peers.trainer", *common, *extra)
+            trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
                     if process is not trainer and process.poll() is not None:
@@ -134,5 +135,5 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None) -> int:
-    return Lab(config, stages, results, steps, overrides, device).run()
+def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None) -> int:
+    return Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args).run()

@@ -219,13 +219,8 @@ def _rows_until(results_path, step: int) -> list[dict]:
     return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
 
 
-def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
-    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
-    from swarm.engine.build import build_local_pipeline
-
-    data = build_data(cfg)
-    schedule = Schedule.of(cfg, len(data[0]), max_steps)
-    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+def open_results(results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter) -> ResultsWriter:
+    """The results file of a run; one that resumes from a checkpoint keeps its rows up to there."""
     kept = []
     if checkpoint is not None and results_path is not None:
         from swarm.engine.checkpoint import latest_run
@@ -233,9 +228,20 @@ def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | No
         latest = latest_run(checkpoint.directory)
         if latest is not None:
             kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
-    results = ResultsWriter(results_path)
+    results = writer(results_path)
     for row in kept:
         results.write(row)
+    return results
+
+
+def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
+    from swarm.engine.build import build_local_pipeline
+
+    data = build_data(cfg)
+    schedule = Schedule.of(cfg, len(data[0]), max_steps)
+    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+    results = open_results(results_path, checkpoint)
     try:
         return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
     finally:

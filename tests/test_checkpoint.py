@@ -182,10 +182,3 @@ def test_cli_resume_rewinds_the_results_file(tmp_path):
     assert [r["type"] for r in again].count("config") == 1
     assert [r["step"] for r in again if r["type"] == "step"] == [1, 2, 3, 4]
     assert _losses(again) == _losses(rows)
-
-
-def test_swarm_pipeline_says_checkpoints_are_not_supported():
-    from swarm.network.pipeline import SwarmPipeline
-
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        SwarmPipeline.save_checkpoint(None, "dir", 1)

@@ -328,13 +328,14 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
     sets = [a for o in overrides for a in ("--set", o)]
     out = subprocess.run(
-        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), *sets],
+        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1", *sets],
         capture_output=True, text=True, timeout=150, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "trainer.pt"]
     assert p2pd_count() == before  # every daemon the lab started is gone
 
 
@@ -509,3 +510,39 @@ def test_a_link_whose_receiver_lost_its_state_restarts_on_both_ends(swarm):
         assert hosted[0].out_links[receiver].epoch > epoch
     finally:
         swarm.unhost(run_id)
+
+
+def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm, tmp_path):
+    """Checkpoints every 2 steps of 4; the last one is lost, as if the trainer died after step 3.
+    A new trainer session resumes the swarm from step 2, and a single-process run resumes the same
+    files: both repeat the uninterrupted run, error-feedback state included."""
+    import shutil
+
+    from swarm.run import Checkpointing
+
+    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:0.2+ef21", "train.eval_every=100")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    directory = tmp_path / "ckpt"
+    try:
+        data = build_data(cfg)
+        first = ResultsWriter(None)
+        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, first, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+        assert sorted(p.name for p in directory.iterdir()) == ["step-00000002", "step-00000004"]
+        assert sorted(p.name for p in (directory / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "stage2.pt", "trainer.pt"]
+        shutil.rmtree(directory / "step-00000004")
+        resumed = ResultsWriter(None)
+        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, resumed, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+    finally:
+        swarm.unhost(run_id)
+    uninterrupted = local_rows(cfg, tmp_path, steps=4)
+    reference = [r["loss"] for r in uninterrupted if r["type"] == "step"]
+    losses = [r["loss"] for r in first.rows if r["type"] == "step"]
+    assert losses == pytest.approx(reference, rel=1e-5)
+    after = [r["loss"] for r in resumed.rows if r["type"] == "step"]
+    assert [r["step"] for r in resumed.rows if r["type"] == "step"] == [3, 4]
+    assert after == pytest.approx(reference[2:], rel=1e-5)
+    shutil.rmtree(directory / "step-00000004")
+    local = tmp_path / "local.jsonl"
+    run_experiment(cfg, local, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+    assert [r["loss"] for r in read_results(local) if r["type"] == "step"] == pytest.approx(reference[2:], rel=1e-5)

@@ -22,19 +22,23 @@ FORMAT = 1
 _RUN_DIR = re.compile(r"step-(\d+)")
 
 
-def atomic_save(obj, path: str | os.PathLike) -> None:
-    """torch.save to a temporary file next to `path`, then rename it over `path`."""
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """`write(file)` into a temporary file next to `path`, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_save(obj, path: str | os.PathLike) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _end_state(end) -> dict | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import json
 import logging
 import threading
@@ -86,6 +87,7 @@ class HostedStage:
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
         self.downstream: str | None = None
+        self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
         self.throughput = 0.0
         self.queue = 0
         self.processed = 0
@@ -140,16 +142,20 @@ class HostedStage:
     # ---- link ends per neighbour ---------------------------------------------------------
 
     def _new_end(self, upstream: bool, neighbour: str) -> LinkEnd:
-        """A fresh half-link; ends are replaced, never reset in place (a compute may still hold the old one)."""
+        """A fresh half-link (the runtime's own, possibly restored from a checkpoint, first); ends
+        are replaced, never reset in place (a compute may still hold the old one)."""
         spare = self._spare.get(upstream)
         if spare is not None:
             self._spare[upstream] = None
             return spare
+        return self._make_end(upstream, neighbour[-12:])
+
+    def _make_end(self, upstream: bool, label: str) -> LinkEnd:
         boundary = self.stage if upstream else self.stage - 1
         link = self.cfg.compression.link(boundary)
         store = self.cfg.compression.store_dir
         self._ends_made += 1
-        store = None if store is None else f"{store}/stage{self.stage}-{neighbour[-12:]}-{self._ends_made}"
+        store = None if store is None else f"{store}/stage{self.stage}-{label}-{self._ends_made}"
         return LinkEnd(boundary, upstream, link.forward, link.backward, store, self.cfg.compression.store_capacity or self.capacity)
 
     def _end_in(self, sender: str, fresh: bool) -> LinkEnd:
@@ -240,6 +246,7 @@ class HostedStage:
                     data, inbound = raw_to_tensor(inputs, "stage 0 input"), None
                 else:
                     data, inbound = payload, self._end_in(sender, fresh)
+                    self.upstream = sender
                     self.received[(sender, "forward", batch.mode.value)] += len(payload)
                 target = None if self.last else await self.router.choose(self.stage + 1, sticky=self.downstream, session=self.session[0])
                 if target is not None:
@@ -335,6 +342,10 @@ class HostedStage:
         """Rounds are idempotent: accumulating is repeatable, a retried apply returns the same reply."""
         if head.apply and self._applied is not None and self._applied[0] == head.step:
             return self._applied[1], b""
+        if head.save:
+            return pb.StepResult(step=head.step), self._save(head.step)
+        if head.load:
+            return pb.StepResult(step=self._load(payload)), b""
         runtime = self.runtime
         if head.accumulate:
             try:
@@ -363,6 +374,48 @@ class HostedStage:
             self.steps += 1
             self._applied = (head.step, result)
         return result, data
+
+    def _save(self, step: int) -> bytes:
+        """This stage as a single-process stage checkpoint, with the links in use as its link ends
+        (other neighbours' links restart fresh after a resume) and this process's RNG."""
+        from swarm.engine.checkpoint import stage_state
+
+        runtime = self.runtime
+        for upstream, ends, neighbour in ((False, self.ends_in, self.upstream), (True, self.ends_out, self.downstream)):
+            end = ends.get(neighbour) or self._spare.get(upstream) or next(reversed(ends.values()), None)
+            setattr(runtime, "outbound" if upstream else "inbound", end)
+        state = stage_state(runtime, step)
+        state["rng"] = torch.get_rng_state()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def _load(self, blob: bytes) -> int:
+        """Installs a stage checkpoint; every link restarts from its saved ends with a new epoch."""
+        from swarm.engine.checkpoint import FORMAT, apply_stage_state
+
+        try:
+            state = torch.load(io.BytesIO(blob), map_location=self.runtime.device, weights_only=True)
+        except Exception as e:
+            raise ProtocolError(f"not a stage checkpoint: {str(e).splitlines()[0][:200]}") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise ProtocolError(f"not a hivepipe stage checkpoint (format {FORMAT})")
+        runtime = self.runtime
+        runtime.inbound = None if self.first else self._make_end(False, "checkpoint")
+        runtime.outbound = None if self.last else self._make_end(True, "checkpoint")
+        try:
+            step = apply_stage_state(runtime, state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ProtocolError(f"checkpoint does not fit stage {self.stage}: {str(e).splitlines()[0][:200]}") from None
+        if isinstance(state.get("rng"), torch.Tensor):
+            torch.set_rng_state(state["rng"])
+        runtime.held.clear()
+        self._spare = {False: runtime.inbound, True: runtime.outbound}
+        for table in (self.ends_in, self.ends_out, self.out_links):
+            table.clear()
+        self.downstream = self.upstream = None
+        self.steps, self._applied = step, None
+        return step
 
     def _param(self, name: str) -> torch.nn.Parameter:
         try:

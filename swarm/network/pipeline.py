@@ -19,6 +19,7 @@ import math
 import time
 import uuid
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import torch
 
@@ -270,7 +271,36 @@ class SwarmPipeline:
         return sum(status.state_bytes for status in self.statuses())
 
     def save_checkpoint(self, directory, step: int) -> None:
-        raise NotImplementedError("checkpoints of a swarm run are not supported yet (use python -m swarm run --checkpoint_dir)")
+        """`stage<i>.pt` per stage in `directory`, fetched from the stage's first peer (replicas
+        hold the same weights): the single-process format, so either transport can resume it."""
+        self.loop.run(self._save(Path(directory), step))
+
+    async def _save(self, directory: Path, step: int) -> None:
+        from swarm.engine.checkpoint import atomic_write
+
+        async def one(stage: int):
+            _, blob = await self._round(stage, self.members[stage][0], save=True)
+            atomic_write(directory / f"stage{stage}.pt", lambda f: f.write(blob))
+
+        await asyncio.gather(*(one(s) for s in range(self.num_stages)))
 
     def load_checkpoint(self, directory) -> int:
-        raise NotImplementedError("resuming a swarm run from a checkpoint is not supported yet (use python -m swarm run --checkpoint_dir)")
+        """Installs every `stage<i>.pt` of `directory` on every peer of that stage; returns the step."""
+        return self.loop.run(self._load(Path(directory)))
+
+    async def _load(self, directory: Path) -> int:
+        blobs = {}
+        for stage in range(self.num_stages):
+            path = directory / f"stage{stage}.pt"
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint {directory} has no {path.name}")
+            blobs[stage] = path.read_bytes()
+        replies = await asyncio.gather(*(self._round(s, p, blobs[s], load=True) for s, p in self._peers()))
+        steps = {int(result.step) for result, _ in replies}
+        if len(steps) != 1:
+            raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
+        self._step = steps.pop()
+        self.links.clear()  # every link restarts (new epochs) from the loaded ends
+        self._routes.clear()
+        self._sent.clear()
+        return self._step
