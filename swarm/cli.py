@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
     lab.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     lab.add_argument("--device", help="cpu, cuda, cuda:N for the stage peers (overrides the config)")
+    lab.add_argument("--checkpoint_dir", help="the trainer saves checkpoints here (every stage's state) and resumes from the newest one")
+    lab.add_argument("--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)")
     report = commands.add_parser("report", help="markdown tables and PNG curves from results")
     report.add_argument("results", nargs="+", help="JSON-lines results files")
     report.add_argument("--out", default="docs/results", help="output directory")
@@ -122,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "lab":
         from swarm.lab import run_lab
 
-        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device)
+        if args.checkpoint_every and not args.checkpoint_dir:
+            print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
+            return 2
+        checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else [])
+        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device, checkpointing)
     return 2
 
 
