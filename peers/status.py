@@ -1,5 +1,6 @@
 """`python -m peers.status --initial_peers ...`: a table of the swarm read from the DHT and the
-peers themselves: runs, stages, peers, addresses, throughput, bytes in/out per link, last seen."""
+peers themselves: runs, stages, peers, addresses, round-trip time, throughput, bytes in/out and
+compression ratio per link, last seen."""
 
 from __future__ import annotations
 
@@ -39,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.initial_peers:
         return fail("--initial_peers is required (a multiaddr printed by python -m peers.bootstrap)")
-    return asyncio.run(show(args))
+    try:
+        return asyncio.run(show(args))
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -185,8 +185,13 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         served = [r for r in rows if r.processed > 0]
         assert {r.stage for r in served} == {0, 1}
         assert any(link["sent"] and link["received"] for r in served for link in r.links)
+        (down,) = [link for r in served if r.stage == 0 for link in r.links]
+        assert down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4  # topk:0.2: a fifth of the values, in fp16
+        ratio = sum(down["raw"].values()) / sum(down["sent"].values())  # with the evaluations' exact tensors
+        assert ratio > 1
+        assert all(r.rtt_ms is not None and r.rtt_ms > 0 for r in rows)
         table = format_table(rows)
-        assert run_id in table and "b0down" in table and "ago" in table
+        assert run_id in table and "b0down" in table and "ago" in table and f"(x{ratio:.1f})" in table and "ms" in table
     finally:
         swarm.unhost(run_id)
 

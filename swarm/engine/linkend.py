@@ -34,6 +34,7 @@ class LinkEnd:
             self.sender = self.backward_spec.sender(f"{store}-backward.npy" if store else None, capacity)
         self.selections: dict[tuple, Selection] = {}
         self.bytes = Counter()  # (mode, direction) -> bytes sent by this half
+        self.raw = Counter()  # (mode, direction) -> bytes those tensors had uncompressed (the compression ratio)
 
     @property
     def _send_direction(self) -> str:
@@ -48,7 +49,9 @@ class LinkEnd:
             out = self.sender.send(tensor, batch.sample_ids, reuse=reuse, warmup=batch.exact)
             if self.upstream and out.selection is not None:
                 self.selections[batch.key] = out.selection
-        self.bytes[(batch.mode.value, self._send_direction)] += len(out.payload)
+        key = (batch.mode.value, self._send_direction)
+        self.bytes[key] += len(out.payload)
+        self.raw[key] += tensor.numel() * tensor.element_size()
         return out
 
     def receive(self, batch: MicroBatch, payload: bytes, device):
@@ -82,6 +85,7 @@ class LinkEnd:
             "sender": self.sender.state_dict(),
             "receiver": self.receiver.state_dict(),
             "bytes": [[mode, direction, int(n)] for (mode, direction), n in self.bytes.items()],
+            "raw": [[mode, direction, int(n)] for (mode, direction), n in self.raw.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,6 +97,7 @@ class LinkEnd:
         self.receiver.load_state_dict(state["receiver"])
         self.selections.clear()
         self.bytes = Counter({(mode, direction): n for mode, direction, n in state["bytes"]})
+        self.raw = Counter({(mode, direction): n for mode, direction, n in state.get("raw", [])})
 
     @property
     def state_bytes(self) -> int:

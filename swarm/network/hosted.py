@@ -443,6 +443,8 @@ class HostedStage:
                 link = out.links.add(neighbour=neighbour, boundary=end.boundary, upstream=upstream)
                 for (mode, direction), n in end.bytes.items():
                     link.sent[f"{direction}.{mode}"] = n
+                for (mode, direction), n in end.raw.items():
+                    link.raw[f"{direction}.{mode}"] = n
                 for (peer, direction, mode), n in self.received.items():
                     if peer == neighbour:
                         link.received[f"{direction}.{mode}"] = n

@@ -1,9 +1,11 @@
 """The swarm as a table: every run's stages, their peers, addresses, throughput, bytes per link
-and when each peer last announced itself (for `python -m peers.status`)."""
+and their compression ratio, round-trip time, and when each peer last announced itself (for
+`python -m peers.status`)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
@@ -28,7 +30,8 @@ class PeerRow:
     processed: int = 0
     steps: int = 0
     state_bytes: int = 0
-    links: list[dict] = field(default_factory=list)  # {"neighbour", "boundary", "upstream", "sent", "received"}
+    links: list[dict] = field(default_factory=list)  # {"neighbour", "boundary", "upstream", "sent", "received", "raw"}
+    rtt_ms: float | None = None  # of the status call itself
     error: str = ""
 
 
@@ -46,17 +49,19 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10
             stage += 1
 
     async def detail(row: PeerRow) -> None:
+        started = time.perf_counter()
         try:
             reply = await call_info(node.p2p, row.peer_id, row.run_id, timeout)
         except Exception as e:
             row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
             return
+        row.rtt_ms = 1000 * (time.perf_counter() - started)
         row.reachable = True
         for status in reply.stages:
             if status.stage != row.stage:
                 continue
             row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
-            row.links = [{"neighbour": link.neighbour, "boundary": link.boundary, "upstream": link.upstream, "sent": dict(link.sent), "received": dict(link.received)} for link in status.links]
+            row.links = [{"neighbour": link.neighbour, "boundary": link.boundary, "upstream": link.upstream, "sent": dict(link.sent), "received": dict(link.received), "raw": dict(link.raw)} for link in status.links]
 
     await asyncio.gather(*(detail(row) for row in rows))
     return rows
@@ -73,16 +78,19 @@ def _size(n: float) -> str:
 def format_table(rows: list[PeerRow]) -> str:
     if not rows:
         return "no stage peers found (is a run going, and are --initial_peers right?)"
-    header = ["run", "stage", "peer", "address", "state", "samples/s", "queue", "micro-batches", "steps", "link bytes out/in", "last seen"]
+    header = ["run", "stage", "peer", "address", "state", "rtt", "samples/s", "queue", "micro-batches", "steps", "link bytes out/in (compression)", "last seen"]
     table = [header]
     for row in sorted(rows, key=lambda r: (r.run_id, r.stage, r.peer_id)):
         links = []
         for link in row.links:
             sent, received = sum(link["sent"].values()), sum(link["received"].values())
             side = "down" if link["upstream"] else "up"
-            links.append(f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}")
+            raw = sum(link.get("raw", {}).values())
+            ratio = f" (x{raw / sent:.1f})" if sent and raw else ""
+            links.append(f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}")
         state = ("ready" if row.ready else "waiting") if row.reachable else f"unreachable ({row.error[:40]})"
         address = row.addrs[0] if row.addrs else "-"
-        table.append([row.run_id, f"{row.stage}/{row.num_stages}", row.peer_id[-8:], address, state, f"{row.throughput:.1f}", str(row.queue), str(row.processed), str(row.steps), "; ".join(links) or "-", f"{row.last_seen_s:.0f}s ago"])
+        rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
+        table.append([row.run_id, f"{row.stage}/{row.num_stages}", row.peer_id[-8:], address, state, rtt, f"{row.throughput:.1f}", str(row.queue), str(row.processed), str(row.steps), "; ".join(links) or "-", f"{row.last_seen_s:.0f}s ago"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)
