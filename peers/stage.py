@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (overrides the config)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the next stage's reply")
     parser.add_argument("--report_every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--max_payload_mb", type=float, default=1024.0, help="refuse micro-batch payloads larger than this (MiB)")
     add_network_args(parser)
     return parser
 
@@ -46,7 +47,7 @@ async def serve(args: argparse.Namespace) -> int:
         node = await SwarmNode.create(node_options(args))
     except RuntimeError as e:
         return fail(str(e))
-    servicer = StageServicer(node)
+    servicer = StageServicer(node, max_payload=int(args.max_payload_mb * 2**20))
     try:
         try:
             hosted = servicer.host(HostedStage(node, run_id, cfg, args.stage, timeout=args.timeout))

@@ -275,11 +275,25 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, corrupted))
         assert isinstance(error, pb.ErrorReply) and "checksum" in error.message and "\n" not in error.message
 
-        truncated = [pb.StageRequest()]
-        truncated[0].CopyFrom(good[0])
-        truncated[0].chunk.count, truncated[0].chunk.total_length = 2, len(payload) + 10
-        error, _ = swarm.loop.run(_raw_call(p2p, peer, truncated))
+        big = list(frame(pb.StageRequest, "micro_batch", head, os.urandom(3 << 19)))  # two chunks; only the first arrives
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, big[:1]))
         assert isinstance(error, pb.ErrorReply) and "truncated" in error.message
+
+        miscounted = [pb.StageRequest()]
+        miscounted[0].CopyFrom(good[0])
+        miscounted[0].chunk.count = 5000  # a small payload claiming many chunks
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, miscounted))
+        assert "bad chunk header" in error.message
+
+        huge = [pb.StageRequest()]
+        huge[0].CopyFrom(good[0])
+        huge[0].chunk.total_length, huge[0].chunk.count = 1 << 40, (1 << 40) >> 20
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, huge))
+        assert "exceeds this peer's limit" in error.message
+
+        fewer_rows = list(frame(pb.StageRequest, "micro_batch", head, tensor_to_raw(x[:3]).SerializeToString()))
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, fewer_rows))
+        assert "for 4 samples" in error.message
 
         future = pb.MicroBatchHead()
         future.CopyFrom(head)

@@ -62,9 +62,13 @@ class StageRuntime:
 
     def _input(self, batch: MicroBatch, payload) -> tuple[torch.Tensor, Callable[[], None]]:
         if self.first:
-            return payload.to(self.device), lambda: None
-        incoming = self.inbound.receive(batch, payload, self.device)
-        return incoming.tensor, incoming.commit
+            x, commit = payload.to(self.device), lambda: None
+        else:
+            incoming = self.inbound.receive(batch, payload, self.device)
+            x, commit = incoming.tensor, incoming.commit
+        if x.dim() == 0 or x.shape[0] != batch.size or batch.targets.shape[:1] != (batch.size,):
+            raise ValueError(f"micro-batch {batch.key}: input of shape {tuple(x.shape)} and targets of shape {tuple(batch.targets.shape)} for {batch.size} samples")
+        return x, commit
 
     def forward(self, batch: MicroBatch, payload) -> Message:
         """Stage 0 gets the input tensor, later stages the payload bytes of their boundary."""

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Iterator
 from protocols import stage_pb2 as pb
 
 CHUNK_BYTES = 1 << 20  # well under hivemind's 2 MiB unary guidance and 4 MiB message cap
-MAX_PAYLOAD_BYTES = 1 << 34
+MAX_PAYLOAD_BYTES = 1 << 34  # stage checkpoints and gradients of big stages
+MAX_MICRO_BATCH_BYTES = 1 << 30  # one boundary's activations or gradients (peers.stage --max_payload_mb)
 
 
 class ProtocolError(ValueError):
@@ -29,9 +30,11 @@ def split(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
 
 
 class Assembler:
-    """Collects the chunks of one payload and verifies them."""
+    """Collects the chunks of one payload and verifies them; refuses, before collecting, a payload
+    over `max_bytes` or chunked other than `split` does (full chunks, then the rest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+        self.max_bytes = max_bytes
         self.parts: list[bytes] = []
         self.count = self.total = self.crc = None
         self.size = 0
@@ -39,13 +42,17 @@ class Assembler:
     def add(self, chunk: pb.Chunk) -> bool:
         """Adds a chunk; True once the payload is complete."""
         if self.count is None:
-            if chunk.count < 1 or chunk.total_length > MAX_PAYLOAD_BYTES:
-                raise ProtocolError(f"bad chunk header: count {chunk.count}, total length {chunk.total_length}")
+            if chunk.total_length > self.max_bytes:
+                raise ProtocolError(f"payload of {chunk.total_length} bytes exceeds this peer's limit of {self.max_bytes} bytes")
+            if chunk.count != max(1, -(-chunk.total_length // CHUNK_BYTES)):
+                raise ProtocolError(f"bad chunk header: {chunk.count} chunks for {chunk.total_length} bytes (chunks are {CHUNK_BYTES} bytes)")
             self.count, self.total, self.crc = chunk.count, chunk.total_length, chunk.crc32
         elif (chunk.count, chunk.total_length, chunk.crc32) != (self.count, self.total, self.crc):
             raise ProtocolError("chunk totals changed within one payload")
         if chunk.index != len(self.parts):
             raise ProtocolError(f"chunk {chunk.index} arrived, expected chunk {len(self.parts)} of {self.count}")
+        if len(chunk.data) > CHUNK_BYTES:
+            raise ProtocolError(f"chunk of {len(chunk.data)} bytes, more than {CHUNK_BYTES}")
         self.size += len(chunk.data)
         if self.size > self.total:
             raise ProtocolError(f"payload longer than announced: {self.size} > {self.total} bytes")
@@ -64,14 +71,14 @@ class Assembler:
         return data
 
 
-async def read_frame(messages: AsyncIterator, head_field: str | None = None):
+async def read_frame(messages: AsyncIterator, head_field: str | None = None, max_bytes: int = MAX_PAYLOAD_BYTES):
     """(head, payload) of one framed message sequence: the head rides on the first message.
 
     Returns the first message's oneof head (checked against `head_field` when given; an
-    `error` head is returned as is) and the verified payload.
+    `error` head is returned as is) and the verified payload (at most `max_bytes`).
     """
     first = None
-    assembler = Assembler()
+    assembler = Assembler(max_bytes)
     async for message in messages:
         if first is None:
             first = message

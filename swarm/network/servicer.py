@@ -20,7 +20,7 @@ from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
 from swarm.network.calls import NAMESPACE, RemoteError
-from swarm.network.chunks import ProtocolError, frame, read_frame
+from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
 
@@ -70,8 +70,9 @@ async def _linger(requests, timeout: float = 10.0) -> None:
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, linger_timeout: float = 60.0) -> None:
+    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, linger_timeout: float = 60.0, max_payload: int = MAX_MICRO_BATCH_BYTES) -> None:
         self.node = node
+        self.max_payload = max_payload  # bytes of one micro-batch's payload
         self.hosted: dict[tuple[str, int], HostedStage] = {}
         self.read_timeout, self.linger_timeout = read_timeout, linger_timeout
         self.announcer = Announcer(node, self._records)
@@ -114,7 +115,7 @@ class StageServicer(ServicerBase):
         """One micro-batch: activations in, gradients (or DONE) out."""
         sender = context.remote_id.to_base58()
         try:
-            head, payload = await asyncio.wait_for(read_frame(requests, "micro_batch"), self.read_timeout)
+            head, payload = await asyncio.wait_for(read_frame(requests, "micro_batch", self.max_payload), self.read_timeout)
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
