@@ -333,7 +333,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
 
 def test_config_digest_covers_what_stages_compute():
     base = smoke()
-    assert config_digest(base) == config_digest(smoke("train.batch_size=20", "name=other"))
+    assert config_digest(base) == config_digest(smoke("train.batch_size=20", "name=other", "compression.store_dir=/tmp/elsewhere"))
     assert config_digest(base) != config_digest(smoke("compression.forward=quant:4", "compression.backward=none"))
     assert config_digest(base) != config_digest(smoke("seed=1"))
 

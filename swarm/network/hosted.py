@@ -48,7 +48,7 @@ _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: 
 
 def config_digest(cfg: ExperimentConfig) -> str:
     """What a stage's computation depends on; trainer and stage must agree on it."""
-    data = cfg.model_dump(mode="json", include={"seed", "model", "optimizer", "compression"})
+    data = cfg.model_dump(mode="json", include={"seed", "model", "optimizer", "compression"}, exclude={"compression": {"store_dir"}})  # where a peer keeps its rows is its own business
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
