@@ -458,3 +458,19 @@ def test_custom_model_errors(custom_module, target, options, message):
     with pytest.raises(ValueError, match=message) as info:
         build_model(target.format(m=custom_module), 2, **options)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("boundary", "shape"), [("resnet18.layer1", (64, 32, 32)), ("resnet18.layer2", (128, 16, 16)), ("gpt2", (1024, 768))])
+def test_relay_carries_real_boundary_sizes_through_every_stage(boundary, shape):
+    from swarm.models import build_model
+
+    model = build_model("relay", 4, boundary=boundary)
+    x = torch.randn(2, 3, 32, 32)
+    for stage in model.stages[:-1]:
+        x = stage(x)
+        assert tuple(x.shape) == (2, *shape)
+    assert tuple(model.stages[-1](x).shape) == (2, 10)
+    with pytest.raises(ValueError, match="boundary must be one of"):
+        build_model("relay", 4, boundary="vgg")
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        build_model("relay", 1)

@@ -8,6 +8,7 @@ from swarm.models.base import StagedModel
 from swarm.models.custom import build_custom
 from swarm.models.digits import build_digits_cnn, build_digits_mlp
 from swarm.models.gpt2 import build_gpt2
+from swarm.models.relay import build_relay
 from swarm.models.resnet import build_resnet18
 from swarm.options import accepted_options, reject_unknown
 
@@ -16,6 +17,7 @@ MODELS: dict[str, Callable[..., StagedModel]] = {
     "gpt2": build_gpt2,
     "digits_cnn": build_digits_cnn,
     "digits_mlp": build_digits_mlp,
+    "relay": build_relay,
 }
 
 
@@ -27,7 +29,7 @@ def model_options(name: str) -> list[str]:
 def build_model(name: str, num_stages: int, **options) -> StagedModel:
     """Build `name` cut into `num_stages` stages, under the caller's torch seed.
 
-    `name` is a built-in model (resnet18, gpt2, digits_cnn, digits_mlp) or "package.module:function".
+    `name` is a built-in model (resnet18, gpt2, digits_cnn, digits_mlp, relay) or "package.module:function".
     """
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
