@@ -92,6 +92,8 @@ class HostedStage:
         self.queue = 0
         self.processed = 0
         self.steps = 0
+        self.compute_s = 0.0  # training compute (the compute bound of throughput benchmarks)
+        self.samples = 0
         self._applied: tuple[int, pb.StepResult] | None = None
         self._closing: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
@@ -183,15 +185,21 @@ class HostedStage:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _forward(self, batch: MicroBatch, data, inbound: LinkEnd | None, outbound: LinkEnd | None) -> Message:
+        started = time.perf_counter()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.forward(batch, data)
         message.delivered()  # link state commits on encoding; a failed delivery resets the link
+        if batch.mode is Mode.TRAIN:
+            self.compute_s += time.perf_counter() - started
+            self.samples += batch.size
         return message
 
     def _backward(self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd) -> Message:
+        started = time.perf_counter()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.backward(batch, payload, metrics)
         message.delivered()
+        self.compute_s += time.perf_counter() - started
         return message
 
     def _resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
@@ -426,12 +434,16 @@ class HostedStage:
     async def step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
         if self.runtime is None:
             raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet", pb.NOT_READY)
-        return await self._compute(self._step, head, payload)
+        started = time.perf_counter()
+        try:
+            return await self._compute(self._step, head, payload)
+        finally:
+            self.compute_s += time.perf_counter() - started
 
     # ---- status ----------------------------------------------------------------------------
 
     def status(self) -> pb.StageStatus:
-        out = pb.StageStatus(run_id=self.run_id, stage=self.stage, num_stages=self.num_stages, ready=self.runtime is not None, throughput=self.throughput, queue=self.queue, processed=self.processed, steps=self.steps)
+        out = pb.StageStatus(run_id=self.run_id, stage=self.stage, num_stages=self.num_stages, ready=self.runtime is not None, throughput=self.throughput, queue=self.queue, processed=self.processed, steps=self.steps, compute_s=self.compute_s, samples=self.samples)
         if self.stage > 0:
             link = self.cfg.compression.link(self.stage - 1)
             out.forward_codec, out.backward_codec = link.forward, link.backward
