@@ -20,6 +20,8 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     net.add_argument("--no_relay", action="store_true", help="do not use libp2p circuit relays")
     net.add_argument("--use_auto_relay", action="store_true", help="look for relays automatically (for peers behind NAT)")
     net.add_argument("--startup_timeout", type=float, default=30.0, help="seconds to wait for the p2p daemon to start")
+    net.add_argument("--shape_rate", default=None, help="pace what this peer sends to this rate, in process (e.g. 100mbit; no root needed)")
+    net.add_argument("--shape_delay", default=None, help="add this one-way delay to every message this peer sends (e.g. 20ms)")
 
 
 def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOptions:
@@ -32,6 +34,8 @@ def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOpt
         use_relay=not args.no_relay,
         use_auto_relay=args.use_auto_relay,
         startup_timeout=args.startup_timeout,
+        shape_rate=args.shape_rate,
+        shape_delay=args.shape_delay,
     )
 
 

@@ -42,6 +42,12 @@ class TransportError(RuntimeError):
     """The peer did not answer properly: unreachable, died, timed out or sent a broken reply."""
 
 
+async def pace(egress, message, first: bool = False) -> None:
+    """Waits as a shaped link would before `message` leaves (in-process shaping; no-op without)."""
+    if egress is not None:
+        await egress.send_delay(message.ByteSize(), first=first)
+
+
 def _peer(peer_id) -> PeerID:
     return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
 
@@ -59,15 +65,18 @@ class _Stream:
     early; here reading and writing are independent.
     """
 
-    def __init__(self, reader, writer) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self, reader, writer, egress=None) -> None:
+        self.reader, self.writer, self.egress = reader, writer, egress
+        self._delayed = False
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: str, method: str) -> _Stream:
+    async def open(cls, p2p: P2P, peer_id: str, method: str, egress=None) -> _Stream:
         _, reader, writer = await p2p.call_binary_stream_handler(_peer(peer_id), handle_name(method))
-        return cls(reader, writer)
+        return cls(reader, writer, egress)
 
     async def send(self, message) -> None:
+        await pace(self.egress, message, first=not self._delayed)
+        self._delayed = True
         await P2P.send_protobuf(message, self.writer)
 
     async def end(self) -> None:
@@ -93,14 +102,14 @@ class _Stream:
 class MicroBatchCall:
     """One micro-batch exchange with a downstream stage peer (or stage 0, from the trainer)."""
 
-    def __init__(self, p2p: P2P, peer_id: str, head: pb.MicroBatchHead, payload: bytes) -> None:
-        self.p2p, self.peer_id = p2p, str(peer_id)
+    def __init__(self, p2p: P2P, peer_id: str, head: pb.MicroBatchHead, payload: bytes, egress=None) -> None:
+        self.p2p, self.peer_id, self.egress = p2p, str(peer_id), egress
         self.head, self.payload = head, payload
         self._stream: _Stream | None = None
         self._replies = None
 
     async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
-        self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward")
+        self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
         for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
             await self._stream.send(message)
         self._replies = self._stream.replies()
@@ -140,9 +149,9 @@ class MicroBatchCall:
             stream.close()
 
 
-async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, timeout: float) -> tuple[pb.StepResult, bytes]:
+async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, timeout: float, egress=None) -> tuple[pb.StepResult, bytes]:
     async def run():
-        stream = await _Stream.open(p2p, peer_id, "rpc_step")
+        stream = await _Stream.open(p2p, peer_id, "rpc_step", egress)
         try:
             for message in frame(pb.StageRequest, "step", head, payload):
                 await stream.send(message)

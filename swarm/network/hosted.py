@@ -283,7 +283,7 @@ class HostedStage:
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
-            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload)
+            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress)
             try:
                 result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
                 break

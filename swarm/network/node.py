@@ -26,18 +26,29 @@ class NodeOptions:
     use_relay: bool = True
     use_auto_relay: bool = False
     startup_timeout: float = 30.0
+    shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
+    shape_delay: str | None = None  # one-way delay added to every message this peer sends
     extra: dict = field(default_factory=dict)
 
 
 class SwarmNode:
-    def __init__(self, p2p: P2P, dht: DHTNode) -> None:
+    def __init__(self, p2p: P2P, dht: DHTNode, egress=None) -> None:
         self.p2p = p2p
         self.dht = dht
+        self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
         options = options or NodeOptions()
         initial = list(options.initial_peers)
+        egress = None
+        if options.shape_rate or options.shape_delay:
+            from swarm.netlab.shaper import TokenBucket
+
+            try:
+                egress = TokenBucket(options.shape_rate or "100gbit", delay_s=options.shape_delay or 0.0)
+            except ValueError as e:
+                raise RuntimeError(f"--shape_rate / --shape_delay: {e}") from None
         try:
             p2p = await P2P.create(
                 initial_peers=initial,
@@ -58,7 +69,7 @@ class SwarmNode:
             await p2p.shutdown()
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
-        return cls(p2p, dht)
+        return cls(p2p, dht, egress)
 
     @property
     def peer_id(self) -> str:

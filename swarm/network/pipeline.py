@@ -115,7 +115,7 @@ class SwarmPipeline:
         for attempt in range(self.attempts):
             tried.add(entry)
             head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
-            call = MicroBatchCall(self.node.p2p, entry, head, payload)
+            call = MicroBatchCall(self.node.p2p, entry, head, payload, self.node.egress)
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
                 break
@@ -155,7 +155,7 @@ class SwarmPipeline:
         head = pb.StepHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage, step=self._step, **fields)
         for attempt in range(self.attempts):
             try:
-                return await call_step(self.node.p2p, peer_id, head, payload, self.timeout)
+                return await call_step(self.node.p2p, peer_id, head, payload, self.timeout, self.node.egress)
             except TransportError as e:
                 if attempt + 1 == self.attempts:
                     raise

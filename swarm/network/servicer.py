@@ -19,7 +19,7 @@ from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
-from swarm.network.calls import NAMESPACE, RemoteError
+from swarm.network.calls import NAMESPACE, RemoteError, pace
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
@@ -126,7 +126,8 @@ class StageServicer(ServicerBase):
             await _linger(requests)
             return
         result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route)
-        for message in frame(pb.StageReply, "result", result, outcome.payload):
+        for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
+            await pace(self.node.egress, message, first=i == 0)
             yield message
         await _linger(requests, self.linger_timeout)
 
@@ -141,7 +142,8 @@ class StageServicer(ServicerBase):
             yield _error(e)
             await _linger(requests)
             return
-        for message in frame(pb.StageReply, "step", result, data):
+        for i, message in enumerate(frame(pb.StageReply, "step", result, data)):
+            await pace(self.node.egress, message, first=i == 0)
             yield message
         await _linger(requests)
 
