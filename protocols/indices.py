@@ -18,8 +18,10 @@ _MAX_VARINT_BYTES = 9  # 63-bit positions
 
 def _gaps(positions: np.ndarray) -> np.ndarray:
     """Gaps between sorted positions, minus one; the first is the first position."""
-    gaps = np.diff(positions, prepend=-1)
-    gaps -= 1
+    gaps = np.empty_like(positions)
+    gaps[:1] = positions[:1]
+    np.subtract(positions[1:], positions[:-1], out=gaps[1:])
+    gaps[1:] -= 1
     return gaps
 
 
@@ -55,10 +57,9 @@ def decode_bitmap(data: torch.Tensor, total: int) -> torch.Tensor:
     """Packed bits -> sorted positions."""
     if data.numel() != bitmap_length(total):
         raise PayloadError(f"bitmap has {data.numel()} bytes, expected {bitmap_length(total)}")
-    bits = unpack(data, 1, data.numel() * 8)
-    if total % 8 and bool(bits[total:].any()):
+    if total % 8 and int(data[-1]) >> (total % 8):  # the last byte holds the last total % 8 bits
         raise PayloadError("bitmap has bits set past the end of the tensor")
-    return bits[:total].nonzero().squeeze(1)
+    return unpack(data, 1, total).nonzero().squeeze(1)
 
 
 def encode_indices(positions: torch.Tensor, total: int) -> tuple[str, torch.Tensor]:
@@ -79,7 +80,8 @@ def encode_varint(positions: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_varint(gaps: np.ndarray, extra: list[tuple[np.ndarray, np.ndarray]]) -> torch.Tensor:
-    first = (gaps & 0x7F).astype(np.uint8)
+    first = gaps.astype(np.uint8)  # the low 8 bits (gaps are >= 0); uint8 `&` is the cheaper pass
+    first &= 0x7F
     if not extra:
         return torch.from_numpy(first)
     first[extra[0][0] - 1] |= 0x80
@@ -102,25 +104,32 @@ def decode_varint(data: torch.Tensor, count: int, total: int) -> torch.Tensor:
         raise PayloadError(f"index stream holds {found} positions, expected {count}")
     if not ends[-1]:
         raise PayloadError("index stream ends inside a varint")
-    if found == raw.size:  # every gap in one byte
-        gaps = raw.astype(np.int64)
-    else:
-        last = np.flatnonzero(ends)  # the final byte of every varint
-        gaps = raw[last].astype(np.int64)
-        cont = np.flatnonzero(~ends)  # rare: the leading bytes of multi-byte varints
-        group = np.searchsorted(last, cont)
-        start = np.where(group > 0, last[group - 1] + 1, 0)
-        if int((last[group] - start).max()) >= _MAX_VARINT_BYTES:
-            raise PayloadError("index stream has an overlong varint")
-        multi = np.unique(group)
-        multi_start = np.where(multi > 0, last[multi - 1] + 1, 0)
-        gaps[multi] <<= 7 * (last[multi] - multi_start)  # the final byte holds the highest bits
-        np.add.at(gaps, group, (raw[cont] & 0x7F).astype(np.int64) << (7 * (cont - start)))
-    if int(gaps.min()) < 0:  # a 9-byte varint can reach the sign bit
-        raise PayloadError("index stream has a gap out of range")
-    if int(gaps.max()) >= total:  # also keeps the running sum below from overflowing
-        raise PayloadError(f"index gap {int(gaps.max())} is past the tensor's {total} elements")
-    positions = np.cumsum(gaps + 1) - 1
-    if int(positions[-1]) >= total:
+    gaps = raw if found == raw.size else _multi_byte_gaps(raw, ends, total)
+    positions = np.cumsum(gaps, dtype=np.int64)  # position i = gap 0 + ... + gap i + i
+    positions += np.arange(count)
+    if int(positions[-1]) >= total:  # gaps are >= 0: positions increase, the last is the largest
         raise PayloadError(f"index {int(positions[-1])} is past the tensor's {total} elements")
     return torch.from_numpy(positions)
+
+
+def _multi_byte_gaps(raw: np.ndarray, ends: np.ndarray, total: int) -> np.ndarray:
+    """Gaps of a stream with some multi-byte varints (rare: gaps of 128 and more)."""
+    gaps = raw[ends].astype(np.int64)  # the final byte of every varint
+    cont = np.flatnonzero(~ends)  # the leading bytes of the multi-byte varints
+    # A run of consecutive leading bytes and the byte after it are one varint.
+    first = np.empty(cont.size, dtype=bool)
+    first[0] = True
+    np.not_equal(np.diff(cont), 1, out=first[1:])
+    runs = np.flatnonzero(first)
+    lengths = np.diff(runs, append=cont.size)  # leading bytes per multi-byte varint
+    if int(lengths.max()) >= _MAX_VARINT_BYTES:
+        raise PayloadError("index stream has an overlong varint")
+    starts = cont[runs]
+    level = cont - np.repeat(starts, lengths)  # byte number within its varint
+    low = (raw[cont] & 0x7F).astype(np.int64) << (7 * level)
+    at = starts + lengths - np.cumsum(lengths)  # which varint: final bytes before this one
+    value = (gaps[at] << (7 * lengths)) + np.add.reduceat(low, runs)  # the final byte holds the highest bits
+    if int(value.max()) >= total:  # (at most 63 bits) also keeps the running sum from overflowing
+        raise PayloadError(f"index gap {int(value.max())} is past the tensor's {total} elements")
+    gaps[at] = value
+    return gaps
