@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         members = pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=args.wait)
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
+        results.write({"type": "stages", "stages": pipeline.stage_rows()})
     except KeyboardInterrupt:
         say("interrupted")
         return 130

@@ -1,8 +1,14 @@
 """`python -m swarm lab CONFIG --stages S`: a whole swarm on this machine, as separate processes.
 
 It starts a bootstrap peer, S stage peers and a trainer (each its own process with its own p2p
-daemon, on loopback), prefixes and streams their output, and stops every one of them, daemons
-included, when the trainer ends, on error and on Ctrl-C.
+daemon), prefixes and streams their output, and stops every one of them, daemons included, when
+the trainer ends, on error and on Ctrl-C.
+
+With `--bandwidth` / `--delay` the links are shaped. `netns` (the default as root): every process
+gets its own network namespace and access link (swarm.netlab.namespaces), rate limited by tc in
+both directions, with the delay from netem where the kernel has it and otherwise added on each
+process's send path in process; a probe measures the links before the run. `inprocess`: processes
+on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
 """
 
 from __future__ import annotations
@@ -18,13 +24,61 @@ import time
 from pathlib import Path
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+SHAPINGS = ("netns", "inprocess")
+
+
+def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
+    """`--bandwidth`: one rate ('100mbit'), per process ('stage1=20mbit,*=100mbit') or a YAML file
+    of {process: rate}; processes: bootstrap, stage0.., trainer. Every rate is checked here."""
+    from swarm.netlab.rates import parse_rate
+
+    if text is None:
+        return None
+    if Path(text).is_file():
+        import yaml
+
+        table = yaml.safe_load(Path(text).read_text())
+        if not isinstance(table, dict):
+            raise ValueError(f"--bandwidth file {text} must map process names to rates")
+        table = {str(k): str(v) for k, v in table.items()}
+    elif "=" in text:
+        table = {}
+        for item in text.split(","):
+            name, _, rate = item.partition("=")
+            if not rate:
+                raise ValueError(f"--bandwidth item {item!r}: write NAME=RATE")
+            table[name.strip()] = rate.strip()
+    else:
+        table = {"*": text}
+    unknown = sorted(set(table) - {*names, "*"})
+    if unknown:
+        raise ValueError(f"--bandwidth names unknown process(es) {', '.join(unknown)} (processes: {', '.join(names)}, or * for the rest)")
+    rates = {name: table.get(name, table.get("*")) for name in names}
+    for rate in rates.values():
+        if rate is not None:
+            parse_rate(rate)
+    return {name: rate for name, rate in rates.items() if rate is not None}
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 
 class Lab:
-    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None) -> None:
+    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None,
+                 bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True) -> None:
         self.config, self.stages, self.results, self.steps = config, stages, results, steps
         self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
+        self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
+        self.rates = parse_rates(bandwidth, self.names)  # ValueError: one line
+        if delay is not None:
+            from swarm.netlab.rates import parse_delay
+
+            parse_delay(delay)
+        if shaping is not None and shaping not in SHAPINGS:
+            raise ValueError(f"--shaping must be one of {', '.join(SHAPINGS)}, got {shaping!r}")
+        self.delay = delay
+        self.shaped = bool(self.rates) or bool(delay)
+        self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
+        self.probe = probe
+        self.net = None
         self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
         self.out = out or sys.stdout
         self.startup_timeout = startup_timeout
@@ -37,9 +91,24 @@ class Lab:
             self.out.write(f"[{name}] {line}\n")
             self.out.flush()
 
+    def _host(self, name: str) -> str:
+        return self.net.maddr(name) if self.net is not None else LOOPBACK
+
+    def _shape_args(self, name: str) -> list[str]:
+        """In-process shaping for `name`: all of it (inprocess), or the delay netem could not apply."""
+        if not self.shaped:
+            return []
+        if self.net is not None:
+            missing = self.net.missing_delay(name)
+            return ["--shape_delay", f"{missing * 1000:.3f}ms"] if missing > 0 else []
+        rate = (self.rates or {}).get(name)
+        return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
+
     def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", module, *args]
+        command = [sys.executable, "-m", module, *args, "--host_maddrs", self._host(name), *self._shape_args(name)]
+        if self.net is not None:
+            command = self.net.wrap(name, command)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
         self.processes.append((name, process))
 
@@ -75,12 +144,56 @@ class Lab:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if not (self.shaped and self.shaping == "netns"):
+            if self.shaped:
+                self._print("lab", f"in-process shaping: {self._describe_inprocess()}")
+            return self._run_swarm(cfg)
+        from swarm.netlab.namespaces import NetLab, NetlabError
+
+        try:
+            with NetLab(self.names, self.rates, self.delay) as net:
+                self.net = net
+                for line in net.summary().splitlines():
+                    self._print("netlab", line)
+                if self.probe:
+                    self._probe()
+                return self._run_swarm(cfg)
+        except NetlabError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # a signal during setup or teardown
+            return 130
+        finally:
+            self.net = None
+
+    def _describe_inprocess(self) -> str:
+        rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
+        return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
+
+    def _probe(self) -> None:
+        """Measures the trainer's link to every stage (both directions) before the run."""
+        from swarm.netlab.probe import probe_netlab
+        from swarm.netlab.rates import parse_rate
+
+        slowest = min((parse_rate(r) for r in (self.rates or {}).values()), default=10**9)
+        nbytes = int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))  # about half a second on the slowest link
+        stages = self.names[1:-1]
+        try:
+            results = probe_netlab(self.net, "trainer", stages, nbytes)
+        except (RuntimeError, TimeoutError) as e:
+            self._print("netlab", f"probe failed: {e}")
+            return
+        for name in stages:
+            measured = ", ".join(f"{r.direction} {r.mbit_per_s:.1f} Mbit/s" for r in results.get(name, []))
+            self._print("netlab", f"probe trainer<->{name}: {measured or 'no result'} (payload over libp2p, {nbytes} bytes)")
+
+    def _run_swarm(self, cfg) -> int:
         run_id = f"{cfg.name}-{secrets.token_hex(3)}"
         sets = [arg for item in self.overrides for arg in ("--set", item)]
         try:
-            boot = self._start("bootstrap", "peers.bootstrap", "--host_maddrs", LOOPBACK)
+            boot = self._start("bootstrap", "peers.bootstrap")
             initial = self._bootstrap_address(boot)
-            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, "--host_maddrs", LOOPBACK, *sets]
+            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, *sets]
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
@@ -135,5 +248,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None) -> int:
-    return Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args).run()
+def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None, **shaping) -> int:
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe (see `Lab`)."""
+    try:
+        lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return lab.run()

@@ -7,6 +7,7 @@ Schema (every line has "type"):
            accuracy; perplexity for language models)
 - summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
            {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
+- stages:  (swarm runs) {"stages": [{"stage", "compute_s", "samples", "processed", "throughput"} per stage peer]}
 """
 
 from __future__ import annotations

@@ -565,3 +565,57 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
     local = tmp_path / "local.jsonl"
     run_experiment(cfg, local, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
     assert [r["loss"] for r in read_results(local) if r["type"] == "step"] == pytest.approx(reference[2:], rel=1e-5)
+
+
+@pytest.mark.parametrize("shaping", ["netns", "inprocess"])
+def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
+    import re
+
+    from swarm.netlab.namespaces import list_namespaces
+
+    results = tmp_path / "shaped.jsonl"
+    namespaces = set(list_namespaces("hp"))
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), "--bandwidth", "stage1=20mbit,*=50mbit", "--delay", "5ms", "--shaping", shaping, "--set", "train.eval_every=100"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if shaping == "netns":
+        assert "stage1     10.77.0.4       up tbf 20mbit" in out.stdout and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
+        probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+        assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
+        assert set(list_namespaces("hp")) == namespaces  # all torn down
+    else:
+        assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
+    cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
+    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
+
+
+def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):
+    """Peers created with a shape rate send requests and replies through their token bucket."""
+    cfg = smoke("model.num_stages=2")
+    run_id = uuid.uuid4().hex[:8]
+    shaped = [swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, shape_rate="200mbit", shape_delay="1ms", client_mode=client))) for client in (False, False, True)]
+    servicers = [StageServicer(node) for node in shaped[:2]]
+    try:
+        for stage, servicer in enumerate(servicers):
+            swarm.loop.run(servicer.start())
+            servicer.host(HostedStage(servicer.node, run_id, cfg, stage, timeout=30))
+            swarm.loop.run(servicer.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = SwarmPipeline(shaped[2], swarm.loop, cfg, run_id, timeout=30)
+        pipeline.setup(Schedule.of(cfg, len(data[0]), 2).lr_horizon, len(data[0]), wait_s=20)
+        items = split_batches(cfg, data, 1)[0]
+        pipeline.run_many(items)
+        pipeline.step()
+        inputs = sum(len(tensor_to_raw(x).SerializeToString()) for _, x in items)
+        sent = pipeline.link_bytes()
+        stage0, stage1, trainer = (node.egress.stats() for node in shaped)
+        assert trainer.bytes > inputs and trainer.rate_bits == 200_000_000 and trainer.delay_s == 0.001
+        assert stage0.bytes > sent["boundary0.forward.train"]  # activations out (and replies to the trainer)
+        assert stage1.bytes > sent["boundary0.backward.train"]  # gradients back, as replies
+    finally:
+        for servicer in servicers:
+            swarm.loop.run(servicer.stop())
+        for node in shaped:
+            swarm.loop.run(node.shutdown())

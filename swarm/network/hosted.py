@@ -34,7 +34,7 @@ from swarm.engine.linkend import LinkEnd
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import StageRecord
-from swarm.network.calls import MicroBatchCall, RemoteError, TransportError
+from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError
 from swarm.network.chunks import ProtocolError
 from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors, raw_to_tensor, tensors_to_payload
 from swarm.network.node import SwarmNode
@@ -96,6 +96,7 @@ class HostedStage:
         self.samples = 0
         self._applied: tuple[int, pb.StepResult] | None = None
         self._closing: set[asyncio.Task] = set()
+        self.sending = Sending()  # activations down, gradients up: a few payloads per neighbour at a time
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
 
     @property
@@ -283,7 +284,7 @@ class HostedStage:
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
-            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress)
+            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending)
             try:
                 result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
                 break

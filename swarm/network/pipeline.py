@@ -28,7 +28,7 @@ from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.models import TiedPair
 from swarm.network import PROTOCOL_VERSION
-from swarm.network.calls import MicroBatchCall, RemoteError, TransportError, call_info, call_setup, call_step
+from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError, call_info, call_setup, call_step
 from swarm.network.hosted import config_digest
 from swarm.network.meta import batch_to_meta, payload_to_tensors, tensor_to_raw, tensors_to_payload
 from swarm.network.node import SwarmNode
@@ -55,6 +55,7 @@ class SwarmPipeline:
         self._routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
         self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
         self._closing: set[asyncio.Task] = set()
+        self.sending = Sending()
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -115,7 +116,7 @@ class SwarmPipeline:
         for attempt in range(self.attempts):
             tried.add(entry)
             head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
-            call = MicroBatchCall(self.node.p2p, entry, head, payload, self.node.egress)
+            call = MicroBatchCall(self.node.p2p, entry, head, payload, self.node.egress, self.sending)
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
                 break
@@ -266,6 +267,10 @@ class SwarmPipeline:
                     direction, mode = key.split(".", 1)
                     totals[f"boundary{link.boundary}.{direction}.{mode}"] += n
         return dict(sorted(totals.items()))
+
+    def stage_rows(self) -> list[dict]:
+        """Per stage peer: training compute seconds and samples (a throughput benchmark's compute bound)."""
+        return [{"stage": s.stage, "compute_s": s.compute_s, "samples": s.samples, "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
 
     def state_bytes(self) -> int:
         return sum(status.state_bytes for status in self.statuses())

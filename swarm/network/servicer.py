@@ -119,16 +119,18 @@ class StageServicer(ServicerBase):
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
-            outcome = await self._find(head.run_id, head.stage).micro_batch(head, payload, sender)
+            hosted = self._find(head.run_id, head.stage)
+            outcome = await hosted.micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
             yield _error(e)
             await _linger(requests)
             return
         result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route)
-        for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
-            await pace(self.node.egress, message, first=i == 0)
-            yield message
+        async with hosted.sending.to(sender):
+            for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
+                await pace(self.node.egress, message, first=i == 0)
+                yield message
         await _linger(requests, self.linger_timeout)
 
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:

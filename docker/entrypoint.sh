@@ -1,0 +1,83 @@
+#!/bin/sh
+# hivepipe container entrypoint: shape this container's link, then run its peer.
+#
+# Link shaping (needs cap_add NET_ADMIN; uses python -m swarm.netlab shape, the same tc commands
+# as the namespace lab):
+#   RATE=20mbit      egress rate of IFACE (tbf; with DELAY and a kernel with netem: netem rate+delay)
+#   DELAY=50ms       one-way delay (netem only; without netem it is reported and skipped)
+#   INGRESS=1        also shape what the container receives (ifb; needs ifb/u32/mirred on the host)
+#   IFACE=eth0
+# The peer:
+#   ROLE=bootstrap | stage | trainer   (empty: run the given command after shaping)
+#   STAGE=N (stage), CONFIG=configs/smoke.yaml, RUN_ID=docker, STEPS, RESULTS (trainer)
+#   PORT=31337                 every peer listens on /ip4/0.0.0.0/tcp/$PORT
+#   ANNOUNCE=/ip4/PUBLIC/tcp/31337   --announce_maddrs, for peers outside this Docker network
+#   INITIAL_PEERS=/ip4/.../p2p/ID    join this peer; otherwise the bootstrap's address is derived
+#   BOOTSTRAP_HOST=bootstrap BOOTSTRAP_PORT=31337 BOOTSTRAP_IDENTITY=/shared/bootstrap.id
+#                              from its key file on the shared volume and its host name
+#   WAIT=180                   seconds to wait for the bootstrap's key file
+# Arguments are appended to the peer's command line (e.g. --set train.epochs=2).
+#   DRY_RUN=1                  print the tc commands and the peer command; run nothing
+set -eu
+
+PORT="${PORT:-31337}"
+IFACE="${IFACE:-eth0}"
+BOOTSTRAP_HOST="${BOOTSTRAP_HOST:-bootstrap}"
+BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-31337}"
+BOOTSTRAP_IDENTITY="${BOOTSTRAP_IDENTITY:-/shared/bootstrap.id}"
+CONFIG="${CONFIG:-configs/smoke.yaml}"
+RUN_ID="${RUN_ID:-docker}"
+DRY=""
+if [ -n "${DRY_RUN:-}" ] && [ "${DRY_RUN}" != "0" ]; then DRY=1; fi
+
+fail() { echo "error: $*" >&2; exit 2; }
+
+# 1. this container's link
+if [ -n "${RATE:-}${DELAY:-}" ]; then
+    ingress=""
+    if [ "${INGRESS:-0}" = "1" ]; then ingress="--ingress"; fi
+    python -m swarm.netlab shape --dev "$IFACE" ${RATE:+--rate "$RATE"} ${DELAY:+--delay "$DELAY"} $ingress ${DRY:+--dry-run} || exit $?
+fi
+
+# 2. its peer
+initial_peers() {
+    if [ -n "${INITIAL_PEERS:-}" ]; then
+        echo "$INITIAL_PEERS"
+    elif [ -n "$DRY" ]; then
+        echo "/ip4/<${BOOTSTRAP_HOST}>/tcp/${BOOTSTRAP_PORT}/p2p/<id from ${BOOTSTRAP_IDENTITY}>"
+    else
+        python -m swarm.netlab bootstrap-maddr --identity "$BOOTSTRAP_IDENTITY" --host "$BOOTSTRAP_HOST" --port "$BOOTSTRAP_PORT" --wait "${WAIT:-180}"
+    fi
+}
+
+case "${ROLE:-}" in
+    bootstrap)
+        if [ -z "$DRY" ]; then python -m swarm.netlab identity "$BOOTSTRAP_IDENTITY" >/dev/null; fi
+        set -- python -m peers.bootstrap --identity_path "$BOOTSTRAP_IDENTITY" \
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} "$@"
+        ;;
+    stage)
+        [ -n "${STAGE:-}" ] || fail "ROLE=stage needs STAGE (0-based stage index)"
+        peers=$(initial_peers) || exit 1
+        set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} "$@"
+        ;;
+    trainer)
+        peers=$(initial_peers) || exit 1
+        set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
+            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} "$@"
+        ;;
+    "")
+        [ "$#" -gt 0 ] || fail "no ROLE (bootstrap, stage, trainer) and no command to run"
+        ;;
+    *)
+        fail "ROLE must be bootstrap, stage, trainer or empty, got '$ROLE'"
+        ;;
+esac
+
+if [ -n "$DRY" ]; then
+    echo "+ exec $*"
+    exit 0
+fi
+exec "$@"

@@ -1,0 +1,189 @@
+"""`python -m swarm bench throughput CONFIG --bandwidth RATES --codecs SPECS`: samples per second
+of a shaped swarm against the bounds the links and the compute allow.
+
+Every (codec, bandwidth) runs a real swarm (`swarm.lab.Lab`: bootstrap, stage peers and trainer
+as processes, links shaped in namespaces or in process) for a few steps. From its results:
+- achieved samples/s over the steady steps (the first `warmup` steps, with connection setup, are
+  left out);
+- wire bytes per sample of every boundary, forward and backward (what the peers really sent);
+- the link bound: each process has an access link of the rate in each direction, so a middle
+  stage sends forward activations and backward gradients over the same up link; the busiest
+  direction of the busiest process bounds samples/s (swarm.netlab.bounds.pipeline_bound);
+- the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
+  included), from the stage peers' own accounting;
+- achieved / min(link bound, compute bound).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from swarm.results import read_results
+
+WARMUP_STEPS = 1
+
+
+def backward_spec(forward: str) -> str:
+    """`fw|bw` as given, else TopK gradients reuse the forward indices and others mirror the forward."""
+    if "|" in forward:
+        return forward.split("|", 1)[1]
+    return "topk:reuse" if forward.startswith("topk:") and "+" not in forward else forward
+
+
+@dataclass
+class ThroughputRow:
+    codec: str
+    backward: str
+    bandwidth_mbit: float
+    samples_per_s: float
+    link_bound: float
+    compute_bound: float
+    fraction_of_bound: float
+    binding: str  # what the bound is: "link <process> <direction>" or "compute"
+    busiest_bytes_per_sample: float
+    forward_bytes: list[float]  # per boundary, per training sample
+    backward_bytes: list[float]
+    stage_ms_per_sample: list[float]
+    steps: int
+    shaping: str
+
+
+def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS) -> dict:
+    """The figures of one finished run's results rows (see module doc)."""
+    from swarm.netlab.bounds import pipeline_bound
+
+    steps = [r for r in rows if r["type"] == "step"]
+    if len(steps) <= warmup:
+        raise ValueError(f"the run has {len(steps)} steps; at least {warmup + 1} are needed (the first {warmup} warm up)")
+    first, last = steps[warmup - 1] if warmup else {"samples": 0, "time_s": 0.0}, steps[-1]
+    samples = last["samples"] - first["samples"]
+    achieved = samples / (last["time_s"] - first["time_s"])
+    forward, backward = [0.0] * (stages - 1), [0.0] * (stages - 1)
+    for row in steps[warmup:]:
+        for key, n in row["bytes"].items():  # "boundary<i>.<direction>.train"
+            boundary, direction = key.split(".")[:2]
+            (forward if direction == "forward" else backward)[int(boundary.removeprefix("boundary"))] += n / samples
+    per_stage: dict[int, list[float]] = {}
+    for peer in next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"]:
+        seconds, count = per_stage.setdefault(peer["stage"], [0.0, 0])
+        per_stage[peer["stage"]] = [seconds + peer["compute_s"], count + peer["samples"]]
+    stage_s = [seconds / count for seconds, count in per_stage.values() if count] or None
+    bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
+    limit = bound.limit
+    binding = "compute" if bound.binding == "compute" else f"link {bound.busiest} {bound.direction}"
+    return {
+        "samples_per_s": achieved,
+        "link_bound": bound.link,
+        "compute_bound": bound.compute,
+        "fraction_of_bound": achieved / limit if limit and math.isfinite(limit) else float("nan"),
+        "binding": binding,
+        "busiest_bytes_per_sample": bound.wire_bytes,
+        "forward_bytes": forward,
+        "backward_bytes": backward,
+        "stage_ms_per_sample": [1000 * s for s in stage_s or []],
+        "steps": len(steps),
+    }
+
+
+def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
+    """What the trainer sends stage 0 per sample (its raw input tensor)."""
+    from swarm.config import load_config
+    from swarm.run import build_data
+
+    cfg = load_config(config, overrides)
+    _, x, _ = build_data(cfg)[0][0]
+    return float(x.numel() * x.element_size())
+
+
+def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print) -> list[ThroughputRow]:
+    from swarm.lab import Lab
+    from swarm.netlab.rates import parse_rate
+
+    overrides = list(overrides or [])
+    input_bytes = input_bytes_per_sample(config, [*overrides, f"model.num_stages={stages}"])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
+        for codec in codecs:
+            forward, backward = codec.split("|", 1)[0], backward_spec(codec)
+            for bandwidth in bandwidths:
+                results = Path(tmp) / f"{len(rows)}.jsonl"
+                sets = [*overrides, f"compression.forward={forward}", f"compression.backward={backward}"]
+                log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {steps} steps")
+                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, out=_Quiet(log))
+                code = lab.run()
+                if code != 0:
+                    raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
+                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes)
+                row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
+                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding})")
+                rows.append(row)
+    return rows
+
+
+class _Quiet:
+    """Keeps a lab's netlab lines and errors, drops the peers' chatter."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+
+    def write(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.startswith(("[netlab]", "[lab]")) or "error" in line.lower() or "Traceback" in line:
+                self.log("   " + line)
+
+    def flush(self) -> None:
+        pass
+
+
+def format_rows(rows: list[ThroughputRow]) -> str:
+    header = ["codec (fw / bw)", "Mbit/s", "samples/s", "link bound", "compute bound", "of bound", "busiest B/sample", "binding"]
+    table = [header] + [
+        [f"{r.codec} / {r.backward}", f"{r.bandwidth_mbit:g}", f"{r.samples_per_s:.1f}", f"{r.link_bound:.1f}", f"{r.compute_bound:.1f}", f"{100 * r.fraction_of_bound:.0f}%", f"{r.busiest_bytes_per_sample:,.0f}", r.binding]
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))) for line in table)
+
+
+def speedups(rows: list[ThroughputRow], baseline: str = "none") -> dict[tuple[str, float], float]:
+    """samples/s of each codec over the baseline's at the same bandwidth."""
+    base = {r.bandwidth_mbit: r.samples_per_s for r in rows if r.codec == baseline}
+    return {(r.codec, r.bandwidth_mbit): r.samples_per_s / base[r.bandwidth_mbit] for r in rows if r.bandwidth_mbit in base and r.codec != baseline}
+
+
+def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
+    """samples/s against bandwidth per codec, with each codec's link bound (dashed) and the compute bound (dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, codec in enumerate(dict.fromkeys(r.codec for r in rows)):
+        mine = sorted((r for r in rows if r.codec == codec), key=lambda r: r.bandwidth_mbit)
+        color = f"C{i}"
+        x = [r.bandwidth_mbit for r in mine]
+        ax.plot(x, [r.samples_per_s for r in mine], "o-", color=color, label=f"{codec} / {mine[0].backward}")
+        ax.plot(x, [r.link_bound for r in mine], "--", color=color, alpha=0.6)
+    compute = min((r.compute_bound for r in rows), default=math.inf)
+    if math.isfinite(compute):
+        ax.axhline(compute, color="k", linestyle=":", alpha=0.6, label=f"compute bound (slowest codec) {compute:.0f}/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bandwidth per process link (Mbit/s)")
+    ax.set_ylabel("training samples / s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def to_json(rows: list[ThroughputRow]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)

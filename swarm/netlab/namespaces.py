@@ -1,0 +1,566 @@
+"""One Linux network namespace per process, joined through a bridge, each link rate limited by tc.
+
+    with NetLab(["bootstrap", "stage0", "stage1", "trainer"], rates={"stage1": "20mbit"}, delays="10ms") as net:
+        print(net.summary())                      # what was applied, one line per link
+        argv = net.wrap("stage1", [sys.executable, "-m", "peers.stage", "--stage", "1",
+                                   "--host_maddrs", net.maddr("stage1"), ...])
+        subprocess.Popen(argv, start_new_session=True)      # runs inside stage1's namespace
+        ...
+    # every namespace is gone here: on normal exit, on an exception, on SIGINT and SIGTERM
+
+Topology. Each name gets a namespace `<tag>-<name>` (tag = `hp-<owner pid>-<4 hex>`) with `lo` up
+and one veth `eth0` holding an address from `subnet` (10.77.0.2, .3, ... in the order given). The
+other veth ends are ports of a bridge `br0` that lives in its own namespace `<tag>--bridge`, so
+nothing is created in, or routed through, the host's network: two labs (or two test runs) can use
+the same subnet at the same time. Processes in different namespaces reach each other only by the
+addresses of `eth0` (`net.address(name)`, `net.maddr(name, port)`); loopback stays private.
+
+Shaping. A name's link is its access link, like a home connection: `up` is the egress of its
+`eth0` (what the process sends), `down` is the egress of its bridge port (what it receives). Both
+directions get the link's rate, and they do not share it (full duplex). A transfer from A to B
+crosses A's up and B's down, so it runs at min(rate A, rate B). The qdisc is tbf for the rate;
+with a delay and a kernel that has netem, the up direction is one `netem delay D rate R` qdisc
+instead. The delay is one-way and only on `up`, so A->B takes delay(A), and an RTT between A and B
+is delay(A) + delay(B). Without netem the delay cannot be applied: the link reports
+`delay_applied=False` and `net.missing_delay(name)` says how much the caller must add on that
+process's send path (swarm.netlab.shaper.TokenBucket(..., delay_s=...)); `require_delay=True`
+turns that into a NetlabError instead.
+
+API
+    detect(refresh=False) -> Capabilities       root/ip/tc/netns/veth/bridge/tbf/netem/ifb, probed
+                                                  once per process in a throwaway namespace
+    require() -> Capabilities                   or NetlabError (one line) when namespaces can't work
+    NetLab(names, rates=None, delays=None, *, subnet="10.77.0.0/24", prefix="hp",
+           require_delay=False, handle_signals=True, mtu=1500)
+        rates/delays: None (unshaped), one value for every link, or {name: value}
+        (rates: '100mbit', 5e6, ... see swarm.netlab.rates; delays: '20ms', 0.02, ...)
+        .start() / .close()  (or `with`)       .links -> {name: Link}
+        .namespace(name) .address(name) .maddr(name, port=0) .wrap(name, argv) .run(name, argv)
+        .missing_delay(name) -> float   .summary() -> str   .report() -> dict (JSON-able)
+    Link / Direction: frozen dataclasses (qdisc kind, rate, burst, limit, delay requested/applied)
+    cleanup_stale(prefix="hp") -> [deleted namespaces]    leftovers whose owner pid is dead
+    list_namespaces(prefix=None) -> [names]
+    NetlabError(RuntimeError): one-line, user-facing; NetlabInterrupted(KeyboardInterrupt)
+
+Signals. While a lab is up (and started from the main thread), SIGTERM and SIGHUP raise
+NetlabInterrupted (a KeyboardInterrupt, so code that already stops cleanly on Ctrl-C does the
+same); leaving the `with` tears everything down and then hands the signal on to whatever was
+installed before: a Python handler is called, the default disposition is re-delivered so the
+process still ends "killed by SIGTERM". SIGINT keeps Python's KeyboardInterrupt. A signal that
+arrives during teardown waits until teardown is done. An atexit hook is the last resort; a
+SIGKILLed owner leaves namespaces behind, which `cleanup_stale()` removes (NetLab.start() calls
+it first).
+
+Teardown kills what still runs inside the namespaces (SIGTERM, then SIGKILL after `grace`
+seconds), then deletes them; deleting the bridge's namespace removes every veth.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from swarm.netlab import tc
+from swarm.netlab.rates import format_delay, format_rate, parse_delay, parse_rate
+
+PREFIX = "hp"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]{0,31}")
+_SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+_TIMEOUT = 30.0
+
+
+class NetlabError(RuntimeError):
+    """Namespaces or shaping cannot be set up here; the message is one line meant for the user."""
+
+
+class NetlabInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived while a NetLab was up (raised so the stack unwinds and cleans up)."""
+
+    def __init__(self, signum: int, previous: Any = signal.SIG_DFL) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum, self.previous = signum, previous
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool) or shutil.which(tool, path=os.pathsep.join(_SBIN))
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[0] if lines else "no error output"
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_TIMEOUT)
+    except FileNotFoundError as e:
+        raise NetlabError(f"{argv[0]} not found: install iproute2 (ip, tc)") from e
+    except subprocess.TimeoutExpired as e:
+        raise NetlabError(f"`{' '.join(argv)}` did not finish within {_TIMEOUT:.0f}s") from e
+    if check and done.returncode != 0:
+        raise NetlabError(f"`{' '.join(argv)}` failed: {_first_line(done.stderr or done.stdout)}")
+    return done
+
+
+# -------------------------------------------------------------------------------------- detection
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this machine offers, probed in a throwaway namespace (nothing touches the host)."""
+
+    root: bool
+    ip: str | None
+    tc: str | None
+    netns: bool = False
+    veth: bool = False
+    bridge: bool = False
+    tbf: bool = False
+    netem: bool = False
+    ifb: bool = False
+    kernel: str = ""
+    errors: dict[str, str] = field(default_factory=dict)  # feature -> why it is missing
+
+    def problem(self) -> str | None:
+        """Why namespaces with shaping cannot work here (one line), or None."""
+        if not self.root:
+            return "network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN): run as root or use in-process shaping"
+        if not self.ip or not self.tc:
+            missing = " and ".join(t for t, path in (("ip", self.ip), ("tc", self.tc)) if not path)
+            return f"{missing} not found: install iproute2, or use in-process shaping"
+        for feature in ("netns", "veth", "bridge", "tbf"):
+            if not getattr(self, feature):
+                return f"the kernel refused {feature}: {self.errors.get(feature, 'unknown error')}; use in-process shaping"
+        return None
+
+    def summary(self) -> str:
+        flags = " ".join(f"{f}={'yes' if getattr(self, f) else 'no'}" for f in ("netns", "veth", "bridge", "tbf", "netem", "ifb"))
+        who = "root" if self.root else f"uid {os.geteuid()}"
+        line = f"kernel {self.kernel} ({who}): {flags}"
+        if not self.netem and self.root and self.ip and self.tc and self.netns:
+            line += "; no netem: delays must be added in-process"
+        return line
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_detected: Capabilities | None = None
+_detect_lock = threading.Lock()
+
+
+def detect(refresh: bool = False, prefix: str = PREFIX) -> Capabilities:
+    """Probes root, ip, tc, and the kernel's netns/veth/bridge/tbf/netem/ifb support (cached)."""
+    global _detected
+    with _detect_lock:
+        if _detected is not None and not refresh:
+            return _detected
+        ip, tc_path = _which("ip"), _which("tc")
+        caps: dict[str, Any] = {"root": os.geteuid() == 0, "ip": ip, "tc": tc_path, "kernel": os.uname().release, "errors": {}}
+        if caps["root"] and ip and tc_path:
+            _probe_kernel(ip, tc_path, caps, prefix)
+        _detected = Capabilities(**caps)
+        return _detected
+
+
+def _probe_kernel(ip: str, tc_path: str, caps: dict[str, Any], prefix: str) -> None:
+    ns = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}--probe"
+    errors: dict[str, str] = caps["errors"]
+
+    def attempt(feature: str, *argv: str) -> bool:
+        done = _run(argv, check=False)
+        if done.returncode != 0:
+            errors[feature] = _first_line(done.stderr or done.stdout)
+        return done.returncode == 0
+
+    if not attempt("netns", ip, "netns", "add", ns):
+        return
+    try:
+        caps["netns"] = attempt("netns", ip, "-n", ns, "link", "set", "lo", "up")
+        caps["veth"] = attempt("veth", ip, "-n", ns, "link", "add", "hpa", "type", "veth", "peer", "name", "hpb")
+        caps["bridge"] = attempt("bridge", ip, "-n", ns, "link", "add", "hpbr", "type", "bridge")
+        caps["ifb"] = attempt("ifb", ip, "-n", ns, "link", "add", "hpifb", "type", "ifb")
+        caps["netem"] = attempt("netem", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", "rate", "1gbit")
+        if caps["netem"]:
+            _run([tc_path, "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
+        caps["tbf"] = attempt("tbf", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "100000", "limit", "100000")
+    finally:
+        _run([ip, "netns", "del", ns], check=False)
+
+
+def require() -> Capabilities:
+    """The capabilities, or NetlabError with a one-line reason when namespaces cannot be used."""
+    caps = detect()
+    problem = caps.problem()
+    if problem:
+        raise NetlabError(problem)
+    return caps
+
+
+# -------------------------------------------------------------------------------------- namespaces
+
+
+def list_namespaces(prefix: str | None = None) -> list[str]:
+    """Names in `ip netns list` (optionally only those starting with `prefix`)."""
+    try:
+        names = sorted(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        names = []
+    except OSError:
+        ip = _which("ip") or "ip"
+        names = [line.split()[0] for line in _run([ip, "netns", "list"]).stdout.splitlines() if line.strip()]
+    return [n for n in names if prefix is None or n.startswith(prefix)]
+
+
+def _pids_in(ns: str) -> list[int]:
+    done = _run([_which("ip") or "ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in done.stdout.split() if p.isdigit()] if done.returncode == 0 else []
+
+
+def destroy_namespaces(namespaces: Sequence[str], grace: float = 2.0) -> list[str]:
+    """Kills every process inside (SIGTERM, then SIGKILL after `grace` s) and deletes the namespaces."""
+    ip = _which("ip") or "ip"
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
+        pids = {ns: _pids_in(ns) for ns in namespaces}
+        if not any(pids.values()):
+            break
+        for found in pids.values():
+            for pid in found:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_pids_in(ns) for ns in namespaces):
+            time.sleep(0.05)
+    deleted = []
+    for ns in namespaces:
+        if _run([ip, "netns", "del", ns], check=False).returncode == 0:
+            deleted.append(ns)
+    return deleted
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Deletes namespaces `<prefix>-<pid>-...` whose owner pid is dead (left by a crashed run)."""
+    owner = re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]+-")
+    stale = [ns for ns in list_namespaces(prefix + "-") if (m := owner.match(ns)) and not _pid_alive(int(m.group(1)))]
+    return destroy_namespaces(stale, grace=0.5) if stale else []
+
+
+# ------------------------------------------------------------------------------------------ links
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of one link: the qdisc on the egress of `device` in namespace `netns`."""
+
+    direction: str  # "up" (the process sends) or "down" (it receives)
+    netns: str
+    device: str
+    qdisc: str | None  # "tbf", "netem" or None (unshaped)
+    rate_bits: int | None
+    burst_bytes: int | None
+    limit: int | None  # bytes for tbf, packets for netem
+    delay_s: float  # requested one-way delay on this direction
+    delay_applied: bool
+    commands: tuple[tuple[str, ...], ...]
+
+    def describe(self) -> str:
+        if self.qdisc is None:
+            return f"{self.direction} unshaped"
+        text = f"{self.direction} {self.qdisc} {format_rate(self.rate_bits) if self.rate_bits else 'no rate limit'}"
+        if self.qdisc == "tbf":
+            text += f" burst {self.burst_bytes}B limit {self.limit}B"
+        if self.delay_applied:
+            text += f" delay {format_delay(self.delay_s)}"
+        return text
+
+
+@dataclass(frozen=True)
+class Link:
+    """A process's access link: its namespace, address and both shaped directions."""
+
+    name: str
+    netns: str
+    address: str
+    rate_bits: int | None
+    delay_s: float
+    up: Direction
+    down: Direction
+
+    @property
+    def delay_applied(self) -> bool:
+        return self.delay_s == 0 or self.up.delay_applied
+
+    @property
+    def missing_delay_s(self) -> float:
+        """One-way delay the caller must add in-process on this process's send path."""
+        return 0.0 if self.delay_applied else self.delay_s
+
+    def describe(self) -> str:
+        text = f"{self.name:<10} {self.address:<15} {self.up.describe()}; {self.down.describe()}"
+        if self.delay_s and not self.delay_applied:
+            text += f"; delay {format_delay(self.delay_s)} NOT applied (no netem): add it in-process"
+        return text
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(delay_applied=self.delay_applied, missing_delay_s=self.missing_delay_s)
+        for d in ("up", "down"):
+            data[d]["commands"] = [" ".join(c) for c in data[d]["commands"]]
+        return data
+
+
+def _per_name(kind: str, value: Any, names: Sequence[str], parse) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"{kind} given for unknown link(s) {', '.join(map(str, unknown))}; links are {', '.join(names)}")
+        return {n: (None if value.get(n) is None else parse(value[n])) for n in names}
+    parsed = None if value is None else parse(value)
+    return dict.fromkeys(names, parsed)
+
+
+# ---------------------------------------------------------------------------------------- the lab
+
+
+class NetLab:
+    """Namespaces, veths, a bridge and tc shaping for a set of named processes (see module doc)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        rates: str | int | float | Mapping[str, Any] | None = None,
+        delays: str | int | float | Mapping[str, Any] | None = None,
+        *,
+        subnet: str = "10.77.0.0/24",
+        prefix: str = PREFIX,
+        require_delay: bool = False,
+        handle_signals: bool = True,
+        mtu: int = 1500,
+        grace: float = 2.0,
+    ) -> None:
+        names = list(names)
+        if not names:
+            raise ValueError("a NetLab needs at least one process name")
+        for name in names:
+            if not _NAME.fullmatch(str(name)):
+                raise ValueError(f"bad process name {name!r}: use letters, digits, '_' and '.', at most 32 characters")
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names repeat: {names}")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix):
+            raise ValueError(f"bad prefix {prefix!r}: 1-8 lowercase letters/digits, starting with a letter")
+        try:
+            network = ipaddress.ip_network(subnet)
+        except ValueError as e:
+            raise ValueError(f"bad subnet {subnet!r}: {e}") from None
+        hosts = list(network.hosts()) if network.num_addresses <= 65536 else []
+        if network.version != 4 or len(hosts) < len(names) + 1:
+            raise ValueError(f"subnet {subnet} is too small for {len(names)} processes (IPv4, one address each plus one spare)")
+        self.names = names
+        self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
+        self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
+        self.network = network
+        self.addresses = {name: str(hosts[i + 1]) for i, name in enumerate(names)}  # .1 stays free
+        self.prefix, self.require_delay, self.handle_signals, self.mtu, self.grace = prefix, require_delay, handle_signals, mtu, grace
+        self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.bridge_ns = f"{self.tag}--bridge"
+        self.links: dict[str, Link] = {}
+        self.capabilities: Capabilities | None = None
+        self.stale_removed: list[str] = []
+        self._owner = os.getpid()
+        self._state = "new"  # new -> up -> closing -> closed
+        self._previous: dict[int, Any] = {}
+        self._pending: int | None = None
+
+    # ---------------------------------------------------------------- names and commands
+
+    def namespace(self, name: str) -> str:
+        self._check_name(name)
+        return f"{self.tag}-{name}"
+
+    def address(self, name: str) -> str:
+        self._check_name(name)
+        return self.addresses[name]
+
+    def maddr(self, name: str, port: int = 0) -> str:
+        """The multiaddr a process in `name` should listen on: /ip4/<its address>/tcp/<port>."""
+        return f"/ip4/{self.address(name)}/tcp/{port}"
+
+    def wrap(self, name: str, argv: Sequence[str]) -> list[str]:
+        """argv run inside `name`'s namespace: ['ip', 'netns', 'exec', <namespace>, *argv]."""
+        return [_which("ip") or "ip", "netns", "exec", self.namespace(name), *argv]
+
+    def run(self, name: str, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        """subprocess.run(self.wrap(name, argv), **kwargs)."""
+        return subprocess.run(self.wrap(name, argv), **kwargs)
+
+    def missing_delay(self, name: str) -> float:
+        """Seconds of one-way delay the kernel could not apply to `name`'s link (add it in-process)."""
+        self._check_name(name)
+        link = self.links.get(name)
+        return link.missing_delay_s if link else self.delays[name]
+
+    def namespaces(self) -> list[str]:
+        """This lab's namespaces that exist right now (empty after close)."""
+        return list_namespaces(self.tag + "-")
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.addresses:
+            raise KeyError(f"no process {name!r} in this lab; known: {', '.join(self.names)}")
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> NetLab:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        if isinstance(exc, NetlabInterrupted):
+            _pass_on(exc)
+        return False
+
+    def start(self) -> NetLab:
+        if self._state != "new":
+            raise RuntimeError("a NetLab starts once")
+        self.capabilities = require()
+        if self.require_delay and any(self.delays.values()) and not self.capabilities.netem:
+            raise NetlabError("link delays need netem, which this kernel lacks: use in-process delays (swarm.netlab.shaper)")
+        self.stale_removed = cleanup_stale(self.prefix)
+        self._state = "up"
+        self._install_signals()
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException as e:
+            self.close()
+            if isinstance(e, NetlabInterrupted):
+                _pass_on(e)
+            raise
+        return self
+
+    def _build(self) -> None:
+        ip, br = _which("ip") or "ip", self.bridge_ns
+        netem = bool(self.capabilities and self.capabilities.netem)
+        _run([ip, "netns", "add", br])
+        _run([ip, "-n", br, "link", "set", "lo", "up"])
+        _run([ip, "-n", br, "link", "add", "br0", "type", "bridge"])
+        _run([ip, "-n", br, "link", "set", "br0", "up"])
+        for i, name in enumerate(self.names):
+            ns, port = self.namespace(name), f"v{i}"
+            _run([ip, "netns", "add", ns])
+            _run([ip, "-n", ns, "link", "set", "lo", "up"])
+            _run([ip, "-n", br, "link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run([ip, "-n", br, "link", "set", port, "master", "br0", "up"])
+            _run([ip, "-n", ns, "addr", "add", f"{self.addresses[name]}/{self.network.prefixlen}", "dev", "eth0"])
+            _run([ip, "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
+            rate, delay = self.rates[name], self.delays[name]
+            up = self._shape("up", ns, "eth0", rate, delay, netem)
+            down = self._shape("down", br, port, rate, 0.0, netem)
+            self.links[name] = Link(name, ns, self.addresses[name], rate, delay, up, down)
+
+    def _shape(self, direction: str, ns: str, dev: str, rate: int | None, delay: float, netem: bool) -> Direction:
+        commands = tc.egress_commands(dev, rate, delay, netem, netns=ns, mtu=self.mtu)
+        for argv in commands:
+            _run([_which("tc") or "tc", *argv[1:]])
+        kind = tc.qdisc_kind(rate, delay, netem)
+        params = tc.tbf_params(rate, self.mtu) if kind == "tbf" and rate else None
+        limit = params.limit_bytes if params else (tc.netem_limit_packets(rate or 10**10, delay, self.mtu) if kind == "netem" else None)
+        return Direction(direction, ns, dev, kind, rate, params.burst_bytes if params else None, limit, delay, tc.delay_applied(delay, netem), tuple(tuple(c) for c in commands))
+
+    def close(self) -> None:
+        """Tears everything down (idempotent; safe from atexit and after a partial start)."""
+        if self._state in ("new", "closing", "closed") or os.getpid() != self._owner:
+            return
+        self._state = "closing"
+        try:
+            destroy_namespaces(self.namespaces(), grace=self.grace)
+        finally:
+            self._state = "closed"
+            atexit.unregister(self.close)
+            pending = self._pending
+            previous = self._restore_signals()
+            if pending is not None:
+                _pass_on(NetlabInterrupted(pending, previous.get(pending, signal.SIG_DFL)))
+
+    # ---------------------------------------------------------------- signals
+
+    def _install_signals(self) -> None:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        candidates = [signal.SIGTERM, signal.SIGHUP]
+        if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # otherwise Python's KeyboardInterrupt already unwinds
+            candidates.append(signal.SIGINT)
+        for sig in candidates:
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: leave it be
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._state == "closing":
+            self._pending = signum  # handed on once teardown is done
+            return
+        raise NetlabInterrupted(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    def _restore_signals(self) -> dict[int, Any]:
+        previous, self._previous = self._previous, {}
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in previous.items():
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, handler)
+        return previous
+
+    # ---------------------------------------------------------------- reporting
+
+    def summary(self) -> str:
+        caps = self.capabilities or detect()
+        lines = [f"netlab {self.tag}: {len(self.names)} namespaces on {self.network} (bridge in {self.bridge_ns}); {caps.summary()}"]
+        lines += [f"  {self.links[n].describe()}" for n in self.names if n in self.links]
+        return "\n".join(lines)
+
+    def report(self) -> dict:
+        caps = self.capabilities or detect()
+        return {
+            "tag": self.tag,
+            "subnet": str(self.network),
+            "bridge_netns": self.bridge_ns,
+            "capabilities": caps.to_dict(),
+            "links": {n: self.links[n].to_dict() for n in self.names if n in self.links},
+        }
+
+
+def _pass_on(exc: NetlabInterrupted) -> None:
+    """After teardown: give the signal to what was installed before (or die of it, as without us)."""
+    previous = exc.previous
+    if callable(previous) and previous is not signal.default_int_handler:
+        previous(exc.signum, None)
+    elif previous is signal.SIG_DFL:
+        signal.signal(exc.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), exc.signum)
+        time.sleep(1.0)  # the signal is delivered asynchronously; if it was blocked, fall through

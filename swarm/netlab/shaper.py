@@ -1,0 +1,204 @@
+"""An in-process link shaper for the send path: a token bucket for the rate, plus a one-way delay.
+
+For machines without root (no namespaces, no tc) and for the delay where the kernel has no netem.
+The sender calls it before writing each chunk of a payload to a libp2p stream:
+
+    bucket = TokenBucket("20mbit", delay_s=0.01)       # or TokenBucket(20e6, burst_bytes=...)
+    await bucket.latency()                              # once per message: its one-way delay
+    for chunk in chunks:
+        await bucket.consume(len(chunk))                # waits until the link has room for it
+        writer.write(chunk); await writer.drain()
+
+or, for a stream that is an async iterator of chunks (what hivemind's streaming calls consume):
+
+    async for chunk in shaped(chunks, bucket, size=lambda c: len(c.data)): ...
+
+API
+    TokenBucket(rate, burst_bytes=None, delay_s=0.0)       rate: bits/s or '20mbit' (rates.parse_rate)
+        await .consume(nbytes) -> float   wait (s) so that the long-run rate is `rate`
+        await .send_delay(nbytes, first=False) -> float   .latency() if first, then .consume()
+        await .latency()                  sleep the one-way delay (once per message)
+        .consume_sync(nbytes) -> float    the same for threads (time.sleep)
+        .reserve(nbytes) -> float         book the bytes, return the wait without sleeping
+        .stats() -> BucketStats           bytes, waits, scheduled rate (its own accounting)
+        .set_rate(rate)                   a bandwidth change takes effect for the next bytes
+    shaped(source, bucket, size=len) -> async iterator   rate + pipelined delay for a stream
+
+Rate model: tokens are bytes, refilled at rate/8 per second up to `burst_bytes`; a consume takes
+its bytes at once and may drive the balance negative, then sleeps until the debt is repaid. So a
+chunk larger than the burst is fine, sleeping past the deadline costs nothing over the long run
+(the next consume finds the tokens that accrued meanwhile), and concurrent senders sharing one
+bucket (several streams over one link) get the link's rate together, in the order they asked.
+The default burst is ~4 ms of traffic but at least 4 frames, like the tbf qdisc of
+swarm.netlab.tc, so in-process and kernel shaping start the same way.
+
+Delay model: a link delays each byte by `delay_s` without slowing the rate. `latency()` before a
+message's first chunk is exact for request/response and for messages sent from separate
+coroutines; a coroutine that sends back-to-back messages without awaiting replies pays the delay
+once per message instead of once overall. `shaped()` is exact in both cases: a helper task takes
+chunks from the source at the rate and each is released `delay_s` after it left the bucket.
+
+Thread safety: the accounting is under a threading.Lock and no asyncio object is shared, so one
+bucket may serve several event loops or threads (one bucket per shaped link direction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from swarm.netlab.rates import format_rate, parse_delay, parse_rate
+from swarm.netlab.tc import tbf_params
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    rate_bits: int
+    burst_bytes: int
+    delay_s: float
+    bytes: int  # consumed so far
+    calls: int
+    waited_s: float  # total sleep asked of callers
+    first_s: float | None  # monotonic time of the first consume
+    last_release_s: float | None  # monotonic time the last consumed byte may leave
+
+    @property
+    def scheduled_rate_bits(self) -> float | None:
+        """Bits/s of the schedule the bucket handed out (excluding the initial burst)."""
+        if self.first_s is None or self.last_release_s is None or self.last_release_s <= self.first_s:
+            return None
+        return max(0, self.bytes - self.burst_bytes) * 8 / (self.last_release_s - self.first_s)
+
+
+class TokenBucket:
+    """A rate limiter in bytes with a debt model (see module docstring)."""
+
+    def __init__(self, rate: str | int | float, burst_bytes: int | None = None, delay_s: str | float = 0.0) -> None:
+        self._lock = threading.Lock()
+        self.delay_s = parse_delay(delay_s)
+        self._set(parse_rate(rate), burst_bytes)
+        self._tokens = float(self.burst_bytes)
+        self._stamp = time.monotonic()
+        self._bytes = self._calls = 0
+        self._waited = 0.0
+        self._first: float | None = None
+        self._last_release: float | None = None
+
+    def _set(self, rate_bits: int, burst_bytes: int | None) -> None:
+        if burst_bytes is not None and burst_bytes < 1:
+            raise ValueError(f"bad burst {burst_bytes!r}: must be at least 1 byte")
+        self.rate_bits = rate_bits
+        self.burst_bytes = int(burst_bytes) if burst_bytes is not None else tbf_params(rate_bits).burst_bytes
+        self._bytes_per_s = rate_bits / 8
+
+    def set_rate(self, rate: str | int | float, burst_bytes: int | None = None) -> None:
+        """Changes the rate for bytes not yet booked (a simulated bandwidth change)."""
+        with self._lock:
+            self._refill(time.monotonic())
+            self._set(parse_rate(rate), burst_bytes)
+            self._tokens = min(self._tokens, self.burst_bytes)
+
+    def _refill(self, now: float) -> None:
+        self._tokens = min(self.burst_bytes, self._tokens + (now - self._stamp) * self._bytes_per_s)
+        self._stamp = now
+
+    def reserve(self, nbytes: int) -> float:
+        """Books `nbytes` on the link now; returns how long the caller must wait before sending them."""
+        if nbytes < 0:
+            raise ValueError(f"cannot send {nbytes} bytes")
+        with self._lock:
+            now = time.monotonic()
+            self._refill(now)
+            self._tokens -= nbytes
+            wait = max(0.0, -self._tokens / self._bytes_per_s)
+            self._bytes += nbytes
+            self._calls += 1
+            self._waited += wait
+            if self._first is None:
+                self._first = now
+            self._last_release = now + wait
+            return wait
+
+    async def consume(self, nbytes: int) -> float:
+        """Waits until `nbytes` may leave at the bucket's rate; returns the seconds waited."""
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return wait
+
+    def consume_sync(self, nbytes: int) -> float:
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            time.sleep(wait)
+        return wait
+
+    async def latency(self) -> None:
+        """The one-way delay; call once per message, before its first chunk."""
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+
+    async def send_delay(self, nbytes: int, first: bool = False) -> float:
+        """`latency()` when `first` (the message's first chunk), then `consume(nbytes)`."""
+        if first:
+            await self.latency()
+        return await self.consume(nbytes)
+
+    def stats(self) -> BucketStats:
+        with self._lock:
+            return BucketStats(self.rate_bits, self.burst_bytes, self.delay_s, self._bytes, self._calls, self._waited, self._first, self._last_release)
+
+    def __repr__(self) -> str:
+        return f"TokenBucket({format_rate(self.rate_bits)}, burst={self.burst_bytes}B, delay={self.delay_s}s)"
+
+
+async def shaped(source: AsyncIterable[T] | AsyncIterator[T], bucket: TokenBucket | None, size: Callable[[T], int] = len, queue_items: int = 1024) -> AsyncIterator[T]:
+    """Yields `source`'s items at the bucket's rate, each `bucket.delay_s` after it left the bucket.
+
+    With no delay this is a plain loop (consume, then yield). With a delay, a helper task books the
+    items on the bucket as fast as the rate allows and this generator releases each one at its
+    departure time + delay, so the delay adds latency without cutting throughput. Closing the
+    generator early cancels the helper.
+    """
+    if bucket is None:
+        async for item in source:
+            yield item
+        return
+    if bucket.delay_s <= 0:
+        async for item in source:
+            await bucket.consume(size(item))
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue(queue_items)
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                await bucket.consume(size(item))
+                await queue.put((time.monotonic() + bucket.delay_s, "item", item))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            await queue.put((0.0, "error", e))
+        else:
+            await queue.put((0.0, "end", None))
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            due, kind, item = await queue.get()
+            if kind == "end":
+                break
+            if kind == "error":
+                raise item
+            pause = due - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            yield item
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,194 @@
+"""`python -m swarm study` (skip finished runs, resume a partial one) and the study report."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.config import load_config
+from swarm.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
+from swarm.results import read_results
+from swarm.study import StudyLocked, _lock, discover, run_study, status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """\
+name: {name}
+seed: 0
+model: {{name: digits_mlp, num_stages: 3}}
+data: {{name: digits, options: {{train_size: 160}}}}
+optimizer: {{name: sgd, lr: 0.1, schedule: cosine}}
+train: {{epochs: 3, batch_size: 40, micro_batches: 2, eval_batch_size: 400, eval_every: 1}}
+compression: {{forward: '{fw}', backward: '{bw}'}}
+report: {{table: 'Table 2: TopK', row: {row}, paper: {{acc_off: {off}, acc_on: {on}}}}}
+"""
+
+
+def write_configs(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [("a-base", "none", "none", "No compression", 93.0, 93.0), ("b-top20", "topk:0.2", "topk:0.2", "Top 20%", 86.74, 92.73), ("c-top10", "topk:0.1", "topk:0.1", "Top 10%", 75.89, 91.87)]
+    for name, fw, bw, row, off, on in rows:
+        (directory / f"{name}.yaml").write_text(TINY.format(name=name, fw=fw, bw=bw, row=row, off=off, on=on))
+    return directory
+
+
+def losses(path: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_results(path) if r["type"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """a-base finished by the study, b-top20 killed at step 6 of 12 then resumed, c-top10 never run."""
+    from swarm.run import run_experiment
+
+    base = tmp_path_factory.mktemp("study")
+    configs = write_configs(base / "configs")
+    results = base / "runs"
+    log = io.StringIO()
+    assert run_study(configs, results, only=["a-base"], heartbeat=0, progress=False, out=log) == 0
+    first_a = (results / "a-base.jsonl").read_text()
+
+    # b-top20: killed while logging step 6 (checkpoints come with every evaluation, every 4 steps)
+    from swarm.results import ResultsWriter
+
+    class Killed(RuntimeError):
+        pass
+
+    write = ResultsWriter.write
+
+    def dying_write(self, row):
+        if row.get("type") == "step" and row["step"] == 6:
+            raise Killed("killed at step 6")
+        write(self, row)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ResultsWriter, "write", dying_write)
+        log = io.StringIO()
+        assert run_study(configs, results, only=["b-top20"], heartbeat=0, progress=False, out=log) == 1
+    assert "b-top20: FAILED (Killed: killed at step 6); its checkpoints are kept" in log.getvalue()
+    entry = next(e for e in discover(configs, results) if e.name == "b-top20")
+    partial_state = status(entry)
+
+    # the same run uninterrupted, for comparison
+    reference = base / "reference.jsonl"
+    run_experiment(load_config(configs / "b-top20.yaml"), reference, progress=False)
+
+    log = io.StringIO()
+    assert run_study(configs, results, only=["a-base", "b-top20"], heartbeat=0, progress=False, out=log) == 0
+    return {"configs": configs, "results": results, "log": log.getvalue(), "first_a": first_a, "partial": partial_state, "reference": reference}
+
+
+def test_study_skips_finished_runs_and_resumes_a_partial_one(study):
+    results, log = study["results"], study["log"]
+    assert study["partial"].state == "partial" and study["partial"].steps == 5
+    assert "2 runs, 1 finished, 1 to run" in log
+    assert "b-top20: resuming (resumes from step-00000004" in log
+    assert "a-base" not in log.split("to run;")[1]  # never started again
+    assert (results / "a-base.jsonl").read_text() == study["first_a"]
+    # the resumed run logs every step once, with exactly the losses of the uninterrupted run
+    assert losses(results / "b-top20.jsonl") == losses(study["reference"])
+    assert [r["type"] for r in read_results(results / "b-top20.jsonl")].count("summary") == 1
+    assert not (results / "checkpoints" / "b-top20").exists()  # deleted once finished
+    states = {e.name: status(e).state for e in discover(study["configs"], results)}
+    assert states == {"a-base": "finished", "b-top20": "finished", "c-top10": "pending"}
+
+
+def test_a_changed_config_is_stale_and_a_second_study_is_refused(study, tmp_path):
+    configs = write_configs(tmp_path / "configs")
+    for name in ("a-base", "b-top20"):
+        (tmp_path / "runs").mkdir(exist_ok=True)
+        (tmp_path / "runs" / f"{name}.jsonl").write_text((study["results"] / f"{name}.jsonl").read_text())
+    path = configs / "a-base.yaml"
+    path.write_text(path.read_text().replace("lr: 0.1", "lr: 0.2"))
+    states = {e.name: status(e).state for e in discover(configs, tmp_path / "runs")}
+    assert states == {"a-base": "stale", "b-top20": "finished", "c-top10": "pending"}
+    held = _lock(tmp_path / "runs")
+    try:
+        with pytest.raises(StudyLocked, match="in use by a running study"):
+            run_study(configs, tmp_path / "runs", heartbeat=0, progress=False, out=io.StringIO())
+    finally:
+        held.close()
+
+
+def test_only_patterns_and_status_command(study, capsys):
+    from swarm.cli import main
+
+    assert [e.name for e in discover(study["configs"], study["results"], only=["top"])] == ["b-top20", "c-top10"]
+    assert [e.name for e in discover(study["configs"], study["results"], only=["a-*"])] == ["a-base"]
+    assert main(["study", str(study["configs"]), "--results_dir", str(study["results"]), "--status"]) == 0
+    out = capsys.readouterr().out
+    assert "3 runs: 2 finished, 1 pending" in out
+    assert out.splitlines()[1].startswith("finished  b-top20")
+
+
+def test_study_report_puts_paper_and_measured_figures_side_by_side(study, tmp_path):
+    from swarm.report import write_study_report
+
+    written = write_study_report(study["configs"], study["results"], tmp_path / "out")
+    md = (tmp_path / "out" / "results.md").read_text()
+    summary = read_results(study["results"] / "b-top20.jsonl")[-1]
+    ours = 100 * summary["best"]["compressed"]["accuracy"]
+    row = next(line for line in md.splitlines() if line.startswith("| Top 20% |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert f"{ours:.2f}" in cells and "92.73" in cells and "86.74" in cells  # ours and the paper's, one row
+    per_sample = sum(summary["bytes_per_sample"].values()) / 1024
+    assert f"{per_sample:.1f}" in cells
+    pending = next(line for line in md.splitlines() if line.startswith("| Top 10% |"))
+    assert pending.rstrip(" |").endswith("pending") and "91.87" in pending
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "2 of 3 runs finished" in readme and "not finished yet: c-top10" in readme
+    assert "## What holds at this scale" in readme
+    assert any(p.suffix == ".png" and p.stat().st_size > 1000 for p in written)
+
+
+def _quant_row(fw: int, bw: int, acc: float) -> Row:
+    return Row(f"fw{fw}-bw{bw}", "resnet18", f"quant:{fw}/tensor", f"quant:{bw}/tensor", finished=True, acc_off=acc, acc_on=acc)
+
+
+def test_findings_are_read_from_the_numbers():
+    # gradient-heavy splits win by more than the margin in both measured pairs; the third pair is pending
+    rows = [_quant_row(4, 2, 40.0), _quant_row(2, 4, 50.0), _quant_row(4, 4, 45.0), _quant_row(2, 6, 52.0)]
+    finding = gradients_more_sensitive(Study(rows))
+    assert finding.verdict == "holds (so far)" and "pending: fw4-bw6, fw2-bw8" in finding.ours
+    rows[1] = _quant_row(2, 4, 30.0)
+    assert gradients_more_sensitive(Study(rows)).verdict == "mixed (so far)"
+    lm = [
+        Row("r", "gpt2", "topk:0.1", "topk:reuse", finished=True, loss_on=6.0, loss_off=6.5),
+        Row("s", "gpt2", "topk:0.1", "topk:0.1", finished=True, loss_on=6.05, loss_off=7.0),
+    ]
+    assert independent_topk_diverges(Study(lm)).verdict == "does not hold"
+    lm[1].loss_on = 8.0
+    assert independent_topk_diverges(Study(lm)).verdict == "holds"
+    assert all(f.verdict == "pending" for f in check_all([]))
+
+
+def test_study_configs_are_generated_and_carry_the_papers_figures():
+    generator = ROOT / "configs" / "study-cpu" / "generate.py"
+    result = subprocess.run([sys.executable, str(generator), "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    study = {p.stem: load_config(p) for p in (ROOT / "configs" / "study-cpu").glob("*.yaml")}
+    paper = [load_config(p) for p in (ROOT / "configs" / "paper").glob("*.yaml")]
+    tables = {}
+    for name, cfg in study.items():
+        tables[cfg.report.table.split(":")[0]] = tables.get(cfg.report.table.split(":")[0], 0) + 1
+        row = cfg.report.row.removesuffix("%") if ", warmup " in cfg.report.row else cfg.report.row  # "warmup 20%" of our epochs
+        twin = next(p for p in paper if (p.report.table, p.report.row) == (cfg.report.table, row))
+        assert cfg.report.paper == twin.report.paper, name
+        assert cfg.model.num_stages == 4 and cfg.seed == 0
+    assert tables == {"Table 1": 8, "Table 2": 6, "Table 3": 5, "Table 4": 4, "Table 5": 6}
+
+
+def test_the_papers_own_figures_pass_every_check():
+    """The rules behind the verdicts are faithful to the paper: its own tables satisfy them all."""
+    rows = []
+    for path in sorted((ROOT / "configs" / "study-cpu").glob("*.yaml")):
+        cfg = load_config(path)
+        paper = cfg.report.paper
+        rows.append(Row(cfg.name, cfg.model.name, cfg.compression.forward, cfg.compression.backward, cfg.train.warmup_epochs, True, paper.get("acc_off"), paper.get("acc_on"), paper.get("eval_loss"), paper.get("eval_loss"), dict(paper)))
+    findings = check_all(rows)
+    assert len(findings) == 8
+    assert [f.verdict for f in findings] == ["holds"] * 8, [(f.title, f.ours) for f in findings if f.verdict != "holds"]

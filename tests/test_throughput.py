@@ -1,0 +1,70 @@
+"""The throughput benchmark's arithmetic and the lab's --bandwidth parsing (no network here: the
+shaped swarm itself is exercised in tests/test_swarm.py and tests/test_netlab.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarm.bench.throughput import ThroughputRow, backward_spec, measure_run, speedups
+from swarm.lab import parse_rates
+
+NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
+
+
+def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
+    rows = [{"type": "config"}]
+    for i in range(1, steps + 1):
+        rows.append({"type": "step", "step": i, "samples": i * samples_per_step, "time_s": 10.0 + i * seconds_per_step,
+                     "bytes": {"boundary0.forward.train": fw * samples_per_step, "boundary0.backward.train": bw * samples_per_step,
+                               "boundary1.forward.train": fw * samples_per_step, "boundary1.backward.train": bw * samples_per_step}})
+    rows.append({"type": "stages", "stages": [{"stage": 0, "compute_s": 1.0, "samples": 100}, {"stage": 1, "compute_s": 2.0, "samples": 100},
+                                               {"stage": 1, "compute_s": 2.0, "samples": 100}, {"stage": 2, "compute_s": 0.5, "samples": 100}]})
+    return rows
+
+
+def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
+    figures = measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)
+    assert figures["samples_per_s"] == pytest.approx(32.0)  # steps 2..4 after the warm-up step
+    assert figures["forward_bytes"] == pytest.approx([1000, 1000]) and figures["backward_bytes"] == pytest.approx([500, 500])
+    assert figures["compute_bound"] == pytest.approx(50.0)  # stage 1: two peers, 4 s over 200 samples
+    # stage1's up link sends 1000 B forward and 500 B back per sample: 1 MB/s / 1500 B
+    assert figures["link_bound"] == pytest.approx(1_000_000 / 1500)
+    assert figures["binding"] == "compute"
+    assert figures["fraction_of_bound"] == pytest.approx(32.0 / 50.0)
+    assert figures["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+
+
+def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
+    figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+    assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
+    with pytest.raises(ValueError, match="at least 2"):
+        measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+
+
+def test_backward_specs_and_speedups():
+    assert backward_spec("topk:0.1") == "topk:reuse"
+    assert backward_spec("topk:0.1+ef21") == "topk:0.1+ef21"
+    assert backward_spec("quant:4") == "quant:4"
+    assert backward_spec("topk:0.1|quant:8") == "quant:8"
+    base = dict(backward="none", link_bound=1.0, compute_bound=math.inf, fraction_of_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
+                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
+    rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]
+    assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
+
+
+def test_lab_bandwidth_forms_and_errors(tmp_path):
+    assert parse_rates("100mbit", NAMES) == dict.fromkeys(NAMES, "100mbit")
+    assert parse_rates("stage1=20mbit,*=1gbit", NAMES)["stage1"] == "20mbit"
+    assert parse_rates("stage1=20mbit", NAMES) == {"stage1": "20mbit"}
+    table = tmp_path / "rates.yaml"
+    table.write_text("stage0: 10mbit\n'*': 50mbit\n")
+    assert parse_rates(str(table), NAMES)["stage0"] == "10mbit" and parse_rates(str(table), NAMES)["trainer"] == "50mbit"
+    assert parse_rates(None, NAMES) is None
+    with pytest.raises(ValueError, match="unknown process"):
+        parse_rates("stage9=10mbit", NAMES)
+    with pytest.raises(ValueError, match="bad rate"):
+        parse_rates("fast", NAMES)
+    with pytest.raises(ValueError, match="NAME=RATE"):
+        parse_rates("stage1=10mbit,stage2", NAMES)
