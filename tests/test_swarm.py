@@ -137,8 +137,9 @@ def assert_same_run(ours, theirs):
         for mode in ("uncompressed", "compressed"):
             for key, value in b[mode].items():
                 assert a[mode][key] == pytest.approx(value, rel=1e-5)
-    assert ours[-1]["bytes"] == theirs[-1]["bytes"]
-    assert ours[-1]["state_bytes"] == theirs[-1]["state_bytes"]
+    ours_summary, their_summary = (next(r for r in rows if r["type"] == "summary") for rows in (ours, theirs))
+    assert ours_summary["bytes"] == their_summary["bytes"]
+    assert ours_summary["state_bytes"] == their_summary["state_bytes"]
 
 
 CODECS = [
@@ -355,6 +356,8 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
     assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "trainer.pt"]
+    (stages,) = [r for r in read_results(results) if r["type"] == "stages"]  # what the throughput benchmark reads
+    assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"])
     assert p2pd_count() == before  # every daemon the lab started is gone
 
 
