@@ -17,6 +17,8 @@ _TINY_RANGE = 1e-30
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Fused scaling is used while |x| / step < this: float32 rounding then moves a code by < 2**-12.
 _FUSED_LIMIT = float(1 << 12)
+# Elements per block of numpy passes: a block (float32 and uint8) stays in the L2 cache.
+_BLOCK = 1 << 16
 
 
 def quantize(
@@ -46,7 +48,11 @@ def quantize(
     # code = trunc((x - low) * inverse + 1/2): round-to-nearest, in [0, levels]. The fused form
     # x * inverse + (1/2 - low * inverse) saves a pass, exact enough while |x| * inverse stays
     # small (always when the range spans zero); far-from-zero groups take the two-step path.
-    if bool((torch.maximum(lows.abs(), highs.abs()) * inverse < _FUSED_LIMIT).all()):
+    fused = bool((torch.maximum(lows.abs(), highs.abs()) * inverse < _FUSED_LIMIT).all())
+    if fused and not stochastic and _on_numpy(rows):  # the common case: scaled and cast a block at a time
+        codes = torch.from_numpy(_affine_blocks(rows.numpy(), inverse.numpy(), (0.5 - lows * inverse).numpy(), np.uint8))
+        return QuantPart(bits, granularity, codes.reshape(-1), lows, steps)
+    if fused:
         scaled = _affine(rows, inverse, 0.5 - lows * inverse)
     else:
         scaled = torch.sub(rows, lows[:, None]).mul_(inverse[:, None]).add_(0.5)
@@ -77,15 +83,35 @@ def _affine(rows: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> tor
     """rows * scale + shift per row, in float32: a multiply, then an add (no fused multiply-add,
     so every device rounds the same way)."""
     if _on_numpy(rows):
-        x, scale_, shift_ = rows.numpy(), scale.numpy()[:, None], shift.numpy()[:, None]
-        if x.dtype == np.uint8:  # cast first: numpy's mixed uint8 * float32 loop is slower
-            out = x.astype(np.float32)
-            out *= scale_
-        else:
-            out = x * scale_
-        out += shift_
-        return torch.from_numpy(out)
+        return torch.from_numpy(_affine_blocks(rows.numpy(), scale.numpy(), shift.numpy(), np.float32))
     return torch.mul(rows, scale[:, None]).add_(shift[:, None])
+
+
+def _blocks(groups: int, n: int) -> list[tuple[slice, slice]]:
+    """(rows, columns) of [groups, n] in blocks of at most _BLOCK elements: whole rows, or pieces of one."""
+    if n >= _BLOCK:
+        return [(slice(r, r + 1), slice(c, c + _BLOCK)) for r in range(groups) for c in range(0, n, _BLOCK)]
+    step = _BLOCK // n
+    return [(slice(r, r + step), slice(None)) for r in range(0, groups, step)]
+
+
+def _affine_blocks(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, dtype: type) -> np.ndarray:
+    """x * scale + shift per row in float32 (a multiply, then an add), stored as dtype. A block at a
+    time: its passes run in cache, and no full-size float32 temporary is written."""
+    out = np.empty(x.shape, dtype)
+    work = np.empty(min(x.size, _BLOCK), np.float32)
+    for rows, cols in _blocks(*x.shape):
+        src, dst = x[rows, cols], out[rows, cols]
+        w = dst if dtype == np.float32 else work[: src.size].reshape(src.shape)
+        if src.dtype == np.float32:
+            np.multiply(src, scale[rows, None], out=w)
+        else:  # uint8 codes: cast first, numpy's mixed uint8 * float32 loop is slower
+            w[...] = src
+            w *= scale[rows, None]
+        w += shift[rows, None]
+        if w is not dst:
+            dst[...] = w  # trunc to uint8
+    return out
 
 
 def dequantize(part: QuantPart, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """TopK selection math: per sample, over the flattened sample, by absolute value.
 
 Exactly ceil(K * n) values are kept per sample. The selection is a sorted vector of flat
-positions into the whole tensor: values are read with index_select and written back with
-index_copy_, and the wire codes the positions.
+positions into the whole tensor: values are read with index_select and written back into
+zeros, and the wire codes the positions.
 
 On CPU, long float32 rows (the activations TopK is for) are selected with numpy, one row at a
 time, several times faster than torch.topk, which selects (value, index) pairs: the k-th
-largest magnitude of a fixed random sample gives a value that, with high probability, a little more
-than k of the row reach; flatnonzero of one comparison gives those candidates as sorted
+largest magnitude of a fixed random sample gives a value that, with high probability, a little
+more than k of the row reach; flatnonzero of one comparison gives those candidates as sorted
 positions, and numpy's introselect (np.partition) of their magnitudes the exact threshold. If
 the estimate was too high (too few candidates), the candidates are the row's non-zeros instead:
 exact zeros, half of a post-ReLU activation, are never partitioned (introselect slows down on
@@ -52,9 +52,9 @@ def _exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # Rows shorter than this go to torch.topk: per-row numpy calls would cost more than they save.
-_MIN_ROW = 8192
+_MIN_ROW = 4096
 # Sample size for the threshold estimate, and its margin in standard deviations of the count.
-_SAMPLE = 4096
+_SAMPLE = 1024
 _MARGIN = 4.0
 _TINY = np.float32(np.finfo(np.float32).smallest_subnormal)  # `>= _TINY` is `> 0` for magnitudes
 _NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
