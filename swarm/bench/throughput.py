@@ -113,7 +113,8 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 results = Path(tmp) / f"{len(rows)}.jsonl"
                 sets = [*overrides, f"compression.forward={forward}", f"compression.backward={backward}"]
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {steps} steps")
-                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, out=_Quiet(log))
+                # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
+                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, out=_Quiet(log), trainer_args=["--timeout", "900"])
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")

@@ -132,8 +132,9 @@ class MicroBatchCall:
         self._replies = None
 
     async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
-        self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
+            # opened only now: the receiver times its read from the opening of the stream
+            self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
             for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
                 await self._stream.send(message)
         self._replies = self._stream.replies()

@@ -6,6 +6,7 @@ end short without an error; so every payload is verified here before anyone deco
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import AsyncIterator, Iterator
 
@@ -71,7 +72,20 @@ class Assembler:
         return data
 
 
-async def read_frame(messages: AsyncIterator, head_field: str | None = None, max_bytes: int = MAX_PAYLOAD_BYTES):
+async def _each(messages: AsyncIterator, idle_timeout: float | None):
+    """The messages, each within `idle_timeout` seconds of the previous one (a slow link may take
+    long for a whole payload, but a silent peer is noticed)."""
+    iterator = aiter(messages)
+    while True:
+        try:
+            yield await asyncio.wait_for(anext(iterator), idle_timeout)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise ProtocolError(f"no message for {idle_timeout:.0f}s in the middle of a payload") from None
+
+
+async def read_frame(messages: AsyncIterator, head_field: str | None = None, max_bytes: int = MAX_PAYLOAD_BYTES, idle_timeout: float | None = None):
     """(head, payload) of one framed message sequence: the head rides on the first message.
 
     Returns the first message's oneof head (checked against `head_field` when given; an
@@ -79,7 +93,7 @@ async def read_frame(messages: AsyncIterator, head_field: str | None = None, max
     """
     first = None
     assembler = Assembler(max_bytes)
-    async for message in messages:
+    async for message in _each(messages, idle_timeout):
         if first is None:
             first = message
             which = message.WhichOneof("head")

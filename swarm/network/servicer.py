@@ -115,7 +115,7 @@ class StageServicer(ServicerBase):
         """One micro-batch: activations in, gradients (or DONE) out."""
         sender = context.remote_id.to_base58()
         try:
-            head, payload = await asyncio.wait_for(read_frame(requests, "micro_batch", self.max_payload), self.read_timeout)
+            head, payload = await read_frame(requests, "micro_batch", self.max_payload, self.read_timeout)
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
@@ -136,7 +136,7 @@ class StageServicer(ServicerBase):
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
         """One round of the synchronous step: tied gradients, norm, scale, apply."""
         try:
-            head, payload = await asyncio.wait_for(read_frame(requests, "step"), self.read_timeout)
+            head, payload = await read_frame(requests, "step", idle_timeout=self.read_timeout)
             _check_version(head.protocol_version)
             result, data = await self._find(head.run_id, head.stage).step(head, payload)
         except Exception as e:

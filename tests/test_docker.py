@@ -1,0 +1,90 @@
+"""docker/: there is no Docker engine here, so the files are checked as data and the entrypoint's
+shaping runs for real inside a network namespace (real tc, never a mock)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from swarm.netlab.namespaces import NetLab, NetlabError, require
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+ENTRYPOINT = DOCKER / "entrypoint.sh"
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+
+
+def _entrypoint(env: dict, *args: str, wrap=None) -> subprocess.CompletedProcess:
+    argv = ["sh", str(ENTRYPOINT), *args]
+    return subprocess.run(wrap(argv) if wrap else argv, capture_output=True, text=True, env={**ENV, **env}, cwd=ROOT, timeout=60)
+
+
+def test_compose_has_the_swarm_with_caps_and_health_checks():
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"bootstrap", "stage0", "stage1", "stage2", "stage3", "trainer"}
+    for name, service in services.items():
+        assert "NET_ADMIN" in service.get("cap_add", []), name
+        check = service["healthcheck"]
+        assert check["test"][0] in ("CMD", "CMD-SHELL") and "port-open" in check["test"], name
+        env = service["environment"]
+        assert {"RATE", "DELAY"} <= set(env), name
+        assert service["build"]["dockerfile"] == "docker/Dockerfile" and service["build"]["context"] == ".."
+    assert services["bootstrap"]["environment"]["ROLE"] == "bootstrap" and "31337:31337" in services["bootstrap"]["ports"]
+    for i in range(4):
+        stage = services[f"stage{i}"]
+        assert stage["environment"]["ROLE"] == "stage" and stage["environment"]["STAGE"] == str(i)
+        assert stage["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+    assert set(services["trainer"]["depends_on"]) == {f"stage{i}" for i in range(4)}
+    assert "shared" in compose["volumes"]
+
+
+def test_dockerfile_lint():
+    text = (DOCKER / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[0].startswith(("ARG", "FROM")) and any(line.startswith("FROM") for line in lines)
+    declared = {m.group(1) for m in re.finditer(r"^ARG\s+(\w+)", text, re.M)}
+    used = set(re.findall(r"\$\{(\w+)", text)) | set(re.findall(r"\$(\w+)", text))
+    assert {"BASE_IMAGE", "TORCH_VARIANT", "TORCH_INDEX"} <= declared
+    assert declared <= used, f"ARGs never used: {declared - used}"
+    assert "FROM ${BASE_IMAGE}" in text and "iproute2" in text and "HEALTHCHECK" in text
+    assert 'ENTRYPOINT ["hivepipe-entrypoint"]' in text and "docker/entrypoint.sh" in text
+    for path in re.findall(r"^COPY\s+(\S+)", text, re.M):
+        assert (ROOT / path).exists(), f"COPY {path}: missing from the build context"
+
+
+def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
+    out = _entrypoint({"DRY_RUN": "1", "RATE": "20mbit", "DELAY": "50ms", "ROLE": "stage", "STAGE": "2", "IFACE": "eth0"}, "--set", "train.epochs=2")
+    assert out.returncode == 0, out.stderr
+    assert "tc qdisc replace dev eth0 root netem delay 50ms rate 20000000bit" in out.stdout
+    assert "tbf rate 20000000bit" in out.stdout  # the fallback when the kernel has no netem
+    assert "peers.stage --stage 2 --config configs/smoke.yaml --run_id docker" in out.stdout and "--set train.epochs=2" in out.stdout
+    trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
+    assert "tc " not in trainer.stdout  # no RATE, no DELAY: no shaping
+
+
+@pytest.mark.parametrize(("env", "message"), [({"RATE": "fast"}, "bad rate"), ({"RATE": "10mbps"}, "ambiguous"), ({"ROLE": "stage", "STAGE": ""}, "needs STAGE"), ({"ROLE": "bogus"}, "ROLE must be")])
+def test_entrypoint_bad_input_is_one_line(env, message):
+    out = _entrypoint({"DRY_RUN": "1", **env}, "true")
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_entrypoint_shapes_for_real_inside_a_namespace():
+    try:
+        require()
+    except NetlabError as e:
+        pytest.fail(f"this test needs Linux namespaces with tc (root, iproute2): {e}")
+    with NetLab(["peer"]) as net:
+        out = _entrypoint({"RATE": "20mbit", "DELAY": "5ms", "INGRESS": "1"}, "tc", "qdisc", "show", wrap=lambda argv: net.wrap("peer", argv))
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"qdisc (tbf|netem) \S+ dev eth0 root .*rate 20Mbit", out.stdout), out.stdout
+        assert "dev ifb0 root" in out.stdout and "ingress ffff: dev eth0" in out.stdout
+        assert "shaped eth0" in out.stdout
+        if "netem" not in out.stdout.split("shaped eth0")[1]:
+            assert "NOT applied" in out.stdout  # no netem here: said, not silently dropped
