@@ -72,6 +72,13 @@ class Swarm:
             self.loop.run(self.hosts[index][1].announcer.announce_now())
         return hosted
 
+    def mortal_host(self) -> tuple[SwarmNode, StageServicer]:
+        """A host of its own, for a test to kill (not one of the shared HOSTS)."""
+        node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
+        servicer = StageServicer(node)
+        self.loop.run(servicer.start())
+        return node, servicer
+
     def unhost(self, run_id: str) -> None:
         for _, servicer in self.hosts:
             for key in [k for k in servicer.hosted if k[0] == run_id]:
@@ -365,9 +372,7 @@ def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
     """Stage 1 has two peers; the one serving dies mid-run; stage 0 retries on the other."""
     cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
     run_id = uuid.uuid4().hex[:8]
-    victim = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs)))
-    victim_servicer = StageServicer(victim)
-    swarm.loop.run(victim_servicer.start())
+    victim, victim_servicer = swarm.mortal_host()
     try:
         hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
         backup = hosted[1]
@@ -472,9 +477,7 @@ def test_a_peer_that_dies_holding_a_steps_gradients_has_them_recomputed(swarm):
     step: the trainer re-runs those micro-batches on the other peer, and training stays exact."""
     cfg = smoke("model.num_stages=3", "compression.forward=none", "compression.backward=none")
     run_id = uuid.uuid4().hex[:8]
-    victim = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs)))
-    victim_servicer = StageServicer(victim)
-    swarm.loop.run(victim_servicer.start())
+    victim, victim_servicer = swarm.mortal_host()
     try:
         hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
         doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
