@@ -347,6 +347,9 @@ def write_study_report(config_dir: str | Path, results_dir: str | Path, out_dir:
     unfinished = [r for r in runs if r["state"] != "finished"]
     minutes = sum((r["summary"] or {}).get("wall_time_s", 0.0) for r in finished) / 60
     findings = check_all([as_row(r) for r in runs])
+    from swarm.rerun import section as swarm_section
+
+    rerun = swarm_section(results_dir, f"{Path(str(results_dir)).as_posix()}-lab")
     readme = [
         "# Reproducing the paper's findings at CPU scale",
         "",
@@ -372,6 +375,7 @@ def write_study_report(config_dir: str | Path, results_dir: str | Path, out_dir:
         *format_findings(findings),
         "",
         *caveats(runs),
+        *rerun,
         "## Figures",
         "",
         *[f"- [{p.stem}]({p.name})" for p in pngs],

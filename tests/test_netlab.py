@@ -360,7 +360,7 @@ def test_without_root_one_line_error(caps):
     code = "import os\nfrom swarm.netlab.namespaces import NetLab\nlab = NetLab(['a'])\nos.seteuid(65534)\nlab.start()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 1 and last.startswith("swarm.netlab.namespaces.NetlabError: network namespaces need root")
+    assert done.returncode == 1 and last.startswith("swarm.netlab.kernel.NetlabError: network namespaces need root")
 
 
 # ----------------------------------------------------------------- shaping measured over hivemind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,35 @@ def test_the_papers_own_figures_pass_every_check():
     findings = check_all(rows)
     assert len(findings) == 8
     assert [f.verdict for f in findings] == ["holds"] * 8, [(f.title, f.ours) for f in findings if f.verdict != "holds"]
+
+
+def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, tmp_path):
+    """`swarm lab` on a study config (separate processes, hivemind DHT and libp2p on loopback)
+    repeats the single-process run; the study report puts the two side by side."""
+    from swarm.lab import Lab
+    from swarm.report import load_run, write_study_report
+    from swarm.rerun import compare
+
+    results = tmp_path / "runs"
+    shutil.copytree(study["results"], results)
+    lab_dir = tmp_path / "runs-lab"
+    lab_dir.mkdir()
+    log = io.StringIO()
+    code = Lab(str(study["configs"] / "b-top20.yaml"), 3, str(lab_dir / "b-top20.jsonl"), out=log).run()
+    assert code == 0, log.getvalue()[-2000:]
+    c = compare(load_run(results / "b-top20.jsonl"), load_run(lab_dir / "b-top20.jsonl"))
+    assert c.steps == 12 and c.max_loss_rel <= 1e-5
+    assert c.bytes_single == c.bytes_swarm and c.bytes_swarm
+    assert len(c.evals) >= 3 and c.max_accuracy_gap == 0.0
+    write_study_report(study["configs"], results, tmp_path / "out")
+    readme = (tmp_path / "out" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| b-top20 |"))
+    assert "| 12 |" in row and "| yes |" in row
+
+
+def test_a_rerun_of_another_config_is_refused(study):
+    from swarm.report import load_run
+    from swarm.rerun import compare
+
+    with pytest.raises(ValueError, match="not a re-run of .* configs differ in compression"):
+        compare(load_run(study["results"] / "a-base.jsonl"), load_run(study["results"] / "b-top20.jsonl"))

@@ -14,7 +14,7 @@ NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
 
 
 def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
-    rows = [{"type": "config"}]
+    rows = [{"type": "config", "config": {"train": {"batch_size": samples_per_step, "micro_batches": 8, "in_flight": 8}}}]
     for i in range(1, steps + 1):
         rows.append({"type": "step", "step": i, "samples": i * samples_per_step, "time_s": 10.0 + i * seconds_per_step,
                      "bytes": {"boundary0.forward.train": fw * samples_per_step, "boundary0.backward.train": bw * samples_per_step,
@@ -34,11 +34,14 @@ def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
     assert figures["binding"] == "compute"
     assert figures["fraction_of_bound"] == pytest.approx(32.0 / 50.0)
     assert figures["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    # one step of 8 micro-batches cannot beat the slowest stage's compute: 64 x 20 ms
+    assert 0 < figures["schedule_bound"] < figures["compute_bound"]
 
 
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
+    assert 0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]  # fill and drain cost, not more
     with pytest.raises(ValueError, match="at least 2"):
         measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
 
@@ -48,7 +51,7 @@ def test_backward_specs_and_speedups():
     assert backward_spec("topk:0.1+ef21") == "topk:0.1+ef21"
     assert backward_spec("quant:4") == "quant:4"
     assert backward_spec("topk:0.1|quant:8") == "quant:8"
-    base = dict(backward="none", link_bound=1.0, compute_bound=math.inf, fraction_of_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
+    base = dict(backward="none", link_bound=1.0, compute_bound=math.inf, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
                 forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
     rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}

@@ -43,6 +43,7 @@ class ThroughputRow:
     link_bound: float
     compute_bound: float
     fraction_of_bound: float
+    schedule_bound: float  # what this schedule allows on ideal fair links (swarm.netlab.fluid)
     binding: str  # what the bound is: "link <process> <direction>" or "compute"
     busiest_bytes_per_sample: float
     forward_bytes: list[float]  # per boundary, per training sample
@@ -52,7 +53,19 @@ class ThroughputRow:
     shaping: str
 
 
-def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS) -> dict:
+def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
+    """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
+    from swarm.netlab.fluid import StepModel, simulate
+    from swarm.network.calls import SENDING
+
+    size = train["batch_size"] / train["micro_batches"]
+    in_flight = train.get("in_flight") or 2 * stages
+    compute = [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages  # forward and backward each
+    model = StepModel(stages, train["micro_batches"], in_flight, SENDING, [b * size for b in forward], [b * size for b in backward], compute, bandwidth_bits, input_bytes * size, download_limited)
+    return train["batch_size"] / simulate(model).step_s
+
+
+def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS, download_limited: bool = True) -> dict:
     """The figures of one finished run's results rows (see module doc)."""
     from swarm.netlab.bounds import pipeline_bound
 
@@ -75,8 +88,10 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
     limit = bound.limit
     binding = "compute" if bound.binding == "compute" else f"link {bound.busiest} {bound.direction}"
+    train = next(r for r in rows if r["type"] == "config")["config"]["train"]
     return {
         "samples_per_s": achieved,
+        "schedule_bound": schedule_bound(train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited),
         "link_bound": bound.link,
         "compute_bound": bound.compute,
         "fraction_of_bound": achieved / limit if limit and math.isfinite(limit) else float("nan"),
@@ -118,9 +133,9 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
-                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes)
+                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns")
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
-                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding})")
+                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}")
                 rows.append(row)
     return rows
 
@@ -141,9 +156,9 @@ class _Quiet:
 
 
 def format_rows(rows: list[ThroughputRow]) -> str:
-    header = ["codec (fw / bw)", "Mbit/s", "samples/s", "link bound", "compute bound", "of bound", "busiest B/sample", "binding"]
+    header = ["codec (fw / bw)", "Mbit/s", "samples/s", "link bound", "compute bound", "of bound", "schedule bound", "busiest B/sample", "binding"]
     table = [header] + [
-        [f"{r.codec} / {r.backward}", f"{r.bandwidth_mbit:g}", f"{r.samples_per_s:.1f}", f"{r.link_bound:.1f}", f"{r.compute_bound:.1f}", f"{100 * r.fraction_of_bound:.0f}%", f"{r.busiest_bytes_per_sample:,.0f}", r.binding]
+        [f"{r.codec} / {r.backward}", f"{r.bandwidth_mbit:g}", f"{r.samples_per_s:.1f}", f"{r.link_bound:.1f}", f"{r.compute_bound:.1f}", f"{100 * r.fraction_of_bound:.0f}%", f"{r.schedule_bound:.1f}", f"{r.busiest_bytes_per_sample:,.0f}", r.binding]
         for r in rows
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]

@@ -1,0 +1,44 @@
+"""The fluid model of a pipeline step (swarm.netlab.fluid): fair sharing and exact small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.netlab.fluid import StepModel, max_min_rates, simulate
+
+MIB = 2**20
+
+
+def test_max_min_rates_share_the_bottleneck_and_give_the_rest_away():
+    assert max_min_rates([("a up", "b down"), ("a up", "c down")], 1.0) == pytest.approx([0.5, 0.5])
+    # c's down link is split three ways; a's up link then gives its first flow what the second cannot use
+    flows = [("a up", "b down"), ("a up", "c down"), ("d up", "c down"), ("e up", "c down")]
+    assert max_min_rates(flows, 3.0) == pytest.approx([2.0, 1.0, 1.0, 1.0])
+
+
+def test_one_micro_batch_takes_the_sum_of_its_transfers_and_computes():
+    rate = 8e6  # 1 MB/s
+    model = StepModel(stages=2, micro_batches=1, in_flight=1, sending=1, forward_bytes=[500_000], backward_bytes=[250_000], compute_s=[0.1, 0.2], rate_bits=rate, input_bytes=100_000)
+    result = simulate(model)
+    # input 0.1 s, forward 0.1 s on stage 0, activations 0.5 s, forward and backward 0.2 + 0.2 s on
+    # stage 1, gradients 0.25 s, backward 0.1 s on stage 0
+    assert result.step_s == pytest.approx(0.1 + 0.1 + 0.5 + 0.4 + 0.25 + 0.1)
+    assert result.busy["stage0 up"] == pytest.approx(0.5 / result.step_s)
+
+
+def test_the_schedule_never_beats_the_link_bound_and_fills_with_more_micro_batches():
+    def efficiency(micro_batches: int, sending: int = 2) -> float:
+        model = StepModel(4, micro_batches, micro_batches, sending, [MIB] * 3, [MIB] * 3, [0.002] * 4, 100e6)
+        busiest = 2 * micro_batches * MIB / (100e6 / 8)  # a middle stage sends both waves on its up link
+        return busiest / simulate(model).step_s
+
+    few, many = efficiency(4), efficiency(32)
+    assert 0 < few < many <= 1.0
+    assert efficiency(16, sending=1) > efficiency(16, sending=2)  # concurrent payloads slow the first arrival
+
+
+def test_bad_models_are_refused():
+    with pytest.raises(ValueError, match="forward_bytes needs 3 values"):
+        StepModel(4, 16, 16, 2, [MIB] * 2, [MIB] * 3, [0.01] * 4, 1e8)
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        StepModel(1, 16, 16, 2, [], [], [0.01], 1e8)
