@@ -60,10 +60,21 @@ class LinkOverride(_Strict):
     _backward_ok = field_validator("backward")(_check_spec)
 
 
+class AdaptiveConfig(_Strict):
+    """Swarm only: per boundary, the mildest setting of a ladder whose link time fits the slower
+    neighbour's compute, from the bandwidth measured during training (swarm.network.adaptive)."""
+
+    ladder: Literal["topk", "quant"] = "topk"  # topk:R with reused-index gradients, or quant:B both ways
+    every: int = Field(1, ge=1)  # optimizer steps between decisions
+    hysteresis: float = Field(0.15, ge=0, lt=1)  # back to a milder setting only with this much to spare
+    target_ms: float | None = Field(None, gt=0)  # link ms per sample to stay under; default: the slower neighbour's compute
+
+
 class CompressionConfig(LinkConfig):
     """Defaults for every boundary, with per-boundary overrides (boundary i sits after stage i)."""
 
     boundaries: dict[int, LinkOverride] = Field(default_factory=dict)
+    adaptive: AdaptiveConfig | None = None
     store_dir: str | None = None  # disk-backed AQ-SGD / per-sample EF buffers go here
     store_capacity: int | None = None  # samples per disk-backed buffer (the train set size)
 

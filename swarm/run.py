@@ -166,7 +166,8 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
             step += 1
             samples += ids.numel()
             now = pipeline.link_bytes()
-            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started})
+            notes = pipeline.step_notes() if hasattr(pipeline, "step_notes") else {}  # a swarm's adaptive codecs
+            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started, **notes})
             bytes_before = now
             bar.update(1)
             bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
@@ -195,6 +196,7 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
             mode: max((e[mode] for e in evals if mode in e), key=lambda m: m.get("accuracy", -m.get("loss", 0.0)), default=None)
             for mode in ("uncompressed", "compressed")
         },
+        **(pipeline.summary_notes() if hasattr(pipeline, "summary_notes") else {}),
     }
     results.write(summary)
     return summary
@@ -238,6 +240,8 @@ def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | No
     """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
     from swarm.engine.build import build_local_pipeline
 
+    if cfg.compression.adaptive is not None:
+        raise ValueError("compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure")
     data = build_data(cfg)
     schedule = Schedule.of(cfg, len(data[0]), max_steps)
     pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))

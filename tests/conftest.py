@@ -38,3 +38,13 @@ torch.set_num_threads(2)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """A swarm on real hivemind in this process (see _swarm_env), one per test module."""
+    from _swarm_env import Swarm
+
+    env = Swarm()
+    yield env
+    env.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _swarm_env import SMOKE, Swarm, p2pd_count
 
 from protocols import stage_pb2 as pb
 from swarm.config import load_config
@@ -27,7 +28,6 @@ from swarm.network.announce import discover
 from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
 from swarm.network.chunks import Assembler, ProtocolError, frame, read_frame, split
 from swarm.network.hosted import HostedStage, config_digest
-from swarm.network.loop import LoopThread
 from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.pipeline import SwarmPipeline
@@ -37,73 +37,7 @@ from swarm.results import ResultsWriter, read_results
 from swarm.run import Schedule, build_data, run_experiment, train
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
 STEPS = 5
-HOSTS = 5
-
-
-def p2pd_count() -> int:
-    out = subprocess.run(["pgrep", "-c", "-x", "p2pd"], capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
-
-
-class Swarm:
-    """A bootstrap peer, HOSTS stage hosts (each a P2P daemon + DHT node + servicer) and a trainer."""
-
-    def __init__(self) -> None:
-        self.loop = LoopThread("test-swarm")
-        self.boot = self.loop.run(SwarmNode.create())
-        self.maddrs = self.loop.run(self.boot.maddrs())
-        self.hosts: list[tuple[SwarmNode, StageServicer]] = []
-        for _ in range(HOSTS):
-            node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
-            servicer = StageServicer(node, read_timeout=10, linger_timeout=10)
-            self.loop.run(servicer.start())
-            self.hosts.append((node, servicer))
-        self.trainer = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs, client_mode=True)))
-
-    def host(self, cfg, run_id: str, placement: list[tuple[int, int]]) -> list[HostedStage]:
-        """Hosts stage s on host h for every (s, h) and announces at once."""
-        hosted = []
-        for stage, index in placement:
-            node, servicer = self.hosts[index]
-            hosted.append(servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30)))
-        for _, index in placement:
-            self.loop.run(self.hosts[index][1].announcer.announce_now())
-        return hosted
-
-    def mortal_host(self) -> tuple[SwarmNode, StageServicer]:
-        """A host of its own, for a test to kill (not one of the shared HOSTS)."""
-        node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
-        servicer = StageServicer(node)
-        self.loop.run(servicer.start())
-        return node, servicer
-
-    def unhost(self, run_id: str) -> None:
-        for _, servicer in self.hosts:
-            for key in [k for k in servicer.hosted if k[0] == run_id]:
-                self.loop.run(servicer.unhost(*key))
-
-    def pipeline(self, cfg, run_id: str, steps: int, data) -> SwarmPipeline:
-        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id, timeout=30)
-        schedule = Schedule.of(cfg, len(data[0]), steps)
-        pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=20)
-        return pipeline
-
-    def close(self) -> None:
-        for node, servicer in self.hosts:
-            self.loop.run(servicer.stop())
-            self.loop.run(node.shutdown())
-        self.loop.run(self.trainer.shutdown())
-        self.loop.run(self.boot.shutdown())
-        self.loop.stop()
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    env = Swarm()
-    yield env
-    env.close()
 
 
 def smoke(*overrides: str):

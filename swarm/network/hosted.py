@@ -37,6 +37,7 @@ from swarm.network.announce import StageRecord
 from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError
 from swarm.network.chunks import ProtocolError
 from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors, raw_to_tensor, tensors_to_payload
+from swarm.network.meter import LinkMeter
 from swarm.network.node import SwarmNode
 from swarm.network.ordering import LinkReset, Ordinals, OutLink, Turnstile
 from swarm.network.routing import NoPeerError, Router
@@ -68,6 +69,7 @@ class HostedStage:
             raise ValueError(f"stage {stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})")
         self.node, self.run_id, self.stage = node, run_id, stage
         self.cfg = cfg if device is None else cfg.model_copy(update={"device": device})
+        self._configured = self.cfg  # what a new trainer session starts from (adaptive codecs change self.cfg)
         self.num_stages = cfg.model.num_stages
         self.digest = config_digest(cfg)
         self.timeout = timeout
@@ -86,6 +88,8 @@ class HostedStage:
         self._spare: dict[bool, LinkEnd | None] = {}
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
+        self.arrivals: dict[str, LinkMeter] = {}  # upstream peer -> how fast its activations arrive
+        self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}  # (neighbour, upstream) -> boundary, bytes, raw of replaced ends
         self.downstream: str | None = None
         self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
         self.throughput = 0.0
@@ -116,7 +120,7 @@ class HostedStage:
             staged = build_staged_model(self.cfg)
             runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, capacity, hold_grads=True)
         self._spare = {False: runtime.inbound, True: runtime.outbound}
-        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received):
+        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received, self.arrivals, self.retired):
             table.clear()
         self.ordinals = Ordinals()
         self.tied = list(staged.tied)
@@ -129,6 +133,7 @@ class HostedStage:
             raise RemoteError(f"config mismatch on stage {self.stage}: this peer has {self.digest}, the trainer {request.config_digest} (start both with the same config and --set)")
         session = (request.session, int(request.lr_horizon), int(request.capacity))
         if self.session != session or self.runtime is None:
+            self.cfg = self._configured
             await self._compute(self._build, int(request.lr_horizon), int(request.capacity) or None)
             self.session = session
             self.steps = 0
@@ -164,8 +169,17 @@ class HostedStage:
     def _end_in(self, sender: str, fresh: bool) -> LinkEnd:
         end = self.ends_in.get(sender)
         if end is None or fresh:
+            self._retire(sender, False, self.ends_in.get(sender))
             end = self.ends_in[sender] = self._new_end(False, sender)
         return end
+
+    def _retire(self, neighbour: str, upstream: bool, end: LinkEnd | None) -> None:
+        """Keeps a replaced end's byte counts: the status reports a link's totals across its epochs."""
+        if end is None:
+            return
+        _, sent, raw = self.retired.setdefault((neighbour, upstream), (end.boundary, Counter(), Counter()))
+        sent.update(end.bytes)
+        raw.update(end.raw)
 
     def _end_out(self, receiver: str) -> LinkEnd:
         end = self.ends_out.get(receiver)
@@ -176,7 +190,7 @@ class HostedStage:
 
     def _drop_out(self, receiver: str) -> None:
         """Our link with `receiver` lost its order or state: the next message starts a new epoch."""
-        self.ends_out.pop(receiver, None)
+        self._retire(receiver, True, self.ends_out.pop(receiver, None))
         if self.downstream == receiver:
             self.downstream = None
 
@@ -382,7 +396,32 @@ class HostedStage:
             result.lr = runtime.apply_step()
             self.steps += 1
             self._applied = (head.step, result)
+            self._switch_codecs(head.codecs)
         return result, data
+
+    def _switch_codecs(self, codecs) -> None:
+        """Adaptive compression: new codecs on our boundaries from the next step on. Between steps no
+        micro-batch is in flight; our ends of a changed boundary go, so its next message starts a
+        new epoch and both ends build fresh state for the new codecs."""
+        from swarm.config import LinkOverride
+
+        comp = self.cfg.compression
+        overrides = dict(comp.boundaries)
+        for change in codecs:
+            b = int(change.boundary)
+            if b not in (self.stage - 1, self.stage) or (comp.link(b).forward, comp.link(b).backward) == (change.forward, change.backward):
+                continue
+            overrides[b] = LinkOverride(forward=change.forward, backward=change.backward)
+            upstream = b == self.stage
+            self._spare[upstream] = None  # the runtime's own end has the old codecs
+            if upstream:
+                for receiver in list(self.ends_out):
+                    self._drop_out(receiver)
+            else:
+                for sender in list(self.ends_in):
+                    self._retire(sender, False, self.ends_in.pop(sender))
+        if overrides != comp.boundaries:
+            self.cfg = self.cfg.model_copy(update={"compression": comp.model_copy(update={"boundaries": overrides})})
 
     def _save(self, step: int) -> bytes:
         """This stage as a single-process stage checkpoint, with the links in use as its link ends
@@ -444,24 +483,9 @@ class HostedStage:
     # ---- status ----------------------------------------------------------------------------
 
     def status(self) -> pb.StageStatus:
-        out = pb.StageStatus(run_id=self.run_id, stage=self.stage, num_stages=self.num_stages, ready=self.runtime is not None, throughput=self.throughput, queue=self.queue, processed=self.processed, steps=self.steps, compute_s=self.compute_s, samples=self.samples)
-        if self.stage > 0:
-            link = self.cfg.compression.link(self.stage - 1)
-            out.forward_codec, out.backward_codec = link.forward, link.backward
-        if self.runtime is None:
-            return out
-        out.state_bytes = sum(end.state_bytes for end in (*self.ends_in.values(), *self.ends_out.values()))
-        for upstream, ends in ((False, self.ends_in), (True, self.ends_out)):
-            for neighbour, end in ends.items():
-                link = out.links.add(neighbour=neighbour, boundary=end.boundary, upstream=upstream)
-                for (mode, direction), n in end.bytes.items():
-                    link.sent[f"{direction}.{mode}"] = n
-                for (mode, direction), n in end.raw.items():
-                    link.raw[f"{direction}.{mode}"] = n
-                for (peer, direction, mode), n in self.received.items():
-                    if peer == neighbour:
-                        link.received[f"{direction}.{mode}"] = n
-        return out
+        from swarm.network.stage_status import stage_status
+
+        return stage_status(self)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

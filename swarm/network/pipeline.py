@@ -28,6 +28,7 @@ from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.models import TiedPair
 from swarm.network import PROTOCOL_VERSION
+from swarm.network.adaptive_codecs import AdaptiveCodecs
 from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError, call_info, call_setup, call_step
 from swarm.network.hosted import config_digest
 from swarm.network.meta import batch_to_meta, payload_to_tensors, tensor_to_raw, tensors_to_payload
@@ -56,6 +57,7 @@ class SwarmPipeline:
         self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
         self._closing: set[asyncio.Task] = set()
         self.sending = Sending()
+        self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -243,11 +245,28 @@ class SwarmPipeline:
             norm = math.sqrt(max(squares, 0.0))
             if norm > self.grad_clip:
                 scale = self.grad_clip / (norm + 1e-6)
-        replies = await asyncio.gather(*(self._round(s, p, scale=scale, apply=True) for s, p in self._peers()))
+        codecs = await self._adapt()
+        replies = await asyncio.gather(*(self._round(s, p, scale=scale, apply=True, codecs=codecs) for s, p in self._peers()))
         self._step += 1
         self._routes.clear()
         self._sent.clear()
         return replies[0][0].lr
+
+    async def _adapt(self) -> list[pb.BoundaryCodecs]:
+        """compression.adaptive: the boundaries whose codecs change from the next step on."""
+        if self.adaptive is None or not self.adaptive.due(self._step + 1):
+            return []
+        changes = self.adaptive.observe(await self._statuses(), self._step + 1)
+        for boundary in changes:
+            log.info("step %d: adaptive compression, %s", self._step + 1, self.adaptive.last[boundary].describe())
+        return [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(changes.items())]
+
+    def step_notes(self) -> dict:
+        """Extra fields of a step's results row: the codecs adaptive compression has in force."""
+        return {"codecs": self.adaptive.current()} if self.adaptive is not None else {}
+
+    def summary_notes(self) -> dict:
+        return {"adaptive": self.adaptive.history} if self.adaptive is not None else {}
 
     # ---- accounting --------------------------------------------------------------------------
 

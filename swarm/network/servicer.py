@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase recognises typing's alias only)
 
 from hivemind.p2p import P2PContext, ServicerBase
@@ -22,6 +23,7 @@ from swarm.network.announce import Announcer
 from swarm.network.calls import NAMESPACE, RemoteError, pace
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
+from swarm.network.meter import LinkMeter
 from swarm.network.node import SwarmNode
 
 log = logging.getLogger(__name__)
@@ -114,12 +116,15 @@ class StageServicer(ServicerBase):
     async def rpc_forward(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
         """One micro-batch: activations in, gradients (or DONE) out."""
         sender = context.remote_id.to_base58()
+        opened = time.monotonic()  # the sender opens the stream when it starts sending (calls.Sending)
         try:
             head, payload = await read_frame(requests, "micro_batch", self.max_payload, self.read_timeout)
+            arrived = time.monotonic()
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
             hosted = self._find(head.run_id, head.stage)
+            hosted.arrivals.setdefault(sender, LinkMeter()).add(opened, arrived, len(payload))
             outcome = await hosted.micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
