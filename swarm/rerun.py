@@ -43,7 +43,10 @@ def _bytes(run: dict) -> dict[str, int]:
 
 def compare(single: dict, swarm: dict) -> Comparison:
     """Runs as `swarm.report.load_run` returns them; raises if they are not the same experiment."""
-    if single["config"] != swarm["config"]:
+    from swarm.config import ExperimentConfig
+    from swarm.study import same_config
+
+    if not same_config(swarm["config"], ExperimentConfig.model_validate(single["config"])):
         differing = sorted(k for k in set(single["config"]) | set(swarm["config"]) if single["config"].get(k) != swarm["config"].get(k))
         raise ValueError(f"{swarm['path']} is not a re-run of {single['path']}: the configs differ in {', '.join(differing)}")
     mine = {r["step"]: r["loss"] for r in single["steps"]}

@@ -82,6 +82,17 @@ def _config_json(cfg: ExperimentConfig) -> dict:
     return json.loads(json.dumps(cfg.model_dump(mode="json")))
 
 
+def same_config(logged: dict | None, cfg: ExperimentConfig) -> bool:
+    """Whether a results file's config row is `cfg`: read through today's config model, so a
+    field added since (with its default) does not make every finished run stale."""
+    if logged is None:
+        return False
+    try:
+        return _config_json(ExperimentConfig.model_validate(logged)) == _config_json(cfg)
+    except ValueError:  # a field removed or changed meaning since: not the same experiment
+        return False
+
+
 def status(entry: Entry) -> Status:
     """What the results file and the checkpoints say about one run."""
     from swarm.engine.checkpoint import latest_run
@@ -97,13 +108,13 @@ def status(entry: Entry) -> Status:
     steps = [r for r in rows if r["type"] == "step"]
     last = steps[-1] if steps else {}
     config = next((r for r in rows if r["type"] == "config"), None)
-    if config is not None and config.get("config") != _config_json(entry.cfg):
+    if config is not None and not same_config(config.get("config"), entry.cfg):
         return Status("stale", len(steps), last.get("epoch", 0.0), note="the config changed since this run; it runs again")
     summary = next((r for r in rows if r["type"] == "summary"), None)
     if summary is not None:
         return Status("finished", summary["steps"], last.get("epoch", 0.0), summary.get("wall_time_s"))
     checkpoint = latest_run(entry.checkpoints)
-    if checkpoint is not None and _checkpoint_config(entry) == _config_json(entry.cfg):
+    if checkpoint is not None and same_config(_checkpoint_config(entry), entry.cfg):
         return Status("partial", len(steps), last.get("epoch", 0.0), note=f"resumes from {checkpoint.name}")
     return Status("pending", len(steps), last.get("epoch", 0.0))
 
@@ -118,7 +129,7 @@ def _checkpoint_config(entry: Entry) -> dict | None:
 def _prepare_checkpoints(entry: Entry) -> None:
     """Checkpoints written for another version of the config are dropped; the current one is recorded."""
     wanted = _config_json(entry.cfg)
-    if entry.checkpoints.exists() and _checkpoint_config(entry) != wanted:
+    if entry.checkpoints.exists() and not same_config(_checkpoint_config(entry), entry.cfg):
         shutil.rmtree(entry.checkpoints)
     entry.checkpoints.mkdir(parents=True, exist_ok=True)
     (entry.checkpoints / CONFIG_FILE).write_text(json.dumps(wanted))

@@ -225,3 +225,14 @@ def test_a_rerun_of_another_config_is_refused(study):
 
     with pytest.raises(ValueError, match="not a re-run of .* configs differ in compression"):
         compare(load_run(study["results"] / "a-base.jsonl"), load_run(study["results"] / "b-top20.jsonl"))
+
+
+def test_runs_logged_before_a_config_field_was_added_are_not_stale(study):
+    from swarm.study import same_config
+
+    cfg = load_config(study["configs"] / "a-base.yaml")
+    logged = next(r for r in read_results(study["results"] / "a-base.jsonl") if r["type"] == "config")["config"]
+    older = {**logged, "compression": {k: v for k, v in logged["compression"].items() if k != "adaptive"}}  # as logged before `adaptive` existed
+    assert same_config(logged, cfg) and same_config(older, cfg)
+    assert not same_config({**logged, "seed": 1}, cfg)
+    assert not same_config({**logged, "gone": 1}, cfg) and not same_config(None, cfg)
