@@ -1,19 +1,25 @@
-"""A swarm on real hivemind in this process (loopback): bootstrap, stage hosts and a trainer node.
+"""A swarm on real hivemind in this process (loopback): bootstrap, stage hosts and a trainer node,
+and the oracle helpers (a run through the swarm vs. the same run in one process).
 
-Shared by the swarm tests; each test module makes its own (module-scoped) `Swarm`.
+Shared by the swarm tests; each test module gets its own `Swarm` (the `swarm` fixture, conftest.py).
 """
 
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 
+import pytest
+
+from swarm.config import load_config
 from swarm.network.hosted import HostedStage
 from swarm.network.loop import LoopThread
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.pipeline import SwarmPipeline
 from swarm.network.servicer import StageServicer
-from swarm.run import Schedule
+from swarm.results import ResultsWriter, read_results
+from swarm.run import Schedule, build_data, run_experiment, train
 
 HOSTS = 5
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
@@ -74,3 +80,64 @@ class Swarm:
         self.loop.run(self.trainer.shutdown())
         self.loop.run(self.boot.shutdown())
         self.loop.stop()
+
+
+STEPS = 5
+
+
+def smoke(*overrides: str):
+    return load_config(SMOKE, ["train.eval_every=0.5", *overrides])
+
+
+def swarm_rows(env: Swarm, cfg, steps: int = STEPS, placement=None):
+    run_id = uuid.uuid4().hex[:8]
+    env.host(cfg, run_id, placement or [(s, s) for s in range(cfg.model.num_stages)])
+    try:
+        data = build_data(cfg)
+        pipeline = env.pipeline(cfg, run_id, steps, data)
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, steps, progress=False)
+        return results.rows
+    finally:
+        env.unhost(run_id)
+
+
+def local_rows(cfg, tmp_path, steps: int = STEPS):
+    path = tmp_path / f"local-{uuid.uuid4().hex[:6]}.jsonl"
+    run_experiment(cfg, path, steps, progress=False)
+    return read_results(path)
+
+
+def assert_same_run(ours, theirs):
+    steps = [r for r in ours if r["type"] == "step"]
+    reference = [r for r in theirs if r["type"] == "step"]
+    assert len(steps) == len(reference) > 0
+    for a, b in zip(steps, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"])
+        assert a["bytes"] == b["bytes"]
+    evals = [r for r in ours if r["type"] == "eval"]
+    reference_evals = [r for r in theirs if r["type"] == "eval"]
+    assert len(evals) == len(reference_evals) > 0
+    for a, b in zip(evals, reference_evals, strict=True):
+        for mode in ("uncompressed", "compressed"):
+            for key, value in b[mode].items():
+                assert a[mode][key] == pytest.approx(value, rel=1e-5)
+    ours_summary, their_summary = (next(r for r in rows if r["type"] == "summary") for rows in (ours, theirs))
+    assert ours_summary["bytes"] == their_summary["bytes"]
+    assert ours_summary["state_bytes"] == their_summary["state_bytes"]
+
+
+def split_batches(cfg, data, steps: int = 3):
+    """The first `steps` steps' (MicroBatch, inputs) pairs, as swarm.run.train would make them."""
+    from swarm.data import collate
+    from swarm.engine.microbatch import Mode
+    from swarm.run import split_micro_batches
+
+    train_set = data[0]
+    out = []
+    for step in range(steps):
+        items = [train_set[i] for i in range(step * cfg.train.batch_size, (step + 1) * cfg.train.batch_size)]
+        ids, inputs, targets = collate(items)
+        out.append(split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, False))
+    return out

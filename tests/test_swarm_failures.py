@@ -1,0 +1,201 @@
+"""The swarm under stress, on real hivemind (loopback): micro-batches in flight, replicas, peers
+that die or lose state, checkpoints. Each case ends equal to the single-process run."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from _swarm_env import assert_same_run, local_rows, smoke, split_batches
+
+from swarm.network.hosted import HostedStage
+from swarm.results import ResultsWriter, read_results
+from swarm.run import Schedule, build_data, run_experiment, train
+
+
+def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
+    """Stage 1 has two peers; the one serving dies mid-run; stage 0 retries on the other."""
+    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
+    run_id = uuid.uuid4().hex[:8]
+    victim, victim_servicer = swarm.mortal_host()
+    try:
+        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+        backup = hosted[1]
+        doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
+        swarm.loop.run(victim_servicer.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 4, data)
+        assert len(pipeline.members[1]) == 2
+        hosted[0].downstream = victim.peer_id  # make the victim the peer in use
+        schedule = split_batches(cfg, data)
+        for batch, x in schedule[0]:
+            pipeline.run(batch, x)
+        pipeline.step()
+        assert doomed.processed == cfg.train.micro_batches and backup.processed == 0
+        swarm.loop.run(victim_servicer.stop())
+        swarm.loop.run(victim.shutdown())
+        losses = []
+        for step in schedule[1:3]:
+            losses += [pipeline.run(batch, x)["loss"] for batch, x in step]
+            pipeline.step()
+        assert backup.processed == 2 * cfg.train.micro_batches
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert victim.peer_id not in pipeline.members[1]
+        assert hosted[0].router.bans.banned(victim.peer_id)
+    finally:
+        swarm.unhost(run_id)
+
+
+def _reference(cfg, data, steps: int = 3):
+    from swarm.engine.build import build_local_pipeline
+
+    return build_local_pipeline(cfg, Schedule.of(cfg, len(data[0]), steps).lr_horizon, capacity=len(data[0]))[0]
+
+
+def _only(router, keep: str, others) -> None:
+    """Routes to `keep` alone (the others banned for now)."""
+    router.bans.until = {peer: float("inf") for peer in others if peer != keep}
+
+
+def test_micro_batches_overlap_in_the_pipeline(swarm, tmp_path):
+    cfg = smoke("model.num_stages=4", "compression.forward=topk:0.1+ef21", "compression.backward=topk:0.1+ef21", "train.micro_batches=8", "train.batch_size=32")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(s, s) for s in range(4)])
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, 3, progress=False)
+    finally:
+        swarm.unhost(run_id)
+    assert pipeline.in_flight == 8
+    assert max(h.peak_queue for h in hosted) > 1  # a stage held several micro-batches at once
+    assert_same_run(results.rows, local_rows(cfg, tmp_path, steps=3))
+
+
+def test_replicas_of_a_stage_stay_identical_when_micro_batches_split_between_them(swarm):
+    cfg = smoke("model.num_stages=3", "compression.forward=none", "compression.backward=none")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        local = _reference(cfg, data)
+        replicas = [hosted[1], hosted[2]]
+        ids = [h.node.peer_id for h in replicas]
+        for items in split_batches(cfg, data):
+            ours = []
+            for i, (batch, x) in enumerate(items):
+                _only(hosted[0].router, ids[i % 2], ids)
+                hosted[0].downstream = None
+                ours.append(pipeline.run(batch, x)["loss"])
+            assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
+            assert pipeline.step() == pytest.approx(local.step())
+        assert all(h.processed == 6 for h in replicas)
+        for p, q, r in zip(*(m.parameters() for m in (replicas[0].runtime.module, replicas[1].runtime.module, local.runtimes[1].module)), strict=True):
+            assert torch.equal(p, q)
+            assert torch.allclose(p, r, rtol=1e-5, atol=1e-7)
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_peer_that_dies_holding_a_steps_gradients_has_them_recomputed(swarm):
+    """Stage 1's serving peer dies after every micro-batch of a step went through it, before the
+    step: the trainer re-runs those micro-batches on the other peer, and training stays exact."""
+    cfg = smoke("model.num_stages=3", "compression.forward=none", "compression.backward=none")
+    run_id = uuid.uuid4().hex[:8]
+    victim, victim_servicer = swarm.mortal_host()
+    try:
+        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+        doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
+        swarm.loop.run(victim_servicer.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        local = _reference(cfg, data)
+        ids = [victim.peer_id, hosted[1].node.peer_id]
+        _only(hosted[0].router, victim.peer_id, ids)
+        steps = split_batches(cfg, data)
+        for n, items in enumerate(steps):
+            ours = [m["loss"] for m in pipeline.run_many(items)]
+            assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
+            if n == 1:
+                assert doomed.processed == 2 * len(items) and hosted[1].processed == 0
+                swarm.loop.run(victim_servicer.stop())
+                swarm.loop.run(victim.shutdown())
+                hosted[0].router.bans.until.clear()
+            assert pipeline.step() == pytest.approx(local.step())
+        assert hosted[1].processed == 2 * len(steps[0])  # step 1 re-run, then step 2
+        assert victim.peer_id not in pipeline.members[1]
+        for p, r in zip(hosted[1].runtime.module.parameters(), local.runtimes[1].module.parameters(), strict=True):
+            assert torch.allclose(p, r, rtol=1e-5, atol=1e-7)
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_link_whose_receiver_lost_its_state_restarts_on_both_ends(swarm):
+    cfg = smoke("model.num_stages=2", "compression.forward=topk:0.2+ef21", "compression.backward=topk:0.2+ef21")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1)])
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        steps = split_batches(cfg, data)
+        receiver = hosted[1].node.peer_id
+        pipeline.run_many(steps[0])
+        pipeline.step()
+        epoch = hosted[0].out_links[receiver].epoch
+
+        hosted[1].link_grace = 0.5  # as if stage 1 restarted: it knows nothing of the link
+        hosted[1].turnstiles.clear()
+        hosted[1].ends_in.clear()
+        losses = [m["loss"] for m in pipeline.run_many(steps[1])]
+        pipeline.step()
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert hosted[0].out_links[receiver].epoch > epoch
+        epoch = hosted[0].out_links[receiver].epoch
+
+        table = hosted[1].ends_in[hosted[0].node.peer_id].receiver.table  # its mirrored state moves on alone
+        table._buffers = {shape: (buf, version + 7) for shape, (buf, version) in table._buffers.items()}
+        losses = [m["loss"] for m in pipeline.run_many(steps[2])]
+        pipeline.step()
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert hosted[0].out_links[receiver].epoch > epoch
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm, tmp_path):
+    """Checkpoints every 2 steps of 4; the last one is lost, as if the trainer died after step 3.
+    A new trainer session resumes the swarm from step 2, and a single-process run resumes the same
+    files: both repeat the uninterrupted run, error-feedback state included."""
+    import shutil
+
+    from swarm.run import Checkpointing
+
+    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:0.2+ef21", "train.eval_every=100")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    directory = tmp_path / "ckpt"
+    try:
+        data = build_data(cfg)
+        first = ResultsWriter(None)
+        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, first, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+        assert sorted(p.name for p in directory.iterdir()) == ["step-00000002", "step-00000004"]
+        assert sorted(p.name for p in (directory / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "stage2.pt", "trainer.pt"]
+        shutil.rmtree(directory / "step-00000004")
+        resumed = ResultsWriter(None)
+        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, resumed, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+    finally:
+        swarm.unhost(run_id)
+    uninterrupted = local_rows(cfg, tmp_path, steps=4)
+    reference = [r["loss"] for r in uninterrupted if r["type"] == "step"]
+    losses = [r["loss"] for r in first.rows if r["type"] == "step"]
+    assert losses == pytest.approx(reference, rel=1e-5)
+    after = [r["loss"] for r in resumed.rows if r["type"] == "step"]
+    assert [r["step"] for r in resumed.rows if r["type"] == "step"] == [3, 4]
+    assert after == pytest.approx(reference[2:], rel=1e-5)
+    shutil.rmtree(directory / "step-00000004")
+    local = tmp_path / "local.jsonl"
+    run_experiment(cfg, local, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+    assert [r["loss"] for r in read_results(local) if r["type"] == "step"] == pytest.approx(reference[2:], rel=1e-5)
