@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput = which.add_parser("throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds")
     throughput.add_argument("config", nargs="?", default="configs/bench/relay-layer1.yaml", help="experiment YAML (default: real ResNet-18 layer1 boundaries, little compute)")
     throughput.add_argument("--bandwidth", default="10mbit,50mbit,100mbit,500mbit", help="comma-separated rates of every process link")
-    throughput.add_argument("--codecs", default="none,quant:4,topk:0.1", help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose)")
+    throughput.add_argument("--codecs", default="none,quant:4,topk:0.1", help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive)")
     throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
     throughput.add_argument("--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)")
     throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
@@ -169,6 +169,9 @@ def bench_throughput(args: argparse.Namespace) -> int:
         for rate in bandwidths:
             parse_rate(rate)
         for codec in codecs:
+            if codec.startswith("adaptive:"):
+                throughput.codec_overrides(codec)
+                continue
             for spec in codec.split("|"):
                 parse(spec)
         rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log)

@@ -62,7 +62,8 @@ class LinkOverride(_Strict):
 
 class AdaptiveConfig(_Strict):
     """Swarm only: per boundary, the mildest setting of a ladder whose link time fits the slower
-    neighbour's compute, from the bandwidth measured during training (swarm.network.adaptive)."""
+    neighbour's compute, from the bandwidth measured during training (swarm.network.adaptive_codecs).
+    Switching codecs restarts the link's codec state (error feedback, reused indices) on both ends."""
 
     ladder: Literal["topk", "quant"] = "topk"  # topk:R with reused-index gradients, or quant:B both ways
     every: int = Field(1, ge=1)  # optimizer steps between decisions
@@ -153,6 +154,8 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"compression.boundaries: {self.model.num_stages} stages have boundaries 0..{boundaries - 1}, got {extra}")
         for b in range(max(boundaries, 1)):
             self.compression.link(b).check(f"compression (boundary {b})")
+        if self.compression.adaptive is not None and boundaries < 1:
+            raise ValueError("compression.adaptive: a 1-stage model has no links to adapt (model.num_stages must be at least 2)")
         return self
 
     @field_validator("device")

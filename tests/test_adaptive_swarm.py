@@ -1,88 +1,211 @@
-"""Adaptive compression in a running swarm (real hivemind on loopback, in-process egress shaping)."""
+"""Adaptive compression in a running swarm (real hivemind on loopback, in-process egress shaping).
+
+Stage 0's host is shaped: what it sends is boundary 0's activations (its replies go to the
+trainer, not over a boundary), so boundary 0's forward direction is the slow link.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import uuid
 
 import pytest
 from _swarm_env import SMOKE
 
+from protocols import stage_pb2 as pb
 from swarm.config import ConfigError, load_config
-from swarm.netlab.shaper import TokenBucket
+from swarm.network.adaptive_codecs import AdaptiveCodecs
+from swarm.network.chunks import ProtocolError, frame
+from swarm.network.codec_switch import switched_config
+from swarm.network.hosted import HostedStage
+from swarm.network.meter import LinkMeter, timed_chunks
 from swarm.results import ResultsWriter
 from swarm.run import build_data, run_experiment, train
 
-STEPS = 8
-DROP_AFTER = 3
+TARGET_MS = 5  # boundary 0 carries 2 kB per sample uncompressed: 16 ms at 1 Mbit/s, well under 1 ms on loopback
 
 
 def adaptive_cfg(*overrides: str):
-    return load_config(SMOKE, ["compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=topk", "compression.adaptive.target_ms=2", "train.eval_every=100", *overrides])
+    return load_config(SMOKE, [
+        "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=topk", f"compression.adaptive.target_ms={TARGET_MS}",
+        "train.eval_every=100", "train.eval_compressed=false", "data.options.train_size=1750",  # a small final evaluation over the slow link
+        *overrides,
+    ])
 
 
-class DropsBandwidth(ResultsWriter):
-    """After step DROP_AFTER, the shaped host's egress falls to 1 Mbit/s (between two steps)."""
+class Hook(ResultsWriter):
+    """Results in memory; calls `after(step)` once a step's row is written (between two steps)."""
 
-    def __init__(self, bucket: TokenBucket) -> None:
+    def __init__(self, after=None) -> None:
         super().__init__(None)
-        self.bucket = bucket
+        self.after = after
 
     def write(self, row: dict) -> None:
         super().write(row)
-        if row.get("type") == "step" and row["step"] == DROP_AFTER:
-            self.bucket.set_rate("1mbit")
+        if row.get("type") == "step" and self.after is not None:
+            self.after(row["step"])
 
 
-def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm):
-    cfg = adaptive_cfg()
+def shaped_run(swarm, cfg, steps: int, rate: str, after=None):
+    """Trains `steps` steps with stage 0 on a host whose egress runs at `rate`; returns
+    (rows, summary, statuses at the end, the trainer's adaptive controller, swarm warnings)."""
     run_id = uuid.uuid4().hex[:8]
-    node, servicer = swarm.mortal_host(shape_rate="10gbit")  # stage 1's host: what it sends is shaped
-    hosted = swarm.host(cfg, run_id, [(0, 0), (2, 2), (3, 3)])
-    from swarm.network.hosted import HostedStage
-
-    hosted.insert(1, servicer.host(HostedStage(node, run_id, cfg, 1, timeout=30)))
+    node, servicer = swarm.mortal_host(shape_rate=rate)
+    servicer.host(HostedStage(node, run_id, cfg, 0, timeout=30))
     swarm.loop.run(servicer.announcer.announce_now())
+    swarm.host(cfg, run_id, [(1, 1), (2, 2), (3, 3)])
+    warnings: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = warnings.append
+    logging.getLogger("swarm").addHandler(catcher)
     try:
         data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        results = DropsBandwidth(node.egress)
-        summary = train(cfg, pipeline, data, results, STEPS, progress=False)
+        pipeline = swarm.pipeline(cfg, run_id, steps, data)
+        results = Hook(None if after is None else lambda step: after(step, node.egress))
+        summary = train(cfg, pipeline, data, results, steps, progress=False)
+        statuses = pipeline.statuses()
     finally:
+        logging.getLogger("swarm").removeHandler(catcher)
         swarm.unhost(run_id)
         swarm.loop.run(servicer.stop())
         swarm.loop.run(node.shutdown())
-    steps = [r for r in results.rows if r["type"] == "step"]
-    assert len(steps) == STEPS and all(r["loss"] == r["loss"] for r in steps)  # finished, finite
-    before, after = steps[DROP_AFTER - 1], steps[-1]
-    assert before["codecs"]["1"] == "none / none"  # fast link: no compression needed
-    forward, backward = after["codecs"]["1"].split(" / ")
-    assert forward.startswith("topk:") and backward == "topk:reuse"  # 1 Mbit/s: TopK
-    # both ends of boundary 1 switched, and it carries far fewer bytes
-    assert hosted[1].cfg.compression.link(1) == hosted[2].cfg.compression.link(1)
-    assert hosted[1].cfg.compression.link(1).forward == forward
-    assert after["bytes"]["boundary1.forward.train"] < before["bytes"]["boundary1.forward.train"] / 2
-    assert after["codecs"]["0"] == "none / none"  # the untouched boundary keeps its codec
-    changes = summary["adaptive"]
-    assert {c["boundary"] for c in changes} == {1} and changes[0]["step"] > DROP_AFTER
-    assert changes[0]["forward"].startswith("topk:") and "no longer fits" in changes[0]["why"]
+    return results.rows, summary, statuses, pipeline.adaptive, warnings
 
 
-def test_adaptive_config_errors_and_single_process_refusal(tmp_path):
-    with pytest.raises(ConfigError, match="compression.adaptive.ladder"):
+def link_codecs(statuses, boundary: int) -> set[tuple[bool, str, str]]:
+    """(upstream end?, forward, backward) of every peer's end of `boundary`."""
+    return {(link.upstream, link.forward_codec, link.backward_codec) for s in statuses for link in s.links if link.boundary == boundary}
+
+
+def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
+    cfg = adaptive_cfg("compression.adaptive.ladder=quant")
+    rows, summary, statuses, adaptive, warnings = shaped_run(swarm, cfg, 3, "1mbit")
+    steps = [r for r in rows if r["type"] == "step"]
+    print([(r["step"], r["codecs"], round(r["time_s"], 2)) for r in steps], summary["adaptive"]["changes"])  # DEBUG
+    assert len(steps) == 3 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)  # finished, finite
+    assert steps[0]["codecs"] == {"0": "none / none", "1": "none / none", "2": "none / none"}  # step 1 ran with the config's codecs
+    chosen = steps[1]["codecs"]["0"]
+    forward, backward = chosen.split(" / ")
+    assert forward.startswith("quant:") and backward == forward  # none cannot fit: quantized both ways
+    assert steps[1]["bytes"]["boundary0.forward.train"] < steps[0]["bytes"]["boundary0.forward.train"] / 2
+    assert steps[1]["codecs"]["2"] == "none / none"  # 130 B per sample on an unshaped link: fits uncompressed
+    changes = summary["adaptive"]["changes"]
+    first = next(c for c in changes if c["boundary"] == 0)
+    assert first["step"] == 1 and first["from_step"] == 2 and first["forward"] == forward and "first choice" in first["why"]
+    assert summary["adaptive"]["codecs"] == steps[-1]["codecs"]
+    assert "boundary 0" in summary["adaptive"]["decisions"]["0"] and "boundary 0" in adaptive.report()
+    assert not warnings, [w.getMessage() for w in warnings]
+    # the peers run boundary 0's new codecs on both of its ends
+    assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
+
+
+DROP_AFTER = 3
+
+
+def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm):
+    def drop(step: int, egress) -> None:
+        if step == DROP_AFTER:
+            egress.set_rate("1mbit")
+
+    rows, summary, statuses, adaptive, warnings = shaped_run(swarm, adaptive_cfg(), 7, "10gbit", after=drop)
+    steps = [r for r in rows if r["type"] == "step"]
+    print([(r["step"], r["codecs"], round(r["time_s"], 2)) for r in steps], summary["adaptive"]["changes"])  # DEBUG
+    assert len(steps) == 7 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)
+    assert all(r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1])  # fast until the drop, and the step it hit
+    switch = next(c for c in summary["adaptive"]["changes"] if c["boundary"] == 0)
+    assert switch["step"] == DROP_AFTER + 1 and "no longer fits" in switch["why"]
+    assert switch["forward"].startswith("topk:") and switch["backward"] == "topk:reuse"
+    after = steps[DROP_AFTER + 1]
+    assert after["codecs"]["0"] == f"{switch['forward']} / topk:reuse"
+    assert after["bytes"]["boundary0.forward.train"] < 0.6 * steps[DROP_AFTER - 1]["bytes"]["boundary0.forward.train"]  # topk:0.5 sends 53%
+    assert all(r["codecs"]["2"] == "none / none" for r in steps)
+    # no micro-batch failed or was retried (a link whose ends disagreed would be reset): both ends switched together
+    assert not warnings, [w.getMessage() for w in warnings]
+    assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
+    assert sum(s.processed for s in statuses if s.stage == 3) >= 7 * 4  # every training micro-batch went through
+
+
+def test_adaptive_config_errors_and_single_process_refusal(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="compression.adaptive.ladder: Input should be 'topk' or 'quant'"):
         adaptive_cfg("compression.adaptive.ladder=zip")
     with pytest.raises(ConfigError, match="compression.adaptive.every"):
         adaptive_cfg("compression.adaptive.every=0")
     with pytest.raises(ConfigError, match="compression.adaptive.hysteresis"):
         adaptive_cfg("compression.adaptive.hysteresis=1.5")
+    with pytest.raises(ConfigError, match="compression.adaptive.target_ms"):
+        adaptive_cfg("compression.adaptive.target_ms=0")
+    with pytest.raises(ConfigError, match="compression.adaptive.window"):
+        adaptive_cfg("compression.adaptive.window=3")
+    with pytest.raises(ConfigError, match="1-stage model has no links"):
+        adaptive_cfg("model.num_stages=1")
+    assert adaptive_cfg().compression.adaptive.every == 1 and load_config(SMOKE).compression.adaptive is None  # off by default
     with pytest.raises(ValueError, match="compression.adaptive needs the swarm"):
         run_experiment(adaptive_cfg(), tmp_path / "r.jsonl", 1, progress=False)
+    from swarm.cli import main
+
+    assert main(["run", str(SMOKE), "--steps", "1", "--set", "compression.adaptive.ladder=quant"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: compression.adaptive needs the swarm") and "\n" not in err
 
 
 def test_link_meter_counts_overlapping_transfers_once():
-    from swarm.network.meter import LinkMeter
-
     meter = LinkMeter()
     meter.add(0.0, 1.0, 100)
     meter.add(0.5, 1.5, 100)  # overlaps the first: only 0.5 s more
     meter.add(3.0, 4.0, 200)  # after an idle gap: the gap is not busy time
     assert meter.nbytes == 400 and meter.busy_s == pytest.approx(2.5)
+
+
+async def _drain(messages):
+    return [m async for m in messages]
+
+
+def test_replies_are_timed_from_their_first_chunk_to_their_last():
+    async def replies():
+        for payload in (bytes(2_500_000), b"small"):  # three chunks, then one
+            for message in frame(pb.StageReply, "result", pb.ResultHead(kind=pb.BACKWARD), payload):
+                yield message
+
+    ticks = iter(range(100))
+    meter = LinkMeter()
+    got = asyncio.run(_drain(timed_chunks(replies(), meter, clock=lambda: float(next(ticks)))))
+    assert len(got) == 4
+    # chunks 2 and 3 arrived over 2 ticks after the first; the one-chunk reply has no duration to time
+    assert meter.nbytes == 2_500_000 - (1 << 20) and meter.busy_s == 2.0
+
+
+def _status(stage: int, compute_s: float, samples: int, links: list[pb.LinkStatus]) -> pb.StageStatus:
+    return pb.StageStatus(stage=stage, num_stages=2, compute_s=compute_s, samples=samples, links=links)
+
+
+def test_the_trainer_plans_with_each_direction_s_own_bandwidth():
+    cfg = load_config(SMOKE, ["model.num_stages=2", "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=quant", "compression.adaptive.target_ms=10"])
+    elements = 1000  # 4000 B per sample uncompressed; quant:B sends 125 * B + 8
+
+    def statuses(forward_bits: float, backward_bits: float | None):
+        up = pb.LinkStatus(boundary=0, upstream=True, raw={"forward.train": 4 * elements * 100})
+        if backward_bits is not None:  # gradients timed arriving back at stage 0
+            up.busy_bytes, up.busy_s = 1_000_000, 8e6 / backward_bits
+        down = pb.LinkStatus(boundary=0, upstream=False, busy_bytes=1_000_000, busy_s=8e6 / forward_bits)
+        return [_status(0, 0.1, 100, [up]), _status(1, 0.1, 100, [down])]
+
+    one_way = AdaptiveCodecs(cfg)
+    assert one_way.observe(statuses(100e6, None), 1) == {}  # 100 Mbit/s both ways (backward assumed as fast): none fits
+    assert one_way.bandwidth(0) == (pytest.approx(100e6), pytest.approx(100e6))
+    slow_back = AdaptiveCodecs(cfg)
+    changes = slow_back.observe(statuses(100e6, 0.5e6), 1)  # gradients come back at 0.5 Mbit/s: 64 ms uncompressed
+    assert changes == {0: ("quant:4", "quant:4")}  # 8.1 ms; quant:5 needs 10.1 ms (the target is 10)
+    assert "100mbit forward, 500kbit backward" in slow_back.last[0].describe()
+
+
+def test_stages_check_switched_codecs_before_the_step_applies():
+    cfg = load_config(SMOKE, ["compression.forward=none", "compression.backward=none"])
+    switched, changed = switched_config(cfg, 1, [pb.BoundaryCodecs(boundary=b, forward="quant:4", backward="quant:4") for b in (0, 1, 2)])
+    assert changed == [0, 1]  # stage 1 sits on boundaries 0 and 1 only
+    assert switched.compression.link(1).forward == "quant:4" and switched.compression.link(2).forward == "none"
+    assert switched_config(switched, 1, [pb.BoundaryCodecs(boundary=0, forward="quant:4", backward="quant:4")])[1] == []  # no change, no restart
+    with pytest.raises(ProtocolError, match="bad compression spec"):
+        switched_config(cfg, 1, [pb.BoundaryCodecs(boundary=0, forward="zip:3", backward="none")])
+    with pytest.raises(ProtocolError, match="topk:reuse needs a topk forward"):
+        switched_config(cfg, 1, [pb.BoundaryCodecs(boundary=0, forward="quant:4", backward="topk:reuse")])

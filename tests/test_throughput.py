@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from swarm.bench.throughput import ThroughputRow, backward_spec, measure_run, speedups
+from swarm.bench.throughput import ThroughputRow, backward_spec, codec_overrides, measure_run, speedups
 from swarm.lab import parse_rates
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
@@ -51,6 +51,10 @@ def test_backward_specs_and_speedups():
     assert backward_spec("topk:0.1+ef21") == "topk:0.1+ef21"
     assert backward_spec("quant:4") == "quant:4"
     assert backward_spec("topk:0.1|quant:8") == "quant:8"
+    assert codec_overrides("topk:0.1") == ("topk:0.1", "topk:reuse", ["compression.forward=topk:0.1", "compression.backward=topk:reuse"])
+    assert codec_overrides("adaptive:quant")[2][-1] == "compression.adaptive.ladder=quant"
+    with pytest.raises(ValueError, match="adaptive:topk or adaptive:quant"):
+        codec_overrides("adaptive:zip")
     base = dict(backward="none", link_bound=1.0, compute_bound=math.inf, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
                 forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
     rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]

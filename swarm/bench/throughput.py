@@ -27,6 +27,18 @@ from swarm.results import read_results
 WARMUP_STEPS = 1
 
 
+def codec_overrides(codec: str) -> tuple[str, str, list[str]]:
+    """(forward, backward, config overrides) of a --codecs entry: a spec, `FW|BW`, or `adaptive:LADDER`
+    (compression.adaptive with that ladder, starting uncompressed; the row's backward says so)."""
+    if codec.startswith("adaptive:"):
+        ladder = codec.split(":", 1)[1]
+        if ladder not in ("topk", "quant"):
+            raise ValueError(f"bad codec {codec!r}: adaptive:topk or adaptive:quant")
+        return codec, "adaptive", ["compression.forward=none", "compression.backward=none", f"compression.adaptive.ladder={ladder}"]
+    forward, backward = codec.split("|", 1)[0], backward_spec(codec)
+    return forward, backward, [f"compression.forward={forward}", f"compression.backward={backward}"]
+
+
 def backward_spec(forward: str) -> str:
     """`fw|bw` as given, else TopK gradients reuse the forward indices and others mirror the forward."""
     if "|" in forward:
@@ -51,6 +63,7 @@ class ThroughputRow:
     stage_ms_per_sample: list[float]
     steps: int
     shaping: str
+    chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
 
 
 def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
@@ -101,6 +114,7 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
         "backward_bytes": backward,
         "stage_ms_per_sample": [1000 * s for s in stage_s or []],
         "steps": len(steps),
+        "chosen": steps[-1].get("codecs"),
     }
 
 
@@ -123,10 +137,10 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
         for codec in codecs:
-            forward, backward = codec.split("|", 1)[0], backward_spec(codec)
+            forward, backward, codec_sets = codec_overrides(codec)
             for bandwidth in bandwidths:
                 results = Path(tmp) / f"{len(rows)}.jsonl"
-                sets = [*overrides, f"compression.forward={forward}", f"compression.backward={backward}"]
+                sets = [*overrides, *codec_sets]
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {steps} steps")
                 # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
                 lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, out=_Quiet(log), trainer_args=["--timeout", "900"])
@@ -136,6 +150,8 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns")
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
                 log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}")
+                if row.chosen:
+                    log("   adaptive chose " + ", ".join(f"boundary {b}: {c}" for b, c in row.chosen.items()))
                 rows.append(row)
     return rows
 

@@ -13,10 +13,13 @@ one no longer fits (the link would throttle the pipeline), but back to a milder 
 that one fits with `hysteresis` to spare (link time <= (1 - hysteresis) * target).
 
 Link time per sample of a candidate at B bits/s follows swarm.netlab.bounds: full duplex (the
-default) is max(forward, backward) * 8 / B, `shared=True` is (forward + backward) * 8 / B.
+default) is max(forward, backward) * 8 / B, `shared=True` is (forward + backward) * 8 / B. A
+bandwidth may also be a (forward, backward) pair of bits/s, for links measured per direction:
+then each direction's bytes go at its own rate (max, or sum when shared, of the two times).
 
 API (pure: no network, no clocks)
     Candidate(spec, forward_bytes, backward_bytes=None)      .link_seconds(bandwidth, shared=False)
+        bandwidth: bits/s, or (forward, backward) bits/s wherever a bandwidth is taken
     topk_candidates(elements, ratios=(1.0, 0.5, 0.3, 0.2, 0.1, 0.05), value_bytes=4, reuse_backward=True)
     quant_candidates(elements, bits=(8, 7, 6, 5, 4, 3, 2), groups=1, include_none=True)
     neighbour_targets(stage_seconds) -> {boundary j: max(stage j, stage j+1) seconds per sample}
@@ -36,6 +39,9 @@ from dataclasses import dataclass, field
 from swarm.netlab.rates import format_rate
 
 
+Bandwidth = float | tuple[float, float]  # bits/s, or (forward, backward) bits/s
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One codec setting and the wire bytes per sample it puts on the boundary's link."""
@@ -44,13 +50,26 @@ class Candidate:
     forward_bytes: float
     backward_bytes: float | None = None  # None: the same as forward
 
-    def link_seconds(self, bandwidth_bits: float, shared: bool = False) -> float:
+    def link_seconds(self, bandwidth_bits: Bandwidth, shared: bool = False) -> float:
         fw = self.forward_bytes
         bw = fw if self.backward_bytes is None else self.backward_bytes
-        wire = fw + bw if shared else max(fw, bw)
-        if bandwidth_bits <= 0:
-            return math.inf
-        return wire * 8 / bandwidth_bits
+        if isinstance(bandwidth_bits, tuple):  # per direction
+            times = [_seconds(nbytes, rate) for nbytes, rate in zip((fw, bw), bandwidth_bits, strict=True)]
+            return sum(times) if shared else max(times)
+        return _seconds(fw + bw if shared else max(fw, bw), bandwidth_bits)
+
+
+def _seconds(nbytes: float, bandwidth_bits: float) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return nbytes * 8 / bandwidth_bits if bandwidth_bits > 0 else math.inf
+
+
+def _rate(bandwidth_bits: Bandwidth) -> str:
+    if isinstance(bandwidth_bits, tuple):
+        fw, bw = bandwidth_bits
+        return _rate(fw) if fw == bw else f"{_rate(fw)} forward, {_rate(bw)} backward"
+    return format_rate(bandwidth_bits) if math.isfinite(bandwidth_bits) else "unmeasured bandwidth"
 
 
 def topk_candidates(elements: int, ratios: Sequence[float] = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05), value_bytes: float = 4, reuse_backward: bool = True) -> list[Candidate]:
@@ -89,7 +108,7 @@ def neighbour_targets(stage_seconds: Sequence[float]) -> dict[int, float]:
     return {j: max(stage_seconds[j], stage_seconds[j + 1]) for j in range(len(stage_seconds) - 1)}
 
 
-def choose(candidates: Sequence[Candidate], bandwidth_bits: float, target_seconds: float, shared: bool = False, margin: float = 0.0) -> int:
+def choose(candidates: Sequence[Candidate], bandwidth_bits: Bandwidth, target_seconds: float, shared: bool = False, margin: float = 0.0) -> int:
     """Index of the mildest candidate with link time <= (1 - margin) * target; else the strongest."""
     if not candidates:
         raise ValueError("no candidates to choose from")
@@ -106,14 +125,14 @@ class Decision:
     index: int  # into the boundary's candidates (0 = mildest)
     link_seconds: float  # per sample at the bandwidth
     target_seconds: float
-    bandwidth_bits: float
+    bandwidth_bits: Bandwidth
     fits: bool  # link_seconds <= target_seconds
     changed: bool
     reason: str
 
     def describe(self) -> str:
         return (
-            f"boundary {self.boundary}: {self.spec} ({self.link_seconds * 1e3:.3g} ms/sample at {format_rate(self.bandwidth_bits)}, "
+            f"boundary {self.boundary}: {self.spec} ({self.link_seconds * 1e3:.3g} ms/sample at {_rate(self.bandwidth_bits)}, "
             f"target {self.target_seconds * 1e3:.3g} ms){'' if self.fits else ' DOES NOT FIT'}; {self.reason}"
         )
 
@@ -140,14 +159,14 @@ class AdaptiveCompression:
                 raise ValueError(f"boundary {boundary}: candidates must go from mildest (most bytes) to strongest, got {[c.spec for c in options]}")
 
     @staticmethod
-    def _per(value: float | Mapping[Hashable, float], boundary: Hashable, what: str) -> float:
+    def _per(value, boundary: Hashable, what: str):
         if isinstance(value, Mapping):
             if boundary not in value:
                 raise ValueError(f"no {what} for boundary {boundary}")
-            return float(value[boundary])
-        return float(value)
+            value = value[boundary]
+        return tuple(float(v) for v in value) if isinstance(value, tuple) else float(value)
 
-    def decide(self, bandwidth_bits: float | Mapping[Hashable, float], target_seconds: float | Mapping[Hashable, float]) -> dict[Hashable, Decision]:
+    def decide(self, bandwidth_bits: Bandwidth | Mapping[Hashable, Bandwidth], target_seconds: float | Mapping[Hashable, float]) -> dict[Hashable, Decision]:
         """Re-decides every boundary for the given bandwidth(s) and target(s); records changes."""
         decisions = {}
         for boundary, options in self.candidates.items():

@@ -2,12 +2,14 @@
 
 Every `every` optimizer steps the trainer reads the stage peers' statuses and, per boundary,
 measures since the last decision:
-- the bandwidth: activation bytes that arrived at the downstream stage over the seconds they were
-  arriving (transfers that overlap count once), i.e. what the link delivered while busy, with
-  whatever else shared it. Bytes and seconds are summed over windows with weights halving every
-  window, so a window of long transfers outweighs one of small payloads that a link's burst
-  allowance delivered at once (which would otherwise look like a fast link and make the choice
-  flap back to milder settings);
+- the bandwidth per direction: activation bytes that arrived at the downstream stage, and
+  gradient bytes that arrived back at the upstream stage, over the seconds they were arriving
+  (transfers that overlap count once; swarm.network.meter), i.e. what the link delivered while
+  busy, with whatever else shared it. A direction with no timed bytes yet (replies of one chunk
+  are not timed) is taken to run at the other one's rate. Bytes and seconds are summed over
+  windows with weights halving every window, so a window of long transfers outweighs one of
+  small payloads that a link's burst allowance delivered at once (which would otherwise look
+  like a fast link and make the choice flap back to milder settings);
 - the target: the compute seconds per training sample of the slower neighbouring stage (or the
   config's `target_ms`);
 - the elements per sample (uncompressed bytes / 4), for the ladder's bytes model.
@@ -41,21 +43,25 @@ def ladder_codecs(spec: str) -> tuple[str, str]:
 class _Totals:
     """Cumulative counters read from the statuses (the deltas between two reads are one window)."""
 
-    busy_bytes: dict[int, float]
+    busy_bytes: dict[int, float]  # forward: activations timed arriving, per boundary
     busy_s: dict[int, float]
+    back_bytes: dict[int, float]  # backward: gradient replies timed arriving
+    back_s: dict[int, float]
     raw: dict[int, float]  # uncompressed forward training bytes per boundary
     compute_s: dict[int, float]
     samples: dict[int, float]
 
     @classmethod
     def read(cls, statuses: list[pb.StageStatus]) -> _Totals:
-        t = cls(*(defaultdict(float) for _ in range(5)))
+        t = cls(*(defaultdict(float) for _ in range(len(_FIELDS))))
         for status in statuses:
             t.compute_s[status.stage] += status.compute_s
             t.samples[status.stage] += status.samples
             for link in status.links:
-                if link.upstream:
+                if link.upstream:  # this peer sends activations on it, gradients come back
                     t.raw[link.boundary] += link.raw.get("forward.train", 0)
+                    t.back_bytes[link.boundary] += link.busy_bytes
+                    t.back_s[link.boundary] += link.busy_s
                 else:
                     t.busy_bytes[link.boundary] += link.busy_bytes
                     t.busy_s[link.boundary] += link.busy_s
@@ -64,7 +70,10 @@ class _Totals:
     def minus(self, other: _Totals | None) -> _Totals:
         if other is None:
             return self
-        return _Totals(*({k: v - getattr(other, name).get(k, 0.0) for k, v in getattr(self, name).items()} for name in ("busy_bytes", "busy_s", "raw", "compute_s", "samples")))
+        return _Totals(*({k: v - getattr(other, name).get(k, 0.0) for k, v in getattr(self, name).items()} for name in _FIELDS))
+
+
+_FIELDS = ("busy_bytes", "busy_s", "back_bytes", "back_s", "raw", "compute_s", "samples")
 
 
 class AdaptiveCodecs:
@@ -77,17 +86,22 @@ class AdaptiveCodecs:
         self.codecs = {b: (cfg.compression.link(b).forward, cfg.compression.link(b).backward) for b in self.boundaries}
         self.controller: AdaptiveCompression | None = None
         self.last: dict[int, Decision] = {}
-        self.history: list[dict] = []  # every change: step, boundary, codecs, why
+        self.ran = self.current()  # the codecs the latest step ran with
+        self.history: list[dict] = []  # every change: decided after `step`, in force `from_step` on
         self._previous: _Totals | None = None
-        self._bytes: dict[int, float] = defaultdict(float)  # decayed sums (see module doc)
-        self._busy: dict[int, float] = defaultdict(float)
+        self._sums: dict[str, dict[int, float]] = {name: defaultdict(float) for name in ("busy_bytes", "busy_s", "back_bytes", "back_s")}  # decayed (see module doc)
 
     def due(self, step: int) -> bool:
         """`step` counts finished optimizer steps, this one included."""
         return step % self.settings.every == 0
 
+    def step_done(self) -> None:
+        """A step ran (call before deciding on it): its codecs are the ones in force."""
+        self.ran = self.current()
+
     def observe(self, statuses: list[pb.StageStatus], step: int) -> dict[int, tuple[str, str]]:
-        """Decides from what happened since the last call; returns the boundaries whose codecs change."""
+        """Decides, after `step`, from what happened since the last call; returns the boundaries
+        whose codecs change from the next step on."""
         totals = _Totals.read(statuses)
         window = totals.minus(self._previous)
         self._previous = totals
@@ -96,10 +110,10 @@ class AdaptiveCodecs:
             return {}  # no training went through every stage in this window
         per_sample = [window.compute_s[s] / window.samples[s] for s in range(len(self.boundaries) + 1)]
         targets = neighbour_targets(per_sample) if self.settings.target_ms is None else dict.fromkeys(self.boundaries, self.settings.target_ms / 1000)
-        for b in self.boundaries:
-            self._bytes[b] = DECAY * self._bytes[b] + window.busy_bytes.get(b, 0.0)
-            self._busy[b] = DECAY * self._busy[b] + window.busy_s.get(b, 0.0)
-        bandwidth = {b: self._bytes[b] * 8 / self._busy[b] if self._busy[b] > 0 else math.inf for b in self.boundaries}
+        for name, sums in self._sums.items():
+            for b in self.boundaries:
+                sums[b] = DECAY * sums[b] + getattr(window, name).get(b, 0.0)
+        bandwidth = {b: self.bandwidth(b) for b in self.boundaries}
         if self.controller is None:
             self.controller = self._controller(window)
         decisions = self.controller.decide(bandwidth, targets)
@@ -110,8 +124,21 @@ class AdaptiveCodecs:
             if codecs != self.codecs[b]:
                 changes[b] = codecs
                 self.codecs[b] = codecs
-                self.history.append({"step": step, "boundary": b, "forward": codecs[0], "backward": codecs[1], "why": decision.describe()})
+                self.history.append({"step": step, "from_step": step + 1, "boundary": b, "forward": codecs[0], "backward": codecs[1], "why": decision.describe()})
         return changes
+
+    def bandwidth(self, boundary: int) -> tuple[float, float]:
+        """(forward, backward) bits/s measured so far; inf where nothing was timed."""
+        def rate(nbytes: str, seconds: str) -> float:
+            busy = self._sums[seconds][boundary]
+            return self._sums[nbytes][boundary] * 8 / busy if busy > 0 else math.inf
+
+        forward, backward = rate("busy_bytes", "busy_s"), rate("back_bytes", "back_s")
+        if math.isinf(backward):
+            backward = forward  # not timed (one-chunk replies): assume a symmetric link
+        if math.isinf(forward):
+            forward = backward
+        return forward, backward
 
     def _controller(self, window: _Totals) -> AdaptiveCompression:
         candidates = {}
@@ -121,5 +148,8 @@ class AdaptiveCodecs:
         return AdaptiveCompression(candidates, hysteresis=self.settings.hysteresis)
 
     def current(self) -> dict[str, str]:
-        """Per boundary, 'forward / backward' (for the results rows)."""
+        """Per boundary, 'forward / backward' in force from the next step on (for the results rows)."""
         return {str(b): f"{fw} / {bw}" for b, (fw, bw) in self.codecs.items()}
+
+    def report(self) -> str:
+        return self.controller.report() if self.controller is not None else "adaptive compression: no decision yet"

@@ -36,8 +36,9 @@ from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import StageRecord
 from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError
 from swarm.network.chunks import ProtocolError
+from swarm.network.codec_switch import install, switched_config
 from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors, raw_to_tensor, tensors_to_payload
-from swarm.network.meter import LinkMeter
+from swarm.network.meter import LinkMeter, MeteredCall
 from swarm.network.node import SwarmNode
 from swarm.network.ordering import LinkReset, Ordinals, OutLink, Turnstile
 from swarm.network.routing import NoPeerError, Router
@@ -89,6 +90,7 @@ class HostedStage:
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
         self.arrivals: dict[str, LinkMeter] = {}  # upstream peer -> how fast its activations arrive
+        self.replies: dict[str, LinkMeter] = {}  # downstream peer -> how fast its gradients arrive
         self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}  # (neighbour, upstream) -> boundary, bytes, raw of replaced ends
         self.downstream: str | None = None
         self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
@@ -120,7 +122,7 @@ class HostedStage:
             staged = build_staged_model(self.cfg)
             runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, capacity, hold_grads=True)
         self._spare = {False: runtime.inbound, True: runtime.outbound}
-        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received, self.arrivals, self.retired):
+        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received, self.arrivals, self.replies, self.retired):
             table.clear()
         self.ordinals = Ordinals()
         self.tied = list(staged.tied)
@@ -298,7 +300,8 @@ class HostedStage:
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
-            call = MicroBatchCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending)
+            meter = self.replies.setdefault(target, LinkMeter())
+            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, meter=meter)
             try:
                 result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
                 break
@@ -365,6 +368,7 @@ class HostedStage:
         """Rounds are idempotent: accumulating is repeatable, a retried apply returns the same reply."""
         if head.apply and self._applied is not None and self._applied[0] == head.step:
             return self._applied[1], b""
+        switch = switched_config(self.cfg, self.stage, head.codecs) if head.apply and head.codecs else None  # adaptive compression
         if head.save:
             return pb.StepResult(step=head.step), self._save(head.step)
         if head.load:
@@ -396,32 +400,9 @@ class HostedStage:
             result.lr = runtime.apply_step()
             self.steps += 1
             self._applied = (head.step, result)
-            self._switch_codecs(head.codecs)
+            if switch is not None and switch[1]:
+                install(self, *switch)
         return result, data
-
-    def _switch_codecs(self, codecs) -> None:
-        """Adaptive compression: new codecs on our boundaries from the next step on. Between steps no
-        micro-batch is in flight; our ends of a changed boundary go, so its next message starts a
-        new epoch and both ends build fresh state for the new codecs."""
-        from swarm.config import LinkOverride
-
-        comp = self.cfg.compression
-        overrides = dict(comp.boundaries)
-        for change in codecs:
-            b = int(change.boundary)
-            if b not in (self.stage - 1, self.stage) or (comp.link(b).forward, comp.link(b).backward) == (change.forward, change.backward):
-                continue
-            overrides[b] = LinkOverride(forward=change.forward, backward=change.backward)
-            upstream = b == self.stage
-            self._spare[upstream] = None  # the runtime's own end has the old codecs
-            if upstream:
-                for receiver in list(self.ends_out):
-                    self._drop_out(receiver)
-            else:
-                for sender in list(self.ends_in):
-                    self._retire(sender, False, self.ends_in.pop(sender))
-        if overrides != comp.boundaries:
-            self.cfg = self.cfg.model_copy(update={"compression": comp.model_copy(update={"boundaries": overrides})})
 
     def _save(self, step: int) -> bytes:
         """This stage as a single-process stage checkpoint, with the links in use as its link ends

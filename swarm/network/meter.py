@@ -1,12 +1,26 @@
 """How fast a link delivers: bytes over the seconds payloads were arriving on it.
 
-A payload's transfer runs from its stream's opening (the sender opens it when its send slot is
-free, right before writing) to its last chunk. Transfers that overlap count their common time
-once, so bytes / busy seconds is what the link carried while it was busy, shared with whatever
-else crossed it: the bandwidth adaptive compression plans with.
+Both directions are timed where they arrive (the receiver's clock; a sender's writes may return
+long before the bytes are through, into socket buffers):
+- a request (activations) from its stream's opening (the sender opens it when its send slot is
+  free, right before writing) to its last chunk: the whole payload over its whole transfer;
+- a reply (gradients) comes back on the caller's stream after the callee's compute, so its start
+  is not seen; it is timed from its first chunk to its last, counting the bytes after the first
+  chunk. Exact for replies of several chunks (chunks.CHUNK_BYTES each); a one-chunk reply adds
+  nothing (the trainer then assumes the link's other direction's rate).
+Transfers that overlap count their common time once, so bytes / busy seconds is what the link
+carried while it was busy, shared with whatever else crossed it: the bandwidth adaptive
+compression plans with.
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
+
+from protocols import stage_pb2 as pb
+from swarm.network.calls import MicroBatchCall, RemoteError, _Stream
+from swarm.network.chunks import frame, read_frame
 
 
 class LinkMeter:
@@ -24,3 +38,43 @@ class LinkMeter:
         if new > 0:
             self.busy_s += new
         self._until = max(self._until, finished)
+
+
+async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
+    """Passes `messages` (framed replies) through, adding each payload's chunks after the first to
+    `meter` once its last chunk is in (the reader stops there, so nothing waits for the stream's end)."""
+    first = None
+    nbytes = 0
+    async for message in messages:
+        now = clock()
+        if message.HasField("chunk"):
+            chunk = message.chunk
+            if chunk.index == 0:
+                first, nbytes = now, 0
+            else:
+                nbytes += len(chunk.data)
+            if chunk.index + 1 == chunk.count and first is not None:
+                if chunk.count > 1:
+                    meter.add(first, now, nbytes)
+                first = None
+        yield message
+
+
+class MeteredCall(MicroBatchCall):
+    """A micro-batch call that also times its reply into `meter` (the link's backward direction)."""
+
+    def __init__(self, *args, meter: LinkMeter, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.meter = meter
+
+    async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
+        # MicroBatchCall._exchange, with the reply read through `timed_chunks`
+        async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
+            self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
+            for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
+                await self._stream.send(message)
+        self._replies = self._stream.replies()
+        head, payload = await read_frame(timed_chunks(self._replies, self.meter), "result")
+        if isinstance(head, pb.ErrorReply):
+            raise RemoteError(head.message, head.code)
+        return head, payload

@@ -253,20 +253,31 @@ class SwarmPipeline:
         return replies[0][0].lr
 
     async def _adapt(self) -> list[pb.BoundaryCodecs]:
-        """compression.adaptive: the boundaries whose codecs change from the next step on."""
-        if self.adaptive is None or not self.adaptive.due(self._step + 1):
+        """compression.adaptive: the boundaries whose codecs change from the next step on (every
+        peer of both stages of such a boundary switches in this step's apply round)."""
+        if self.adaptive is None:
+            return []
+        self.adaptive.step_done()
+        if not self.adaptive.due(self._step + 1):
             return []
         changes = self.adaptive.observe(await self._statuses(), self._step + 1)
         for boundary in changes:
-            log.info("step %d: adaptive compression, %s", self._step + 1, self.adaptive.last[boundary].describe())
+            log.info("after step %d: adaptive compression, %s", self._step + 1, self.adaptive.last[boundary].describe())
         return [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(changes.items())]
 
     def step_notes(self) -> dict:
-        """Extra fields of a step's results row: the codecs adaptive compression has in force."""
-        return {"codecs": self.adaptive.current()} if self.adaptive is not None else {}
+        """Extra fields of a step's results row: the codecs that step ran with (adaptive compression)."""
+        return {"codecs": self.adaptive.ran} if self.adaptive is not None else {}
 
     def summary_notes(self) -> dict:
-        return {"adaptive": self.adaptive.history} if self.adaptive is not None else {}
+        """The summary row's account of adaptive compression: every change, and the latest decisions."""
+        if self.adaptive is None:
+            return {}
+        decisions = {str(b): d.describe() for b, d in sorted(self.adaptive.last.items())}
+        return {"adaptive": {"changes": self.adaptive.history, "codecs": self.adaptive.ran, "decisions": decisions}}
+
+    def adaptive_report(self) -> str | None:
+        return self.adaptive.report() if self.adaptive is not None else None
 
     # ---- accounting --------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """A hosted stage's status for `rpc_info`: what it runs, its queue, compute, and per link (one per
-neighbour, counted across the link's epochs) the bytes sent and received, their uncompressed size
-and how fast activations arrived."""
+neighbour, counted across the link's epochs) the bytes sent and received, their uncompressed size,
+how fast the neighbour's payloads arrived, and the codecs of the end in use."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def stage_status(hosted) -> pb.StageStatus:
             for (peer, direction, mode), n in hosted.received.items():
                 if peer == neighbour:
                     link.received[f"{direction}.{mode}"] = n
-            meter = hosted.arrivals.get(neighbour) if not upstream else None
+            meter = (hosted.replies if upstream else hosted.arrivals).get(neighbour)
             if meter is not None:
                 link.busy_s, link.busy_bytes = meter.busy_s, meter.nbytes
+            if end is not None:  # the end in use; a replaced one's codecs are history
+                link.forward_codec, link.backward_codec = end.forward_spec.text, end.backward_spec.text
     return out
