@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
+        adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
     except KeyboardInterrupt:
         say("interrupted")
         return 130
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop()
     for line in describe(summary, args.results):
         say(line)
+    if adaptive is not None:
+        say(adaptive)
     return 0
 
 

@@ -18,7 +18,7 @@ from swarm.config import ConfigError, load_config
 from swarm.network.adaptive_codecs import AdaptiveCodecs
 from swarm.network.chunks import ProtocolError, frame
 from swarm.network.codec_switch import switched_config
-from swarm.network.hosted import HostedStage
+from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meter import LinkMeter, timed_chunks
 from swarm.results import ResultsWriter
 from swarm.run import build_data, run_experiment, train
@@ -47,14 +47,16 @@ class Hook(ResultsWriter):
             self.after(row["step"])
 
 
-def shaped_run(swarm, cfg, steps: int, rate: str, after=None):
-    """Trains `steps` steps with stage 0 on a host whose egress runs at `rate`; returns
-    (rows, summary, statuses at the end, the trainer's adaptive controller, swarm warnings)."""
+def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None):
+    """Trains `steps` steps with stage 0 on a host whose egress runs at `rate` and the other stages
+    on `placement`; returns (rows, summary, statuses at the end, the trainer's adaptive
+    controller, swarm warnings, the hosted stages of `placement`); `finish(run_id, data, hosted)`
+    runs before the stages go."""
     run_id = uuid.uuid4().hex[:8]
     node, servicer = swarm.mortal_host(shape_rate=rate)
     servicer.host(HostedStage(node, run_id, cfg, 0, timeout=30))
     swarm.loop.run(servicer.announcer.announce_now())
-    swarm.host(cfg, run_id, [(1, 1), (2, 2), (3, 3)])
+    hosted = swarm.host(cfg, run_id, list(placement))
     warnings: list[logging.LogRecord] = []
     catcher = logging.Handler(logging.WARNING)
     catcher.emit = warnings.append
@@ -65,24 +67,34 @@ def shaped_run(swarm, cfg, steps: int, rate: str, after=None):
         results = Hook(None if after is None else lambda step: after(step, node.egress))
         summary = train(cfg, pipeline, data, results, steps, progress=False)
         statuses = pipeline.statuses()
+        if finish is not None:
+            finish(run_id, data, hosted)
     finally:
         logging.getLogger("swarm").removeHandler(catcher)
         swarm.unhost(run_id)
         swarm.loop.run(servicer.stop())
         swarm.loop.run(node.shutdown())
-    return results.rows, summary, statuses, pipeline.adaptive, warnings
+    return results.rows, summary, statuses, pipeline.adaptive, warnings, hosted
 
 
 def link_codecs(statuses, boundary: int) -> set[tuple[bool, str, str]]:
-    """(upstream end?, forward, backward) of every peer's end of `boundary`."""
-    return {(link.upstream, link.forward_codec, link.backward_codec) for s in statuses for link in s.links if link.boundary == boundary}
+    """(upstream end?, forward, backward) of every peer's end of `boundary` in use (a link whose
+    ends went in a switch and has carried nothing since has none)."""
+    return {(link.upstream, link.forward_codec, link.backward_codec) for s in statuses for link in s.links if link.boundary == boundary and link.forward_codec}
 
 
 def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     cfg = adaptive_cfg("compression.adaptive.ladder=quant")
-    rows, summary, statuses, adaptive, warnings = shaped_run(swarm, cfg, 3, "1mbit")
+    replicated = ((1, 1), (1, 4), (2, 2), (3, 3))  # two peers serve stage 1
+    restarted = []
+
+    def new_session(run_id: str, data, hosted) -> None:  # a new trainer: the stages start from the config's codecs again
+        switched = [h.cfg.compression.link(0) for h in hosted[:2]]
+        swarm.pipeline(cfg, run_id, 3, data)
+        restarted.extend([switched, [h.cfg.compression.link(0) for h in hosted[:2]]])  # stage 1's replicas
+
+    rows, summary, statuses, adaptive, warnings, hosted = shaped_run(swarm, cfg, 3, "1mbit", placement=replicated, finish=new_session)
     steps = [r for r in rows if r["type"] == "step"]
-    print([(r["step"], r["codecs"], round(r["time_s"], 2)) for r in steps], summary["adaptive"]["changes"])  # DEBUG
     assert len(steps) == 3 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)  # finished, finite
     assert steps[0]["codecs"] == {"0": "none / none", "1": "none / none", "2": "none / none"}  # step 1 ran with the config's codecs
     chosen = steps[1]["codecs"]["0"]
@@ -96,8 +108,12 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     assert summary["adaptive"]["codecs"] == steps[-1]["codecs"]
     assert "boundary 0" in summary["adaptive"]["decisions"]["0"] and "boundary 0" in adaptive.report()
     assert not warnings, [w.getMessage() for w in warnings]
-    # the peers run boundary 0's new codecs on both of its ends
+    # the peers run boundary 0's new codecs on both of its ends, and both replicas of stage 1 switched
     assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
+    switched, fresh = restarted
+    assert [(link.forward, link.backward) for link in switched] == [adaptive.codecs[0]] * 2
+    assert [link.forward for link in fresh] == ["none", "none"]
+    assert all(h.digest == config_digest(cfg) for h in hosted)  # as configured: a switch does not change what setup checks
 
 
 DROP_AFTER = 3
@@ -108,9 +124,8 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
         if step == DROP_AFTER:
             egress.set_rate("1mbit")
 
-    rows, summary, statuses, adaptive, warnings = shaped_run(swarm, adaptive_cfg(), 7, "10gbit", after=drop)
+    rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, adaptive_cfg(), 7, "10gbit", after=drop)
     steps = [r for r in rows if r["type"] == "step"]
-    print([(r["step"], r["codecs"], round(r["time_s"], 2)) for r in steps], summary["adaptive"]["changes"])  # DEBUG
     assert len(steps) == 7 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)
     assert all(r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1])  # fast until the drop, and the step it hit
     switch = next(c for c in summary["adaptive"]["changes"] if c["boundary"] == 0)
@@ -163,15 +178,16 @@ async def _drain(messages):
 
 def test_replies_are_timed_from_their_first_chunk_to_their_last():
     async def replies():
-        for payload in (bytes(2_500_000), b"small"):  # three chunks, then one
+        for payload in (bytes(2_500_000), bytes((1 << 20) + 5), b"small"):  # three chunks, two, one
             for message in frame(pb.StageReply, "result", pb.ResultHead(kind=pb.BACKWARD), payload):
                 yield message
 
     ticks = iter(range(100))
     meter = LinkMeter()
     got = asyncio.run(_drain(timed_chunks(replies(), meter, clock=lambda: float(next(ticks)))))
-    assert len(got) == 4
-    # chunks 2 and 3 arrived over 2 ticks after the first; the one-chunk reply has no duration to time
+    assert len(got) == 6
+    # chunks 2 and 3 arrived over 2 ticks after the first; the two-chunk reply (a last chunk of 5
+    # bytes) and the one-chunk reply are not timed
     assert meter.nbytes == 2_500_000 - (1 << 20) and meter.busy_s == 2.0
 
 

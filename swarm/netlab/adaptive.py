@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 from swarm.netlab.rates import format_rate
 
-
 Bandwidth = float | tuple[float, float]  # bits/s, or (forward, backward) bits/s
 
 

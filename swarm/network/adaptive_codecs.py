@@ -70,7 +70,8 @@ class _Totals:
     def minus(self, other: _Totals | None) -> _Totals:
         if other is None:
             return self
-        return _Totals(*({k: v - getattr(other, name).get(k, 0.0) for k, v in getattr(self, name).items()} for name in _FIELDS))
+        # a peer that left takes its counters along: no window is negative
+        return _Totals(*({k: max(v - getattr(other, name).get(k, 0.0), 0.0) for k, v in getattr(self, name).items()} for name in _FIELDS))
 
 
 _FIELDS = ("busy_bytes", "busy_s", "back_bytes", "back_s", "raw", "compute_s", "samples")

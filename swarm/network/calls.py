@@ -138,10 +138,14 @@ class MicroBatchCall:
             for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
                 await self._stream.send(message)
         self._replies = self._stream.replies()
-        head, payload = await read_frame(self._replies, "result")
+        head, payload = await read_frame(self._reply_messages(), "result")
         if isinstance(head, pb.ErrorReply):
             raise RemoteError(head.message, head.code)
         return head, payload
+
+    def _reply_messages(self):
+        """The reply stream as `_exchange` reads it (a subclass may watch it go by)."""
+        return self._replies
 
     async def reply(self, timeout: float) -> tuple[pb.ResultHead, bytes]:
         """Sends the request and waits (at most `timeout` s) for the verified reply."""

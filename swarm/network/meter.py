@@ -15,12 +15,9 @@ compression plans with.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
-from protocols import stage_pb2 as pb
-from swarm.network.calls import MicroBatchCall, RemoteError, _Stream
-from swarm.network.chunks import frame, read_frame
+from swarm.network.calls import MicroBatchCall
 
 
 class LinkMeter:
@@ -42,7 +39,9 @@ class LinkMeter:
 
 async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
     """Passes `messages` (framed replies) through, adding each payload's chunks after the first to
-    `meter` once its last chunk is in (the reader stops there, so nothing waits for the stream's end)."""
+    `meter` once its last chunk is in (the reader stops there, so nothing waits for the stream's end).
+    Payloads of two chunks or less are not timed: the second may hold only a few bytes, and few
+    bytes over the gap between two arrivals says nothing about the link."""
     first = None
     nbytes = 0
     async for message in messages:
@@ -54,7 +53,7 @@ async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
             else:
                 nbytes += len(chunk.data)
             if chunk.index + 1 == chunk.count and first is not None:
-                if chunk.count > 1:
+                if chunk.count > 2:  # at least one whole chunk after the first: a last chunk may be a few bytes
                     meter.add(first, now, nbytes)
                 first = None
         yield message
@@ -67,14 +66,5 @@ class MeteredCall(MicroBatchCall):
         super().__init__(*args, **kwargs)
         self.meter = meter
 
-    async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
-        # MicroBatchCall._exchange, with the reply read through `timed_chunks`
-        async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
-            self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
-            for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
-                await self._stream.send(message)
-        self._replies = self._stream.replies()
-        head, payload = await read_frame(timed_chunks(self._replies, self.meter), "result")
-        if isinstance(head, pb.ErrorReply):
-            raise RemoteError(head.message, head.code)
-        return head, payload
+    def _reply_messages(self):
+        return timed_chunks(self._replies, self.meter)

@@ -1,6 +1,6 @@
-"""The swarm as a table: every run's stages, their peers, addresses, throughput, bytes per link
-and their compression ratio, round-trip time, and when each peer last announced itself (for
-`python -m peers.status`)."""
+"""The swarm as a table: every run's stages, their peers, addresses, throughput, bytes per link,
+their compression ratio, the rate payloads arrive at and the codecs of each end, round-trip time,
+and when each peer last announced itself (for `python -m peers.status`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
+from swarm.netlab.rates import format_rate
 from swarm.network.announce import discover, list_runs
 from swarm.network.calls import call_info
 from swarm.network.node import SwarmNode
@@ -30,7 +31,7 @@ class PeerRow:
     processed: int = 0
     steps: int = 0
     state_bytes: int = 0
-    links: list[dict] = field(default_factory=list)  # {"neighbour", "boundary", "upstream", "sent", "received", "raw"}
+    links: list[dict] = field(default_factory=list)  # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
     rtt_ms: float | None = None  # of the status call itself
     error: str = ""
 
@@ -61,7 +62,8 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10
             if status.stage != row.stage:
                 continue
             row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
-            row.links = [{"neighbour": link.neighbour, "boundary": link.boundary, "upstream": link.upstream, "sent": dict(link.sent), "received": dict(link.received), "raw": dict(link.raw)} for link in status.links]
+            row.links = [{"neighbour": link.neighbour, "boundary": link.boundary, "upstream": link.upstream, "sent": dict(link.sent), "received": dict(link.received), "raw": dict(link.raw),
+                          "busy_s": link.busy_s, "busy_bytes": link.busy_bytes, "codecs": f"{link.forward_codec}|{link.backward_codec}" if link.forward_codec else ""} for link in status.links]
 
     await asyncio.gather(*(detail(row) for row in rows))
     return rows
@@ -87,7 +89,9 @@ def format_table(rows: list[PeerRow]) -> str:
             side = "down" if link["upstream"] else "up"
             raw = sum(link.get("raw", {}).values())
             ratio = f" (x{raw / sent:.1f})" if sent and raw else ""
-            links.append(f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}")
+            rate = f" in at {format_rate(link['busy_bytes'] * 8 / link['busy_s'])}" if link.get("busy_s") else ""  # while arriving
+            codecs = f" [{link['codecs']}]" if link.get("codecs") else ""
+            links.append(f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}")
         state = ("ready" if row.ready else "waiting") if row.reachable else f"unreachable ({row.error[:40]})"
         address = row.addrs[0] if row.addrs else "-"
         rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
