@@ -141,19 +141,23 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
     assert sum(s.processed for s in statuses if s.stage == 3) >= 7 * 4  # every training micro-batch went through
 
 
-def test_adaptive_config_errors_and_single_process_refusal(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="compression.adaptive.ladder: Input should be 'topk' or 'quant'"):
-        adaptive_cfg("compression.adaptive.ladder=zip")
-    with pytest.raises(ConfigError, match="compression.adaptive.every"):
-        adaptive_cfg("compression.adaptive.every=0")
-    with pytest.raises(ConfigError, match="compression.adaptive.hysteresis"):
-        adaptive_cfg("compression.adaptive.hysteresis=1.5")
-    with pytest.raises(ConfigError, match="compression.adaptive.target_ms"):
-        adaptive_cfg("compression.adaptive.target_ms=0")
-    with pytest.raises(ConfigError, match="compression.adaptive.window"):
-        adaptive_cfg("compression.adaptive.window=3")
-    with pytest.raises(ConfigError, match="1-stage model has no links"):
-        adaptive_cfg("model.num_stages=1")
+BAD_ADAPTIVE = [
+    ("compression.adaptive.ladder=zip", "compression.adaptive.ladder: Input should be 'topk' or 'quant'"),
+    ("compression.adaptive.every=0", "compression.adaptive.every"),
+    ("compression.adaptive.hysteresis=1.5", "compression.adaptive.hysteresis"),
+    ("compression.adaptive.target_ms=0", "compression.adaptive.target_ms"),
+    ("compression.adaptive.window=3", "compression.adaptive.window"),
+    ("model.num_stages=1", "1-stage model has no links"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_ADAPTIVE, ids=[o for o, _ in BAD_ADAPTIVE])
+def test_bad_adaptive_configs_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        adaptive_cfg(override)
+
+
+def test_adaptive_is_off_by_default_and_refused_in_one_process(tmp_path, capsys):
     assert adaptive_cfg().compression.adaptive.every == 1 and load_config(SMOKE).compression.adaptive is None  # off by default
     with pytest.raises(ValueError, match="compression.adaptive needs the swarm"):
         run_experiment(adaptive_cfg(), tmp_path / "r.jsonl", 1, progress=False)

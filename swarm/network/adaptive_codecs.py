@@ -106,8 +106,7 @@ class AdaptiveCodecs:
         totals = _Totals.read(statuses)
         window = totals.minus(self._previous)
         self._previous = totals
-        stages = sorted(window.samples)
-        if not stages or any(window.samples.get(s, 0) <= 0 for s in range(len(self.boundaries) + 1)):
+        if any(window.samples.get(s, 0) <= 0 for s in range(len(self.boundaries) + 1)):
             return {}  # no training went through every stage in this window
         per_sample = [window.compute_s[s] / window.samples[s] for s in range(len(self.boundaries) + 1)]
         targets = neighbour_targets(per_sample) if self.settings.target_ms is None else dict.fromkeys(self.boundaries, self.settings.target_ms / 1000)

@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -89,8 +89,8 @@ class HostedStage:
         self._spare: dict[bool, LinkEnd | None] = {}
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
-        self.arrivals: dict[str, LinkMeter] = {}  # upstream peer -> how fast its activations arrive
-        self.replies: dict[str, LinkMeter] = {}  # downstream peer -> how fast its gradients arrive
+        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)  # upstream peer -> how fast its activations arrive
+        self.replies: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)  # downstream peer -> how fast its gradients arrive
         self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}  # (neighbour, upstream) -> boundary, bytes, raw of replaced ends
         self.downstream: str | None = None
         self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
@@ -300,8 +300,7 @@ class HostedStage:
         tried: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
-            meter = self.replies.setdefault(target, LinkMeter())
-            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, meter=meter)
+            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, meter=self.replies[target])
             try:
                 result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
                 break

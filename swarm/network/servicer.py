@@ -23,7 +23,6 @@ from swarm.network.announce import Announcer
 from swarm.network.calls import NAMESPACE, RemoteError, pace
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
-from swarm.network.meter import LinkMeter
 from swarm.network.node import SwarmNode
 
 log = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ class StageServicer(ServicerBase):
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
             hosted = self._find(head.run_id, head.stage)
-            hosted.arrivals.setdefault(sender, LinkMeter()).add(opened, arrived, len(payload))
+            hosted.arrivals[sender].add(opened, arrived, len(payload))
             outcome = await hosted.micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
