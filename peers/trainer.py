@@ -65,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--steps must be a positive integer, got {args.steps}")
     if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
-    if args.checkpoint_dir and cfg.compression.adaptive is not None:
-        return fail("--checkpoint_dir with compression.adaptive is not supported yet: a resumed run would restore link state saved under other codecs")
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     loop = LoopThread("trainer-loop")

@@ -21,7 +21,7 @@ from swarm.network.codec_switch import switched_config
 from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meter import LinkMeter, timed_chunks
 from swarm.results import ResultsWriter
-from swarm.run import build_data, run_experiment, train
+from swarm.run import Checkpointing, build_data, run_experiment, train
 
 TARGET_MS = 5  # boundary 0 carries 2 kB per sample uncompressed: 16 ms at 1 Mbit/s, well under 1 ms on loopback
 
@@ -47,7 +47,7 @@ class Hook(ResultsWriter):
             self.after(row["step"])
 
 
-def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None):
+def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None, checkpoint=None):
     """Trains `steps` steps with stage 0 on a host whose egress runs at `rate` and the other stages
     on `placement`; returns (rows, summary, statuses at the end, the trainer's adaptive
     controller, swarm warnings, the hosted stages of `placement`); `finish(run_id, data, hosted)`
@@ -65,7 +65,7 @@ def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1),
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, steps, data)
         results = Hook(None if after is None else lambda step: after(step, node.egress))
-        summary = train(cfg, pipeline, data, results, steps, progress=False)
+        summary = train(cfg, pipeline, data, results, steps, progress=False, checkpoint=checkpoint)
         statuses = pipeline.statuses()
         if finish is not None:
             finish(run_id, data, hosted)
@@ -139,6 +139,45 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
     assert not warnings, [w.getMessage() for w in warnings]
     assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
     assert sum(s.processed for s in statuses if s.stage == 3) >= 7 * 4  # every training micro-batch went through
+
+
+def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp_path):
+    cfg = adaptive_cfg("compression.adaptive.ladder=quant")
+    directory = tmp_path / "ck"
+    resumed = []
+
+    def resume(run_id: str, data, hosted) -> None:  # a new trainer session from the step-2 checkpoint, one step more
+        results = Hook()
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        assert [h.cfg.compression.link(0).forward for h in hosted[:1]] == ["none"]  # the new session reset the stages
+        train(cfg, pipeline, data, results, 3, progress=False, checkpoint=Checkpointing(str(directory), 2))
+        resumed.extend([results.rows, pipeline.statuses(), [h.cfg.compression.link(0) for h in hosted], pipeline.adaptive])
+
+    rows, _, _, adaptive, warnings, _ = shaped_run(swarm, cfg, 2, "1mbit", finish=resume, checkpoint=Checkpointing(str(directory), 2))
+    saved = [r for r in rows if r["type"] == "step"][-1]["codecs"]  # what step 2 ran with, and the checkpoint keeps
+    assert saved["0"].startswith("quant:") and saved["0"] == "{} / {}".format(*adaptive.codecs[0])
+    after_rows, statuses, stage_links, restored = resumed
+    steps = [r for r in after_rows if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [3] and steps[0]["loss"] == steps[0]["loss"]  # resumed at step 2, ran step 3
+    assert steps[0]["codecs"]["0"] == saved["0"]  # the loaded links ran the saved codecs, not the config's
+    assert [(link.forward, link.backward) for link in stage_links[:1]] == [adaptive.codecs[0]]  # stage 1's peer
+    assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
+    assert restored.history[: len(adaptive.history)] == adaptive.history
+    assert not warnings, [w.getMessage() for w in warnings]  # no link reset: both ends loaded the same codecs
+
+
+def test_an_adaptive_checkpoint_is_refused_without_adaptive_compression(tmp_path):
+    from swarm.engine.local import LocalPipeline
+    from swarm.network.adaptive_codecs import CHECKPOINT_FILE, checkpoint_codecs
+
+    (tmp_path / CHECKPOINT_FILE).write_text('{"codecs": {"0": ["quant:4", "quant:4"]}, "history": []}')
+    assert checkpoint_codecs(tmp_path) == {"codecs": {0: ("quant:4", "quant:4")}, "history": []}
+    with pytest.raises(ValueError, match="saved by a swarm with compression.adaptive"):
+        LocalPipeline.load_checkpoint(None, tmp_path)
+    (tmp_path / CHECKPOINT_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable adaptive.json"):
+        checkpoint_codecs(tmp_path)
+    assert checkpoint_codecs(tmp_path / "elsewhere") is None
 
 
 BAD_ADAPTIVE = [

@@ -21,15 +21,32 @@ link's codec state starts afresh.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 from protocols import stage_pb2 as pb
 from swarm.config import ExperimentConfig
 from swarm.netlab.adaptive import AdaptiveCompression, Decision, neighbour_targets, quant_candidates, topk_candidates
 
 DECAY = 0.5  # weight of a window's measurement once the next window is in
+CHECKPOINT_FILE = "adaptive.json"  # in a checkpoint directory: the codecs its link state belongs to
+
+
+def checkpoint_codecs(directory) -> dict | None:
+    """What an adaptive run saved next to its stages' files ({"codecs": {boundary: [fw, bw]},
+    "history": [...]}), or None for a checkpoint of fixed codecs."""
+    path = Path(directory) / CHECKPOINT_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        codecs = {int(b): (str(fw), str(bw)) for b, (fw, bw) in saved["codecs"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {directory}: unreadable {CHECKPOINT_FILE} ({str(e).splitlines()[0][:120]})") from None
+    return {"codecs": codecs, "history": list(saved.get("history", []))}
 
 
 def ladder_codecs(spec: str) -> tuple[str, str]:
@@ -146,6 +163,23 @@ class AdaptiveCodecs:
             elements = max(1, round(window.raw.get(b, 0) / 4 / window.samples[b]))
             candidates[b] = topk_candidates(elements) if self.settings.ladder == "topk" else quant_candidates(elements)
         return AdaptiveCompression(candidates, hysteresis=self.settings.hysteresis)
+
+    def saved(self) -> str:
+        """The codecs in force and the changes so far, as a checkpoint keeps them (JSON)."""
+        return json.dumps({"codecs": {str(b): list(c) for b, c in self.codecs.items()}, "history": self.history}, indent=1)
+
+    def restore(self, saved: dict) -> None:
+        """Resumes from `checkpoint_codecs`: its codecs are in force; the next decision starts
+        from fresh measurements (a resumed swarm's links may not be the saved run's)."""
+        unknown = sorted(set(saved["codecs"]) - set(self.boundaries))
+        if unknown:
+            raise ValueError(f"the checkpoint has codecs for boundaries {unknown}; this run has boundaries 0..{len(self.boundaries) - 1}")
+        self.codecs.update(saved["codecs"])
+        self.history = list(saved["history"])
+        self.ran = self.current()
+        self.controller, self.last, self._previous = None, {}, None
+        for sums in self._sums.values():
+            sums.clear()
 
     def current(self) -> dict[str, str]:
         """Per boundary, 'forward / backward' in force from the next step on (for the results rows)."""

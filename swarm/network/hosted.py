@@ -370,7 +370,8 @@ class HostedStage:
         switch = switched_config(self.cfg, self.stage, head.codecs) if head.apply and head.codecs else None  # adaptive compression
         if head.save:
             return pb.StepResult(step=head.step), self._save(head.step)
-        if head.load:
+        if head.load:  # with the codecs the checkpoint's links ran (adaptive compression), else the config's
+            self.cfg = switched_config(self._configured, self.stage, head.codecs)[0]
             return pb.StepResult(step=self._load(payload)), b""
         runtime = self.runtime
         if head.accumulate:

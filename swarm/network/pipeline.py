@@ -28,7 +28,7 @@ from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.models import TiedPair
 from swarm.network import PROTOCOL_VERSION
-from swarm.network.adaptive_codecs import AdaptiveCodecs
+from swarm.network.adaptive_codecs import CHECKPOINT_FILE, AdaptiveCodecs, checkpoint_codecs
 from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError, call_info, call_setup, call_step
 from swarm.network.hosted import config_digest
 from swarm.network.meta import batch_to_meta, payload_to_tensors, tensor_to_raw, tensors_to_payload
@@ -318,6 +318,8 @@ class SwarmPipeline:
             atomic_write(directory / f"stage{stage}.pt", lambda f: f.write(blob))
 
         await asyncio.gather(*(one(s) for s in range(self.num_stages)))
+        if self.adaptive is not None:  # the links' saved state belongs to these codecs
+            atomic_write(directory / CHECKPOINT_FILE, lambda f: f.write(self.adaptive.saved().encode()))
 
     def load_checkpoint(self, directory) -> int:
         """Installs every `stage<i>.pt` of `directory` on every peer of that stage; returns the step."""
@@ -330,11 +332,17 @@ class SwarmPipeline:
             if not path.is_file():
                 raise FileNotFoundError(f"checkpoint {directory} has no {path.name}")
             blobs[stage] = path.read_bytes()
-        replies = await asyncio.gather(*(self._round(s, p, blobs[s], load=True) for s, p in self._peers()))
+        saved = checkpoint_codecs(directory)
+        if saved is not None and self.adaptive is None:
+            raise ValueError(f"checkpoint {directory} was saved by a run with compression.adaptive (its links ran other codecs); resume it with the same config")
+        codecs = [] if saved is None else [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(saved["codecs"].items())]
+        replies = await asyncio.gather(*(self._round(s, p, blobs[s], load=True, codecs=codecs) for s, p in self._peers()))
         steps = {int(result.step) for result, _ in replies}
         if len(steps) != 1:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
         self._step = steps.pop()
+        if saved is not None:
+            self.adaptive.restore(saved)
         self.links.clear()  # every link restarts (new epochs) from the loaded ends
         self._routes.clear()
         self._sent.clear()
