@@ -35,20 +35,24 @@ RATE_FORMS = "a number of bits/s or NUMBER with bit, kbit, mbit, gbit, tbit (or 
 DELAY_FORMS = "seconds as a number or NUMBER with s, ms, us, e.g. 20ms, 0.5s"
 
 
+def _amount(value, kind: str, units: dict[str, float], forms: str) -> float:
+    """A number as is, or NUMBER+UNIT from `units` scaled; bad input is a one-line ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"bad {kind} {value!r}: expected {forms}")
+    if isinstance(value, int | float):
+        return float(value)
+    text = str(value).strip().lower().replace(" ", "")
+    if kind == "rate" and re.fullmatch(r".*(bps|b/s|byte.*)", text):
+        raise ValueError(f"bad rate {value!r}: byte-based units are ambiguous (tc reads 'mbps' as megabytes/s); write bits, e.g. 100mbit")
+    match = re.fullmatch(rf"({_NUMBER})([a-z]*)", text)
+    if not match or match.group(3) not in units:
+        raise ValueError(f"bad {kind} {value!r}: expected {forms}")
+    return float(match.group(1)) * units[match.group(3)]
+
+
 def parse_rate(value: str | int | float) -> int:
     """Bits per second from '100mbit', '10Mbit', '1gbit', '500kbit', '1.5mbit' or a number (bits/s); > 0."""
-    if isinstance(value, bool):
-        raise ValueError(f"bad rate {value!r}: expected {RATE_FORMS}")
-    if isinstance(value, int | float):
-        bits = float(value)
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        if re.fullmatch(r".*(bps|b/s|byte.*)", text):
-            raise ValueError(f"bad rate {value!r}: byte-based units are ambiguous (tc reads 'mbps' as megabytes/s); write bits, e.g. 100mbit")
-        match = re.fullmatch(rf"({_NUMBER})([a-z]*)", text)
-        if not match or match.group(3) not in _RATE_UNITS:
-            raise ValueError(f"bad rate {value!r}: expected {RATE_FORMS}")
-        bits = float(match.group(1)) * _RATE_UNITS[match.group(3)]
+    bits = _amount(value, "rate", _RATE_UNITS, RATE_FORMS)
     if not math.isfinite(bits) or bits < 1:
         raise ValueError(f"bad rate {value!r}: must be a finite rate of at least 1 bit/s")
     return int(round(bits))
@@ -58,16 +62,7 @@ def parse_delay(value: str | int | float | None) -> float:
     """Seconds from '20ms', '0.5s', '100us' or a number of seconds; None and 0 mean no delay."""
     if value is None:
         return 0.0
-    if isinstance(value, bool):
-        raise ValueError(f"bad delay {value!r}: expected {DELAY_FORMS}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        text = str(value).strip().lower().replace(" ", "")
-        match = re.fullmatch(rf"({_NUMBER})([a-z]*)", text)
-        if not match or match.group(3) not in _DELAY_UNITS:
-            raise ValueError(f"bad delay {value!r}: expected {DELAY_FORMS}")
-        seconds = float(match.group(1)) * _DELAY_UNITS[match.group(3)]
+    seconds = _amount(value, "delay", _DELAY_UNITS, DELAY_FORMS)
     if not math.isfinite(seconds) or seconds < 0 or seconds > 60:
         raise ValueError(f"bad delay {value!r}: must be between 0 and 60 seconds")
     return seconds
