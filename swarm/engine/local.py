@@ -90,8 +90,7 @@ class LocalPipeline:
         from swarm.engine.checkpoint import load_stage
         from swarm.network.adaptive_codecs import checkpoint_codecs
 
-        if checkpoint_codecs(directory) is not None:
-            raise ValueError(f"checkpoint {directory} was saved by a swarm with compression.adaptive (its links ran other codecs); resume it with peers.trainer or swarm lab")
+        checkpoint_codecs(directory, adaptive=False)  # refuses an adaptive swarm's checkpoint: one process has fixed codecs
         steps = {load_stage(r, f"{directory}/stage{r.index}.pt") for r in self.runtimes}
         if len(steps) != 1:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")

@@ -35,12 +35,15 @@ DECAY = 0.5  # weight of a window's measurement once the next window is in
 CHECKPOINT_FILE = "adaptive.json"  # in a checkpoint directory: the codecs its link state belongs to
 
 
-def checkpoint_codecs(directory) -> dict | None:
+def checkpoint_codecs(directory, adaptive: bool = True) -> dict | None:
     """What an adaptive run saved next to its stages' files ({"codecs": {boundary: [fw, bw]},
-    "history": [...]}), or None for a checkpoint of fixed codecs."""
+    "history": [...]}), or None for a checkpoint of fixed codecs. A run without adaptive
+    compression (`adaptive=False`) cannot resume such a checkpoint: its links ran other codecs."""
     path = Path(directory) / CHECKPOINT_FILE
     if not path.is_file():
         return None
+    if not adaptive:
+        raise ValueError(f"checkpoint {directory} was saved by a swarm with compression.adaptive (its links ran other codecs); resume it with that config through peers.trainer or swarm lab")
     try:
         saved = json.loads(path.read_text())
         codecs = {int(b): (str(fw), str(bw)) for b, (fw, bw) in saved["codecs"].items()}

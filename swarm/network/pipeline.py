@@ -332,9 +332,7 @@ class SwarmPipeline:
             if not path.is_file():
                 raise FileNotFoundError(f"checkpoint {directory} has no {path.name}")
             blobs[stage] = path.read_bytes()
-        saved = checkpoint_codecs(directory)
-        if saved is not None and self.adaptive is None:
-            raise ValueError(f"checkpoint {directory} was saved by a run with compression.adaptive (its links ran other codecs); resume it with the same config")
+        saved = checkpoint_codecs(directory, adaptive=self.adaptive is not None)
         codecs = [] if saved is None else [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(saved["codecs"].items())]
         replies = await asyncio.gather(*(self._round(s, p, blobs[s], load=True, codecs=codecs) for s, p in self._peers()))
         steps = {int(result.step) for result, _ in replies}
