@@ -22,6 +22,8 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     net.add_argument("--startup_timeout", type=float, default=30.0, help="seconds to wait for the p2p daemon to start")
     net.add_argument("--shape_rate", default=None, help="pace what this peer sends to this rate, in process (e.g. 100mbit; no root needed)")
     net.add_argument("--shape_delay", default=None, help="add this one-way delay to every message this peer sends (e.g. 20ms)")
+    net.add_argument("--uplink", default=None, help="this machine's upload rate (e.g. 100mbit): payloads to each neighbour are paced at their fair share of it")
+    net.add_argument("--downlink", default=None, help="this machine's download rate: neighbours pace what they send here at their share of it")
 
 
 def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOptions:
@@ -36,6 +38,8 @@ def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOpt
         startup_timeout=args.startup_timeout,
         shape_rate=args.shape_rate,
         shape_delay=args.shape_delay,
+        uplink=args.uplink,
+        downlink=args.downlink,
     )
 
 

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
     throughput.add_argument("--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)")
     throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
+    throughput.add_argument("--no_pacing", action="store_true", help="as in lab: stage peers send unpaced")
     throughput.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     throughput.add_argument("--plot", default="throughput.png", help="PNG of samples/s against bandwidth ('' for none)")
     throughput.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout (progress on stderr)")
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--delay", help="one-way delay per process link, e.g. 40ms (netem where the kernel has it, else in process)")
     lab.add_argument("--shaping", choices=["netns", "inprocess"], help="netns: namespaces + tc (default as root); inprocess: peers pace their own sends")
     lab.add_argument("--no_probe", action="store_true", help="skip the link throughput probe before a shaped run")
+    lab.add_argument("--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)")
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
     study.add_argument("--results_dir", default="runs/study-cpu", help="results (NAME.jsonl) and checkpoints go here")
@@ -174,7 +176,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
                 continue
             for spec in codec.split("|"):
                 parse(spec)
-        rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log)
+        rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log, pacing=not args.no_pacing)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
             return 2
         checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else [])
-        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device, checkpointing, bandwidth=args.bandwidth, delay=args.delay, shaping=args.shaping, probe=not args.no_probe)
+        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device, checkpointing, bandwidth=args.bandwidth, delay=args.delay, shaping=args.shaping, probe=not args.no_probe, pacing=not args.no_pacing)
     return 2
 
 

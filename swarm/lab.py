@@ -9,6 +9,8 @@ gets its own network namespace and access link (swarm.netlab.namespaces), rate l
 both directions, with the delay from netem where the kernel has it and otherwise added on each
 process's send path in process; a probe measures the links before the run. `inprocess`: processes
 on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
+Either way each stage peer is told its link rate (--uplink / --downlink), so it paces every
+neighbour flow at its fair share (swarm.network.pacing), unless `pacing` is off.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection") 
 
 class Lab:
     def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None,
-                 bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True) -> None:
+                 bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True, pacing: bool = True) -> None:
         self.config, self.stages, self.results, self.steps = config, stages, results, steps
         self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
         self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
@@ -78,6 +80,7 @@ class Lab:
         self.shaped = bool(self.rates) or bool(delay)
         self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
         self.probe = probe
+        self.pacing = pacing
         self.net = None
         self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
         self.out = out or sys.stdout
@@ -104,9 +107,16 @@ class Lab:
         rate = (self.rates or {}).get(name)
         return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
 
+    def _link_args(self, name: str) -> list[str]:
+        """A stage peer's declared link rate (its access link is shaped the same both ways)."""
+        rate = (self.rates or {}).get(name)
+        if not (self.pacing and rate and name.startswith("stage")):
+            return []
+        return ["--uplink", rate, "--downlink", rate]
+
     def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", module, *args, "--host_maddrs", self._host(name), *self._shape_args(name)]
+        command = [sys.executable, "-m", module, *args, "--host_maddrs", self._host(name), *self._shape_args(name), *self._link_args(name)]
         if self.net is not None:
             command = self.net.wrap(name, command)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
@@ -249,7 +259,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None, **shaping) -> int:
-    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe (see `Lab`)."""
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing (see `Lab`)."""
     try:
         lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
     except ValueError as e:

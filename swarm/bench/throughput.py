@@ -128,7 +128,7 @@ def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
     return float(x.numel() * x.element_size())
 
 
-def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print) -> list[ThroughputRow]:
+def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print, pacing: bool = True) -> list[ThroughputRow]:
     from swarm.lab import Lab
     from swarm.netlab.rates import parse_rate
 
@@ -143,7 +143,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 sets = [*overrides, *codec_sets]
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {steps} steps")
                 # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
-                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, out=_Quiet(log), trainer_args=["--timeout", "900"])
+                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, pacing=pacing, out=_Quiet(log), trainer_args=["--timeout", "900"])
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")

@@ -44,6 +44,7 @@ class StageRecord:
     ready: bool = False  # set up by the run's trainer: it can take micro-batches
     updated: float = 0.0
     session: str = ""  # the trainer session it was set up by (peers route only within one session)
+    download_share: float = 0.0  # payload bits/s it takes per incoming flow (swarm.network.pacing); 0: not declared
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:
@@ -62,6 +63,7 @@ class StageRecord:
                 ready=bool(value.get("ready", False)),
                 updated=float(value.get("updated", 0.0)),
                 session=str(value.get("session", "")),
+                download_share=max(0.0, float(value.get("download_share", 0.0))),
             )
         except (KeyError, TypeError, ValueError):
             return None

@@ -16,6 +16,7 @@ from hivemind.p2p import P2P, PeerID
 from protocols import stage_pb2 as pb
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.chunks import frame, read_frame
+from swarm.network.pacing import send_paced
 
 NAMESPACE = "hivepipe"
 SENDING = 2  # payloads in transfer at once per neighbour (see Sending)
@@ -66,19 +67,20 @@ class _Stream:
     early; here reading and writing are independent.
     """
 
-    def __init__(self, reader, writer, egress=None) -> None:
+    def __init__(self, reader, writer, egress=None, flow=None) -> None:
         self.reader, self.writer, self.egress = reader, writer, egress
+        self.flow = flow  # the pacing of payloads to this neighbour (swarm.network.pacing), or None
         self._delayed = False
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: str, method: str, egress=None) -> _Stream:
+    async def open(cls, p2p: P2P, peer_id: str, method: str, egress=None, flow=None) -> _Stream:
         _, reader, writer = await p2p.call_binary_stream_handler(_peer(peer_id), handle_name(method))
-        return cls(reader, writer, egress)
+        return cls(reader, writer, egress, flow)
 
     async def send(self, message) -> None:
         await pace(self.egress, message, first=not self._delayed)
         self._delayed = True
-        await P2P.send_protobuf(message, self.writer)
+        await send_paced(message, self.writer, self.flow)
 
     async def end(self) -> None:
         await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
@@ -124,9 +126,9 @@ class Sending:
 class MicroBatchCall:
     """One micro-batch exchange with a downstream stage peer (or stage 0, from the trainer)."""
 
-    def __init__(self, p2p: P2P, peer_id: str, head: pb.MicroBatchHead, payload: bytes, egress=None, sending: Sending | None = None) -> None:
+    def __init__(self, p2p: P2P, peer_id: str, head: pb.MicroBatchHead, payload: bytes, egress=None, sending: Sending | None = None, flow=None) -> None:
         self.p2p, self.peer_id, self.egress = p2p, str(peer_id), egress
-        self.sending = sending
+        self.sending, self.flow = sending, flow
         self.head, self.payload = head, payload
         self._stream: _Stream | None = None
         self._replies = None
@@ -134,9 +136,10 @@ class MicroBatchCall:
     async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
             # opened only now: the receiver times its read from the opening of the stream
-            self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress)
-            for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
-                await self._stream.send(message)
+            self._stream = await _Stream.open(self.p2p, self.peer_id, "rpc_forward", self.egress, self.flow)
+            with self.flow or contextlib.nullcontext():
+                for message in frame(pb.StageRequest, "micro_batch", self.head, self.payload):
+                    await self._stream.send(message)
         self._replies = self._stream.replies()
         head, payload = await read_frame(self._reply_messages(), "result")
         if isinstance(head, pb.ErrorReply):

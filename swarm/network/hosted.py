@@ -41,6 +41,7 @@ from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors,
 from swarm.network.meter import LinkMeter, MeteredCall
 from swarm.network.node import SwarmNode
 from swarm.network.ordering import LinkReset, Ordinals, OutLink, Turnstile
+from swarm.network.pacing import FlowPacer, stage_flows
 from swarm.network.routing import NoPeerError, Router
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class HostedStage:
         self._applied: tuple[int, pb.StepResult] | None = None
         self._closing: set[asyncio.Task] = set()
         self.sending = Sending()  # activations down, gradients up: a few payloads per neighbour at a time
+        self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, self.num_stages))
+        self.awaiting = 0  # micro-batches whose gradients we wait for from downstream (pacing offers)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
 
     @property
@@ -147,7 +150,8 @@ class HostedStage:
         link = self.cfg.compression.link(self.stage - 1) if self.stage > 0 else None
         codecs = {"forward": link.forward, "backward": link.backward} if link else {}
         session = self.session[0] if self.session else ""
-        return StageRecord(self.node.peer_id, self.stage, self.num_stages, addrs, self.throughput, self.queue, codecs, PROTOCOL_VERSION, ready=self.runtime is not None, session=session)
+        return StageRecord(self.node.peer_id, self.stage, self.num_stages, addrs, self.throughput, self.queue, codecs, PROTOCOL_VERSION, ready=self.runtime is not None, session=session,
+                           download_share=self.pacer.download_share)
 
     # ---- link ends per neighbour ---------------------------------------------------------
 
@@ -289,20 +293,23 @@ class HostedStage:
             if target is None:  # the last stage: gradient (training) or metrics (eval)
                 self._measure(batch, time.perf_counter() - started)
                 return Outcome(message.kind, message.payload, dict(message.metrics), [self.node.peer_id])
-            return await self._downstream(head, batch, message, inbound, target.peer_id, sent, ticket, started, deadline)
+            return await self._downstream(head, batch, message, inbound, target, sent, ticket, started, deadline)
         finally:
             if ticket is not None:
                 await self.ordinals.finish(ticket)
 
-    async def _downstream(self, head, batch: MicroBatch, message: Message, inbound, target: str, sent: tuple[int, int], ticket, started: float, deadline: float) -> Outcome:
+    async def _downstream(self, head, batch: MicroBatch, message: Message, inbound, record: StageRecord, sent: tuple[int, int], ticket, started: float, deadline: float) -> Outcome:
         """Sends our activations on (retrying on a reset link or another peer) and runs our backward."""
         elapsed = time.perf_counter() - started
         tried: set[str] = set()
+        target = record.peer_id
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
-            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, meter=self.replies[target])
+            self.pacer.heard(target, record.download_share, fallback=True)
+            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, self.pacer.flow(target), meter=self.replies[target])
             try:
-                result, reply = await call.reply(max(deadline - time.monotonic(), 0.1))
+                result, reply = await self._reply(call, max(deadline - time.monotonic(), 0.1))
+                self.pacer.heard(target, result.share_bits)
                 break
             except (TransportError, RemoteError) as e:
                 self._drop_out(target)
@@ -313,7 +320,8 @@ class HostedStage:
                 if isinstance(e, TransportError):
                     self.router.failed(target)
                     try:
-                        target = (await self.router.choose(self.stage + 1, exclude=tried, session=self.session[0])).peer_id
+                        record = await self.router.choose(self.stage + 1, exclude=tried, session=self.session[0])
+                        target = record.peer_id
                     except NoPeerError:
                         raise e from None
                 log.warning("micro-batch %s: stage %d peer failed (%s); retrying on %s", batch.key, self.stage + 1, e, target[-8:])
@@ -342,6 +350,13 @@ class HostedStage:
         self._measure(batch, elapsed + time.perf_counter() - started)
         return Outcome(back.kind, back.payload, dict(back.metrics), route)
 
+    async def _reply(self, call: MicroBatchCall, timeout: float) -> tuple[pb.ResultHead, bytes]:
+        self.awaiting += 1
+        try:
+            return await call.reply(timeout)
+        finally:
+            self.awaiting -= 1
+
     def _close_later(self, call: MicroBatchCall) -> None:
         """Ends a finished call in the background (its reply is read; nothing waits on the close)."""
         task = asyncio.get_running_loop().create_task(call.close())
@@ -359,7 +374,13 @@ class HostedStage:
             budget_s=max(budget, 0.1),
             epoch=sent[0],
             seq=sent[1],
+            reply_share_bits=self.pacer.offer(self._more_from_upstream(batch)),
         )
+
+    def _more_from_upstream(self, batch: MicroBatch) -> bool:
+        """Whether activations of this step are still to come from upstream (pacing: what we offer
+        downstream for its gradients); the trainer's inputs to stage 0 are not counted."""
+        return not self.first and (batch.mode is not Mode.TRAIN or batch.index < self.cfg.train.micro_batches - 1)
 
     # ---- the synchronous step --------------------------------------------------------------
 

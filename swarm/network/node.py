@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
+from swarm.netlab.rates import parse_rate
+
 
 @dataclass
 class NodeOptions:
@@ -28,14 +30,17 @@ class NodeOptions:
     startup_timeout: float = 30.0
     shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
     shape_delay: str | None = None  # one-way delay added to every message this peer sends
+    uplink: str | None = None  # declared link rates: each neighbour's payloads are paced at their share (swarm.network.pacing)
+    downlink: str | None = None
     extra: dict = field(default_factory=dict)
 
 
 class SwarmNode:
-    def __init__(self, p2p: P2P, dht: DHTNode, egress=None) -> None:
+    def __init__(self, p2p: P2P, dht: DHTNode, egress=None, uplink_bits: int | None = None, downlink_bits: int | None = None) -> None:
         self.p2p = p2p
         self.dht = dht
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
+        self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
@@ -49,6 +54,13 @@ class SwarmNode:
                 egress = TokenBucket(options.shape_rate or "100gbit", delay_s=options.shape_delay or 0.0)
             except ValueError as e:
                 raise RuntimeError(f"--shape_rate / --shape_delay: {e}") from None
+        links = {}
+        for name in ("uplink", "downlink"):
+            text = getattr(options, name)
+            try:
+                links[name] = parse_rate(text) if text else None
+            except ValueError as e:
+                raise RuntimeError(f"--{name}: {e}") from None
         try:
             p2p = await P2P.create(
                 initial_peers=initial,
@@ -69,7 +81,7 @@ class SwarmNode:
             await p2p.shutdown()
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
-        return cls(p2p, dht, egress)
+        return cls(p2p, dht, egress, links["uplink"], links["downlink"])
 
     @property
     def peer_id(self) -> str:

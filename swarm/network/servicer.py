@@ -8,11 +8,12 @@ peer does not host never stops it serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import AsyncIterator  # noqa: UP035 (hivemind's ServicerBase recognises typing's alias only)
 
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext, ServicerBase
 
 from protocols import stage_pb2 as pb
 from swarm.compression.feedback import StateMismatchError
@@ -20,10 +21,11 @@ from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
-from swarm.network.calls import NAMESPACE, RemoteError, pace
+from swarm.network.calls import NAMESPACE, RemoteError, handle_name, pace
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
+from swarm.network.pacing import send_paced
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
@@ -70,6 +72,18 @@ async def _linger(requests, timeout: float = 10.0) -> None:
         pass
 
 
+async def _requests(reader: asyncio.StreamReader) -> AsyncIterator[pb.StageRequest]:
+    """A caller's request messages off the raw stream, until its end-of-stream marker or its close."""
+    while True:
+        try:
+            message, end = await P2P.receive_protobuf(pb.StageRequest, reader)
+        except asyncio.IncompleteReadError:
+            return
+        if end is not None:
+            return
+        yield message
+
+
 class StageServicer(ServicerBase):
     def __init__(self, node: SwarmNode, read_timeout: float = 60.0, linger_timeout: float = 60.0, max_payload: int = MAX_MICRO_BATCH_BYTES) -> None:
         self.node = node
@@ -82,6 +96,7 @@ class StageServicer(ServicerBase):
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
         await self.add_p2p_handlers(self.node.p2p, namespace=NAMESPACE)
+        await self.node.p2p.add_binary_stream_handler(handle_name("rpc_forward"), self._forward_stream)
         if announce:
             await self.announcer.announce_now()
             self.announcer.start()
@@ -112,9 +127,17 @@ class StageServicer(ServicerBase):
 
     # ---- streamed calls --------------------------------------------------------------------
 
-    async def rpc_forward(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
+    async def _forward_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`rpc_forward`, served on the raw stream rather than by ServicerBase, so that the reply can
+        be written in paced pieces (swarm.network.pacing); the bytes on the wire are the same."""
+        with contextlib.closing(writer):
+            try:
+                await self.forward(_requests(reader), info.peer_id.to_base58(), writer)
+            except Exception as e:  # the stream broke (the caller sees that on its side)
+                log.debug("micro-batch stream from %s ended: %s", info.peer_id.to_base58()[-8:], one_line(e))
+
+    async def forward(self, requests: AsyncIterator[pb.StageRequest], sender: str, writer: asyncio.StreamWriter) -> None:
         """One micro-batch: activations in, gradients (or DONE) out."""
-        sender = context.remote_id.to_base58()
         opened = time.monotonic()  # the sender opens the stream when it starts sending (calls.Sending)
         try:
             head, payload = await read_frame(requests, "micro_batch", self.max_payload, self.read_timeout)
@@ -127,14 +150,18 @@ class StageServicer(ServicerBase):
             outcome = await hosted.micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
-            yield _error(e)
+            await P2P.send_protobuf(_error(e), writer)
             await _linger(requests)
             return
-        result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route)
+        pacer = hosted.pacer
+        pacer.heard(sender, head.reply_share_bits)
         async with hosted.sending.to(sender):
-            for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
-                await pace(self.node.egress, message, first=i == 0)
-                yield message
+            result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(hosted.awaiting > 0))
+            flow = pacer.flow(sender)
+            with flow or contextlib.nullcontext():
+                for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
+                    await pace(self.node.egress, message, first=i == 0)
+                    await send_paced(message, writer, flow)
         await _linger(requests, self.linger_timeout)
 
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:

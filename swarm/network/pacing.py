@@ -1,0 +1,121 @@
+"""Per-flow pacing: each neighbour's payloads leave at that flow's fair share of the two links it crosses.
+
+A middle stage sends activations down and gradients up over one upload link and receives both
+over one download link. On FIFO links (a home router, a tbf qdisc) TCP gives a flow that crosses
+two busy links (stage 1 to stage 2: stage 1's upload, stage 2's download) much less than its fair
+share, while flows crossing one busy link take the rest; the starved middle flows then hold up the
+whole pipeline (measured in docs/bench/README.md: 35 Mbit/s each way on 100 Mbit/s links). When a
+peer declares its link rates (`--uplink`, `--downlink`), it paces what it sends to each neighbour at
+
+    min(its upload / its active outgoing flows, what the receiver offers)
+
+times the share of wire bytes that is payload (libp2p, TLS and TCP framing take the rest). A
+receiver offers a sender its download rate, halved while its other incoming flow is active: a
+stage offers its upstream neighbour half while it waits for gradients from downstream, and its
+downstream neighbour half while more activations of the step are still to come from upstream.
+Offers travel with the data (every reply head offers the caller, every micro-batch head offers
+the callee what it sends back), so the fill and the drain of a step run at the full rate and the
+steady state at the fair shares; before the first offer, the stage record's static share is used.
+
+Payloads are written in 64 KiB pieces under the flow's token bucket; the protocol keeps its 1 MiB
+chunks (smaller chunks cost CPU per byte), and pacing whole 1 MiB chunks was measured to be too
+bursty to help. A peer with nothing declared does not pace, and flows to or from the trainer (a
+few bytes per sample) are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from hivemind.p2p import P2P
+
+from swarm.netlab.shaper import TokenBucket
+
+PAYLOAD_SHARE = 0.94  # payload bits per wire bit: hivemind streams moved 95 Mbit/s over a 100 Mbit/s tbf link
+PIECE_BYTES = 1 << 16  # what is written under the bucket at once: ~10 ms at 50 Mbit/s
+
+
+def stage_flows(stage: int, num_stages: int) -> int:
+    """Bulk flows a stage peer has each way: activations and gradients to and from each neighbour stage."""
+    return int(stage > 0) + int(stage < num_stages - 1)
+
+
+class Flow:
+    """The payloads to one neighbour: one bucket, marked active while a payload is being written."""
+
+    def __init__(self, pacer: FlowPacer, peer_id: str) -> None:
+        self.pacer, self.peer_id = pacer, peer_id
+        self.bucket = TokenBucket(pacer.rate(peer_id) or 1, burst_bytes=PIECE_BYTES)
+
+    def __enter__(self) -> Flow:
+        self.pacer._sending[self.peer_id] += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pacer._sending[self.peer_id] -= 1
+
+    async def piece(self, nbytes: int) -> None:
+        """Waits until `nbytes` more may leave at the flow's current rate."""
+        rate = self.pacer.rate(self.peer_id)
+        if rate is None:
+            return
+        if self.bucket.rate_bits != int(rate):
+            self.bucket.set_rate(rate, burst_bytes=PIECE_BYTES)
+        await self.bucket.consume(nbytes)
+
+
+class FlowPacer:
+    """One peer's pacing: its declared link rates (bits/s; None: not declared) and a `Flow` per neighbour."""
+
+    def __init__(self, uplink_bits: float | None, downlink_bits: float | None, flows: int) -> None:
+        self.uplink = uplink_bits * PAYLOAD_SHARE if uplink_bits else None
+        self.downlink = downlink_bits * PAYLOAD_SHARE if downlink_bits else None
+        self.download_share = self.downlink / max(flows, 1) if self.downlink else 0.0  # static: the stage record's
+        self._offered: dict[str, float] = {}  # neighbour -> payload bits/s it last offered us
+        self._sending: Counter = Counter()  # neighbour -> payloads being written to it
+        self._flows: dict[str, Flow] = {}
+
+    def offer(self, other_active: bool) -> float:
+        """What a neighbour may send us now (0: not declared)."""
+        if not self.downlink:
+            return 0.0
+        return self.downlink / 2 if other_active else self.downlink
+
+    def heard(self, peer_id: str, offered: float, fallback: bool = False) -> None:
+        """A neighbour's offer from a head or a reply (0 says nothing); `fallback`: its record's
+        static share, used only until it offers something."""
+        if offered > 0 and not (fallback and peer_id in self._offered):
+            self._offered[peer_id] = offered
+
+    def rate(self, peer_id: str) -> float | None:
+        """Payload bits/s for the next bytes to `peer_id`; None: not paced."""
+        known = [self._offered.get(peer_id)]
+        if self.uplink:
+            others = sum(1 for peer, n in self._sending.items() if n > 0 and peer != peer_id)
+            known.append(self.uplink / (1 + others))
+        known = [r for r in known if r]
+        return min(known) if known else None
+
+    def flow(self, peer_id: str) -> Flow | None:
+        """The flow to `peer_id` (shared by its payloads in transfer), or None when nothing is declared."""
+        if self.rate(peer_id) is None:
+            return None
+        flow = self._flows.get(peer_id)
+        if flow is None:
+            flow = self._flows[peer_id] = Flow(self, peer_id)
+        return flow
+
+
+async def send_paced(message, writer: asyncio.StreamWriter, flow: Flow | None) -> None:
+    """Writes one protobuf message to a hivemind stream as `P2P.send_protobuf` does, in pieces paced by `flow`."""
+    if flow is None:
+        await P2P.send_protobuf(message, writer)
+        return
+    data = memoryview(message.SerializeToString())
+    writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    for offset in range(0, len(data), PIECE_BYTES):
+        piece = data[offset : offset + PIECE_BYTES]
+        await flow.piece(len(piece))
+        writer.write(piece)
+        await writer.drain()

@@ -1,0 +1,166 @@
+"""Per-flow pacing (swarm.network.pacing): the fair-share arithmetic, the paced writer on a real
+hivemind stream, and a swarm of peers that declare their link rates (real hivemind on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from _swarm_env import assert_same_run, smoke, swarm_rows
+from hivemind.p2p import P2P
+
+from protocols import stage_pb2 as pb
+from swarm.network.announce import StageRecord
+from swarm.network.hosted import HostedStage
+from swarm.network.node import NodeOptions, SwarmNode
+from swarm.network.pacing import PAYLOAD_SHARE, PIECE_BYTES, FlowPacer, send_paced, stage_flows
+from swarm.network.servicer import StageServicer
+from swarm.results import ResultsWriter
+from swarm.run import build_data, train
+
+
+def test_flows_per_stage():
+    assert [stage_flows(s, 4) for s in range(4)] == [1, 2, 2, 1]
+    assert stage_flows(0, 1) == 0
+    assert [stage_flows(s, 2) for s in range(2)] == [1, 1]
+
+
+def test_a_flow_gets_the_smaller_of_the_senders_share_and_the_receivers_offer():
+    middle, first = FlowPacer(100e6, 100e6, flows=2), FlowPacer(100e6, 100e6, flows=1)
+    assert middle.download_share == pytest.approx(50e6 * PAYLOAD_SHARE)  # static, for the stage record
+    assert middle.offer(other_active=True) == pytest.approx(47e6)
+    assert middle.offer(other_active=False) == pytest.approx(94e6)
+    first.heard("s1", middle.download_share, fallback=True)  # before any offer: the record's share
+    assert first.rate("s1") == pytest.approx(47e6)
+    first.heard("s1", middle.offer(False))  # stage 1 waits for no gradients: the whole download
+    assert first.rate("s1") == pytest.approx(94e6)
+    first.heard("s1", middle.download_share, fallback=True)  # a record does not override an offer
+    assert first.rate("s1") == pytest.approx(94e6)
+    first.heard("s1", 0.0)  # says nothing
+    assert first.rate("s1") == pytest.approx(94e6)
+    first.heard("s1", 10e6)  # a slow receiver
+    assert first.rate("s1") == 10e6
+    assert FlowPacer(None, None, 2).rate("s1") is None and FlowPacer(None, None, 2).flow("s1") is None
+    assert FlowPacer(None, None, 2).offer(True) == 0.0
+
+
+def test_the_upload_is_shared_by_the_flows_being_written():
+    middle = FlowPacer(100e6, None, flows=2)
+    up, down = middle.flow("s2"), middle.flow("s0")
+    assert middle.rate("s2") == pytest.approx(94e6)  # nothing else being written
+    with up:
+        assert middle.rate("s0") == pytest.approx(47e6)
+        assert middle.rate("s2") == pytest.approx(94e6)  # its own payloads do not count
+        with down:
+            assert middle.rate("s2") == pytest.approx(47e6)
+    assert middle.rate("s0") == pytest.approx(94e6)
+    assert middle.flow("s2") is up
+
+
+def test_a_flow_follows_its_rate_piece_by_piece():
+    middle = FlowPacer(None, None, flows=2)
+    middle.heard("s2", 20e6)
+    flow = middle.flow("s2")
+
+    async def pieces():
+        await flow.piece(1000)
+        middle.heard("s2", 10e6)
+        await flow.piece(1000)
+
+    asyncio.run(pieces())
+    assert flow.bucket.rate_bits == 10_000_000 and flow.bucket.stats().bytes == 2000
+
+
+def test_the_peers_link_rates_are_checked():
+    with pytest.raises(RuntimeError, match="--uplink: .*fast"):
+        asyncio.run(SwarmNode.create(NodeOptions(uplink="fast")))
+
+
+def test_a_record_without_a_download_share_reads_as_undeclared():
+    record = StageRecord("p", 1, 4, [], download_share=12.5e6)
+    assert StageRecord.from_value("p", record.to_value()).download_share == 12.5e6
+    value = record.to_value()
+    del value["download_share"]
+    assert StageRecord.from_value("p", value).download_share == 0.0
+    value["download_share"] = -5
+    assert StageRecord.from_value("p", value).download_share == 0.0
+
+
+def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
+    """A message written in paced pieces reads back as one protobuf; the bucket booked every byte."""
+    node, servicer = swarm.hosts[0]
+    received = []
+
+    async def handler(info, reader, writer):
+        while True:
+            try:
+                message, end = await P2P.receive_protobuf(pb.StageReply, reader)
+            except asyncio.IncompleteReadError:
+                return
+            if end is not None:
+                return
+            received.append(message)
+
+    name = f"test-paced-{uuid.uuid4().hex[:6]}"
+    pacer = FlowPacer(None, None, flows=1)
+    data = bytes(range(256)) * (5 * PIECE_BYTES // 256 + 7)
+    message = pb.StageReply(chunk=pb.Chunk(index=0, count=1, total_length=len(data), data=data))
+
+    async def send():
+        await node.p2p.add_binary_stream_handler(name, handler)
+        _, _, writer = await swarm.trainer.p2p.call_binary_stream_handler(node.p2p.peer_id, name)
+        pacer.heard(node.peer_id, 800e6)
+        flow = pacer.flow(node.peer_id)
+        await send_paced(message, writer, flow)
+        await send_paced(message, writer, None)  # unpaced, the same bytes on the wire
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+        for _ in range(200):
+            if len(received) == 2:
+                break
+            await asyncio.sleep(0.05)
+        writer.close()
+        await node.p2p.remove_binary_stream_handler(name)
+        return flow.bucket.stats()
+
+    stats = swarm.loop.run(send())
+    assert [m.chunk.data for m in received] == [data, data]
+    assert stats.bytes == message.ByteSize() and stats.calls == -(-message.ByteSize() // PIECE_BYTES)
+
+
+def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(swarm, tmp_path):
+    """Three stage peers declare 400 Mbit/s links: every boundary flow, both ways, goes through its
+    neighbour's bucket at the fair share, and the run is the same as an unpaced one."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    peers = []
+    for _ in range(3):
+        node = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, uplink="400mbit", downlink="400mbit")))
+        servicer = StageServicer(node)
+        swarm.loop.run(servicer.start())
+        peers.append((node, servicer))
+    try:
+        hosted = [servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30)) for stage, (node, servicer) in enumerate(peers)]
+        for _, servicer in peers:
+            swarm.loop.run(servicer.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 3, data)
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, 3, progress=False)
+        ids = [h.node.peer_id for h in hosted]
+        flows = {(s, n): f for s, h in enumerate(hosted) for n, f in h.pacer._flows.items()}
+        trainer = swarm.trainer.peer_id  # stage 0 replies to it (a few bytes, paced at stage 0's upload)
+        assert set(flows) == {(0, ids[1]), (1, ids[2]), (1, ids[0]), (2, ids[1]), (0, trainer)}  # activations down, gradients up
+        for flow in flows.values():
+            assert flow.bucket.stats().bytes > 0
+            assert 400e6 * PAYLOAD_SHARE / 2 <= flow.bucket.rate_bits <= 400e6 * PAYLOAD_SHARE
+        assert all(h.awaiting == 0 for h in hosted)
+        # the step is over: every receiver offers its whole download again (stage 0 offers it always)
+        assert hosted[0].pacer._offered[ids[1]] == hosted[1].pacer._offered[ids[0]] == pytest.approx(400e6 * PAYLOAD_SHARE)
+        forward = hosted[1].received[(ids[0], "forward", "train")]
+        assert flows[(0, ids[1])].bucket.stats().bytes >= forward  # every activation byte to stage 1 went through its flow
+        assert_same_run(results.rows, swarm_rows(swarm, cfg, steps=3))
+    finally:
+        for node, servicer in peers:
+            swarm.loop.run(servicer.stop())
+            swarm.loop.run(node.shutdown())
