@@ -17,6 +17,8 @@
 #                              from its key file on the shared volume and its host name
 #   WAIT=180                   seconds to wait for the bootstrap's key file
 # Arguments are appended to the peer's command line (e.g. --set train.epochs=2).
+#   UPLINK=, DOWNLINK=         a stage peer's link rates (--uplink/--downlink: it paces each neighbour
+#                              flow at its fair share); default: RATE, and for DOWNLINK only with INGRESS=1
 #   DRY_RUN=1                  print the tc commands and the peer command; run nothing
 set -eu
 
@@ -59,8 +61,12 @@ case "${ROLE:-}" in
     stage)
         [ -n "${STAGE:-}" ] || fail "ROLE=stage needs STAGE (0-based stage index)"
         peers=$(initial_peers) || exit 1
+        uplink="${UPLINK:-${RATE:-}}"
+        downlink="${DOWNLINK:-}"
+        if [ -z "$downlink" ] && [ "${INGRESS:-0}" = "1" ]; then downlink="${RATE:-}"; fi
         set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} "$@"
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
+            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} "$@"
         ;;
     trainer)
         peers=$(initial_peers) || exit 1

@@ -64,6 +64,11 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     assert "tc qdisc replace dev eth0 root netem delay 50ms rate 20000000bit" in out.stdout
     assert "tbf rate 20000000bit" in out.stdout  # the fallback when the kernel has no netem
     assert "peers.stage --stage 2 --config configs/smoke.yaml --run_id docker" in out.stdout and "--set train.epochs=2" in out.stdout
+    assert "--uplink 20mbit" in out.stdout and "--downlink" not in out.stdout  # what it receives is not shaped here
+    both = _entrypoint({"DRY_RUN": "1", "RATE": "20mbit", "INGRESS": "1", "ROLE": "stage", "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    assert "--uplink 20mbit --downlink 20mbit" in both.stdout, both.stderr
+    declared = _entrypoint({"DRY_RUN": "1", "UPLINK": "30mbit", "DOWNLINK": "200mbit", "ROLE": "stage", "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    assert "--uplink 30mbit --downlink 200mbit" in declared.stdout and "tc " not in declared.stdout
     trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
     assert "tc " not in trainer.stdout  # no RATE, no DELAY: no shaping
