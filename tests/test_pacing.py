@@ -15,7 +15,7 @@ from swarm.network.announce import StageRecord
 from swarm.network.hosted import HostedStage
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.pacing import PAYLOAD_SHARE, PIECE_BYTES, FlowPacer, send_paced, stage_flows
-from swarm.network.servicer import StageServicer
+from swarm.network.servicer import StageServicer, read_messages
 from swarm.results import ResultsWriter
 from swarm.run import build_data, train
 
@@ -93,13 +93,7 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     received = []
 
     async def handler(info, reader, writer):
-        while True:
-            try:
-                message, end = await P2P.receive_protobuf(pb.StageReply, reader)
-            except asyncio.IncompleteReadError:
-                return
-            if end is not None:
-                return
+        async for message in read_messages(reader, pb.StageReply):
             received.append(message)
 
     name = f"test-paced-{uuid.uuid4().hex[:6]}"

@@ -72,11 +72,11 @@ async def _linger(requests, timeout: float = 10.0) -> None:
         pass
 
 
-async def _requests(reader: asyncio.StreamReader) -> AsyncIterator[pb.StageRequest]:
-    """A caller's request messages off the raw stream, until its end-of-stream marker or its close."""
+async def read_messages(reader: asyncio.StreamReader, message_type=pb.StageRequest) -> AsyncIterator:
+    """A caller's messages off a raw hivemind stream, until its end-of-stream marker or its close."""
     while True:
         try:
-            message, end = await P2P.receive_protobuf(pb.StageRequest, reader)
+            message, end = await P2P.receive_protobuf(message_type, reader)
         except asyncio.IncompleteReadError:
             return
         if end is not None:
@@ -132,7 +132,7 @@ class StageServicer(ServicerBase):
         be written in paced pieces (swarm.network.pacing); the bytes on the wire are the same."""
         with contextlib.closing(writer):
             try:
-                await self.forward(_requests(reader), info.peer_id.to_base58(), writer)
+                await self.forward(read_messages(reader), info.peer_id.to_base58(), writer)
             except Exception as e:  # the stream broke (the caller sees that on its side)
                 log.debug("micro-batch stream from %s ended: %s", info.peer_id.to_base58()[-8:], one_line(e))
 
