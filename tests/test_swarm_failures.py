@@ -199,3 +199,27 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
     local = tmp_path / "local.jsonl"
     run_experiment(cfg, local, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
     assert [r["loss"] for r in read_results(local) if r["type"] == "step"] == pytest.approx(reference[2:], rel=1e-5)
+
+
+def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
+    """Over a saturated slow link the DHT's requests can time out while the peers serve on (seen at
+    10 Mbit/s): the router keeps the last peers it found for `keep_s`, then gives up."""
+    import time
+
+    from swarm.network.announce import StageRecord, announce
+    from swarm.network.routing import NoPeerError, Router
+
+    run_id = uuid.uuid4().hex[:8]
+    node = swarm.hosts[0][0]
+    record = StageRecord(node.peer_id, 1, 4, [], ready=True)
+    assert swarm.loop.run(announce(node, run_id, record, ttl=1.5))
+    keeping, forgetting = Router(swarm.trainer, run_id, refresh_s=0.0), Router(swarm.trainer, run_id, refresh_s=0.0, keep_s=0.0)
+    for router in (keeping, forgetting):
+        assert swarm.loop.run(router.choose(1)).peer_id == node.peer_id
+    time.sleep(2.0)  # the record expired: the DHT has nobody for stage 1
+    assert swarm.loop.run(keeping.choose(1)).peer_id == node.peer_id
+    with pytest.raises(NoPeerError, match="no live peer serves stage 1"):
+        swarm.loop.run(forgetting.choose(1))
+    keeping.keep_s = 0.0
+    with pytest.raises(NoPeerError):
+        swarm.loop.run(keeping.choose(1))

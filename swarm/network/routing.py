@@ -42,19 +42,29 @@ class Bans:
 class Router:
     """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand."""
 
-    def __init__(self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None) -> None:
+    def __init__(self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None, keep_s: float = 60.0) -> None:
         self.node = node
         self.run_id = run_id
         self.refresh_s = refresh_s
+        self.keep_s = keep_s
         self.bans = Bans()
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
+        self._found: dict[int, tuple[float, list[StageRecord]]] = {}  # the last lookup that found someone
         self._random = random.Random(seed)
 
     async def peers(self, stage: int, refresh: bool = False) -> list[StageRecord]:
+        """The stage's peers, looked up again after `refresh_s`. A lookup that finds nobody keeps the
+        last non-empty answer for `keep_s`: over a saturated slow link the DHT's requests can time
+        out while the peers serve on (a dead one is found out by its call failing, and banned)."""
         cached = self._cache.get(stage)
         if refresh or cached is None or time.monotonic() - cached[0] > self.refresh_s or not cached[1]:
+            now = time.monotonic()
             records = [r for r in await discover(self.node, self.run_id, stage) if r.version == PROTOCOL_VERSION]
-            self._cache[stage] = (time.monotonic(), records)
+            if records:
+                self._found[stage] = (now, records)
+            elif stage in self._found and now - self._found[stage][0] <= self.keep_s:
+                records = self._found[stage][1]
+            self._cache[stage] = (now, records)
         return self._cache[stage][1]
 
     async def choose(self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None) -> StageRecord:
