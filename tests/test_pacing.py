@@ -14,7 +14,7 @@ from protocols import stage_pb2 as pb
 from swarm.network.announce import StageRecord
 from swarm.network.hosted import HostedStage
 from swarm.network.node import NodeOptions, SwarmNode
-from swarm.network.pacing import PAYLOAD_SHARE, PIECE_BYTES, FlowPacer, send_paced, stage_flows
+from swarm.network.pacing import MIN_PIECE_BYTES, PAYLOAD_SHARE, PIECE_BYTES, FlowPacer, piece_bytes, send_paced, stage_flows
 from swarm.network.servicer import StageServicer, read_messages
 from swarm.results import ResultsWriter
 from swarm.run import build_data, train
@@ -64,12 +64,21 @@ def test_a_flow_follows_its_rate_piece_by_piece():
     flow = middle.flow("s2")
 
     async def pieces():
-        await flow.piece(1000)
+        sizes = [flow.next_piece()]
+        await flow.piece(sizes[-1])
         middle.heard("s2", 10e6)
-        await flow.piece(1000)
+        sizes.append(flow.next_piece())
+        await flow.piece(sizes[-1])
+        return sizes
 
-    asyncio.run(pieces())
-    assert flow.bucket.rate_bits == 10_000_000 and flow.bucket.stats().bytes == 2000
+    assert asyncio.run(pieces()) == [25_000, 12_500]  # 10 ms at each rate
+    assert flow.bucket.rate_bits == 10_000_000 and flow.bucket.stats().bytes == 37_500
+
+
+def test_pieces_last_about_ten_milliseconds_within_bounds():
+    assert piece_bytes(50e6) == 62_500
+    assert piece_bytes(1e9) == PIECE_BYTES  # fast links: per-write costs bound the piece
+    assert piece_bytes(1e6) == MIN_PIECE_BYTES
 
 
 def test_the_peers_link_rates_are_checked():

@@ -33,7 +33,15 @@ from hivemind.p2p import P2P
 from swarm.netlab.shaper import TokenBucket
 
 PAYLOAD_SHARE = 0.94  # payload bits per wire bit: hivemind streams moved 95 Mbit/s over a 100 Mbit/s tbf link
-PIECE_BYTES = 1 << 16  # what is written under the bucket at once: ~10 ms at 50 Mbit/s
+PIECE_BYTES = 1 << 16  # most written under the bucket at once: ~10 ms at 50 Mbit/s
+PIECE_S = 0.01  # a piece leaves in about this long at the flow's rate
+MIN_PIECE_BYTES = 1 << 13  # below this, per-write costs grow and the links are slow anyway
+
+
+def piece_bytes(rate_bits: float) -> int:
+    """How much of a payload to write at once at `rate_bits`: ~`PIECE_S` worth, so that a slow link's
+    queue (tbf's is 64 KB at 10 Mbit/s) never receives a burst larger than it holds."""
+    return int(min(PIECE_BYTES, max(MIN_PIECE_BYTES, rate_bits / 8 * PIECE_S)))
 
 
 def stage_flows(stage: int, num_stages: int) -> int:
@@ -46,7 +54,8 @@ class Flow:
 
     def __init__(self, pacer: FlowPacer, peer_id: str) -> None:
         self.pacer, self.peer_id = pacer, peer_id
-        self.bucket = TokenBucket(pacer.rate(peer_id) or 1, burst_bytes=PIECE_BYTES)
+        rate = pacer.rate(peer_id) or 1
+        self.bucket = TokenBucket(rate, burst_bytes=piece_bytes(rate))
 
     def __enter__(self) -> Flow:
         self.pacer._sending[self.peer_id] += 1
@@ -55,14 +64,19 @@ class Flow:
     def __exit__(self, *exc) -> None:
         self.pacer._sending[self.peer_id] -= 1
 
-    async def piece(self, nbytes: int) -> None:
-        """Waits until `nbytes` more may leave at the flow's current rate."""
+    def next_piece(self) -> int:
+        """Bytes to write next, at the flow's current rate (its bucket follows the rate)."""
         rate = self.pacer.rate(self.peer_id)
         if rate is None:
-            return
+            return PIECE_BYTES
         if self.bucket.rate_bits != int(rate):
-            self.bucket.set_rate(rate, burst_bytes=PIECE_BYTES)
-        await self.bucket.consume(nbytes)
+            self.bucket.set_rate(rate, burst_bytes=piece_bytes(rate))
+        return self.bucket.burst_bytes
+
+    async def piece(self, nbytes: int) -> None:
+        """Waits until `nbytes` more may leave at the flow's current rate."""
+        if self.pacer.rate(self.peer_id) is not None:
+            await self.bucket.consume(nbytes)
 
 
 class FlowPacer:
@@ -114,8 +128,10 @@ async def send_paced(message, writer: asyncio.StreamWriter, flow: Flow | None) -
         return
     data = memoryview(message.SerializeToString())
     writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-    for offset in range(0, len(data), PIECE_BYTES):
-        piece = data[offset : offset + PIECE_BYTES]
+    offset = 0
+    while offset < len(data):
+        piece = data[offset : offset + flow.next_piece()]
         await flow.piece(len(piece))
         writer.write(piece)
         await writer.drain()
+        offset += len(piece)
