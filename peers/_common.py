@@ -26,6 +26,22 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     net.add_argument("--downlink", default=None, help="this machine's download rate: neighbours pace what they send here at their share of it")
 
 
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of this peer (default: torch's, one per core); give peers that share a machine's cores a share each")
+
+
+def apply_threads(threads: int | None) -> str | None:
+    """Sets torch's CPU threads; returns an error message for a bad count."""
+    if threads is None:
+        return None
+    if threads < 1:
+        return f"--threads must be a positive integer, got {threads}"
+    import torch
+
+    torch.set_num_threads(threads)
+    return None
+
+
 def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOptions:
     return NodeOptions(
         initial_peers=list(args.initial_peers),

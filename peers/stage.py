@@ -12,7 +12,7 @@ import asyncio
 import logging
 import sys
 
-from peers._common import add_network_args, fail, node_options, run_until_stopped, say, setup_logging, until_stopped
+from peers._common import add_network_args, add_threads_arg, apply_threads, fail, node_options, run_until_stopped, say, setup_logging, until_stopped
 from swarm.config import ConfigError, load_config
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the next stage's reply")
     parser.add_argument("--report_every", type=float, default=10.0, help="seconds between progress lines")
     parser.add_argument("--max_payload_mb", type=float, default=1024.0, help="refuse micro-batch payloads larger than this (MiB)")
+    add_threads_arg(parser)
     add_network_args(parser)
     return parser
 
@@ -40,6 +41,8 @@ async def serve(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides + ([f"device={args.device}"] if args.device else []))
     except ConfigError as e:
         return fail(str(e))
+    if error := apply_threads(args.threads):
+        return fail(error)
     if not 0 <= args.stage < cfg.model.num_stages:
         return fail(f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})")
     run_id = args.run_id or cfg.name

@@ -10,7 +10,7 @@ import argparse
 import signal
 import sys
 
-from peers._common import add_network_args, fail, node_options, say, setup_logging
+from peers._common import add_network_args, add_threads_arg, apply_threads, fail, node_options, say, setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for every stage to have a peer")
     parser.add_argument("--checkpoint_dir", help="save checkpoints (every stage's state, fetched from its peers) here and resume from the newest one")
     parser.add_argument("--checkpoint_every", type=int, help="steps between checkpoints (default: after every evaluation)")
+    add_threads_arg(parser)
     add_network_args(parser)
     return parser
 
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return fail(str(e))
+    if error := apply_threads(args.threads):
+        return fail(error)
     if args.steps is not None and args.steps < 1:
         return fail(f"--steps must be a positive integer, got {args.steps}")
     if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):

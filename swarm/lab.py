@@ -11,6 +11,10 @@ process's send path in process; a probe measures the links before the run. `inpr
 on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
 Either way each stage peer is told its link rate (--uplink / --downlink), so it paces every
 neighbour flow at its fair share (swarm.network.pacing), unless `pacing` is off.
+
+The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
+their number (at least one). Left at torch's default, every process runs a thread per core, and
+on 2 cores the 5 processes' spinning threads took most of the CPU (docs/bench/README.md).
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def peer_threads(peers: int) -> int:
+    """torch threads for each of `peers` computing processes on this machine: a fair share of its cores."""
+    return max(1, available_cores() // max(peers, 1))
+
+
 class Lab:
     def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None,
                  bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True, pacing: bool = True) -> None:
@@ -81,6 +94,7 @@ class Lab:
         self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
         self.probe = probe
         self.pacing = pacing
+        self.threads = peer_threads(stages + 1)
         self.net = None
         self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
         self.out = out or sys.stdout
@@ -203,7 +217,8 @@ class Lab:
         try:
             boot = self._start("bootstrap", "peers.bootstrap")
             initial = self._bootstrap_address(boot)
-            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, *sets]
+            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads), *sets]
+            self._print("lab", f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)")
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])

@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from peers._common import apply_threads
 from swarm.results import read_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,3 +74,15 @@ def test_bad_options_and_paths_fail_with_one_line(tmp_path):
     assert "bogus" in result.stderr
     result = cli("run", str(SMOKE), "--set", "data.options={train_size: 10}")
     assert result.returncode == 2 and "smaller than one batch" in result.stderr
+
+
+def test_peers_take_a_thread_count_and_refuse_a_bad_one():
+    for module, args in (("peers.stage", ["--stage", "0"]), ("peers.trainer", [])):
+        result = subprocess.run([sys.executable, "-m", module, *args, "--config", str(SMOKE), "--threads", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --threads must be a positive integer, got 0"
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads(1) is None and torch.get_num_threads() == 1
+        assert apply_threads(None) is None and torch.get_num_threads() == 1  # not given: left as it is
+    finally:
+        torch.set_num_threads(before)

@@ -89,6 +89,10 @@ def test_compute_bound_and_fraction():
     assert math.isnan(bounds.fraction_of_bound(1.0, math.inf))
     with pytest.raises(ValueError):
         bounds.compute_bound([])
+    assert bounds.shared_cores_bound(2, [0.01, 0.03]) == pytest.approx(50.0)  # two cores, 40 ms of CPU per sample
+    assert bounds.shared_cores_bound(2, [0.0]) == math.inf
+    with pytest.raises(ValueError, match="cores"):
+        bounds.shared_cores_bound(0, [0.01])
 
 
 def test_pipeline_bound_boundary_topology():

@@ -38,6 +38,18 @@ def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
     assert 0 < figures["schedule_bound"] < figures["compute_bound"]
 
 
+def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
+    rows = _rows()
+    for peer in rows[-1]["stages"]:
+        peer["compute_cpu_s"] = peer["compute_s"] * 0.9
+    figures = measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)
+    # per sample: 9 + 18 + 4.5 ms of CPU on one core -> 1 / 31.5 ms, below the slowest stage's 50/s
+    assert figures["cores_bound"] == pytest.approx(1 / 0.0315) and figures["compute_bound"] == figures["cores_bound"]
+    assert figures["binding"] == "cores (1 shared)" and figures["fraction_of_bound"] == pytest.approx(32.0 * 0.0315)
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"  # 127/s on 4 cores
+    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None  # peers that did not report CPU time
+
+
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)

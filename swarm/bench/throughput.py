@@ -10,7 +10,9 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
   stage sends forward activations and backward gradients over the same up link; the busiest
   direction of the busiest process bounds samples/s (swarm.netlab.bounds.pipeline_bound);
 - the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
-  included), from the stage peers' own accounting;
+  included), from the stage peers' own accounting; and since the lab's peers share this
+  machine's cores, at most cores / the sum of the stages' compute CPU seconds per sample (the
+  computing threads' CPU time, so waiting for a core is not counted as work);
 - achieved / min(link bound, compute bound).
 """
 
@@ -63,6 +65,7 @@ class ThroughputRow:
     stage_ms_per_sample: list[float]
     steps: int
     shaping: str
+    cores_bound: float | None = None  # what the shared cores allow (None: not measured); compute_bound includes it
     chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
 
 
@@ -78,9 +81,10 @@ def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: lis
     return train["batch_size"] / simulate(model).step_s
 
 
-def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS, download_limited: bool = True) -> dict:
-    """The figures of one finished run's results rows (see module doc)."""
-    from swarm.netlab.bounds import pipeline_bound
+def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS, download_limited: bool = True, cores: float | None = None) -> dict:
+    """The figures of one finished run's results rows (see module doc); `cores`: the stages share
+    that many cores (None: each has its own hardware)."""
+    from swarm.netlab.bounds import pipeline_bound, shared_cores_bound
 
     steps = [r for r in rows if r["type"] == "step"]
     if len(steps) <= warmup:
@@ -95,18 +99,25 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
             (forward if direction == "forward" else backward)[int(boundary.removeprefix("boundary"))] += n / samples
     per_stage: dict[int, list[float]] = {}
     for peer in next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"]:
-        seconds, count = per_stage.setdefault(peer["stage"], [0.0, 0])
-        per_stage[peer["stage"]] = [seconds + peer["compute_s"], count + peer["samples"]]
-    stage_s = [seconds / count for seconds, count in per_stage.values() if count] or None
+        seconds, cpu, count = per_stage.setdefault(peer["stage"], [0.0, 0.0, 0])
+        per_stage[peer["stage"]] = [seconds + peer["compute_s"], cpu + peer.get("compute_cpu_s", 0.0), count + peer["samples"]]
+    stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None
+    stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
     bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
-    limit = bound.limit
-    binding = "compute" if bound.binding == "compute" else f"link {bound.busiest} {bound.direction}"
+    cores_bound = shared_cores_bound(cores, stage_cpu) if cores and any(stage_cpu) else None
+    compute = min(bound.compute, cores_bound or math.inf)
+    limit = min(bound.link, compute)
+    if bound.link <= compute:
+        binding = f"link {bound.busiest} {bound.direction}"
+    else:
+        binding = "compute" if compute == bound.compute else f"cores ({cores:g} shared)"
     train = next(r for r in rows if r["type"] == "config")["config"]["train"]
     return {
         "samples_per_s": achieved,
         "schedule_bound": schedule_bound(train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited),
         "link_bound": bound.link,
-        "compute_bound": bound.compute,
+        "compute_bound": compute,
+        "cores_bound": cores_bound,
         "fraction_of_bound": achieved / limit if limit and math.isfinite(limit) else float("nan"),
         "binding": binding,
         "busiest_bytes_per_sample": bound.wire_bytes,
@@ -129,7 +140,7 @@ def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
 
 
 def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print, pacing: bool = True) -> list[ThroughputRow]:
-    from swarm.lab import Lab
+    from swarm.lab import Lab, available_cores
     from swarm.netlab.rates import parse_rate
 
     overrides = list(overrides or [])
@@ -147,7 +158,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
-                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns")
+                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns", cores=available_cores())
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
                 log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}")
                 if row.chosen:

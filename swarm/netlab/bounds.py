@@ -23,10 +23,13 @@ libp2p framing: ~95% of a tbf rate arrives as payload over a hivemind stream); t
 a probe-measured payload rate instead, pass that rate and payload bytes.
 
 Compute bound. In a pipeline the slowest stage sets the pace: 1 / max(seconds per sample).
+When the stages share a machine's cores (the lab: every process on one machine), the cores must
+also do all stages' compute: cores / sum(CPU seconds per sample); the compute bound is the lower.
 
 API (all pure)
     link_bound(rate_bits, forward_bytes, backward_bytes=0.0, shared=False) -> samples/s
     compute_bound(stage_seconds_per_sample) -> samples/s
+    shared_cores_bound(cores, stage_cpu_seconds_per_sample) -> samples/s
     fraction_of_bound(achieved, link_bound, compute_bound=None) -> float
     chain_transfers(forward_bytes, backward_bytes, names=None, input_bytes=0.0, label_bytes=0.0, trainer="trainer") -> [Transfer]
     access_loads(transfers) -> {process: Load(up, down)}
@@ -72,6 +75,17 @@ def compute_bound(stage_seconds_per_sample: Sequence[float] | float) -> float:
         raise ValueError(f"stage seconds per sample must be >= 0, got {seconds}")
     slowest = max(seconds)
     return math.inf if slowest == 0 else 1.0 / slowest
+
+
+def shared_cores_bound(cores: float, stage_cpu_seconds_per_sample: Sequence[float]) -> float:
+    """Samples/s that `cores` cores can compute when every stage runs on them: cores / sum(CPU seconds)."""
+    if cores <= 0:
+        raise ValueError(f"cores must be positive, got {cores}")
+    seconds = list(stage_cpu_seconds_per_sample)
+    if any(s < 0 for s in seconds):
+        raise ValueError(f"stage CPU seconds per sample must be >= 0, got {seconds}")
+    total = sum(seconds)
+    return math.inf if total == 0 else cores / total
 
 
 def fraction_of_bound(achieved: float, link_bound: float, compute_bound: float | None = None) -> float:

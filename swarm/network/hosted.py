@@ -100,6 +100,7 @@ class HostedStage:
         self.processed = 0
         self.steps = 0
         self.compute_s = 0.0  # training compute (the compute bound of throughput benchmarks)
+        self.compute_cpu_s = 0.0  # CPU time of the computing thread in it (the bound of stages sharing cores)
         self.samples = 0
         self._applied: tuple[int, pb.StepResult] | None = None
         self._closing: set[asyncio.Task] = set()
@@ -205,22 +206,27 @@ class HostedStage:
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _count_compute(self, started: tuple[float, float]) -> None:
+        """Adds the wall and thread CPU time since `started` (perf_counter, thread_time) to the training compute."""
+        self.compute_s += time.perf_counter() - started[0]
+        self.compute_cpu_s += time.thread_time() - started[1]
+
     def _forward(self, batch: MicroBatch, data, inbound: LinkEnd | None, outbound: LinkEnd | None) -> Message:
-        started = time.perf_counter()
+        started = time.perf_counter(), time.thread_time()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.forward(batch, data)
         message.delivered()  # link state commits on encoding; a failed delivery resets the link
         if batch.mode is Mode.TRAIN:
-            self.compute_s += time.perf_counter() - started
+            self._count_compute(started)
             self.samples += batch.size
         return message
 
     def _backward(self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd) -> Message:
-        started = time.perf_counter()
+        started = time.perf_counter(), time.thread_time()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.backward(batch, payload, metrics)
         message.delivered()
-        self.compute_s += time.perf_counter() - started
+        self._count_compute(started)
         return message
 
     def _resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
@@ -476,11 +482,14 @@ class HostedStage:
     async def step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
         if self.runtime is None:
             raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet", pb.NOT_READY)
-        started = time.perf_counter()
+        return await self._compute(self._counted_step, head, payload)
+
+    def _counted_step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
+        started = time.perf_counter(), time.thread_time()
         try:
-            return await self._compute(self._step, head, payload)
+            return self._step(head, payload)
         finally:
-            self.compute_s += time.perf_counter() - started
+            self._count_compute(started)
 
     # ---- status ----------------------------------------------------------------------------
 

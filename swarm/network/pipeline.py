@@ -300,7 +300,7 @@ class SwarmPipeline:
 
     def stage_rows(self) -> list[dict]:
         """Per stage peer: training compute seconds and samples (a throughput benchmark's compute bound)."""
-        return [{"stage": s.stage, "compute_s": s.compute_s, "samples": s.samples, "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
+        return [{"stage": s.stage, "compute_s": s.compute_s, "compute_cpu_s": s.compute_cpu_s, "samples": s.samples, "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
 
     def state_bytes(self) -> int:
         return sum(status.state_bytes for status in self.statuses())
