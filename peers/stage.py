@@ -12,7 +12,17 @@ import asyncio
 import logging
 import sys
 
-from peers._common import add_network_args, add_threads_arg, apply_threads, fail, node_options, run_until_stopped, say, setup_logging, until_stopped
+from peers._common import (
+    add_network_args,
+    add_threads_arg,
+    apply_threads,
+    fail,
+    node_options,
+    run_until_stopped,
+    say,
+    setup_logging,
+    until_stopped,
+)
 from swarm.config import ConfigError, load_config
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode

@@ -14,7 +14,15 @@ from protocols import stage_pb2 as pb
 from swarm.network.announce import StageRecord
 from swarm.network.hosted import HostedStage
 from swarm.network.node import NodeOptions, SwarmNode
-from swarm.network.pacing import MIN_PIECE_BYTES, PAYLOAD_SHARE, PIECE_BYTES, FlowPacer, piece_bytes, send_paced, stage_flows
+from swarm.network.pacing import (
+    MIN_PIECE_BYTES,
+    PAYLOAD_SHARE,
+    PIECE_BYTES,
+    FlowPacer,
+    piece_bytes,
+    send_paced,
+    stage_flows,
+)
 from swarm.network.servicer import StageServicer, read_messages
 from swarm.results import ResultsWriter
 from swarm.run import build_data, train
