@@ -19,6 +19,8 @@
 # Arguments are appended to the peer's command line (e.g. --set train.epochs=2).
 #   UPLINK=, DOWNLINK=         a stage peer's link rates (--uplink/--downlink: it paces each neighbour
 #                              flow at its fair share); default: RATE, and for DOWNLINK only with INGRESS=1
+#   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
+#                              several containers share one host's cores (compose on one machine)
 #   DRY_RUN=1                  print the tc commands and the peer command; run nothing
 set -eu
 
@@ -66,13 +68,13 @@ case "${ROLE:-}" in
         if [ -z "$downlink" ] && [ "${INGRESS:-0}" = "1" ]; then downlink="${RATE:-}"; fi
         set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
-            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} "$@"
+            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} "$@"
         ;;
     trainer)
         peers=$(initial_peers) || exit 1
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
-            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} "$@"
+            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} "$@"
         ;;
     "")
         [ "$#" -gt 0 ] || fail "no ROLE (bootstrap, stage, trainer) and no command to run"

@@ -69,6 +69,10 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     assert "--uplink 20mbit --downlink 20mbit" in both.stdout, both.stderr
     declared = _entrypoint({"DRY_RUN": "1", "UPLINK": "30mbit", "DOWNLINK": "200mbit", "ROLE": "stage", "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "--uplink 30mbit --downlink 200mbit" in declared.stdout and "tc " not in declared.stdout
+    assert "--threads" not in declared.stdout  # torch's default unless asked
+    for role in ("stage", "trainer"):
+        shared = _entrypoint({"DRY_RUN": "1", "THREADS": "1", "ROLE": role, "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+        assert shared.stdout.rstrip().endswith("--threads 1"), shared.stdout + shared.stderr
     trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
     assert "tc " not in trainer.stdout  # no RATE, no DELAY: no shaping

@@ -9,7 +9,7 @@ them (a transfer from A to B uses A's up and B's down link), with no latency, lo
 overhead. Its step time is what a perfect network would give this schedule; a measured step much
 slower than that points at the transport, not the schedule.
 
-    model = StepModel(stages=4, micro_batches=16, in_flight=16, sending=2,
+    model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
                       forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,
                       compute_s=[0.01] * 4, rate_bits=100e6)
     result = simulate(model)     # .step_s, .busy (fraction of the step each link carried data)
