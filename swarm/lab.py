@@ -14,7 +14,8 @@ neighbour flow at its fair share (swarm.network.pacing), unless `pacing` is off.
 
 The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
 their number (at least one). Left at torch's default, every process runs a thread per core, and
-on 2 cores the 5 processes' spinning threads took most of the CPU (docs/bench/README.md).
+on 2 cores the 5 processes' threads competed for the cores: up to 4x fewer samples/s
+(docs/bench/README.md).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from swarm.network.announce import StageRecord
 from swarm.network.calls import MicroBatchCall, RemoteError, Sending, TransportError
 from swarm.network.chunks import ProtocolError
 from swarm.network.codec_switch import install, switched_config
+from swarm.network.compute_clock import ComputeClock
 from swarm.network.meta import batch_to_meta, meta_to_batch, payload_to_tensors, raw_to_tensor, tensors_to_payload
 from swarm.network.meter import LinkMeter, MeteredCall
 from swarm.network.node import SwarmNode
@@ -99,9 +100,7 @@ class HostedStage:
         self.queue = 0
         self.processed = 0
         self.steps = 0
-        self.compute_s = 0.0  # training compute (the compute bound of throughput benchmarks)
-        self.compute_cpu_s = 0.0  # CPU time of the computing thread in it (the bound of stages sharing cores)
-        self.samples = 0
+        self.compute = ComputeClock()  # training compute (the compute bounds of throughput benchmarks)
         self._applied: tuple[int, pb.StepResult] | None = None
         self._closing: set[asyncio.Task] = set()
         self.sending = Sending()  # activations down, gradients up: a few payloads per neighbour at a time
@@ -206,27 +205,21 @@ class HostedStage:
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _count_compute(self, started: tuple[float, float]) -> None:
-        """Adds the wall and thread CPU time since `started` (perf_counter, thread_time) to the training compute."""
-        self.compute_s += time.perf_counter() - started[0]
-        self.compute_cpu_s += time.thread_time() - started[1]
-
     def _forward(self, batch: MicroBatch, data, inbound: LinkEnd | None, outbound: LinkEnd | None) -> Message:
-        started = time.perf_counter(), time.thread_time()
+        started = self.compute.start()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.forward(batch, data)
         message.delivered()  # link state commits on encoding; a failed delivery resets the link
         if batch.mode is Mode.TRAIN:
-            self._count_compute(started)
-            self.samples += batch.size
+            self.compute.stop(started, batch.size)
         return message
 
     def _backward(self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd) -> Message:
-        started = time.perf_counter(), time.thread_time()
+        started = self.compute.start()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.backward(batch, payload, metrics)
         message.delivered()
-        self._count_compute(started)
+        self.compute.stop(started)
         return message
 
     def _resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
@@ -485,11 +478,11 @@ class HostedStage:
         return await self._compute(self._counted_step, head, payload)
 
     def _counted_step(self, head: pb.StepHead, payload: bytes) -> tuple[pb.StepResult, bytes]:
-        started = time.perf_counter(), time.thread_time()
+        started = self.compute.start()
         try:
             return self._step(head, payload)
         finally:
-            self._count_compute(started)
+            self.compute.stop(started)
 
     # ---- status ----------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ steady state at the fair shares; before the first offer, the stage record's stat
 Payloads are written in pieces of ~10 ms at the flow's rate (8 to 64 KiB) under the flow's token
 bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Pacing whole
 1 MiB chunks was measured to be too bursty to help, and fixed 64 KiB pieces overflowed the 64 KB
-queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). A peer with nothing declared does not pace, and flows to or from the trainer (a
-few bytes per sample) are not counted.
+queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). A peer with nothing
+declared does not pace, and flows to or from the trainer (a few bytes per sample) are not counted.
 """
 
 from __future__ import annotations
@@ -66,18 +66,16 @@ class Flow:
         self.pacer._sending[self.peer_id] -= 1
 
     def next_piece(self) -> int:
-        """Bytes to write next, at the flow's current rate (its bucket follows the rate)."""
+        """Bytes to write next, at the flow's current rate (its bucket follows the rate). A flow is
+        made only for a paced neighbour, and offers and the uplink never go away, so it stays paced."""
         rate = self.pacer.rate(self.peer_id)
-        if rate is None:
-            return PIECE_BYTES
         if self.bucket.rate_bits != int(rate):
             self.bucket.set_rate(rate, burst_bytes=piece_bytes(rate))
         return self.bucket.burst_bytes
 
     async def piece(self, nbytes: int) -> None:
-        """Waits until `nbytes` more may leave at the flow's current rate."""
-        if self.pacer.rate(self.peer_id) is not None:
-            await self.bucket.consume(nbytes)
+        """Waits until `nbytes` more may leave at the rate `next_piece` set."""
+        await self.bucket.consume(nbytes)
 
 
 class FlowPacer:

@@ -10,7 +10,7 @@ from protocols import stage_pb2 as pb
 
 
 def stage_status(hosted) -> pb.StageStatus:
-    out = pb.StageStatus(run_id=hosted.run_id, stage=hosted.stage, num_stages=hosted.num_stages, ready=hosted.runtime is not None, throughput=hosted.throughput, queue=hosted.queue, processed=hosted.processed, steps=hosted.steps, compute_s=hosted.compute_s, compute_cpu_s=hosted.compute_cpu_s, samples=hosted.samples)
+    out = pb.StageStatus(run_id=hosted.run_id, stage=hosted.stage, num_stages=hosted.num_stages, ready=hosted.runtime is not None, throughput=hosted.throughput, queue=hosted.queue, processed=hosted.processed, steps=hosted.steps, compute_s=hosted.compute.seconds, compute_cpu_s=hosted.compute.cpu_seconds, samples=hosted.compute.samples)
     if hosted.stage > 0:
         link = hosted.cfg.compression.link(hosted.stage - 1)
         out.forward_codec, out.backward_codec = link.forward, link.backward
