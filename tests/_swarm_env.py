@@ -40,7 +40,7 @@ class Swarm:
         self.hosts: list[tuple[SwarmNode, StageServicer]] = []
         for _ in range(HOSTS):
             node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
-            servicer = StageServicer(node, read_timeout=10, linger_timeout=10)
+            servicer = StageServicer(node, read_timeout=10)
             self.loop.run(servicer.start())
             self.hosts.append((node, servicer))
         self.trainer = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs, client_mode=True)))

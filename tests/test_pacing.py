@@ -12,6 +12,7 @@ from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from swarm.network.announce import StageRecord
+from swarm.network.calls import _Stream
 from swarm.network.hosted import HostedStage
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.pacing import (
@@ -23,7 +24,7 @@ from swarm.network.pacing import (
     send_paced,
     stage_flows,
 )
-from swarm.network.servicer import StageServicer, read_messages
+from swarm.network.servicer import StageServicer
 from swarm.results import ResultsWriter
 from swarm.run import build_data, train
 
@@ -110,7 +111,7 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     received = []
 
     async def handler(info, reader, writer):
-        async for message in read_messages(reader, pb.StageReply):
+        async for message in _Stream(reader, writer).replies():
             received.append(message)
 
     name = f"test-paced-{uuid.uuid4().hex[:6]}"

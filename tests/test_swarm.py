@@ -141,8 +141,7 @@ def test_raw_tensors_and_batch_meta_round_trip_and_validate():
 async def _raw_call(p2p, peer_id: str, messages, method: str = "rpc_forward"):
     stream = await _Stream.open(p2p, peer_id, method)
     try:
-        for message in messages:
-            await stream.send(message)
+        await stream.send(messages)
         await stream.end()
         return await asyncio.wait_for(read_frame(stream.replies()), 20)
     finally:

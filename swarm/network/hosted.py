@@ -102,7 +102,6 @@ class HostedStage:
         self.steps = 0
         self.compute = ComputeClock()  # training compute (the compute bounds of throughput benchmarks)
         self._applied: tuple[int, pb.StepResult] | None = None
-        self._closing: set[asyncio.Task] = set()
         self.sending = Sending()  # activations down, gradients up: a few payloads per neighbour at a time
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, self.num_stages))
         self.awaiting = 0  # micro-batches whose gradients we wait for from downstream (pacing offers)
@@ -305,7 +304,7 @@ class HostedStage:
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
             self.pacer.heard(target, record.download_share, fallback=True)
-            call = MeteredCall(self.node.p2p, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, self.pacer.flow(target), meter=self.replies[target])
+            call = MeteredCall(self.node.streams, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, self.pacer.flow(target), meter=self.replies[target])
             try:
                 result, reply = await self._reply(call, max(deadline - time.monotonic(), 0.1))
                 self.pacer.heard(target, result.share_bits)
@@ -327,7 +326,7 @@ class HostedStage:
                 outbound = self._end_out(target)
                 sent = self.out_links[target].take()
                 message = await self._compute(self._resend, batch, outbound, message)
-        self._close_later(call)
+        call.finish()
         self.router.succeeded(target)
         route = [self.node.peer_id, *result.route]
         if result.kind == pb.DONE:
@@ -355,12 +354,6 @@ class HostedStage:
             return await call.reply(timeout)
         finally:
             self.awaiting -= 1
-
-    def _close_later(self, call: MicroBatchCall) -> None:
-        """Ends a finished call in the background (its reply is read; nothing waits on the close)."""
-        task = asyncio.get_running_loop().create_task(call.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
     def _head(self, batch: MicroBatch, sent: tuple[int, int], budget: float) -> pb.MicroBatchHead:
         return pb.MicroBatchHead(

@@ -2,8 +2,8 @@
 
 Both directions are timed where they arrive (the receiver's clock; a sender's writes may return
 long before the bytes are through, into socket buffers):
-- a request (activations) from its stream's opening (the sender opens it when its send slot is
-  free, right before writing) to its last chunk: the whole payload over its whole transfer;
+- a request (activations) from its first byte (the sender writes as soon as its send slot is
+  free; servicer.Requests) to its last chunk: the whole payload over its whole transfer;
 - a reply (gradients) comes back on the caller's stream after the callee's compute, so its start
   is not seen; it is timed from its first chunk to its last, counting the bytes after the first
   chunk. Exact for replies of several chunks (chunks.CHUNK_BYTES each); a one-chunk reply adds

@@ -14,6 +14,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
 from swarm.netlab.rates import parse_rate
+from swarm.network.calls import StreamPool
 
 
 @dataclass
@@ -41,6 +42,7 @@ class SwarmNode:
         self.dht = dht
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
+        self.streams = StreamPool(p2p)  # micro-batch streams to the peers we call, kept for reuse
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
@@ -93,6 +95,7 @@ class SwarmNode:
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Bounded: the DHT's goodbye talks to the daemon, which may already be gone."""
+        self.streams.close()
         try:
             await asyncio.wait_for(self.dht.shutdown(), timeout)
         except Exception:

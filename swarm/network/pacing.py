@@ -120,17 +120,26 @@ class FlowPacer:
         return flow
 
 
-async def send_paced(message, writer: asyncio.StreamWriter, flow: Flow | None) -> None:
-    """Writes one protobuf message to a hivemind stream as `P2P.send_protobuf` does, in pieces paced by `flow`."""
-    if flow is None:
+async def send_paced(message, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False) -> None:
+    """Writes one protobuf message to a hivemind stream as `P2P.send_protobuf` does, in pieces paced by
+    `flow` and by `egress` (in-process shaping of all this peer sends: its one-way delay before a
+    payload's `first` message, then its rate). The header leaves before the pieces: as on a real
+    link, the receiver sees a payload begin at once and end after its transfer time (the link
+    meters time it from its first byte)."""
+    if flow is None and egress is None:
         await P2P.send_protobuf(message, writer)
         return
+    if egress is not None and first:
+        await egress.latency()
     data = memoryview(message.SerializeToString())
     writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
     offset = 0
     while offset < len(data):
-        piece = data[offset : offset + flow.next_piece()]
-        await flow.piece(len(piece))
+        piece = data[offset : offset + (flow.next_piece() if flow is not None else piece_bytes(egress.rate_bits))]
+        if flow is not None:
+            await flow.piece(len(piece))
+        if egress is not None:
+            await egress.consume(len(piece))
         writer.write(piece)
         await writer.drain()
         offset += len(piece)

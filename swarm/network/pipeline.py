@@ -55,7 +55,6 @@ class SwarmPipeline:
         self._step = 0
         self._routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
         self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
-        self._closing: set[asyncio.Task] = set()
         self.sending = Sending()
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
 
@@ -118,7 +117,7 @@ class SwarmPipeline:
         for attempt in range(self.attempts):
             tried.add(entry)
             head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
-            call = MicroBatchCall(self.node.p2p, entry, head, payload, self.node.egress, self.sending)
+            call = MicroBatchCall(self.node.streams, entry, head, payload, self.node.egress, self.sending)
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
                 break
@@ -135,9 +134,7 @@ class SwarmPipeline:
                         raise e from None
                 log.warning("micro-batch %s failed (%s); retrying on stage 0 peer %s", batch.key, e, entry[-8:])
                 sent = self.links.setdefault(entry, OutLink()).take()
-        task = asyncio.get_running_loop().create_task(call.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        call.finish()
         self.router.succeeded(entry)
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")

@@ -21,13 +21,14 @@ from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
-from swarm.network.calls import NAMESPACE, RemoteError, handle_name, pace
+from swarm.network.calls import NAMESPACE, RemoteError, handle_name
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
 from swarm.network.pacing import send_paced
 
 log = logging.getLogger(__name__)
+IDLE_S = 60.0  # a micro-batch stream with no request for this long is closed (callers stop reusing one sooner: calls.KEEP_IDLE_S)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 
 
@@ -52,6 +53,13 @@ def _code(e: BaseException) -> int:
     return pb.ERROR_UNSPECIFIED
 
 
+async def _pace(egress, message, first: bool) -> None:
+    """In-process shaping of a step reply, which ServicerBase writes whole (micro-batch replies go
+    out in shaped pieces: pacing.send_paced)."""
+    if egress is not None:
+        await egress.send_delay(message.ByteSize(), first=first)
+
+
 def _error(e: BaseException) -> pb.StageReply:
     return pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e)))
 
@@ -72,24 +80,55 @@ async def _linger(requests, timeout: float = 10.0) -> None:
         pass
 
 
-async def read_messages(reader: asyncio.StreamReader, message_type=pb.StageRequest) -> AsyncIterator:
-    """A caller's messages off a raw hivemind stream, until its end-of-stream marker or its close."""
-    while True:
+class Requests:
+    """The requests a caller sends on one reused stream (calls.StreamPool), one after another.
+
+    `next` waits for the first byte of the next request and notes when it came: a sender starts
+    writing a payload as soon as its send slot is free, so that byte marks the start of the
+    payload's transfer (what the link meters time), whether the stream is new or reused."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.started = 0.0
+        self._marker: bytes | None = None
+
+    async def next(self, idle_timeout: float) -> bool:
+        """True when a request begins; False when the caller ended the stream or let it idle."""
         try:
-            message, end = await P2P.receive_protobuf(message_type, reader)
-        except asyncio.IncompleteReadError:
-            return
-        if end is not None:
-            return
-        yield message
+            marker = await asyncio.wait_for(self.reader.readexactly(1), idle_timeout)
+        except (asyncio.IncompleteReadError, TimeoutError):
+            return False
+        self.started = time.monotonic()
+        if marker != P2P.MESSAGE_MARKER:  # the end-of-stream marker
+            return False
+        self._marker = marker
+        return True
+
+    async def messages(self) -> AsyncIterator[pb.StageRequest]:
+        """This request's messages (a reader of one frame stops at its last one) and, read on,
+        whatever follows until the caller ends the stream."""
+        while True:
+            marker, self._marker = self._marker, None
+            try:
+                if marker is None:
+                    marker = await self.reader.readexactly(1)
+                data = await P2P.receive_raw_data(self.reader)
+            except asyncio.IncompleteReadError:
+                return
+            if marker != P2P.MESSAGE_MARKER:
+                return
+            message = pb.StageRequest()
+            message.ParseFromString(data)
+            yield message
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, linger_timeout: float = 60.0, max_payload: int = MAX_MICRO_BATCH_BYTES) -> None:
+    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, idle_timeout: float = IDLE_S, max_payload: int = MAX_MICRO_BATCH_BYTES) -> None:
         self.node = node
         self.max_payload = max_payload  # bytes of one micro-batch's payload
         self.hosted: dict[tuple[str, int], HostedStage] = {}
-        self.read_timeout, self.linger_timeout = read_timeout, linger_timeout
+        self.read_timeout = read_timeout  # seconds between the messages of one payload
+        self.idle_timeout = idle_timeout  # seconds a micro-batch stream may wait for its next request
         self.announcer = Announcer(node, self._records)
         self._addrs: list[str] = []
 
@@ -128,31 +167,36 @@ class StageServicer(ServicerBase):
     # ---- streamed calls --------------------------------------------------------------------
 
     async def _forward_stream(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """`rpc_forward`, served on the raw stream rather than by ServicerBase, so that the reply can
-        be written in paced pieces (swarm.network.pacing); the bytes on the wire are the same."""
+        """`rpc_forward`, served on the raw stream rather than by ServicerBase, so that replies can
+        be written in paced pieces (swarm.network.pacing) and the stream can carry one micro-batch
+        after another (calls.StreamPool); the bytes of each exchange are the same."""
+        sender = info.peer_id.to_base58()
+        requests = Requests(reader)
         with contextlib.closing(writer):
             try:
-                await self.forward(read_messages(reader), info.peer_id.to_base58(), writer)
+                while await requests.next(self.idle_timeout):
+                    if not await self.forward(requests, sender, writer):
+                        return
             except Exception as e:  # the stream broke (the caller sees that on its side)
-                log.debug("micro-batch stream from %s ended: %s", info.peer_id.to_base58()[-8:], one_line(e))
+                log.debug("micro-batch stream from %s ended: %s", sender[-8:], one_line(e))
 
-    async def forward(self, requests: AsyncIterator[pb.StageRequest], sender: str, writer: asyncio.StreamWriter) -> None:
-        """One micro-batch: activations in, gradients (or DONE) out."""
-        opened = time.monotonic()  # the sender opens the stream when it starts sending (calls.Sending)
+    async def forward(self, requests: Requests, sender: str, writer: asyncio.StreamWriter) -> bool:
+        """One micro-batch: activations in, gradients (or DONE) out; whether the stream may carry
+        another (not after an error: what is left of a refused request on it is unknown)."""
         try:
-            head, payload = await read_frame(requests, "micro_batch", self.max_payload, self.read_timeout)
+            head, payload = await read_frame(requests.messages(), "micro_batch", self.max_payload, self.read_timeout)
             arrived = time.monotonic()
             _check_version(head.protocol_version)
             if head.sender and head.sender != sender:
                 raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
             hosted = self._find(head.run_id, head.stage)
-            hosted.arrivals[sender].add(opened, arrived, len(payload))
+            hosted.arrivals[sender].add(requests.started, arrived, len(payload))
             outcome = await hosted.micro_batch(head, payload, sender)
         except Exception as e:
             log.warning("micro-batch from %s rejected: %s", sender[-8:], one_line(e))
             await P2P.send_protobuf(_error(e), writer)
-            await _linger(requests)
-            return
+            await _linger(requests.messages())
+            return False
         pacer = hosted.pacer
         pacer.heard(sender, head.reply_share_bits)
         async with hosted.sending.to(sender):
@@ -160,9 +204,8 @@ class StageServicer(ServicerBase):
             flow = pacer.flow(sender)
             with flow or contextlib.nullcontext():
                 for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
-                    await pace(self.node.egress, message, first=i == 0)
-                    await send_paced(message, writer, flow)
-        await _linger(requests, self.linger_timeout)
+                    await send_paced(message, writer, flow, self.node.egress, first=i == 0)
+        return True
 
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
         """One round of the synchronous step: tied gradients, norm, scale, apply."""
@@ -176,7 +219,7 @@ class StageServicer(ServicerBase):
             await _linger(requests)
             return
         for i, message in enumerate(frame(pb.StageReply, "step", result, data)):
-            await pace(self.node.egress, message, first=i == 0)
+            await _pace(self.node.egress, message, first=i == 0)
             yield message
         await _linger(requests)
 
