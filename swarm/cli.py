@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     codecs.add_argument("--repeat", type=_positive_int, default=3, help="timed repeats per row (median is reported)")
     codecs.add_argument("--scale", type=_fraction, default=1.0, help="shrink the batch dimension of the tensors (0, 1]")
+    streams = which.add_parser("streams", help="CPU and time of a micro-batch exchange on a new hivemind stream against a kept one")
+    streams.add_argument("--exchanges", type=_positive_int, default=300, help="exchanges timed per mode")
+    streams.add_argument("--payload_kb", type=_positive_int, default=60, help="request size (KiB)")
+    streams.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     throughput = which.add_parser("throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds")
     throughput.add_argument("config", nargs="?", default="configs/bench/relay-layer1.yaml", help="experiment YAML (default: real ResNet-18 layer1 boundaries, little compute)")
     throughput.add_argument("--bandwidth", default="10mbit,50mbit,100mbit,500mbit", help="comma-separated rates of every process link")
@@ -156,6 +160,21 @@ def bench_codecs(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_streams(args: argparse.Namespace) -> int:
+    from swarm.bench import streams
+
+    try:
+        rows = streams.run(args.exchanges, args.payload_kb)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+    else:
+        print(streams.format_rows(rows, args.payload_kb))
+    return 0
+
+
 def bench_throughput(args: argparse.Namespace) -> int:
     from swarm.bench import throughput
 
@@ -201,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_codecs(args)
     if args.command == "bench" and args.bench == "throughput":
         return bench_throughput(args)
+    if args.command == "bench" and args.bench == "streams":
+        return bench_streams(args)
     if args.command == "run":
         return run_command(args)
     if args.command == "report":

@@ -64,3 +64,16 @@ def test_bad_cli_values_get_one_line_errors():
     assert "expected a number in (0, 1]" in result.stderr
     result = run_cli("bench", "nothing")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_stream_bench_times_both_modes_over_real_daemons():
+    """`bench streams` runs two hivemind peers and reports per-exchange wall and CPU time for a new
+    stream per exchange and for one kept stream (the figures are read, not asserted)."""
+    result = run_cli("bench", "streams", "--exchanges", "20", "--payload_kb", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["mode"] for r in rows] == ["new stream each", "one stream"]
+    for row in rows:
+        assert row["exchanges"] == 20 and row["wall_ms"] > 0 and row["cpu_ms"] > 0
+    result = run_cli("bench", "streams", "--payload_kb", "-3")
+    assert result.returncode == 2 and "--payload_kb: expected a positive integer, got '-3'" in result.stderr.strip().splitlines()[-1]

@@ -1,0 +1,100 @@
+"""`python -m swarm bench streams`: what a micro-batch exchange costs on a new hivemind stream
+against one on a stream kept open (why `swarm.network.calls.StreamPool` exists).
+
+Two P2P peers on loopback, each with its own p2pd daemon; the caller sends a request of
+`payload_kb` and waits for a small reply, `exchanges` times, first opening a stream per exchange,
+then on one stream. CPU seconds are those of this process and its children (the two daemons),
+read from /proc (Linux): both ends' Python and both daemons, i.e. what a pair of peers pays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P
+
+HANDLER = "hivepipe-bench-streams"
+
+
+@dataclass
+class StreamCost:
+    mode: str
+    exchanges: int
+    wall_ms: float  # per exchange
+    cpu_ms: float  # per exchange, both peers' processes and daemons
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "exchanges": self.exchanges, "wall_ms": self.wall_ms, "cpu_ms": self.cpu_ms}
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its direct children so far."""
+    me, ticks = os.getpid(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(entry) == me or int(fields[1]) == me:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def _serve(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Replies a few bytes to every request until the caller closes the stream."""
+    try:
+        while True:
+            await P2P.receive_raw_data(reader)
+            await P2P.send_raw_data(b"ok", writer)
+    except asyncio.IncompleteReadError:
+        pass
+    finally:
+        writer.close()
+
+
+async def _measure(exchanges: int, payload_kb: int) -> list[StreamCost]:
+    if not os.path.isdir("/proc"):
+        raise RuntimeError("bench streams reads CPU times from /proc (Linux only)")
+    server = await P2P.create()
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    try:
+        await server.add_binary_stream_handler(HANDLER, _serve)
+        payload = os.urandom(payload_kb * 1024)
+
+        async def exchange(reader, writer) -> None:
+            await P2P.send_raw_data(payload, writer)
+            await P2P.receive_raw_data(reader)
+
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLER)  # connects the peers
+        await exchange(reader, writer)
+        rows = []
+        for mode in ("new stream each", "one stream"):
+            wall, cpu = time.perf_counter(), tree_cpu_s()
+            for _ in range(exchanges):
+                if mode == "new stream each":
+                    writer.close()
+                    _, reader, writer = await client.call_binary_stream_handler(server.peer_id, HANDLER)
+                await exchange(reader, writer)
+            wall, cpu = time.perf_counter() - wall, tree_cpu_s() - cpu
+            rows.append(StreamCost(mode, exchanges, 1000 * wall / exchanges, 1000 * cpu / exchanges))
+        writer.close()
+        return rows
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+def run(exchanges: int = 300, payload_kb: int = 60) -> list[StreamCost]:
+    return asyncio.run(_measure(exchanges, payload_kb))
+
+
+def format_rows(rows: list[StreamCost], payload_kb: int) -> str:
+    lines = [f"{payload_kb} KiB request, 2-byte reply, loopback, two p2pd daemons", f"{'stream':<16} {'exchanges':>9} {'wall ms':>8} {'CPU ms':>7}"]
+    lines += [f"{r.mode:<16} {r.exchanges:>9} {r.wall_ms:>8.2f} {r.cpu_ms:>7.2f}" for r in rows]
+    return "\n".join(lines)
