@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import assert_same_run, local_rows, smoke
+from _swarm_env import assert_same_run, local_rows, smoke, swarm_rows
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
@@ -19,8 +19,7 @@ from swarm.network.hosted import HostedStage
 from swarm.network.meta import batch_to_meta, tensor_to_raw
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.servicer import StageServicer
-from swarm.results import ResultsWriter
-from swarm.run import build_data, train
+from swarm.run import build_data
 
 
 def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data, seq: int) -> MicroBatchCall:
@@ -36,24 +35,17 @@ def test_a_run_opens_about_one_stream_per_micro_batch_in_flight_and_stays_exact(
     """40 micro-batches through 4 stages, 8 in flight: each of the 4 links opens at most 8 streams,
     where a stream per micro-batch would open 40; the run equals the single-process one."""
     cfg = smoke("train.in_flight=8", "train.micro_batches=8")
-    run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(s, s) for s in range(4)])
-    callers = [swarm.trainer.streams, *(h.node.streams for h in hosted[:3])]
+    nodes = [node for node, _ in swarm.hosts[:4]]  # swarm_rows hosts stage s on host s
+    callers = [swarm.trainer.streams, *(node.streams for node in nodes[:3])]
     before = [pool.opened for pool in callers]
-    try:
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, 5, data)
-        results = ResultsWriter(None)
-        train(cfg, pipeline, data, results, 5, progress=False)
-    finally:
-        swarm.unhost(run_id)
+    rows = swarm_rows(swarm, cfg, steps=5)
     opened = [pool.opened - b for pool, b in zip(callers, before, strict=True)]
-    micro_batches = sum(1 for r in results.rows if r["type"] == "step") * cfg.train.micro_batches
+    micro_batches = sum(1 for r in rows if r["type"] == "step") * cfg.train.micro_batches
     assert micro_batches == 40
     assert all(1 <= n <= cfg.train.in_flight for n in opened), opened
-    downstream = [h.node.peer_id for h in hosted]
+    downstream = [node.peer_id for node in nodes]
     assert [pool.idle(peer) for pool, peer in zip(callers, downstream, strict=True)] == opened  # every stream came back after its last reply
-    assert_same_run(results.rows, local_rows(cfg, tmp_path))
+    assert_same_run(rows, local_rows(cfg, tmp_path))
 
 
 def test_streams_the_servicer_closed_or_kept_too_long_are_replaced(swarm):
