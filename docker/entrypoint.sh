@@ -17,7 +17,7 @@
 #                              from its key file on the shared volume and its host name
 #   WAIT=180                   seconds to wait for the bootstrap's key file
 # Arguments are appended to the peer's command line (e.g. --set train.epochs=2).
-#   UPLINK=, DOWNLINK=         a stage peer's link rates (--uplink/--downlink: it paces each neighbour
+#   UPLINK=, DOWNLINK=         a peer's link rates (--uplink/--downlink: it paces each neighbour
 #                              flow at its fair share); default: RATE, and for DOWNLINK only with INGRESS=1
 #   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
 #                              several containers share one host's cores (compose on one machine)
@@ -72,8 +72,9 @@ case "${ROLE:-}" in
         ;;
     trainer)
         peers=$(initial_peers) || exit 1
+        uplink="${UPLINK:-${RATE:-}}"  # it paces the inputs it sends stage 0
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} ${uplink:+--uplink "$uplink"} \
             ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} "$@"
         ;;
     "")

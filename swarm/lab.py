@@ -9,8 +9,8 @@ gets its own network namespace and access link (swarm.netlab.namespaces), rate l
 both directions, with the delay from netem where the kernel has it and otherwise added on each
 process's send path in process; a probe measures the links before the run. `inprocess`: processes
 on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
-Either way each stage peer is told its link rate (--uplink / --downlink), so it paces every
-neighbour flow at its fair share (swarm.network.pacing), unless `pacing` is off.
+Either way each stage peer and the trainer is told its link rate (--uplink / --downlink), so it
+paces every neighbour flow at its fair share (swarm.network.pacing), unless `pacing` is off.
 
 The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
 their number (at least one). Left at torch's default, every process runs a thread per core, and
@@ -123,9 +123,9 @@ class Lab:
         return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
 
     def _link_args(self, name: str) -> list[str]:
-        """A stage peer's declared link rate (its access link is shaped the same both ways)."""
+        """A stage peer's or the trainer's declared link rate (its access link is shaped the same both ways)."""
         rate = (self.rates or {}).get(name)
-        if not (self.pacing and rate and name.startswith("stage")):
+        if not (self.pacing and rate and (name.startswith("stage") or name == "trainer")):
             return []
         return ["--uplink", rate, "--downlink", rate]
 

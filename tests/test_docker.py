@@ -75,7 +75,9 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
         assert shared.stdout.rstrip().endswith("--threads 1"), shared.stdout + shared.stderr
     trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
-    assert "tc " not in trainer.stdout  # no RATE, no DELAY: no shaping
+    assert "tc " not in trainer.stdout and "--uplink" not in trainer.stdout  # no RATE, no DELAY: no shaping, nothing declared
+    paced = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "RATE": "20mbit", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    assert "peers.trainer" in paced.stdout and "--uplink 20mbit" in paced.stdout, paced.stdout + paced.stderr
 
 
 @pytest.mark.parametrize(("env", "message"), [({"RATE": "fast"}, "bad rate"), ({"RATE": "10mbps"}, "ambiguous"), ({"ROLE": "stage", "STAGE": ""}, "needs STAGE"), ({"ROLE": "bogus"}, "ROLE must be")])

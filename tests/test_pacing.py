@@ -7,13 +7,14 @@ import asyncio
 import uuid
 
 import pytest
-from _swarm_env import assert_same_run, smoke, swarm_rows
+from _swarm_env import assert_same_run, smoke, split_batches, swarm_rows
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from swarm.network.announce import StageRecord
 from swarm.network.calls import _Stream
 from swarm.network.hosted import HostedStage
+from swarm.network.meta import tensor_to_raw
 from swarm.network.node import NodeOptions, SwarmNode
 from swarm.network.pacing import (
     MIN_PIECE_BYTES,
@@ -24,9 +25,10 @@ from swarm.network.pacing import (
     send_paced,
     stage_flows,
 )
+from swarm.network.pipeline import SwarmPipeline
 from swarm.network.servicer import StageServicer
 from swarm.results import ResultsWriter
-from swarm.run import build_data, train
+from swarm.run import Schedule, build_data, train
 
 
 def test_flows_per_stage():
@@ -176,3 +178,26 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
         for node, servicer in peers:
             swarm.loop.run(servicer.stop())
             swarm.loop.run(node.shutdown())
+
+
+def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swarm):
+    """The trainer's flow to stage 0 goes through its own bucket at the declared rate (the stage
+    peers here declare nothing, so no offer lowers it); every input byte is booked."""
+    cfg = smoke("model.num_stages=2")
+    run_id = uuid.uuid4().hex[:8]
+    trainer = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, uplink="300mbit")))
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1)])
+    try:
+        data = build_data(cfg)
+        pipeline = SwarmPipeline(trainer, swarm.loop, cfg, run_id, timeout=30)
+        pipeline.setup(Schedule.of(cfg, len(data[0]), 1).lr_horizon, len(data[0]), wait_s=20)
+        items = split_batches(cfg, data, 1)[0]
+        pipeline.run_many(items)
+        inputs = sum(len(tensor_to_raw(x).SerializeToString()) for _, x in items)
+        (peer, flow), = pipeline.pacer._flows.items()
+        assert peer == hosted[0].node.peer_id
+        assert flow.bucket.rate_bits == int(300e6 * PAYLOAD_SHARE)
+        assert flow.bucket.stats().bytes >= inputs
+    finally:
+        swarm.unhost(run_id)
+        swarm.loop.run(trainer.shutdown())

@@ -34,6 +34,7 @@ from swarm.network.hosted import config_digest
 from swarm.network.meta import batch_to_meta, payload_to_tensors, tensor_to_raw, tensors_to_payload
 from swarm.network.node import SwarmNode
 from swarm.network.ordering import OutLink
+from swarm.network.pacing import FlowPacer
 from swarm.network.routing import NoPeerError, Router
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class SwarmPipeline:
         self._routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
         self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
         self.sending = Sending()
+        self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
 
     # ---- joining -----------------------------------------------------------------------------
@@ -111,15 +113,18 @@ class SwarmPipeline:
 
     async def _one(self, batch: MicroBatch, payload: bytes, order: asyncio.Lock) -> dict[str, float]:
         async with order:  # numbers are taken in the order the micro-batches were given
-            entry = self._entry = (await self.router.choose(0, sticky=self._entry, session=self.session)).peer_id
+            record = await self.router.choose(0, sticky=self._entry, session=self.session)
+            entry = self._entry = record.peer_id
             sent = self.links.setdefault(entry, OutLink()).take()
         tried: set[str] = set()
         for attempt in range(self.attempts):
             tried.add(entry)
             head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
-            call = MicroBatchCall(self.node.streams, entry, head, payload, self.node.egress, self.sending)
+            self.pacer.heard(entry, record.download_share, fallback=True)
+            call = MicroBatchCall(self.node.streams, entry, head, payload, self.node.egress, self.sending, self.pacer.flow(entry))
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
+                self.pacer.heard(entry, result.share_bits)
                 break
             except (TransportError, RemoteError) as e:
                 self.links[entry].reset()
@@ -129,7 +134,8 @@ class SwarmPipeline:
                     self.router.failed(entry)
                     self._entry = None
                     try:
-                        entry = (await self.router.choose(0, exclude=tried, session=self.session)).peer_id
+                        record = await self.router.choose(0, exclude=tried, session=self.session)
+                        entry = record.peer_id
                     except NoPeerError:
                         raise e from None
                 log.warning("micro-batch %s failed (%s); retrying on stage 0 peer %s", batch.key, e, entry[-8:])
