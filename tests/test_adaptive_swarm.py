@@ -119,12 +119,27 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
 DROP_AFTER = 3
 
 
-def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm):
+def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch):
+    import swarm.network.pipeline as pipeline_module
+
+    asked = []  # status calls, as the trainer makes them
+    real_call_info = pipeline_module.call_info
+
+    async def counted_call_info(*args, **kwargs):
+        asked.append(args[1])
+        return await real_call_info(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "call_info", counted_call_info)
+    asked_by_step = []
+
     def drop(step: int, egress) -> None:
+        asked_by_step.append(len(asked))
         if step == DROP_AFTER:
             egress.set_rate("1mbit")
 
     rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, adaptive_cfg(), 7, "10gbit", after=drop)
+    # one status round per step (4 peers) serves both the decision and the step's byte counts
+    assert [b - a for a, b in zip(asked_by_step, asked_by_step[1:], strict=False)] == [4] * 6
     steps = [r for r in rows if r["type"] == "step"]
     assert len(steps) == 7 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)
     assert all(r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1])  # fast until the drop, and the step it hit

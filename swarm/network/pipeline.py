@@ -59,6 +59,7 @@ class SwarmPipeline:
         self.sending = Sending()
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
+        self._step_statuses: list[pb.StageStatus] | None = None  # read by this step's adaptive decision, valid until more micro-batches run
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class SwarmPipeline:
         return self.loop.run(self._run_many([(batch, tensor_to_raw(x).SerializeToString()) for batch, x in items]))
 
     async def _run_many(self, items: list[tuple[MicroBatch, bytes]]) -> list[dict[str, float]]:
+        self._step_statuses = None
         window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
 
         async def one(batch: MicroBatch, payload: bytes) -> dict[str, float]:
@@ -263,7 +265,8 @@ class SwarmPipeline:
         self.adaptive.step_done()
         if not self.adaptive.due(self._step + 1):
             return []
-        changes = self.adaptive.observe(await self._statuses(), self._step + 1)
+        self._step_statuses = await self._statuses()  # after the last micro-batch: also this step's link bytes
+        changes = self.adaptive.observe(self._step_statuses, self._step + 1)
         for boundary in changes:
             log.info("after step %d: adaptive compression, %s", self._step + 1, self.adaptive.last[boundary].describe())
         return [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(changes.items())]
@@ -294,7 +297,8 @@ class SwarmPipeline:
     def link_bytes(self) -> dict[str, int]:
         """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts)."""
         totals: Counter = Counter()
-        for status in self.statuses():
+        statuses, self._step_statuses = self._step_statuses, None
+        for status in statuses if statuses is not None else self.statuses():
             for link in status.links:
                 for key, n in link.sent.items():
                     direction, mode = key.split(".", 1)
