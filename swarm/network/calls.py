@@ -3,10 +3,10 @@
 hivemind's stub methods reject a timeout for streaming calls, so the calls here go through
 `P2P.iterate_protobuf_handler` / `call_protobuf_handler` directly and bound them themselves.
 A micro-batch exchange is a request payload out and a reply payload (gradients, or DONE) back on
-a bidirectional stream. Streams to a neighbour are kept and reused (`StreamPool`): opening one costs
-~3 ms of CPU across both peers' processes and daemons, against ~0.4 ms for a request and reply on
-an open one (two loopback peers, 60 KB requests), and at a few hundred samples/s per micro-batch
-stream the opens alone took a quarter of a 2-core machine.
+a bidirectional stream. Streams to a neighbour are kept and reused (`StreamPool`): an exchange on
+a new stream cost 4.4 ms of CPU across both peers' processes and daemons, against 1.0 ms on a
+kept one (`python -m swarm bench streams`: two loopback peers, 60 KiB requests). At 45
+micro-batches/s through 4 links, that difference is ~0.6 s of CPU per second of a 2-core machine.
 """
 
 from __future__ import annotations
@@ -113,22 +113,21 @@ class StreamPool:
     streams idle for `keep_s` are closed rather than reused (the servicer closes streams idle for
     longer, and a reused stream the servicer had just closed would fail a micro-batch)."""
 
-    def __init__(self, p2p: P2P, keep_s: float = KEEP_IDLE_S, clock=time.monotonic) -> None:
-        self.p2p, self.keep_s, self.clock = p2p, keep_s, clock
+    def __init__(self, p2p: P2P, egress=None, keep_s: float = KEEP_IDLE_S, clock=time.monotonic) -> None:
+        self.p2p, self.egress, self.keep_s, self.clock = p2p, egress, keep_s, clock  # egress: the node's in-process shaping
         self._idle: dict[str, list[tuple[_Stream, float]]] = {}
         self.opened = 0
 
-    async def take(self, peer_id: str, egress=None) -> _Stream:
+    async def take(self, peer_id: str) -> _Stream:
         now = self.clock()
         idle = self._idle.get(peer_id, [])
         while idle:
             stream, since = idle.pop()
             if now - since < self.keep_s and not stream.closed:
-                stream.egress = egress
                 return stream
             stream.close()
         self.opened += 1
-        return await _Stream.open(self.p2p, peer_id, "rpc_forward", egress)
+        return await _Stream.open(self.p2p, peer_id, "rpc_forward", self.egress)
 
     def give_back(self, peer_id: str, stream: _Stream) -> None:
         now = self.clock()
@@ -173,8 +172,8 @@ class MicroBatchCall:
     """One micro-batch exchange with a downstream stage peer (or stage 0, from the trainer), on a
     stream from `streams`; `finish` returns that stream once the reply has been read."""
 
-    def __init__(self, streams: StreamPool, peer_id: str, head: pb.MicroBatchHead, payload: bytes, egress=None, sending: Sending | None = None, flow=None) -> None:
-        self.streams, self.peer_id, self.egress = streams, str(peer_id), egress
+    def __init__(self, streams: StreamPool, peer_id: str, head: pb.MicroBatchHead, payload: bytes, sending: Sending | None = None, flow=None) -> None:
+        self.streams, self.peer_id = streams, str(peer_id)
         self.sending, self.flow = sending, flow
         self.head, self.payload = head, payload
         self._stream: _Stream | None = None
@@ -184,7 +183,7 @@ class MicroBatchCall:
     async def _exchange(self) -> tuple[pb.ResultHead, bytes]:
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
             # taken only now: the receiver times the payload from its first byte
-            self._stream = await self.streams.take(self.peer_id, self.egress)
+            self._stream = await self.streams.take(self.peer_id)
             with self.flow or contextlib.nullcontext():
                 await self._stream.send(frame(pb.StageRequest, "micro_batch", self.head, self.payload), self.flow)
         self._replies = self._stream.replies()

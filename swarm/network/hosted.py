@@ -304,7 +304,7 @@ class HostedStage:
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
             self.pacer.heard(target, record.download_share, fallback=True)
-            call = MeteredCall(self.node.streams, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.node.egress, self.sending, self.pacer.flow(target), meter=self.replies[target])
+            call = MeteredCall(self.node.streams, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.sending, self.pacer.flow(target), meter=self.replies[target])
             try:
                 result, reply = await self._reply(call, max(deadline - time.monotonic(), 0.1))
                 self.pacer.heard(target, result.share_bits)

@@ -42,7 +42,7 @@ class SwarmNode:
         self.dht = dht
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
-        self.streams = StreamPool(p2p)  # micro-batch streams to the peers we call, kept for reuse
+        self.streams = StreamPool(p2p, egress)  # micro-batch streams to the peers we call, kept for reuse
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:

@@ -21,7 +21,8 @@ Payloads are written in pieces of ~10 ms at the flow's rate (8 to 64 KiB) under 
 bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Pacing whole
 1 MiB chunks was measured to be too bursty to help, and fixed 64 KiB pieces overflowed the 64 KB
 queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). A peer with nothing
-declared does not pace, and flows to or from the trainer (a few bytes per sample) are not counted.
+declared does not pace. The trainer paces the inputs it sends stage 0 too (with a declared
+uplink), but stage 0's offers do not count that flow (a few KB per sample).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class SwarmPipeline:
             tried.add(entry)
             head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
             self.pacer.heard(entry, record.download_share, fallback=True)
-            call = MicroBatchCall(self.node.streams, entry, head, payload, self.node.egress, self.sending, self.pacer.flow(entry))
+            call = MicroBatchCall(self.node.streams, entry, head, payload, self.sending, self.pacer.flow(entry))
             try:
                 result, _ = await call.reply(self.timeout + 5.0)
                 self.pacer.heard(entry, result.share_bits)

@@ -90,7 +90,7 @@ class Requests:
     def __init__(self, reader: asyncio.StreamReader) -> None:
         self.reader = reader
         self.started = 0.0
-        self._marker: bytes | None = None
+        self._begun = False  # `next` read the first message's marker already
 
     async def next(self, idle_timeout: float) -> bool:
         """True when a request begins; False when the caller ended the stream or let it idle."""
@@ -99,23 +99,19 @@ class Requests:
         except (asyncio.IncompleteReadError, TimeoutError):
             return False
         self.started = time.monotonic()
-        if marker != P2P.MESSAGE_MARKER:  # the end-of-stream marker
-            return False
-        self._marker = marker
-        return True
+        self._begun = marker == P2P.MESSAGE_MARKER  # else the end-of-stream marker
+        return self._begun
 
     async def messages(self) -> AsyncIterator[pb.StageRequest]:
         """This request's messages (a reader of one frame stops at its last one) and, read on,
         whatever follows until the caller ends the stream."""
         while True:
-            marker, self._marker = self._marker, None
+            begun, self._begun = self._begun, False
             try:
-                if marker is None:
-                    marker = await self.reader.readexactly(1)
+                if not begun and await self.reader.readexactly(1) != P2P.MESSAGE_MARKER:
+                    return
                 data = await P2P.receive_raw_data(self.reader)
             except asyncio.IncompleteReadError:
-                return
-            if marker != P2P.MESSAGE_MARKER:
                 return
             message = pb.StageRequest()
             message.ParseFromString(data)
