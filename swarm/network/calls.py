@@ -4,9 +4,9 @@ hivemind's stub methods reject a timeout for streaming calls, so the calls here 
 `P2P.iterate_protobuf_handler` / `call_protobuf_handler` directly and bound them themselves.
 A micro-batch exchange is a request payload out and a reply payload (gradients, or DONE) back on
 a bidirectional stream. Streams to a neighbour are kept and reused (`StreamPool`): an exchange on
-a new stream cost 4.4 ms of CPU across both peers' processes and daemons, against 1.0 ms on a
-kept one (`python -m swarm bench streams`: two loopback peers, 60 KiB requests). At 45
-micro-batches/s through 4 links, that difference is ~0.6 s of CPU per second of a 2-core machine.
+a new stream cost 2.8-3.3 ms of CPU across both peers' processes and daemons, against 0.6-0.7 ms
+on a kept one (`python -m swarm bench streams`: two loopback peers, 60 KiB requests). At 45
+micro-batches/s through 4 links, that difference is ~0.45 s of CPU per second of a 2-core machine.
 """
 
 from __future__ import annotations
