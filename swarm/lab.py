@@ -20,6 +20,7 @@ on 2 cores the 5 processes' threads competed for the cores: up to 4x fewer sampl
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import secrets
@@ -29,6 +30,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from swarm.netlab.meter import LinkMeter
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
@@ -223,12 +226,19 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
+            meter = LinkMeter(self.net.link_bytes) if self.net is not None and self.results else None
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
                     if process is not trainer and process.poll() is not None:
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
+                if meter is not None:
+                    meter.poll()
                 time.sleep(0.2)
+            if meter is not None and trainer.returncode == 0:  # the links' own byte counts, for bench throughput
+                meter.sample()
+                with open(self.results, "a") as f:
+                    f.write(json.dumps(meter.to_row()) + "\n")
             return trainer.returncode
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)

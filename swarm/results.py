@@ -2,11 +2,13 @@
 
 Schema (every line has "type"):
 - config:  {"name", "config": {...}, "started": ISO time}
-- step:    {"step", "epoch", "loss", "lr", "samples", "exact", "bytes": {"boundary<i>.<direction>": bytes this step}, "time_s"}
+- step:    {"step", "epoch", "loss", "lr", "samples", "exact", "bytes": {"boundary<i>.<direction>": bytes this step}, "time_s", "at": unix time}
 - eval:    {"step", "epoch", "uncompressed": {metrics}, "compressed": {metrics}}  (metrics: loss and
            accuracy; perplexity for language models)
 - summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
            {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
+- meter:   (lab runs in namespaces) {"every_s", "samples": [{"at": unix time, "links": {process: [bytes
+           sent, received]}, "cpu_busy_s", "cpu_total_s"}]} (swarm.netlab.meter)
 - stages:  (swarm runs) {"stages": [{"stage", "compute_s", "samples", "processed", "throughput"} per stage peer]}
 """
 

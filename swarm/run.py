@@ -167,7 +167,7 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
             samples += ids.numel()
             now = pipeline.link_bytes()
             notes = pipeline.step_notes() if hasattr(pipeline, "step_notes") else {}  # a swarm's adaptive codecs
-            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started, **notes})
+            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started, "at": time.time(), **notes})
             bytes_before = now
             bar.update(1)
             bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")

@@ -376,9 +376,15 @@ def test_shaping_limits_hivemind_throughput(caps):
 
     with NetLab(["a", "b", "c"], rates={"a": "1gbit", "b": "20mbit", "c": "1gbit"}) as net:
         assert "tbf 20mbit" in net.summary()
+        before = net.link_bytes()
         results = probe_netlab(net, "a", ["b", "c"], 3_000_000, timeout=90)
+        after = net.link_bytes()
         tag = net.tag
     assert _ns_leftovers(tag) == []
+    sent, received = (after["b"][i] - before["b"][i] for i in (0, 1))
+    print(f"\nb's link counted {sent:,} bytes out and {received:,} in for 3,000,000 of payload each way")
+    # the payload each way plus a small warm-up, headers, ACKs and the daemons' own traffic
+    assert 3_000_000 < sent < 1.3 * 3_000_000 and 3_000_000 < received < 1.3 * 3_000_000
     slow = {r.direction: r.mbit_per_s for r in results["b"]}
     fast = {r.direction: r.mbit_per_s for r in results["c"]}
     print(f"\nshaped 20mbit {slow}, 1gbit {fast} (Mbit/s of payload)")

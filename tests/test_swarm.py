@@ -276,6 +276,15 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
         probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
         assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
         assert set(list_namespaces("hp")) == namespaces  # all torn down
+        rows = read_results(results)
+        meter = next(r for r in rows if r["type"] == "meter")["samples"]
+        counted = {name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)] for name in ("stage0", "stage1")}
+        payload = {d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step") for d in ("forward", "backward")}
+        assert payload["forward"] > 0 and payload["backward"] > 0
+        # what each link's qdisc metered covers the payload that crossed it, headers on top
+        assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
+        assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
+        assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
     else:
         assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])

@@ -9,6 +9,7 @@ import pytest
 
 from swarm.bench.throughput import ThroughputRow, backward_spec, codec_overrides, measure_run, speedups
 from swarm.lab import parse_rates
+from swarm.netlab.meter import window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
 
@@ -56,6 +57,46 @@ def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     assert 0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]  # fill and drain cost, not more
     with pytest.raises(ValueError, match="at least 2"):
         measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+
+
+def _meter(links_per_second: dict[str, tuple[int, int]], busy_per_second: float, until: float) -> dict:
+    """A lab's meter row: counters growing linearly from t=0, one sample per second."""
+    return {"type": "meter", "every_s": 1.0, "samples": [
+        {"at": float(t), "links": {n: [t * up, t * down] for n, (up, down) in links_per_second.items()}, "cpu_busy_s": t * busy_per_second, "cpu_total_s": 2.0 * t}
+        for t in range(int(until) + 2)]}
+
+
+def test_meter_window_interpolates_between_samples_and_refuses_an_uncovered_window():
+    row = {"type": "meter", "samples": [
+        {"at": 0.0, "links": {"a": [0, 0]}, "cpu_busy_s": 0.0, "cpu_total_s": 0.0},
+        {"at": 1.0, "links": {"a": [100, 50]}, "cpu_busy_s": 1.0, "cpu_total_s": 2.0},
+        {"at": 2.0, "links": {"a": [300, 150]}, "cpu_busy_s": 1.5, "cpu_total_s": 4.0}]}
+    counted = window(row, 0.5, 1.5)
+    assert counted.sent == {"a": pytest.approx(150.0)} and counted.received == {"a": pytest.approx(75.0)}
+    assert counted.busy == pytest.approx((1.25 - 0.5) / (3.0 - 1.0))
+    with pytest.raises(ValueError, match="do not cover"):
+        window(row, 0.5, 2.5)
+    with pytest.raises(ValueError, match="empty window"):
+        window(row, 1.0, 1.0)
+
+
+def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
+    """With a meter row, the link bound comes from what each link carried (headers and ACKs
+    included), and the payload bound is kept beside it."""
+    rows = _rows(seconds_per_step=2.0)
+    for row in rows:
+        if row["type"] == "step":
+            row["at"] = row["time_s"]
+    # per second: 32 samples/s; stage1 sends 60,000 B/s = 1875 B per sample (1500 payload + 25%)
+    rows.append(_meter({"stage0": (40_000, 30_000), "stage1": (60_000, 50_000), "trainer": (1000, 500)}, busy_per_second=1.5, until=20))
+    figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+    assert figures["wire_bytes_per_sample"]["stage1"] == pytest.approx([1875.0, 1562.5])
+    assert figures["busiest_bytes_per_sample"] == pytest.approx(1875.0) and figures["binding"] == "link stage1 up"
+    assert figures["link_bound"] == pytest.approx(10_000 / 1875) and figures["payload_link_bound"] == pytest.approx(10_000 / 1500)
+    assert figures["fraction_of_bound"] == pytest.approx(32.0 / (10_000 / 1875))
+    assert figures["machine_busy"] == pytest.approx(0.75)
+    plain = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)  # no meter: the payload bound
+    assert plain["wire_bytes_per_sample"] is None and plain["link_bound"] == plain["payload_link_bound"] == pytest.approx(10_000 / 1500)
 
 
 def test_backward_specs_and_speedups():

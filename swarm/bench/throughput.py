@@ -5,15 +5,19 @@ Every (codec, bandwidth) runs a real swarm (`swarm.lab.Lab`: bootstrap, stage pe
 as processes, links shaped in namespaces or in process) for a few steps. From its results:
 - achieved samples/s over the steady steps (the first `warmup` steps, with connection setup, are
   left out);
-- wire bytes per sample of every boundary, forward and backward (what the peers really sent);
+- payload bytes per sample of every boundary, forward and backward (what the peers sent);
 - the link bound: each process has an access link of the rate in each direction, so a middle
   stage sends forward activations and backward gradients over the same up link; the busiest
-  direction of the busiest process bounds samples/s (swarm.netlab.bounds.pipeline_bound);
+  direction of the busiest process bounds samples/s. With namespaces, the bytes are those the
+  kernel counted on each link over the measured steps (swarm.netlab.meter: the payload plus
+  TCP/IP, TLS and libp2p framing, ACKs and DHT traffic, all of which tbf meters); in process, the
+  payload (swarm.netlab.bounds.pipeline_bound, also reported as `payload_link_bound`);
 - the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
   included), from the stage peers' own accounting; and since the lab's peers share this
   machine's cores, at most cores / the sum of the stages' compute CPU seconds per sample (the
   computing threads' CPU time, so waiting for a core is not counted as work);
-- achieved / min(link bound, compute bound).
+- achieved / min(link bound, compute bound);
+- with namespaces, how busy the machine's cores were over the measured steps (`machine_busy`).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class ThroughputRow:
     fraction_of_bound: float
     schedule_bound: float  # what this schedule allows on ideal fair links (swarm.netlab.fluid)
     binding: str  # what the bound is: "link <process> <direction>" or "compute"
-    busiest_bytes_per_sample: float
+    busiest_bytes_per_sample: float  # on the binding link: counted by the kernel when measured, else the payload
     forward_bytes: list[float]  # per boundary, per training sample
     backward_bytes: list[float]
     stage_ms_per_sample: list[float]
@@ -67,6 +71,9 @@ class ThroughputRow:
     shaping: str
     cores_bound: float | None = None  # what the shared cores allow (None: not measured); compute_bound includes it
     chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
+    payload_link_bound: float | None = None  # the link bound from the payload bytes alone (no headers, ACKs, DHT)
+    wire_bytes_per_sample: dict[str, list[float]] | None = None  # per process: [up, down] as its link counted them
+    machine_busy: float | None = None  # fraction of the machine's CPU time busy over the measured steps
 
 
 def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
@@ -104,29 +111,49 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None
     stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
     bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
+    link, busiest, busiest_bytes = bound.link, f"{bound.busiest} {bound.direction}", bound.wire_bytes
+    wire, machine_busy = counted_wire(rows, first, last, samples)
+    if wire:  # the links' own counts: the bound is what tbf lets through, headers and ACKs included
+        (busiest, busiest_bytes) = max(((f"{name} {d}", b) for name, pair in wire.items() for d, b in zip(("up", "down"), pair, strict=True)), key=lambda item: item[1])
+        link = bandwidth_bits / 8 / busiest_bytes if busiest_bytes else math.inf
     cores_bound = shared_cores_bound(cores, stage_cpu) if cores and any(stage_cpu) else None
     compute = min(bound.compute, cores_bound or math.inf)
-    limit = min(bound.link, compute)
-    if bound.link <= compute:
-        binding = f"link {bound.busiest} {bound.direction}"
+    limit = min(link, compute)
+    if link <= compute:
+        binding = f"link {busiest}"
     else:
         binding = "compute" if compute == bound.compute else f"cores ({cores:g} shared)"
     train = next(r for r in rows if r["type"] == "config")["config"]["train"]
     return {
         "samples_per_s": achieved,
         "schedule_bound": schedule_bound(train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited),
-        "link_bound": bound.link,
+        "link_bound": link,
         "compute_bound": compute,
         "cores_bound": cores_bound,
         "fraction_of_bound": achieved / limit if limit and math.isfinite(limit) else float("nan"),
         "binding": binding,
-        "busiest_bytes_per_sample": bound.wire_bytes,
+        "busiest_bytes_per_sample": busiest_bytes,
+        "payload_link_bound": bound.link,
+        "wire_bytes_per_sample": wire,
+        "machine_busy": machine_busy,
         "forward_bytes": forward,
         "backward_bytes": backward,
         "stage_ms_per_sample": [1000 * s for s in stage_s or []],
         "steps": len(steps),
         "chosen": steps[-1].get("codecs"),
     }
+
+
+def counted_wire(rows: list[dict], first: dict, last: dict, samples: int) -> tuple[dict[str, list[float]] | None, float | None]:
+    """({process: [bytes up, bytes down] per sample}, machine CPU busy fraction) between two step rows,
+    from a lab's meter row; (None, None) without one (in-process shaping, or an older results file)."""
+    from swarm.netlab.meter import window
+
+    meter = next((r for r in rows if r["type"] == "meter"), None)
+    if meter is None or "at" not in first or "at" not in last:
+        return None, None
+    counted = window(meter, first["at"], last["at"])
+    return {name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent}, counted.busy
 
 
 def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
@@ -160,7 +187,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
                 figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns", cores=available_cores())
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
-                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}")
+                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}" + (f"; cores {100 * row.machine_busy:.0f}% busy" if row.machine_busy is not None else ""))
                 if row.chosen:
                     log("   adaptive chose " + ", ".join(f"boundary {b}: {c}" for b, c in row.chosen.items()))
                 rows.append(row)

@@ -37,6 +37,7 @@ API
         .start() / .close()  (or `with`)       .links -> {name: Link}
         .namespace(name) .address(name) .maddr(name, port=0) .wrap(name, argv) .run(name, argv)
         .missing_delay(name) -> float   .summary() -> str   .report() -> dict (JSON-able)
+        .link_bytes() -> {name: (sent, received)}   bytes each link carried so far (kernel counters)
     Link / Direction: frozen dataclasses (qdisc kind, rate, burst, limit, delay requested/applied)
     cleanup_stale(prefix="hp") -> [deleted namespaces]    leftovers whose owner pid is dead
     list_namespaces(prefix=None) -> [names]
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -358,6 +360,28 @@ class NetLab:
 
     # ---------------------------------------------------------------- reporting
 
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        """{name: (bytes it sent, bytes it received)} over its link so far. A shaped direction reports
+        what its qdisc metered (every frame after segmentation: headers and ACKs included); an
+        unshaped one the bridge port's counters (which count a segmentation-offloaded burst's
+        headers once)."""
+        if self._state != "up":
+            raise NetlabError("the lab is not up: no link counters to read")
+        ip, tc_tool = _which("ip") or "ip", _which("tc") or "tc"
+        ports = {entry["ifname"].split("@")[0]: entry.get("stats64", {}) for entry in _json(_run([ip, "-n", self.bridge_ns, "-s", "-j", "link", "show"]).stdout)}
+        down_qdiscs = _root_qdisc_bytes(_run([tc_tool, "-n", self.bridge_ns, "-s", "-j", "qdisc", "show"]).stdout)
+        counts = {}
+        for i, name in enumerate(self.names):
+            port, link = f"v{i}", self.links[name]
+            stats = ports.get(port, {})  # the port receives what the process sends, and the reverse
+            sent, received = int(stats.get("rx", {}).get("bytes", 0)), int(stats.get("tx", {}).get("bytes", 0))
+            if link.up.qdisc is not None:
+                sent = _root_qdisc_bytes(_run([tc_tool, "-n", link.netns, "-s", "-j", "qdisc", "show", "dev", "eth0"]).stdout, "eth0").get("eth0", sent)
+            if link.down.qdisc is not None:
+                received = down_qdiscs.get(port, received)
+            counts[name] = (sent, received)
+        return counts
+
     def summary(self) -> str:
         caps = self.capabilities or detect()
         lines = [f"netlab {self.tag}: {len(self.names)} namespaces on {self.network} (bridge in {self.bridge_ns}); {caps.summary()}"]
@@ -373,6 +397,19 @@ class NetLab:
             "capabilities": caps.to_dict(),
             "links": {n: self.links[n].to_dict() for n in self.names if n in self.links},
         }
+
+
+def _json(text: str) -> list[dict]:
+    try:
+        return json.loads(text or "[]")
+    except json.JSONDecodeError as e:
+        raise NetlabError(f"iproute2 printed no JSON ({e}): it needs -j support (iproute2 >= 4.13)") from None
+
+
+def _root_qdisc_bytes(text: str, device: str | None = None) -> dict[str, int]:
+    """{device: bytes its root qdisc sent} from `tc -s -j qdisc show [dev DEVICE]` (which leaves
+    the device out of its entries when it was named)."""
+    return {q.get("dev", device): int(q.get("bytes", 0)) for q in _json(text) if q.get("root")}
 
 
 def _pass_on(exc: NetlabInterrupted) -> None:
