@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarm.netlab.meter import LinkMeter
+from swarm.netlab.counters import CounterSampler
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
@@ -226,7 +226,7 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            meter = LinkMeter(self.net.link_bytes) if self.net is not None and self.results else None
+            meter = CounterSampler(self.net.link_bytes) if self.net is not None and self.results else None
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:

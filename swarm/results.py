@@ -8,7 +8,7 @@ Schema (every line has "type"):
 - summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
            {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
 - meter:   (lab runs in namespaces) {"every_s", "samples": [{"at": unix time, "links": {process: [bytes
-           sent, received]}, "cpu_busy_s", "cpu_total_s"}]} (swarm.netlab.meter)
+           sent, received]}, "cpu_busy_s", "cpu_total_s"}]} (swarm.netlab.counters)
 - stages:  (swarm runs) {"stages": [{"stage", "compute_s", "samples", "processed", "throughput"} per stage peer]}
 """
 

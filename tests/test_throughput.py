@@ -9,7 +9,7 @@ import pytest
 
 from swarm.bench.throughput import ThroughputRow, backward_spec, codec_overrides, measure_run, speedups
 from swarm.lab import parse_rates
-from swarm.netlab.meter import window
+from swarm.netlab.counters import window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
 

@@ -9,7 +9,7 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
 - the link bound: each process has an access link of the rate in each direction, so a middle
   stage sends forward activations and backward gradients over the same up link; the busiest
   direction of the busiest process bounds samples/s. With namespaces, the bytes are those the
-  kernel counted on each link over the measured steps (swarm.netlab.meter: the payload plus
+  kernel counted on each link over the measured steps (swarm.netlab.counters: the payload plus
   TCP/IP, TLS and libp2p framing, ACKs and DHT traffic, all of which tbf meters); in process, the
   payload (swarm.netlab.bounds.pipeline_bound, also reported as `payload_link_bound`);
 - the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
@@ -147,7 +147,7 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
 def counted_wire(rows: list[dict], first: dict, last: dict, samples: int) -> tuple[dict[str, list[float]] | None, float | None]:
     """({process: [bytes up, bytes down] per sample}, machine CPU busy fraction) between two step rows,
     from a lab's meter row; (None, None) without one (in-process shaping, or an older results file)."""
-    from swarm.netlab.meter import window
+    from swarm.netlab.counters import window
 
     meter = next((r for r in rows if r["type"] == "meter"), None)
     if meter is None or "at" not in first or "at" not in last:

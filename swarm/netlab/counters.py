@@ -2,13 +2,13 @@
 
 The engine counts the payload it sends; a link carries more: TCP/IP and Ethernet headers, libp2p
 framing and encryption, ACKs for what flows the other way, DHT and status traffic. tbf meters all
-of it. `LinkMeter` samples every process's link byte counters (`NetLab.link_bytes`) and the
+of it. `CounterSampler` samples every process's link byte counters (`NetLab.link_bytes`) and the
 machine's busy CPU time (/proc/stat) every `every_s` seconds while a lab runs, and `window()`
 interpolates them between two instants (say, the ends of the first and last measured steps).
 
-    meter = LinkMeter(net.link_bytes)
-    while running: meter.poll(); ...       # samples when `every_s` has passed
-    row = meter.to_row()                   # {"type": "meter", "samples": [...]} for a results file
+    sampler = CounterSampler(net.link_bytes)
+    while running: sampler.poll(); ...       # samples when `every_s` has passed
+    row = sampler.to_row()                 # {"type": "meter", "samples": [...]} for a results file
     window(row, start, end) -> Window(sent={name: bytes}, received={name: bytes}, busy=fraction)
 """
 
@@ -33,7 +33,7 @@ def machine_cpu_s() -> tuple[float, float]:
     return (total - idle) / ticks, total / ticks
 
 
-class LinkMeter:
+class CounterSampler:
     def __init__(self, read_links: Callable[[], dict[str, tuple[int, int]]], every_s: float = EVERY_S) -> None:
         self.read_links = read_links
         self.every_s = every_s
