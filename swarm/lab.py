@@ -226,19 +226,19 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            meter = CounterSampler(self.net.link_bytes) if self.net is not None and self.results else None
+            counters = CounterSampler(self.net.link_bytes) if self.net is not None and self.results else None
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
                     if process is not trainer and process.poll() is not None:
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
-                if meter is not None:
-                    meter.poll()
+                if counters is not None:
+                    counters.poll()
                 time.sleep(0.2)
-            if meter is not None and trainer.returncode == 0:  # the links' own byte counts, for bench throughput
-                meter.sample()
+            if counters is not None and trainer.returncode == 0:  # the links' own byte counts, for bench throughput
+                counters.sample()
                 with open(self.results, "a") as f:
-                    f.write(json.dumps(meter.to_row()) + "\n")
+                    f.write(json.dumps(counters.to_row()) + "\n")
             return trainer.returncode
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)

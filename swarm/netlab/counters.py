@@ -14,6 +14,7 @@ interpolates them between two instants (say, the ends of the first and last meas
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,6 @@ EVERY_S = 1.0
 
 def machine_cpu_s() -> tuple[float, float]:
     """(busy, total) CPU seconds of every core since boot, from /proc/stat (idle and iowait are not busy)."""
-    import os
-
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     ticks = os.sysconf("SC_CLK_TCK")
