@@ -16,6 +16,22 @@ def test_max_min_rates_share_the_bottleneck_and_give_the_rest_away():
     assert max_min_rates(flows, 3.0) == pytest.approx([2.0, 1.0, 1.0, 1.0])
 
 
+def test_weighted_rates_share_a_link_in_proportion():
+    assert max_min_rates([("a up", "b down"), ("a up", "c down")], 1.0, [3.0, 1.0]) == pytest.approx([0.75, 0.25])
+    # c's down link holds the second flow to a quarter of c's rate; a's up link gives the first the rest
+    assert max_min_rates([("a up", "b down"), ("a up", "c down"), ("d up", "c down")], 1.0, [1.0, 1.0, 3.0]) == pytest.approx([0.75, 0.25, 0.75])
+
+
+def test_waves_of_unequal_size_share_the_middle_links_by_size():
+    """TopK activations carry indices, the reused-index gradients do not: the middle links carry
+    33 + 26 units per sample. Shared by size, the step stays near the link bound (equal halves
+    left the larger wave behind: 88% in this model)."""
+    forward, backward = 33_000 * 8, 26_000 * 8
+    model = StepModel(4, 64, 16, 1, [forward] * 3, [backward] * 3, [0.0] * 4, 100e6)
+    busiest = 64 * (forward + backward) / (100e6 / 8)
+    assert busiest / simulate(model).step_s > 0.93
+
+
 def test_one_micro_batch_takes_the_sum_of_its_transfers_and_computes():
     rate = 8e6  # 1 MB/s
     model = StepModel(stages=2, micro_batches=1, in_flight=1, sending=1, forward_bytes=[500_000], backward_bytes=[250_000], compute_s=[0.1, 0.2], rate_bits=rate, input_bytes=100_000)

@@ -4,9 +4,10 @@ The link bound (swarm.netlab.bounds) assumes the busiest link never idles. A rea
 reach it: the pipeline fills and drains, and a link carrying both waves waits on the other. This
 model replays the swarm's schedule (micro-batches admitted `in_flight` at a time by the trainer,
 at most `sending` payloads in transfer per neighbour, one compute thread per stage, backward in
-forward order) on access links that share their rate max-min fairly among the transfers crossing
-them (a transfer from A to B uses A's up and B's down link), with no latency, loss or protocol
-overhead. Its step time is what a perfect network would give this schedule; a measured step much
+forward order) on access links that share their rate among the transfers crossing them (a
+transfer from A to B uses A's up and B's down link) max-min fairly in proportion to the transfers'
+sizes, as the peers' pacing shares them (swarm.network.pacing: payloads written together finish
+together), with no latency, loss or protocol overhead. Its step time is what a perfect network would give this schedule; a measured step much
 slower than that points at the transport, not the schedule.
 
     model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
@@ -55,8 +56,10 @@ class FluidResult:
     busy: dict[str, float]  # "stage1 up" -> fraction of the step at full rate
 
 
-def max_min_rates(flows: Sequence[tuple[str, ...]], capacity: float) -> list[float]:
-    """Max-min fair rates of flows, each given as the links it crosses (all of `capacity`)."""
+def max_min_rates(flows: Sequence[tuple[str, ...]], capacity: float, weights: Sequence[float] | None = None) -> list[float]:
+    """Weighted max-min fair rates of flows, each given as the links it crosses (all of `capacity`):
+    on a link, unsaturated flows get rates in proportion to their weights (default: equal)."""
+    weights = weights or [1.0] * len(flows)
     rates = [0.0] * len(flows)
     active = set(range(len(flows)))
     left: dict[str, float] = defaultdict(lambda: capacity)
@@ -65,11 +68,11 @@ def max_min_rates(flows: Sequence[tuple[str, ...]], capacity: float) -> list[flo
         for i in active:
             for link in flows[i]:
                 users[link].append(i)
-        share = min(left[link] / len(ix) for link, ix in users.items())
+        share = min(left[link] / sum(weights[i] for i in ix) for link, ix in users.items())
         for i in active:
-            rates[i] += share
+            rates[i] += share * weights[i]
         for link, ix in users.items():
-            left[link] -= share * len(ix)
+            left[link] -= share * sum(weights[i] for i in ix)
         saturated = {i for link, ix in users.items() if left[link] <= _EPS * capacity for i in ix}
         active -= saturated
     return rates
@@ -79,7 +82,7 @@ class _Step:
     def __init__(self, m: StepModel) -> None:
         self.m, self.t = m, 0.0
         self.capacity = m.rate_bits / 8
-        self.transfers: list[list] = []  # [bytes left, sender, receiver, callback]
+        self.transfers: list[list] = []  # [bytes left, sender, receiver, callback, size]
         self.waiting: dict[tuple[str, str], deque] = defaultdict(deque)
         self.in_transfer: dict[tuple[str, str], int] = defaultdict(int)
         self.events: list = []
@@ -107,7 +110,7 @@ class _Step:
             while queue and self.in_transfer[pair] < self.m.sending:
                 nbytes, callback = queue.popleft()
                 self.in_transfer[pair] += 1
-                self.transfers.append([nbytes, *pair, callback])
+                self.transfers.append([nbytes, *pair, callback, nbytes])
 
     def admit(self) -> None:
         mb = self.admitted
@@ -139,7 +142,7 @@ class _Step:
             self.admit()
         while self.done < self.m.micro_batches:
             flows = [(f"{t[1]} up", f"{t[2]} down") if self.m.download_limited else (f"{t[1]} up",) for t in self.transfers]
-            rates = max_min_rates(flows, self.capacity) if flows else []
+            rates = max_min_rates(flows, self.capacity, [max(t[4], _EPS) for t in self.transfers]) if flows else []
             until_transfer = min((t[0] / r for t, r in zip(self.transfers, rates, strict=True) if r > 0), default=float("inf"))
             until_event = self.events[0][0] - self.t if self.events else float("inf")
             dt = max(min(until_transfer, until_event), 0.0)
@@ -152,7 +155,7 @@ class _Step:
             self.t += dt
             arrived = [t for t in self.transfers if t[0] <= _EPS * self.capacity]
             self.transfers = [t for t in self.transfers if t[0] > _EPS * self.capacity]
-            for _, sender, receiver, callback in arrived:
+            for _, sender, receiver, callback, _ in arrived:
                 self.in_transfer[(sender, receiver)] -= 1
                 callback()
             while self.events and self.events[0][0] <= self.t + _EPS:

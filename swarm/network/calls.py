@@ -184,7 +184,7 @@ class MicroBatchCall:
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
             # taken only now: the receiver times the payload from its first byte
             self._stream = await self.streams.take(self.peer_id)
-            with self.flow or contextlib.nullcontext():
+            with self.flow.carrying(len(self.payload)) if self.flow else contextlib.nullcontext():
                 await self._stream.send(frame(pb.StageRequest, "micro_batch", self.head, self.payload), self.flow)
         self._replies = self._stream.replies()
         head, payload = await read_frame(self._reply_messages(), "result")

@@ -304,10 +304,11 @@ class HostedStage:
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
             self.pacer.heard(target, record.download_share, fallback=True)
-            call = MeteredCall(self.node.streams, target, self._head(batch, sent, deadline - time.monotonic()), message.payload, self.sending, self.pacer.flow(target), meter=self.replies[target])
+            call = MeteredCall(self.node.streams, target, self._head(batch, target, sent, deadline - time.monotonic()), message.payload, self.sending, self.pacer.flow(target), meter=self.replies[target])
             try:
                 result, reply = await self._reply(call, max(deadline - time.monotonic(), 0.1))
                 self.pacer.heard(target, result.share_bits)
+                self.pacer.arrived(target, len(reply))
                 break
             except (TransportError, RemoteError) as e:
                 self._drop_out(target)
@@ -355,7 +356,7 @@ class HostedStage:
         finally:
             self.awaiting -= 1
 
-    def _head(self, batch: MicroBatch, sent: tuple[int, int], budget: float) -> pb.MicroBatchHead:
+    def _head(self, batch: MicroBatch, target: str, sent: tuple[int, int], budget: float) -> pb.MicroBatchHead:
         return pb.MicroBatchHead(
             protocol_version=PROTOCOL_VERSION,
             run_id=self.run_id,
@@ -366,7 +367,7 @@ class HostedStage:
             budget_s=max(budget, 0.1),
             epoch=sent[0],
             seq=sent[1],
-            reply_share_bits=self.pacer.offer(self._more_from_upstream(batch)),
+            reply_share_bits=self.pacer.offer(target, self._more_from_upstream(batch)),
         )
 
     def _more_from_upstream(self, batch: MicroBatch) -> bool:

@@ -1,4 +1,4 @@
-"""Per-flow pacing: each neighbour's payloads leave at that flow's fair share of the two links it crosses.
+"""Per-flow pacing: each neighbour's payloads leave at that flow's share of the two links it crosses.
 
 A middle stage sends activations down and gradients up over one upload link and receives both
 over one download link. On FIFO links (a home router, a tbf qdisc) TCP gives a flow that crosses
@@ -7,15 +7,23 @@ share, while flows crossing one busy link take the rest; the starved middle flow
 whole pipeline (measured in docs/bench/README.md: 35 Mbit/s each way on 100 Mbit/s links). When a
 peer declares its link rates (`--uplink`, `--downlink`), it paces what it sends to each neighbour at
 
-    min(its upload / its active outgoing flows, what the receiver offers)
+    min(its upload * this payload's share of the payloads being written, what the receiver offers)
 
 times the share of wire bytes that is payload (libp2p, TLS and TCP framing take the rest). A
-receiver offers a sender its download rate, halved while its other incoming flow is active: a
-stage offers its upstream neighbour half while it waits for gradients from downstream, and its
-downstream neighbour half while more activations of the step are still to come from upstream.
-Offers travel with the data (every reply head offers the caller, every micro-batch head offers
-the callee what it sends back), so the fill and the drain of a step run at the full rate and the
-steady state at the fair shares; before the first offer, the stage record's static share is used.
+receiver offers a sender its download rate while its other incoming flow is idle, and while it is
+active the sender's share of the two flows' latest payload sizes (half until both sizes are
+known): a stage offers its upstream neighbour that share while it waits for gradients from
+downstream, and its downstream neighbour its share while more activations of the step are still to
+come from upstream. Offers travel with the data (every reply head offers the caller, every
+micro-batch head offers the callee what it sends back), so the fill and the drain of a step run at
+the full rate and the steady state at the shares; before the first offer, the stage record's
+static share is used.
+
+Shares follow payload sizes, not flow counts, because the two waves are rarely the same size
+(TopK activations carry their indices, the reused-index gradients do not: 33 against 26 KB per
+sample). With equal halves the larger wave falls behind while the smaller one waits for it, and
+the fluid model (swarm.netlab.fluid) gave that schedule 88% of the link bound against 95% with
+shares by size: concurrent payloads then finish together.
 
 Payloads are written in pieces of ~10 ms at the flow's rate (8 to 64 KiB) under the flow's token
 bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Pacing whole
@@ -28,6 +36,7 @@ uplink), but stage 0's offers do not count that flow (a few KB per sample).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 
 from hivemind.p2p import P2P
@@ -46,25 +55,34 @@ def piece_bytes(rate_bits: float) -> int:
     return int(min(PIECE_BYTES, max(MIN_PIECE_BYTES, rate_bits / 8 * PIECE_S)))
 
 
+def payload_weight(nbytes: int) -> int:
+    """A payload's weight in the shares of a link: its size, and at least a piece's worth, so that
+    a reply of a few hundred bytes beside a large payload does not crawl at a sliver of the rate."""
+    return max(int(nbytes), PIECE_BYTES)
+
+
 def stage_flows(stage: int, num_stages: int) -> int:
     """Bulk flows a stage peer has each way: activations and gradients to and from each neighbour stage."""
     return int(stage > 0) + int(stage < num_stages - 1)
 
 
 class Flow:
-    """The payloads to one neighbour: one bucket, marked active while a payload is being written."""
+    """The payloads to one neighbour: one bucket; `carrying(nbytes)` marks a payload being written."""
 
     def __init__(self, pacer: FlowPacer, peer_id: str) -> None:
         self.pacer, self.peer_id = pacer, peer_id
         rate = pacer.rate(peer_id) or 1
         self.bucket = TokenBucket(rate, burst_bytes=piece_bytes(rate))
 
-    def __enter__(self) -> Flow:
-        self.pacer._sending[self.peer_id] += 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.pacer._sending[self.peer_id] -= 1
+    @contextlib.contextmanager
+    def carrying(self, nbytes: int):
+        """While a payload of `nbytes` is written: it weighs that much in the upload's shares."""
+        weight = payload_weight(nbytes)
+        self.pacer._sending[self.peer_id] += weight
+        try:
+            yield self
+        finally:
+            self.pacer._sending[self.peer_id] -= weight
 
     def next_piece(self) -> int:
         """Bytes to write next, at the flow's current rate (its bucket follows the rate). A flow is
@@ -87,14 +105,27 @@ class FlowPacer:
         self.downlink = downlink_bits * PAYLOAD_SHARE if downlink_bits else None
         self.download_share = self.downlink / max(flows, 1) if self.downlink else 0.0  # static: the stage record's
         self._offered: dict[str, float] = {}  # neighbour -> payload bits/s it last offered us
-        self._sending: Counter = Counter()  # neighbour -> payloads being written to it
+        self._sending: Counter = Counter()  # neighbour -> bytes of the payloads being written to it
+        self._arrived: dict[str, int] = {}  # neighbour -> bytes of its latest payload to us, latest last
         self._flows: dict[str, Flow] = {}
 
-    def offer(self, other_active: bool) -> float:
-        """What a neighbour may send us now (0: not declared)."""
+    def arrived(self, peer_id: str, nbytes: int) -> None:
+        """A payload from a neighbour: its size sets that flow's share of our download."""
+        self._arrived.pop(peer_id, None)
+        self._arrived[peer_id] = payload_weight(nbytes)
+
+    def offer(self, peer_id: str, other_active: bool) -> float:
+        """What `peer_id` may send us now (0: not declared): all of the download, or while our other
+        incoming flow is active its share by the two flows' latest payload sizes."""
         if not self.downlink:
             return 0.0
-        return self.downlink / 2 if other_active else self.downlink
+        if not other_active:
+            return self.downlink
+        mine = self._arrived.get(peer_id)
+        other = next((n for peer, n in reversed(self._arrived.items()) if peer != peer_id), None)
+        if not mine or not other:
+            return self.downlink / 2
+        return self.downlink * mine / (mine + other)
 
     def heard(self, peer_id: str, offered: float, fallback: bool = False) -> None:
         """A neighbour's offer from a head or a reply (0 says nothing); `fallback`: its record's
@@ -106,8 +137,10 @@ class FlowPacer:
         """Payload bits/s for the next bytes to `peer_id`; None: not paced."""
         known = [self._offered.get(peer_id)]
         if self.uplink:
-            others = sum(1 for peer, n in self._sending.items() if n > 0 and peer != peer_id)
-            known.append(self.uplink / (1 + others))
+            others = [n for peer, n in self._sending.items() if peer != peer_id and n > 0]
+            mine = self._sending[peer_id] or max(others, default=1)  # not yet marked: an equal share
+            others = sum(others)
+            known.append(self.uplink * mine / (mine + others))
         known = [r for r in known if r]
         return min(known) if known else None
 

@@ -195,10 +195,11 @@ class StageServicer(ServicerBase):
             return False
         pacer = hosted.pacer
         pacer.heard(sender, head.reply_share_bits)
+        pacer.arrived(sender, len(payload))
         async with hosted.sending.to(sender):
-            result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(hosted.awaiting > 0))
+            result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(sender, hosted.awaiting > 0))
             flow = pacer.flow(sender)
-            with flow or contextlib.nullcontext():
+            with flow.carrying(len(outcome.payload)) if flow else contextlib.nullcontext():
                 for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
                     await send_paced(message, writer, flow, self.node.egress, first=i == 0)
         return True
