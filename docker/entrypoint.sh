@@ -18,7 +18,7 @@
 #   WAIT=180                   seconds to wait for the bootstrap's key file
 # Arguments are appended to the peer's command line (e.g. --set train.epochs=2).
 #   UPLINK=, DOWNLINK=         a peer's link rates (--uplink/--downlink: it paces each neighbour
-#                              flow at its fair share); default: RATE, and for DOWNLINK only with INGRESS=1
+#                              flow at its share); default: RATE, and for DOWNLINK only with INGRESS=1
 #   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
 #                              several containers share one host's cores (compose on one machine)
 #   DRY_RUN=1                  print the tc commands and the peer command; run nothing

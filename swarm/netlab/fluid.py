@@ -7,8 +7,9 @@ at most `sending` payloads in transfer per neighbour, one compute thread per sta
 forward order) on access links that share their rate among the transfers crossing them (a
 transfer from A to B uses A's up and B's down link) max-min fairly in proportion to the transfers'
 sizes, as the peers' pacing shares them (swarm.network.pacing: payloads written together finish
-together), with no latency, loss or protocol overhead. Its step time is what a perfect network would give this schedule; a measured step much
-slower than that points at the transport, not the schedule.
+together), with no latency, loss or protocol overhead. Its step time is what a perfect network
+would give this schedule; a measured step much slower than that points at the transport, not the
+schedule.
 
     model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
                       forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,

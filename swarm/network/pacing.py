@@ -139,8 +139,7 @@ class FlowPacer:
         if self.uplink:
             others = [n for peer, n in self._sending.items() if peer != peer_id and n > 0]
             mine = self._sending[peer_id] or max(others, default=1)  # not yet marked: an equal share
-            others = sum(others)
-            known.append(self.uplink * mine / (mine + others))
+            known.append(self.uplink * mine / (mine + sum(others)))
         known = [r for r in known if r]
         return min(known) if known else None
 
