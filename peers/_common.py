@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from swarm.network import loop
 from swarm.network.node import NodeOptions
 
 
@@ -81,7 +82,7 @@ async def until_stopped() -> None:
 def run_until_stopped(coro) -> int:
     """asyncio.run, with Ctrl-C and SIGTERM ending the peer cleanly (its `finally` blocks run)."""
     try:
-        return asyncio.run(coro)
+        return loop.run(coro)
     except KeyboardInterrupt:
         return 0
 

@@ -23,10 +23,10 @@ from _swarm_env import SMOKE, assert_same_run, local_rows, p2pd_count, smoke, sp
 from protocols import stage_pb2 as pb
 from swarm.config import load_config
 from swarm.engine.microbatch import MicroBatch
-from swarm.network import PROTOCOL_VERSION
+from swarm.network import PROTOCOL_VERSION, loop
 from swarm.network.announce import discover
 from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
-from swarm.network.chunks import Assembler, ProtocolError, frame, read_frame, split
+from swarm.network.chunks import Assembler, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
 from swarm.network.node import NodeOptions, SwarmNode
@@ -95,9 +95,27 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
 # ---- integrity, versions, unknown calls --------------------------------------------------------
 
 
+def test_peers_run_on_uvloop():
+    """The peers' loops (peers._common.run_until_stopped, LoopThread) are uvloop's where it is installed."""
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert loop.run(loop_module()).startswith("uvloop")
+    thread = loop.LoopThread("test-uvloop")
+    try:
+        assert thread.run(loop_module(), timeout=10).startswith("uvloop")
+    finally:
+        thread.stop()
+
+
+def _chunks(payload: bytes) -> list[pb.Chunk]:
+    return [m.chunk for m in frame(pb.StageRequest, "micro_batch", pb.MicroBatchHead(), payload)]
+
+
 def test_chunks_verify_length_order_and_checksum():
     payload = os.urandom(3 * 1024 * 1024 + 17)  # > 2 MiB: several chunks
-    chunks = list(split(payload))
+    chunks = _chunks(payload)
     assert len(chunks) == 4 and all(len(c.data) <= 1 << 20 for c in chunks)
     assembler = Assembler()
     assert [assembler.add(c) for c in chunks] == [False, False, False, True]
@@ -111,7 +129,7 @@ def test_chunks_verify_length_order_and_checksum():
     out_of_order.add(chunks[0])
     with pytest.raises(ProtocolError, match="expected chunk 1"):
         out_of_order.add(chunks[2])
-    (single,) = split(b"activations")
+    (single,) = _chunks(b"activations")
     single.data = b"activatiOns"
     corrupt = Assembler()
     assert corrupt.add(single)

@@ -12,7 +12,7 @@ from _util import buffers_of, make, parse_pb, seal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocols import FORMAT_VERSION, DecodeLimits, Encoded, PayloadError, RawPart, wire
+from protocols import FORMAT_VERSION, DecodeLimits, Encoded, PayloadError, RawPart, checksum, wire
 from protocols import compressed_tensor_pb2 as pb
 from swarm.compression import Receiver, parse
 
@@ -83,6 +83,20 @@ def test_corpus_decodes():
         enc = wire.decode(payload)
         assert isinstance(enc, Encoded), name
         assert _generic_receive(payload, reuse) is not None
+
+
+def test_corpus_is_canonical_protobuf():
+    """Filling submessages in place writes what protobuf's own serializer writes: any implementation
+    re-serializes a payload to the same bytes, checksum field last."""
+    for name, payload, _ in CORPUS:
+        assert parse_pb(payload).SerializeToString() == payload, name
+
+
+def test_fast_checksum_is_zlibs_crc32():
+    data = bytes(range(256)) * 4099
+    for piece in (b"", data[:1], data[:4096], data, memoryview(data)[7:]):
+        assert checksum.crc32(piece) == zlib.crc32(piece)
+    assert checksum.crc32(data[1000:], checksum.crc32(data[:1000])) == zlib.crc32(data)
 
 
 # ---- truncation ---------------------------------------------------------------------------------

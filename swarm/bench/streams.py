@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
+from swarm.network import loop
+
 HANDLER = "hivepipe-bench-streams"
 
 
@@ -96,7 +98,7 @@ async def _measure(exchanges: int, payload_kb: int) -> list[StreamCost]:
 
 
 def run(exchanges: int = 300, payload_kb: int = 60) -> list[StreamCost]:
-    return asyncio.run(_measure(exchanges, payload_kb))
+    return loop.run(_measure(exchanges, payload_kb))
 
 
 def format_rows(rows: list[StreamCost], payload_kb: int) -> str:

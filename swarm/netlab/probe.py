@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from swarm.netlab.shaper import TokenBucket
+from swarm.network import loop as loops
 
 PROTOCOL = "hivepipe.netlab.probe"
 CHUNK_BYTES = 65536
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     try:
-        return asyncio.run(_serve(args) if args.command == "serve" else _client(args))
+        return loops.run(_serve(args) if args.command == "serve" else _client(args))
     except KeyboardInterrupt:
         return 130
     except (ValueError, ConnectionError, TimeoutError) as e:

@@ -7,10 +7,10 @@ end short without an error; so every payload is verified here before anyone deco
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import AsyncIterator, Iterator
 
 from protocols import stage_pb2 as pb
+from protocols.checksum import crc32
 
 CHUNK_BYTES = 1 << 20  # well under hivemind's 2 MiB unary guidance and 4 MiB message cap
 MAX_PAYLOAD_BYTES = 1 << 34  # stage checkpoints and gradients of big stages
@@ -21,18 +21,9 @@ class ProtocolError(ValueError):
     """A message that breaks the stage protocol (truncated, corrupted, out of order, wrong kind)."""
 
 
-def split(payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Chunk]:
-    """At least one chunk, even for an empty payload."""
-    total, crc = len(payload), zlib.crc32(payload)
-    count = max(1, -(-total // chunk_bytes))
-    view = memoryview(payload)
-    for i in range(count):
-        yield pb.Chunk(index=i, count=count, total_length=total, crc32=crc, data=bytes(view[i * chunk_bytes : (i + 1) * chunk_bytes]))
-
-
 class Assembler:
     """Collects the chunks of one payload and verifies them; refuses, before collecting, a payload
-    over `max_bytes` or chunked other than `split` does (full chunks, then the rest)."""
+    over `max_bytes` or chunked other than `frame` does (full chunks, then the rest)."""
 
     def __init__(self, max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -52,12 +43,13 @@ class Assembler:
             raise ProtocolError("chunk totals changed within one payload")
         if chunk.index != len(self.parts):
             raise ProtocolError(f"chunk {chunk.index} arrived, expected chunk {len(self.parts)} of {self.count}")
-        if len(chunk.data) > CHUNK_BYTES:
-            raise ProtocolError(f"chunk of {len(chunk.data)} bytes, more than {CHUNK_BYTES}")
-        self.size += len(chunk.data)
+        data = chunk.data  # once: upb copies a bytes field on every access
+        if len(data) > CHUNK_BYTES:
+            raise ProtocolError(f"chunk of {len(data)} bytes, more than {CHUNK_BYTES}")
+        self.size += len(data)
         if self.size > self.total:
             raise ProtocolError(f"payload longer than announced: {self.size} > {self.total} bytes")
-        self.parts.append(chunk.data)
+        self.parts.append(data)
         return len(self.parts) == self.count
 
     def payload(self) -> bytes:
@@ -67,7 +59,7 @@ class Assembler:
         data = b"".join(self.parts)
         if len(data) != self.total:
             raise ProtocolError(f"truncated payload: {len(data)} of {self.total} bytes")
-        if zlib.crc32(data) != self.crc:
+        if crc32(data) != self.crc:
             raise ProtocolError("payload checksum mismatch (corrupted in transit)")
         return data
 
@@ -113,10 +105,16 @@ async def read_frame(messages: AsyncIterator, head_field: str | None = None, max
     raise ProtocolError("truncated payload")
 
 
-def frame(message_type, head_field: str, head, payload: bytes) -> Iterator:
-    """The messages carrying `head` and `payload` (head on the first one)."""
-    for i, chunk in enumerate(split(payload)):
-        if i == 0:
-            yield message_type(**{head_field: head}, chunk=chunk)
-        else:
-            yield message_type(chunk=chunk)
+def frame(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+    """The messages carrying `head` and `payload` (head on the first one; at least one message,
+    even for an empty payload). Chunks are filled in place: a chunk built apart and then put in
+    its message would be copied once more (upb)."""
+    total, crc = len(payload), crc32(payload)
+    count = max(1, -(-total // chunk_bytes))
+    view = memoryview(payload)
+    for i in range(count):
+        message = message_type(**{head_field: head}) if i == 0 else message_type()
+        chunk = message.chunk
+        chunk.index, chunk.count, chunk.total_length, chunk.crc32 = i, count, total, crc
+        chunk.data = bytes(view[i * chunk_bytes : (i + 1) * chunk_bytes])
+        yield message

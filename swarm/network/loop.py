@@ -1,5 +1,10 @@
-"""A background asyncio loop, so synchronous code (`swarm.run.train`, CLIs, tests) can drive
-hivemind's asyncio-only P2P."""
+"""The event loops peers run on: uvloop where installed, and a background loop so synchronous code
+(`swarm.run.train`, CLIs, tests) can drive hivemind's asyncio-only P2P.
+
+uvloop (libuv, in C) moves stream bytes with far less Python per read and write than asyncio's
+selector loop: with uncompressed 4 MB activations at 500 Mbit/s, a stage's event loop spends
+most of its time reading from and writing to its p2p daemon's socket.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,21 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
+try:
+    from uvloop import new_event_loop
+except ImportError:  # Windows: asyncio's own loop
+    new_event_loop = asyncio.new_event_loop
+
+
+def run(coro: Coroutine) -> Any:
+    """asyncio.run, on the fastest loop this platform has."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)
+
 
 class LoopThread:
     def __init__(self, name: str = "hivepipe-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
