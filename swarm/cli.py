@@ -4,19 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from swarm.allocator import keep_freed_memory
 
 
-def _fraction(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
 
 
@@ -45,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--codecs", default="none,quant:4,topk:0.1", help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive)")
     throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
     throughput.add_argument("--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)")
+    throughput.add_argument("--seconds", type=_non_negative_float, default=20.0, help="measure each point for about this long: a codec's faster bandwidths run more steps than --steps, from its slower points' samples/s (0: always --steps)")
     throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
     throughput.add_argument("--no_pacing", action="store_true", help="as in lab: stage peers send unpaced")
     throughput.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
@@ -195,7 +208,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
                 continue
             for spec in codec.split("|"):
                 parse(spec)
-        rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log, pacing=not args.no_pacing)
+        rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log, pacing=not args.no_pacing, seconds=args.seconds)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from swarm.bench.throughput import ThroughputRow, backward_spec, codec_overrides, measure_run, speedups
+from swarm.bench.throughput import (
+    MAX_STEPS,
+    ThroughputRow,
+    backward_spec,
+    codec_overrides,
+    expected_samples_per_s,
+    measure_run,
+    speedups,
+    steps_for,
+)
 from swarm.lab import parse_rates
 from swarm.netlab.counters import window
 
@@ -112,6 +121,22 @@ def test_backward_specs_and_speedups():
                 forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
     rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
+
+
+def test_faster_points_run_enough_steps_for_the_time_budget():
+    base = dict(backward="none", link_bound=1.0, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
+                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
+    slow = [ThroughputRow("topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
+            ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base)]
+    assert expected_samples_per_s([], 10) is None
+    assert expected_samples_per_s(slow[:1], 50) == pytest.approx(80)  # scales with the rate
+    assert expected_samples_per_s(slow, 500) == pytest.approx(450)  # the nearest slower point's compute bound caps it
+    assert expected_samples_per_s(slow, 5) is None  # nothing slower to go by
+    assert steps_for(20, 512, None, 4) == 4
+    assert steps_for(0, 512, 450, 4) == 4  # no budget: --steps
+    assert steps_for(20, 512, 450, 4) == 1 + math.ceil(20 * 450 / 512)  # the warm-up step, then ~20 s
+    assert steps_for(20, 512, 16, 4) == 4  # a slow point's few steps already last minutes
+    assert steps_for(1000, 512, 450, 4) == MAX_STEPS
 
 
 def test_lab_bandwidth_forms_and_errors(tmp_path):

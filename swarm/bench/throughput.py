@@ -31,6 +31,7 @@ from pathlib import Path
 from swarm.results import read_results
 
 WARMUP_STEPS = 1
+MAX_STEPS = 64  # what --seconds may raise a point's steps to
 
 
 def codec_overrides(codec: str) -> tuple[str, str, list[str]]:
@@ -166,22 +167,47 @@ def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
     return float(x.numel() * x.element_size())
 
 
-def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print, pacing: bool = True) -> list[ThroughputRow]:
+def steps_for(seconds: float, batch_size: int, samples_per_s: float | None, minimum: int, cap: int = MAX_STEPS) -> int:
+    """Steps that measure about `seconds` at `samples_per_s` after the warm-up (at least `minimum`,
+    at most `cap`; `minimum` when there is no estimate)."""
+    if seconds <= 0 or not samples_per_s or not math.isfinite(samples_per_s):
+        return minimum
+    return max(minimum, min(cap, WARMUP_STEPS + math.ceil(seconds * samples_per_s / batch_size)))
+
+
+def expected_samples_per_s(earlier: list[ThroughputRow], bandwidth_mbit: float) -> float | None:
+    """A codec's samples/s at a new bandwidth from its nearest slower point: scaled with the rate,
+    at most that point's compute bound (an overestimate, so the run is rather longer than short)."""
+    slower = [r for r in earlier if r.bandwidth_mbit <= bandwidth_mbit]
+    if not slower:
+        return None
+    nearest = max(slower, key=lambda r: r.bandwidth_mbit)
+    return min(nearest.samples_per_s * bandwidth_mbit / nearest.bandwidth_mbit, nearest.compute_bound)
+
+
+def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print, pacing: bool = True, seconds: float = 0.0) -> list[ThroughputRow]:
+    """`seconds` > 0: a codec's faster bandwidths run more steps (see `steps_for`), so that a point
+    whose steps take a second or two is not measured over a few noisy seconds; bandwidths run slowest first."""
+    from swarm.config import load_config
     from swarm.lab import Lab, available_cores
     from swarm.netlab.rates import parse_rate
 
     overrides = list(overrides or [])
     input_bytes = input_bytes_per_sample(config, [*overrides, f"model.num_stages={stages}"])
+    bandwidths = sorted(bandwidths, key=parse_rate)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
         for codec in codecs:
             forward, backward, codec_sets = codec_overrides(codec)
+            mine: list[ThroughputRow] = []
             for bandwidth in bandwidths:
                 results = Path(tmp) / f"{len(rows)}.jsonl"
                 sets = [*overrides, *codec_sets]
-                log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {steps} steps")
+                batch_size = load_config(config, sets).train.batch_size
+                run_steps = steps_for(seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps)
+                log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {run_steps} steps")
                 # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
-                lab = Lab(config, stages, str(results), steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, pacing=pacing, out=_Quiet(log), trainer_args=["--timeout", "900"])
+                lab = Lab(config, stages, str(results), run_steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, pacing=pacing, out=_Quiet(log), trainer_args=["--timeout", "900"])
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
@@ -191,6 +217,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 if row.chosen:
                     log("   adaptive chose " + ", ".join(f"boundary {b}: {c}" for b, c in row.chosen.items()))
                 rows.append(row)
+                mine.append(row)
     return rows
 
 
