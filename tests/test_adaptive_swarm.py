@@ -253,17 +253,21 @@ def _status(stage: int, compute_s: float, samples: int, links: list[pb.LinkStatu
     return pb.StageStatus(stage=stage, num_stages=2, compute_s=compute_s, samples=samples, links=links)
 
 
+QUANT_LADDER_10MS = ["model.num_stages=2", "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=quant", "compression.adaptive.target_ms=10"]
+
+
+def statuses(forward_bits: float, backward_bits: float | None, elements: int = 1000) -> list[pb.StageStatus]:
+    """Two stages' statuses after 100 samples of `elements` fp32 values (4000 B per sample
+    uncompressed; quant:B sends 125 * B + 8) timed at these rates."""
+    up = pb.LinkStatus(boundary=0, upstream=True, raw={"forward.train": 4 * elements * 100})
+    if backward_bits is not None:  # gradients timed arriving back at stage 0
+        up.busy_bytes, up.busy_s = 1_000_000, 8e6 / backward_bits
+    down = pb.LinkStatus(boundary=0, upstream=False, busy_bytes=1_000_000, busy_s=8e6 / forward_bits)
+    return [_status(0, 0.1, 100, [up]), _status(1, 0.1, 100, [down])]
+
+
 def test_the_trainer_plans_with_each_direction_s_own_bandwidth():
-    cfg = load_config(SMOKE, ["model.num_stages=2", "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=quant", "compression.adaptive.target_ms=10"])
-    elements = 1000  # 4000 B per sample uncompressed; quant:B sends 125 * B + 8
-
-    def statuses(forward_bits: float, backward_bits: float | None):
-        up = pb.LinkStatus(boundary=0, upstream=True, raw={"forward.train": 4 * elements * 100})
-        if backward_bits is not None:  # gradients timed arriving back at stage 0
-            up.busy_bytes, up.busy_s = 1_000_000, 8e6 / backward_bits
-        down = pb.LinkStatus(boundary=0, upstream=False, busy_bytes=1_000_000, busy_s=8e6 / forward_bits)
-        return [_status(0, 0.1, 100, [up]), _status(1, 0.1, 100, [down])]
-
+    cfg = load_config(SMOKE, QUANT_LADDER_10MS)
     one_way = AdaptiveCodecs(cfg)
     assert one_way.observe(statuses(100e6, None), 1) == {}  # 100 Mbit/s both ways (backward assumed as fast): none fits
     assert one_way.bandwidth(0) == (pytest.approx(100e6), pytest.approx(100e6))
@@ -271,6 +275,17 @@ def test_the_trainer_plans_with_each_direction_s_own_bandwidth():
     changes = slow_back.observe(statuses(100e6, 0.5e6), 1)  # gradients come back at 0.5 Mbit/s: 64 ms uncompressed
     assert changes == {0: ("quant:4", "quant:4")}  # 8.1 ms; quant:5 needs 10.1 ms (the target is 10)
     assert "100mbit forward, 500kbit backward" in slow_back.last[0].describe()
+
+
+def test_a_resumed_run_keeps_the_hysteresis_of_the_codecs_in_force():
+    """At 550 kbit/s quant:5 fits the 10 ms target (9.2 ms) but not with 15% to spare; quant:4 (7.4 ms) does."""
+    cfg = load_config(SMOKE, QUANT_LADDER_10MS)
+    fresh = AdaptiveCodecs(cfg)
+    assert fresh.observe(statuses(0.55e6, 0.55e6), 1) == {0: ("quant:5", "quant:5")}  # from none: the mildest that fits
+    resumed = AdaptiveCodecs(cfg)
+    resumed.restore({"codecs": {0: ("quant:4", "quant:4")}, "history": []})
+    assert resumed.observe(statuses(0.55e6, 0.55e6), 1) == {}  # quant:4 stays: a checkpoint does not reset the hysteresis
+    assert "kept" in resumed.last[0].describe()
 
 
 def test_stages_check_switched_codecs_before_the_step_applies():

@@ -165,15 +165,21 @@ class AdaptiveCodecs:
         for b in self.boundaries:
             elements = max(1, round(window.raw.get(b, 0) / 4 / window.samples[b]))
             candidates[b] = topk_candidates(elements) if self.settings.ladder == "topk" else quant_candidates(elements)
-        return AdaptiveCompression(candidates, hysteresis=self.settings.hysteresis)
+        controller = AdaptiveCompression(candidates, hysteresis=self.settings.hysteresis)
+        for b, options in candidates.items():  # start from the codecs in force (a resumed run's too), so the hysteresis holds
+            in_force = [i for i, option in enumerate(options) if ladder_codecs(option.spec) == tuple(self.codecs[b])]
+            if in_force:
+                controller.current[b] = in_force[0]
+        return controller
 
     def saved(self) -> str:
         """The codecs in force and the changes so far, as a checkpoint keeps them (JSON)."""
         return json.dumps({"codecs": {str(b): list(c) for b, c in self.codecs.items()}, "history": self.history}, indent=1)
 
     def restore(self, saved: dict) -> None:
-        """Resumes from `checkpoint_codecs`: its codecs are in force; the next decision starts
-        from fresh measurements (a resumed swarm's links may not be the saved run's)."""
+        """Resumes from `checkpoint_codecs`: its codecs are in force, and the next decision moves
+        from them as from any other (with the hysteresis), on fresh measurements (a resumed
+        swarm's links may not be the saved run's)."""
         unknown = sorted(set(saved["codecs"]) - set(self.boundaries))
         if unknown:
             raise ValueError(f"the checkpoint has codecs for boundaries {unknown}; this run has boundaries 0..{len(self.boundaries) - 1}")
