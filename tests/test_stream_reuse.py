@@ -83,6 +83,29 @@ def test_streams_the_servicer_closed_or_kept_too_long_are_replaced(swarm):
         swarm.loop.run(node.shutdown())
 
 
+class _Held:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_streams_to_a_neighbour_no_longer_called_are_closed_once_expired():
+    """A caller that moved on to another replica does not keep its old neighbour's streams (and
+    their sockets to the daemon) for ever."""
+    clock = [0.0]
+    pool = StreamPool(p2p=None, keep_s=10.0, clock=lambda: clock[0])
+    old, fresh = _Held(), _Held()
+    pool.give_back("old-replica", old)
+    clock[0] = 5.0
+    pool.give_back("new-replica", fresh)
+    assert not old.closed and pool.idle("old-replica") == 1
+    clock[0] = 10.5
+    pool.give_back("new-replica", _Held())
+    assert old.closed and pool.idle("old-replica") == 0
+    assert not fresh.closed and pool.idle("new-replica") == 2
+
+
 def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
     """An error reply may leave part of a request unread: that stream is closed, never pooled."""
     cfg = smoke("model.num_stages=1")

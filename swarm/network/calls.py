@@ -131,10 +131,17 @@ class StreamPool:
 
     def give_back(self, peer_id: str, stream: _Stream) -> None:
         now = self.clock()
-        idle = self._idle.setdefault(peer_id, [])
-        while idle and now - idle[0][1] >= self.keep_s:  # the oldest first: they have not been wanted
-            idle.pop(0)[0].close()
-        idle.append((stream, now))
+        self._close_expired(now)
+        self._idle.setdefault(peer_id, []).append((stream, now))
+
+    def _close_expired(self, now: float) -> None:
+        """Closes every neighbour's streams idle for `keep_s`, also of neighbours no longer called
+        (a stream holds a socket to the p2p daemon until it is closed)."""
+        for peer_id, idle in list(self._idle.items()):
+            while idle and now - idle[0][1] >= self.keep_s:  # the oldest first: they have not been wanted
+                idle.pop(0)[0].close()
+            if not idle:
+                del self._idle[peer_id]
 
     def idle(self, peer_id: str) -> int:
         return len(self._idle.get(peer_id, ()))
