@@ -253,7 +253,7 @@ def speedups(rows: list[ThroughputRow], baseline: str = "none") -> dict[tuple[st
 
 
 def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
-    """samples/s against bandwidth per codec, with each codec's link bound (dashed) and the compute bound (dotted)."""
+    """samples/s against bandwidth per codec, with each codec's link bound (dashed) and compute bound (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,9 +266,11 @@ def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
         x = [r.bandwidth_mbit for r in mine]
         ax.plot(x, [r.samples_per_s for r in mine], "o-", color=color, label=f"{codec} / {mine[0].backward}")
         ax.plot(x, [r.link_bound for r in mine], "--", color=color, alpha=0.6)
-    compute = min((r.compute_bound for r in rows), default=math.inf)
-    if math.isfinite(compute):
-        ax.axhline(compute, color="k", linestyle=":", alpha=0.6, label=f"compute bound (slowest codec) {compute:.0f}/s")
+        compute = [(b, r.compute_bound) for b, r in zip(x, mine, strict=True) if math.isfinite(r.compute_bound)]
+        if compute:  # measured at each point: the stages share this machine's cores with the traffic
+            ax.plot(*zip(*compute, strict=True), ":", color=color, alpha=0.6)
+    ax.plot([], [], "k--", alpha=0.6, label="link bound")
+    ax.plot([], [], "k:", alpha=0.6, label="compute bound (measured per point)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("bandwidth per process link (Mbit/s)")
