@@ -104,7 +104,7 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     assert steps[1]["codecs"]["2"] == "none / none"  # 130 B per sample on an unshaped link: fits uncompressed
     changes = summary["adaptive"]["changes"]
     first = next(c for c in changes if c["boundary"] == 0)
-    assert first["step"] == 1 and first["from_step"] == 2 and first["forward"] == forward and "first choice" in first["why"]
+    assert first["step"] == 1 and first["from_step"] == 2 and first["forward"] == forward and "none no longer fits" in first["why"]  # moved from the codec in force
     assert summary["adaptive"]["codecs"] == steps[-1]["codecs"]
     assert "boundary 0" in summary["adaptive"]["decisions"]["0"] and "boundary 0" in adaptive.report()
     assert not warnings, [w.getMessage() for w in warnings]
