@@ -199,11 +199,11 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
         for codec in codecs:
             forward, backward, codec_sets = codec_overrides(codec)
-            mine: list[ThroughputRow] = []
+            sets = [*overrides, *codec_sets]
+            batch_size = load_config(config, sets).train.batch_size
+            mine: list[ThroughputRow] = []  # this codec's points so far, for the steps of the next
             for bandwidth in bandwidths:
                 results = Path(tmp) / f"{len(rows)}.jsonl"
-                sets = [*overrides, *codec_sets]
-                batch_size = load_config(config, sets).train.batch_size
                 run_steps = steps_for(seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps)
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {run_steps} steps")
                 # a whole step can take minutes on a slow link, and every micro-batch of it is in flight

@@ -20,7 +20,7 @@ from hivemind.p2p import P2P, PeerID
 from protocols import stage_pb2 as pb
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.chunks import frame, read_frame
-from swarm.network.pacing import send_paced
+from swarm.network.pacing import carrying, send_paced
 
 NAMESPACE = "hivepipe"
 SENDING = 1  # payloads in transfer at once per neighbour (see Sending)
@@ -191,7 +191,7 @@ class MicroBatchCall:
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
             # taken only now: the receiver times the payload from its first byte
             self._stream = await self.streams.take(self.peer_id)
-            with self.flow.carrying(len(self.payload)) if self.flow else contextlib.nullcontext():
+            with carrying(self.flow, len(self.payload)):
                 await self._stream.send(frame(pb.StageRequest, "micro_batch", self.head, self.payload), self.flow)
         self._replies = self._stream.replies()
         head, payload = await read_frame(self._reply_messages(), "result")

@@ -1,9 +1,9 @@
 """The event loops peers run on: uvloop where installed, and a background loop so synchronous code
 (`swarm.run.train`, CLIs, tests) can drive hivemind's asyncio-only P2P.
 
-uvloop (libuv, in C) moves stream bytes with far less Python per read and write than asyncio's
-selector loop: with uncompressed 4 MB activations at 500 Mbit/s, a stage's event loop spends
-most of its time reading from and writing to its p2p daemon's socket.
+uvloop does a stream's socket reads and writes in C (libuv). Against asyncio's selector loop its
+gain in the throughput benchmark was within the run-to-run noise (docs/bench/README.md, "The
+payload path"); it is kept because the peers' event loops are mostly that socket traffic.
 """
 
 from __future__ import annotations

@@ -61,6 +61,11 @@ def payload_weight(nbytes: int) -> int:
     return max(int(nbytes), PIECE_BYTES)
 
 
+def carrying(flow: Flow | None, nbytes: int):
+    """`flow.carrying(nbytes)`, or nothing to mark when the payload is not paced (`flow` None)."""
+    return flow.carrying(nbytes) if flow is not None else contextlib.nullcontext()
+
+
 def stage_flows(stage: int, num_stages: int) -> int:
     """Bulk flows a stage peer has each way: activations and gradients to and from each neighbour stage."""
     return int(stage > 0) + int(stage < num_stages - 1)

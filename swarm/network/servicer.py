@@ -25,7 +25,7 @@ from swarm.network.calls import NAMESPACE, RemoteError, handle_name
 from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
-from swarm.network.pacing import send_paced
+from swarm.network.pacing import carrying, send_paced
 
 log = logging.getLogger(__name__)
 IDLE_S = 60.0  # a micro-batch stream with no request for this long is closed (callers stop reusing one sooner: calls.KEEP_IDLE_S)
@@ -199,7 +199,7 @@ class StageServicer(ServicerBase):
         async with hosted.sending.to(sender):
             result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(sender, hosted.awaiting > 0))
             flow = pacer.flow(sender)
-            with flow.carrying(len(outcome.payload)) if flow else contextlib.nullcontext():
+            with carrying(flow, len(outcome.payload)):
                 for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
                     await send_paced(message, writer, flow, self.node.egress, first=i == 0)
         return True
