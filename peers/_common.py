@@ -9,7 +9,7 @@ import signal
 import sys
 
 from swarm.network import loop
-from swarm.network.node import NodeOptions
+from swarm.network.node import DAEMON_THREADS, NodeOptions
 
 
 def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:
@@ -25,6 +25,7 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     net.add_argument("--shape_delay", default=None, help="add this one-way delay to every message this peer sends (e.g. 20ms)")
     net.add_argument("--uplink", default=None, help="this machine's upload rate (e.g. 100mbit): payloads to each neighbour are paced at their fair share of it")
     net.add_argument("--downlink", default=None, help="this machine's download rate: neighbours pace what they send here at their share of it")
+    net.add_argument("--daemon_threads", type=int, default=DAEMON_THREADS, help=f"OS threads of this peer's p2p daemon (GOMAXPROCS; default {DAEMON_THREADS}, enough for several Gbit/s; 0: one per core)")
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +58,7 @@ def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOpt
         shape_delay=args.shape_delay,
         uplink=args.uplink,
         downlink=args.downlink,
+        daemon_threads=args.daemon_threads,
     )
 
 

@@ -86,3 +86,9 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one():
         assert apply_threads(None) is None and torch.get_num_threads() == 1  # not given: left as it is
     finally:
         torch.set_num_threads(before)
+
+
+def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
+    for module, args in (("peers.bootstrap", []), ("peers.stage", ["--stage", "0", "--config", str(SMOKE)])):
+        result = subprocess.run([sys.executable, "-m", module, *args, "--daemon_threads", "-2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --daemon_threads must be 0 (one per core) or a positive integer, got -2"

@@ -140,8 +140,8 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
         _, _, writer = await swarm.trainer.p2p.call_binary_stream_handler(node.p2p.peer_id, name)
         pacer.heard(node.peer_id, 800e6)
         flow = pacer.flow(node.peer_id)
-        await send_paced(message, writer, flow)
-        await send_paced(message, writer, None)  # unpaced, the same bytes on the wire
+        await send_paced((message.SerializeToString(),), writer, flow)
+        await send_paced((message.SerializeToString(),), writer, None)  # unpaced, the same bytes on the wire
         await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
         for _ in range(200):
             if len(received) == 2:

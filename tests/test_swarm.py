@@ -26,10 +26,10 @@ from swarm.engine.microbatch import MicroBatch
 from swarm.network import PROTOCOL_VERSION, loop
 from swarm.network.announce import discover
 from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
-from swarm.network.chunks import Assembler, ProtocolError, frame, read_frame
+from swarm.network.chunks import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, read_frame
 from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
-from swarm.network.node import NodeOptions, SwarmNode
+from swarm.network.node import DAEMON_THREADS, NodeOptions, SwarmNode
 from swarm.network.pipeline import SwarmPipeline
 from swarm.network.servicer import StageServicer
 from swarm.network.status import format_table, survey
@@ -109,8 +109,46 @@ def test_peers_run_on_uvloop():
         thread.stop()
 
 
+def test_p2p_daemons_run_on_the_threads_a_peer_is_given(swarm):
+    """--daemon_threads reaches the p2p daemon as GOMAXPROCS (0: Go's default), and only the daemon."""
+    before = os.environ.get("GOMAXPROCS")
+    nodes = [swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, daemon_threads=n))) for n in (DAEMON_THREADS, 3, 0)]
+    try:
+        seen = []
+        for node in nodes:
+            with open(f"/proc/{node.p2p._child.pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            seen.append(env.get(b"GOMAXPROCS"))
+        assert seen == [str(DAEMON_THREADS).encode(), b"3", None]
+        assert os.environ.get("GOMAXPROCS") == before
+    finally:
+        for node in nodes:
+            swarm.loop.run(node.shutdown())
+    with pytest.raises(RuntimeError, match=r"^--daemon_threads must be 0 \(one per core\) or a positive integer, got -1$"):
+        swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, daemon_threads=-1)))
+
+
 def _chunks(payload: bytes) -> list[pb.Chunk]:
     return [m.chunk for m in frame(pb.StageRequest, "micro_batch", pb.MicroBatchHead(), payload)]
+
+
+def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
+    """frame_parts writes each message as protobuf would (chunk fields filled, then serialized), the
+    data a view of the payload, for heads with and without fields and payloads of 0 to 4 chunks."""
+    heads = [(pb.StageRequest, "micro_batch", pb.MicroBatchHead(run_id="r", stage=2, budget_s=3.5)), (pb.StageReply, "result", pb.ResultHead()), (pb.StageRequest, "step", pb.StepHead())]
+    for size in (0, 1, 300, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES + 17):
+        payload = os.urandom(size)
+        count = max(1, -(-size // CHUNK_BYTES))
+        for message_type, field, head in heads:
+            framed = list(frame_parts(message_type, field, head, payload))
+            assert len(framed) == count
+            for i, parts in enumerate(framed):
+                expected = message_type(**{field: head}) if i == 0 else message_type()
+                expected.chunk.index, expected.chunk.count, expected.chunk.total_length, expected.chunk.crc32 = i, count, size, zlib.crc32(payload)
+                expected.chunk.data = payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
+                assert b"".join(parts) == expected.SerializeToString(), (size, field, i)
+                assert size == 0 or parts[-1].obj is payload  # not a copy
+            assert [m.SerializeToString() for m in frame(message_type, field, head, payload)] == [b"".join(parts) for parts in framed]
 
 
 def test_chunks_verify_length_order_and_checksum():
@@ -159,7 +197,7 @@ def test_raw_tensors_and_batch_meta_round_trip_and_validate():
 async def _raw_call(p2p, peer_id: str, messages, method: str = "rpc_forward"):
     stream = await _Stream.open(p2p, peer_id, method)
     try:
-        await stream.send(messages)
+        await stream.send([(message.SerializeToString(),) for message in messages])
         await stream.end()
         return await asyncio.wait_for(read_frame(stream.replies()), 20)
     finally:

@@ -4,7 +4,8 @@ against one on a stream kept open (why `swarm.network.calls.StreamPool` exists).
 Two P2P peers on loopback, each with its own p2pd daemon; the caller sends a request of
 `payload_kb` and waits for a small reply, `exchanges` times, first opening a stream per exchange,
 then on one stream. CPU seconds are those of this process and its children (the two daemons),
-read from /proc schedstat (Linux): both ends' Python and both daemons, i.e. what a pair of peers pays.
+read from /proc schedstat (Linux): both ends' Python and both daemons (with the peers' daemon
+threads, swarm.network.node.DAEMON_THREADS), i.e. what a pair of peers pays.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 
 from swarm.network import loop
+from swarm.network.node import start_daemon
 
 HANDLER = "hivepipe-bench-streams"
 
@@ -68,8 +70,8 @@ async def _serve(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWrit
 async def _measure(exchanges: int, payload_kb: int) -> list[StreamCost]:
     if not os.path.isdir("/proc"):
         raise RuntimeError("bench streams reads CPU times from /proc (Linux only)")
-    server = await P2P.create()
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    server = await start_daemon()
+    client = await start_daemon(initial_peers=await server.get_visible_maddrs())
     try:
         await server.add_binary_stream_handler(HANDLER, _serve)
         payload = os.urandom(payload_kb * 1024)

@@ -121,9 +121,9 @@ class ProbeServer:
 
 async def start_server(host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None) -> ProbeServer:
     """A P2P instance serving PROTOCOL; `bucket` shapes what it sends ("down")."""
-    from hivemind.p2p import P2P
+    from swarm.network.node import start_daemon
 
-    p2p = await P2P.create(**_p2p_options(host_maddrs))
+    p2p = await start_daemon(**_p2p_options(host_maddrs))
 
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -183,10 +183,10 @@ async def _connect(p2p, maddr: str):
 
 async def probe_peers(maddrs: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None, p2p=None) -> list[ProbeResult]:
     """Measures each of `maddrs` (full multiaddrs with /p2p/ID) in turn, every direction."""
-    from hivemind.p2p import P2P
+    from swarm.network.node import start_daemon
 
     own = p2p is None
-    p2p = p2p or await P2P.create(**_p2p_options(host_maddrs))
+    p2p = p2p or await start_daemon(**_p2p_options(host_maddrs))
     try:
         results = []
         for maddr in maddrs:
@@ -322,9 +322,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _client(args: argparse.Namespace) -> int:
-    from hivemind.p2p import P2P
+    from swarm.network.node import start_daemon
 
-    p2p = await P2P.create(**_p2p_options(args.host))  # started before the peers are known
+    p2p = await start_daemon(**_p2p_options(args.host))  # started before the peers are known
     try:
         peers = list(args.peer)
         if args.peers_from_stdin:

@@ -19,7 +19,7 @@ from hivemind.p2p import P2P, PeerID
 
 from protocols import stage_pb2 as pb
 from swarm.network import PROTOCOL_VERSION
-from swarm.network.chunks import frame, read_frame
+from swarm.network.chunks import frame_parts, read_frame
 from swarm.network.pacing import carrying, send_paced
 
 NAMESPACE = "hivepipe"
@@ -75,9 +75,10 @@ class _Stream:
         return cls(reader, writer, egress)
 
     async def send(self, messages, flow=None) -> None:
-        """One request's messages, paced by `flow` (swarm.network.pacing) when given."""
-        for i, message in enumerate(messages):
-            await send_paced(message, self.writer, flow, self.egress, first=i == 0)
+        """One request's messages, serialized in parts (chunks.frame_parts), paced by `flow`
+        (swarm.network.pacing) when given."""
+        for i, parts in enumerate(messages):
+            await send_paced(parts, self.writer, flow, self.egress, first=i == 0)
 
     async def end(self) -> None:
         await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
@@ -192,7 +193,7 @@ class MicroBatchCall:
             # taken only now: the receiver times the payload from its first byte
             self._stream = await self.streams.take(self.peer_id)
             with carrying(self.flow, len(self.payload)):
-                await self._stream.send(frame(pb.StageRequest, "micro_batch", self.head, self.payload), self.flow)
+                await self._stream.send(frame_parts(pb.StageRequest, "micro_batch", self.head, self.payload), self.flow)
         self._replies = self._stream.replies()
         head, payload = await read_frame(self._reply_messages(), "result")
         if isinstance(head, pb.ErrorReply):
@@ -247,7 +248,7 @@ async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, t
     async def run():
         stream = await _Stream.open(p2p, peer_id, "rpc_step", egress)
         try:
-            await stream.send(frame(pb.StageRequest, "step", head, payload))
+            await stream.send(frame_parts(pb.StageRequest, "step", head, payload))
             result, data = await read_frame(stream.replies(), "step")
             await stream.end()  # only now may the servicer close its end (see `servicer._linger`)
         finally:

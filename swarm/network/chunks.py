@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 
+from protocols import fields
 from protocols import stage_pb2 as pb
 from protocols.checksum import crc32
 
@@ -105,16 +106,34 @@ async def read_frame(messages: AsyncIterator, head_field: str | None = None, max
     raise ProtocolError("truncated payload")
 
 
-def frame(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+def _last_field(message_type, name: str) -> int:
+    """The number of field `name`, which must be the message's last: hand-written fields follow
+    the ones protobuf writes, and protobuf writes fields in number order."""
+    number = message_type.DESCRIPTOR.fields_by_name[name].number
+    assert number == max(f.number for f in message_type.DESCRIPTOR.fields), f"{message_type.__name__}.{name} is not its last field"
+    return number
+
+
+_DATA = _last_field(pb.Chunk, "data")
+_CHUNK = {message_type: _last_field(message_type, "chunk") for message_type in (pb.StageRequest, pb.StageReply)}
+
+
+def frame_parts(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple]:
     """The messages carrying `head` and `payload` (head on the first one; at least one message,
-    even for an empty payload). Chunks are filled in place: a chunk built apart and then put in
-    its message would be copied once more (upb)."""
+    even for an empty payload), each serialized as the bytes before its chunk's data and that data,
+    a view of `payload`: written to a stream as they are, the payload is never copied here."""
     total, crc = len(payload), crc32(payload)
     count = max(1, -(-total // chunk_bytes))
     view = memoryview(payload)
+    head_bytes = message_type(**{head_field: head}).SerializeToString()
     for i in range(count):
-        message = message_type(**{head_field: head}) if i == 0 else message_type()
-        chunk = message.chunk
-        chunk.index, chunk.count, chunk.total_length, chunk.crc32 = i, count, total, crc
-        chunk.data = bytes(view[i * chunk_bytes : (i + 1) * chunk_bytes])
-        yield message
+        data = view[i * chunk_bytes : (i + 1) * chunk_bytes]
+        header = pb.Chunk(index=i, count=count, total_length=total, crc32=crc).SerializeToString()
+        segments = [head_bytes if i == 0 else b"", *fields.length_delimited(_CHUNK[message_type], [header, *fields.bytes_field(_DATA, data)])]
+        yield (b"".join(segments[:-1]), data) if len(data) else (b"".join(segments),)
+
+
+def frame(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator:
+    """`frame_parts` as protobuf messages (for hivemind's ServicerBase, which writes messages)."""
+    for parts in frame_parts(message_type, head_field, head, payload, chunk_bytes):
+        yield message_type.FromString(b"".join(parts))

@@ -7,6 +7,8 @@ same asyncio loop as the RPC servicer, so there is no extra DHT process per peer
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +17,41 @@ from hivemind.p2p import P2P
 
 from swarm.netlab.rates import parse_rate
 from swarm.network.calls import StreamPool
+
+# p2pd's Go threads (GOMAXPROCS). One moved 320-340 MB/s through a pair of daemons on this 2-core
+# machine against 260-270 MB/s with Go's default of one per core, at 25% less daemon CPU per MB
+# (Go's idle threads spin looking for work); a paced stage link at 500 Mbit/s cost the daemons
+# 4.3-4.9 ms of CPU per MB against 6.1-6.5. Far more than the links hivepipe is for.
+DAEMON_THREADS = 1
+
+
+@contextlib.contextmanager
+def _go_threads(threads: int):
+    """GOMAXPROCS for the Go programs started inside (0: unset, Go's default); restored after."""
+    before = os.environ.get("GOMAXPROCS")
+    if threads:
+        os.environ["GOMAXPROCS"] = str(threads)
+    else:
+        os.environ.pop("GOMAXPROCS", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GOMAXPROCS", None)
+        else:
+            os.environ["GOMAXPROCS"] = before
+
+
+def check_daemon_threads(threads: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"--daemon_threads must be 0 (one per core) or a positive integer, got {threads}")
+
+
+async def start_daemon(threads: int = DAEMON_THREADS, **options) -> P2P:
+    """`P2P.create(**options)` with a daemon of `threads` Go threads (0: one per core)."""
+    check_daemon_threads(threads)
+    with _go_threads(threads):
+        return await P2P.create(**options)
 
 
 @dataclass
@@ -33,6 +70,7 @@ class NodeOptions:
     shape_delay: str | None = None  # one-way delay added to every message this peer sends
     uplink: str | None = None  # declared link rates: each neighbour's payloads are paced at their share (swarm.network.pacing)
     downlink: str | None = None
+    daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core
     extra: dict = field(default_factory=dict)
 
 
@@ -64,7 +102,12 @@ class SwarmNode:
             except ValueError as e:
                 raise RuntimeError(f"--{name}: {e}") from None
         try:
-            p2p = await P2P.create(
+            check_daemon_threads(options.daemon_threads)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        try:
+            p2p = await start_daemon(
+                options.daemon_threads,
                 initial_peers=initial,
                 host_maddrs=list(options.host_maddrs),
                 announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,

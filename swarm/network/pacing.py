@@ -25,10 +25,13 @@ sample). With equal halves the larger wave falls behind while the smaller one wa
 the fluid model (swarm.netlab.fluid) gave that schedule 88% of the link bound against 95% with
 shares by size: concurrent payloads then finish together.
 
-Payloads are written in pieces of ~10 ms at the flow's rate (8 to 64 KiB) under the flow's token
+Payloads are written in pieces of ~10 ms at the flow's rate (8 to 256 KiB) under the flow's token
 bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Pacing whole
 1 MiB chunks was measured to be too bursty to help, and fixed 64 KiB pieces overflowed the 64 KB
-queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). A peer with nothing
+queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). Each piece costs a write
+and a wake-up in the peer and in both daemons: 270 KB payloads paced at 500 Mbit/s over loopback
+cost ~3.9 ms of Python and ~7.4 ms of daemon CPU per MB in 64 KiB pieces, ~2.8 and ~5.6 in
+256 KiB pieces (~4 ms at that rate; 1 MiB pieces saved nothing more). A peer with nothing
 declared does not pace. The trainer paces the inputs it sends stage 0 too (with a declared
 uplink), but stage 0's offers do not count that flow (a few KB per sample).
 """
@@ -44,9 +47,10 @@ from hivemind.p2p import P2P
 from swarm.netlab.shaper import TokenBucket
 
 PAYLOAD_SHARE = 0.94  # payload bits per wire bit: hivemind streams moved 95 Mbit/s over a 100 Mbit/s tbf link
-PIECE_BYTES = 1 << 16  # most written under the bucket at once: ~10 ms at 50 Mbit/s
+PIECE_BYTES = 1 << 18  # most written under the bucket at once: ~10 ms at 200 Mbit/s
 PIECE_S = 0.01  # a piece leaves in about this long at the flow's rate
 MIN_PIECE_BYTES = 1 << 13  # below this, per-write costs grow and the links are slow anyway
+MIN_WEIGHT_BYTES = 1 << 16  # what a payload weighs at least in the shares (payload_weight)
 
 
 def piece_bytes(rate_bits: float) -> int:
@@ -56,9 +60,9 @@ def piece_bytes(rate_bits: float) -> int:
 
 
 def payload_weight(nbytes: int) -> int:
-    """A payload's weight in the shares of a link: its size, and at least a piece's worth, so that
+    """A payload's weight in the shares of a link: its size, and at least `MIN_WEIGHT_BYTES`, so that
     a reply of a few hundred bytes beside a large payload does not crawl at a sliver of the rate."""
-    return max(int(nbytes), PIECE_BYTES)
+    return max(int(nbytes), MIN_WEIGHT_BYTES)
 
 
 def carrying(flow: Flow | None, nbytes: int):
@@ -158,26 +162,27 @@ class FlowPacer:
         return flow
 
 
-async def send_paced(message, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False) -> None:
-    """Writes one protobuf message to a hivemind stream as `P2P.send_protobuf` does, in pieces paced by
-    `flow` and by `egress` (in-process shaping of all this peer sends: its one-way delay before a
-    payload's `first` message, then its rate). The header leaves before the pieces: as on a real
-    link, the receiver sees a payload begin at once and end after its transfer time (the link
-    meters time it from its first byte)."""
-    if flow is None and egress is None:
-        await P2P.send_protobuf(message, writer)
-        return
+async def send_paced(parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False) -> None:
+    """Writes one protobuf message, serialized in `parts` (chunks.frame_parts), to a hivemind stream
+    as `P2P.send_protobuf` does, in pieces paced by `flow` and by `egress` (in-process shaping of all
+    this peer sends: its one-way delay before a payload's `first` message, then its rate). The
+    header leaves before the pieces: as on a real link, the receiver sees a payload begin at once
+    and end after its transfer time (the link meters time it from its first byte)."""
     if egress is not None and first:
         await egress.latency()
-    data = memoryview(message.SerializeToString())
-    writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-    offset = 0
-    while offset < len(data):
-        piece = data[offset : offset + (flow.next_piece() if flow is not None else piece_bytes(egress.rate_bits))]
-        if flow is not None:
-            await flow.piece(len(piece))
-        if egress is not None:
-            await egress.consume(len(piece))
-        writer.write(piece)
-        await writer.drain()
-        offset += len(piece)
+    writer.write(P2P.MESSAGE_MARKER + sum(len(part) for part in parts).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    for part in parts:
+        if flow is None and egress is None:
+            writer.write(part)
+            continue
+        part, offset = memoryview(part), 0
+        while offset < len(part):
+            piece = part[offset : offset + (flow.next_piece() if flow is not None else piece_bytes(egress.rate_bits))]
+            if flow is not None:
+                await flow.piece(len(piece))
+            if egress is not None:
+                await egress.consume(len(piece))
+            writer.write(piece)
+            await writer.drain()
+            offset += len(piece)
+    await writer.drain()

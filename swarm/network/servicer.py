@@ -22,7 +22,7 @@ from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
 from swarm.network.calls import NAMESPACE, RemoteError, handle_name
-from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, read_frame
+from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, frame_parts, read_frame
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
 from swarm.network.pacing import carrying, send_paced
@@ -200,8 +200,8 @@ class StageServicer(ServicerBase):
             result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(sender, hosted.awaiting > 0))
             flow = pacer.flow(sender)
             with carrying(flow, len(outcome.payload)):
-                for i, message in enumerate(frame(pb.StageReply, "result", result, outcome.payload)):
-                    await send_paced(message, writer, flow, self.node.egress, first=i == 0)
+                for i, parts in enumerate(frame_parts(pb.StageReply, "result", result, outcome.payload)):
+                    await send_paced(parts, writer, flow, self.node.egress, first=i == 0)
         return True
 
     async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
