@@ -97,7 +97,7 @@ class _BufferBytes:
     def __init__(self) -> None:
         self.length = 0
 
-    def add(self, data: bytes) -> bytes:
+    def add(self, data: bytes | memoryview) -> bytes | memoryview:
         self.length += len(data)
         return data
 

@@ -13,6 +13,7 @@ from hivemind.p2p import P2P
 from protocols import stage_pb2 as pb
 from swarm.network.announce import StageRecord
 from swarm.network.calls import _Stream
+from swarm.network.chunks import frame, frame_parts
 from swarm.network.hosted import HostedStage
 from swarm.network.meta import tensor_to_raw
 from swarm.network.node import NodeOptions, SwarmNode
@@ -122,7 +123,9 @@ def test_a_record_without_a_download_share_reads_as_undeclared():
 
 
 def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
-    """A message written in paced pieces reads back as one protobuf; the bucket booked every byte."""
+    """A payload framed in parts (a small prefix, then a view of the payload per chunk) and written
+    in paced pieces reads back as the same protobuf messages as written unpaced; the bucket booked
+    every byte, the prefixes with the piece after them."""
     node, servicer = swarm.hosts[0]
     received = []
 
@@ -132,19 +135,22 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
 
     name = f"test-paced-{uuid.uuid4().hex[:6]}"
     pacer = FlowPacer(None, None, flows=1)
-    data = bytes(range(256)) * (5 * PIECE_BYTES // 256 + 7)
-    message = pb.StageReply(chunk=pb.Chunk(index=0, count=1, total_length=len(data), data=data))
+    payload = bytes(range(256)) * (5 * PIECE_BYTES // 256 + 7)  # two chunks, the first of 4 pieces
+    head = pb.ResultHead(kind=pb.BACKWARD, route=["a", "b"])
+    framed = list(frame_parts(pb.StageReply, "result", head, payload))
 
     async def send():
         await node.p2p.add_binary_stream_handler(name, handler)
         _, _, writer = await swarm.trainer.p2p.call_binary_stream_handler(node.p2p.peer_id, name)
         pacer.heard(node.peer_id, 800e6)
         flow = pacer.flow(node.peer_id)
-        await send_paced((message.SerializeToString(),), writer, flow)
-        await send_paced((message.SerializeToString(),), writer, None)  # unpaced, the same bytes on the wire
+        for parts in framed:
+            await send_paced(parts, writer, flow)
+        for parts in framed:
+            await send_paced(parts, writer, None)  # unpaced, the same bytes on the wire
         await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
         for _ in range(200):
-            if len(received) == 2:
+            if len(received) == 2 * len(framed):
                 break
             await asyncio.sleep(0.05)
         writer.close()
@@ -152,8 +158,11 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
         return flow.bucket.stats()
 
     stats = swarm.loop.run(send())
-    assert [m.chunk.data for m in received] == [data, data]
-    assert stats.bytes == message.ByteSize() and stats.calls == -(-message.ByteSize() // PIECE_BYTES)
+    assert len(framed) == 2 and all(len(parts) == 2 for parts in framed)
+    assert [m.SerializeToString() for m in received] == [m.SerializeToString() for m in frame(pb.StageReply, "result", head, payload)] * 2
+    assert received[0].result == head and b"".join(m.chunk.data for m in received[:2]) == payload
+    sizes = [sum(len(p) for p in parts) for parts in framed]
+    assert stats.bytes == sum(sizes) and stats.calls == sum(-(-len(data) // PIECE_BYTES) for _, data in framed)
 
 
 def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(swarm, tmp_path):

@@ -110,7 +110,8 @@ def _last_field(message_type, name: str) -> int:
     """The number of field `name`, which must be the message's last: hand-written fields follow
     the ones protobuf writes, and protobuf writes fields in number order."""
     number = message_type.DESCRIPTOR.fields_by_name[name].number
-    assert number == max(f.number for f in message_type.DESCRIPTOR.fields), f"{message_type.__name__}.{name} is not its last field"
+    if number != max(f.number for f in message_type.DESCRIPTOR.fields):
+        raise ImportError(f"{message_type.__name__}.{name} is not its last field: frame_parts cannot write it by hand")
     return number
 
 

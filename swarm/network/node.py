@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,11 +48,17 @@ def check_daemon_threads(threads: int) -> None:
         raise ValueError(f"--daemon_threads must be 0 (one per core) or a positive integer, got {threads}")
 
 
+_STARTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its lock on daemon starts
+
+
 async def start_daemon(threads: int = DAEMON_THREADS, **options) -> P2P:
-    """`P2P.create(**options)` with a daemon of `threads` Go threads (0: one per core)."""
+    """`P2P.create(**options)` with a daemon of `threads` Go threads (0: one per core). Starts in
+    one event loop take turns: hivemind copies the environment after awaiting, and two starts with
+    different counts would otherwise swap them."""
     check_daemon_threads(threads)
-    with _go_threads(threads):
-        return await P2P.create(**options)
+    async with _STARTING.setdefault(asyncio.get_running_loop(), asyncio.Lock()):
+        with _go_threads(threads):
+            return await P2P.create(**options)
 
 
 @dataclass

@@ -171,17 +171,23 @@ async def send_paced(parts, writer: asyncio.StreamWriter, flow: Flow | None, egr
     if egress is not None and first:
         await egress.latency()
     writer.write(P2P.MESSAGE_MARKER + sum(len(part) for part in parts).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-    for part in parts:
+    owed = 0  # bytes of small parts written at once, charged to the next piece (one wake-up, not two)
+    for i, part in enumerate(parts):
         if flow is None and egress is None:
             writer.write(part)
+            continue
+        if len(part) < MIN_PIECE_BYTES and i + 1 < len(parts):
+            writer.write(part)
+            owed += len(part)
             continue
         part, offset = memoryview(part), 0
         while offset < len(part):
             piece = part[offset : offset + (flow.next_piece() if flow is not None else piece_bytes(egress.rate_bits))]
             if flow is not None:
-                await flow.piece(len(piece))
+                await flow.piece(len(piece) + owed)
             if egress is not None:
-                await egress.consume(len(piece))
+                await egress.consume(len(piece) + owed)
+            owed = 0
             writer.write(piece)
             await writer.drain()
             offset += len(piece)
