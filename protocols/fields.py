@@ -1,9 +1,11 @@
-"""Protobuf fields written by hand, for messages whose large buffers are not to be copied.
+"""Protobuf fields written and found by hand, for messages whose large buffers are not to be copied.
 
 A length-delimited field is `tag, length, content`; writing its content as separate segments lets
 the caller join them once (wire.encode) or write them to a socket as they are (chunks.frame_parts).
 Protobuf writes fields in number order, so a message whose small fields go through protobuf and
-whose buffer fields follow here, in that order, is what protobuf itself would write.
+whose buffer fields follow here, in that order, is what protobuf itself would write. Reading,
+`trailing_field` finds such a last field, so that the rest is parsed by protobuf and the buffer
+stays a view of what was received (chunks.parse_message).
 """
 
 from __future__ import annotations
@@ -27,3 +29,44 @@ def length_delimited(number: int, segments: list) -> list:
 def bytes_field(number: int, data) -> list:
     """A proto3 bytes field, as segments; an empty one is left out, as protobuf does."""
     return length_delimited(number, [data]) if len(data) else []
+
+
+def _varint_at(buf, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the varint at `pos`; ValueError when it runs past the end or over 10 bytes."""
+    value = shift = 0
+    for i in range(pos, min(pos + 10, len(buf))):
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i + 1
+        shift += 7
+    raise ValueError("truncated or overlong varint")
+
+
+def trailing_field(buf: memoryview, number: int) -> tuple[int, int] | None:
+    """(where its tag starts, where its content starts) when the last field of the serialized
+    message `buf` is field `number`, length-delimited, and ends exactly where `buf` does; None
+    otherwise (a malformed message included: protobuf then parses it whole and says what is wrong)."""
+    pos, last = 0, None
+    try:
+        while pos < len(buf):
+            start = pos
+            key, pos = _varint_at(buf, pos)
+            kind, content = key & 7, None
+            if kind == 0:
+                pos = _varint_at(buf, pos)[1]
+            elif kind == 1:
+                pos += 8
+            elif kind == 2:
+                length, pos = _varint_at(buf, pos)
+                content, pos = pos, pos + length
+            elif kind == 5:
+                pos += 4
+            else:
+                return None
+            last = (key >> 3, start, content)
+    except ValueError:
+        return None
+    if pos != len(buf) or last is None or last[0] != number or last[2] is None:
+        return None
+    return last[1], last[2]

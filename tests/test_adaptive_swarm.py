@@ -16,7 +16,7 @@ from _swarm_env import SMOKE
 from protocols import stage_pb2 as pb
 from swarm.config import ConfigError, load_config
 from swarm.network.adaptive_codecs import AdaptiveCodecs
-from swarm.network.chunks import ProtocolError, frame
+from swarm.network.chunks import ProtocolError, frame, parse_message
 from swarm.network.codec_switch import switched_config
 from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meter import LinkMeter, timed_chunks
@@ -240,13 +240,19 @@ def test_replies_are_timed_from_their_first_chunk_to_their_last():
             for message in frame(pb.StageReply, "result", pb.ResultHead(kind=pb.BACKWARD), payload):
                 yield message
 
-    ticks = iter(range(100))
-    meter = LinkMeter()
-    got = asyncio.run(_drain(timed_chunks(replies(), meter, clock=lambda: float(next(ticks)))))
-    assert len(got) == 6
-    # chunks 2 and 3 arrived over 2 ticks after the first; the two-chunk reply (a last chunk of 5
-    # bytes) and the one-chunk reply are not timed
-    assert meter.nbytes == 2_500_000 - (1 << 20) and meter.busy_s == 2.0
+    async def received():  # as a stream gives them: the chunks' data apart, as views
+        async for message in replies():
+            yield parse_message(pb.StageReply, message.SerializeToString())
+
+    for source in (replies, received):
+        ticks = iter(range(100))
+        meter = LinkMeter()
+        got = asyncio.run(_drain(timed_chunks(source(), meter, clock=lambda ticks=ticks: float(next(ticks)))))
+        assert len(got) == 6
+        # chunks 2 and 3 arrived over 2 ticks after the first; the two-chunk reply (a last chunk of 5
+        # bytes) and the one-chunk reply are not timed
+        assert meter.nbytes == 2_500_000 - (1 << 20) and meter.busy_s == 2.0
+    assert [len(item.data) for item in got] == [1 << 20, 1 << 20, 2_500_000 - (2 << 20), 1 << 20, 5, 5]  # passed on whole
 
 
 def _status(stage: int, compute_s: float, samples: int, links: list[pb.LinkStatus]) -> pb.StageStatus:

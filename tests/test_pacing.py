@@ -130,7 +130,9 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     received = []
 
     async def handler(info, reader, writer):
-        async for message in _Stream(reader, writer).replies():
+        async for message, data in _Stream(reader, writer).replies():
+            if data is not None:  # the chunk's data, received apart
+                message.chunk.data = bytes(data)
             received.append(message)
 
     name = f"test-paced-{uuid.uuid4().hex[:6]}"

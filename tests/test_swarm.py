@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _swarm_env import SMOKE, assert_same_run, local_rows, p2pd_count, smoke, split_batches, swarm_rows
+from google.protobuf.message import DecodeError
 
 from protocols import stage_pb2 as pb
 from swarm.config import load_config
@@ -26,7 +27,7 @@ from swarm.engine.microbatch import MicroBatch
 from swarm.network import PROTOCOL_VERSION, loop
 from swarm.network.announce import discover
 from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
-from swarm.network.chunks import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, read_frame
+from swarm.network.chunks import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, parse_message, read_frame
 from swarm.network.hosted import HostedStage, config_digest
 from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
 from swarm.network.node import DAEMON_THREADS, NodeOptions, SwarmNode
@@ -149,6 +150,35 @@ def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
                 assert b"".join(parts) == expected.SerializeToString(), (size, field, i)
                 assert size == 0 or parts[-1].obj is payload  # not a copy
             assert [m.SerializeToString() for m in frame(message_type, field, head, payload)] == [b"".join(parts) for parts in framed]
+
+
+def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf_does():
+    """parse_message leaves a framed chunk's data out of the parsed message (a view of the bytes
+    received); a message laid out otherwise (chunk first, a field after it, the chunk twice) is
+    parsed whole, and garbage fails as protobuf fails."""
+    payload = os.urandom(CHUNK_BYTES + 300)
+    head = pb.MicroBatchHead(run_id="r", stage=1)
+    for parts in frame_parts(pb.StageRequest, "micro_batch", head, payload):
+        data = b"".join(parts)
+        message, view = parse_message(pb.StageRequest, data)
+        assert isinstance(view, memoryview) and view.obj is data and len(view) == len(parts[1])
+        assert not message.chunk.data
+        message.chunk.data = bytes(view)
+        assert message == pb.StageRequest.FromString(data)
+    whole = pb.StageRequest(micro_batch=head, chunk=pb.Chunk(index=0, count=1, total_length=3, crc32=7, data=b"abc"))
+    chunk_first = whole.chunk.SerializeToString()
+    chunk_first = b"\x22" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
+    twice = whole.SerializeToString() + pb.StageRequest(chunk=pb.Chunk(data=b"xyz")).SerializeToString()
+    trailing = whole.SerializeToString() + pb.StageRequest(micro_batch=pb.MicroBatchHead(stage=9)).SerializeToString()
+    for data in (chunk_first, twice, trailing):
+        message, view = parse_message(pb.StageRequest, data)
+        assert view is None and message == pb.StageRequest.FromString(data)
+    assert parse_message(pb.StageRequest, twice).message.chunk.data == b"xyz" and parse_message(pb.StageRequest, trailing).message.micro_batch.stage == 9
+    for garbage in (whole.SerializeToString()[:-1], b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0f"):
+        with pytest.raises(DecodeError):
+            pb.StageRequest.FromString(garbage)
+        with pytest.raises(DecodeError):
+            parse_message(pb.StageRequest, garbage)
 
 
 def test_chunks_verify_length_order_and_checksum():

@@ -16,10 +16,11 @@ import contextlib
 import time
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from protocols import stage_pb2 as pb
 from swarm.network import PROTOCOL_VERSION
-from swarm.network.chunks import frame_parts, read_frame
+from swarm.network.chunks import frame_parts, parse_message, read_frame
 from swarm.network.pacing import carrying, send_paced
 
 NAMESPACE = "hivepipe"
@@ -84,16 +85,22 @@ class _Stream:
         await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
 
     async def replies(self):
+        """The replies as `chunks.Received` (read as `P2P.receive_protobuf` does, the chunks' data
+        left uncopied), until the peer ends or closes the stream."""
         while True:
             try:
-                message, error = await P2P.receive_protobuf(pb.StageReply, self.reader)
+                marker = await self.reader.readexactly(1)
+                if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+                    raise TypeError("Invalid Protobuf message type")
+                data = await P2P.receive_raw_data(self.reader)
             except asyncio.IncompleteReadError:  # the peer closed the stream
                 return
-            if error is not None:
+            if marker == P2P.ERROR_MARKER:
+                error = RPCError.FromString(data)
                 if error.message:
                     raise RemoteError(_short(RuntimeError(error.message)))
                 return
-            yield message
+            yield parse_message(pb.StageReply, data)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import NamedTuple
 
 from protocols import fields
 from protocols import stage_pb2 as pb
@@ -32,8 +33,8 @@ class Assembler:
         self.count = self.total = self.crc = None
         self.size = 0
 
-    def add(self, chunk: pb.Chunk) -> bool:
-        """Adds a chunk; True once the payload is complete."""
+    def add(self, chunk: pb.Chunk, data: bytes | memoryview | None = None) -> bool:
+        """Adds a chunk (its `data` when received apart: parse_message); True once the payload is complete."""
         if self.count is None:
             if chunk.total_length > self.max_bytes:
                 raise ProtocolError(f"payload of {chunk.total_length} bytes exceeds this peer's limit of {self.max_bytes} bytes")
@@ -44,7 +45,8 @@ class Assembler:
             raise ProtocolError("chunk totals changed within one payload")
         if chunk.index != len(self.parts):
             raise ProtocolError(f"chunk {chunk.index} arrived, expected chunk {len(self.parts)} of {self.count}")
-        data = chunk.data  # once: upb copies a bytes field on every access
+        if data is None:
+            data = chunk.data  # once: upb copies a bytes field on every access
         if len(data) > CHUNK_BYTES:
             raise ProtocolError(f"chunk of {len(data)} bytes, more than {CHUNK_BYTES}")
         self.size += len(data)
@@ -79,14 +81,16 @@ async def _each(messages: AsyncIterator, idle_timeout: float | None):
 
 
 async def read_frame(messages: AsyncIterator, head_field: str | None = None, max_bytes: int = MAX_PAYLOAD_BYTES, idle_timeout: float | None = None):
-    """(head, payload) of one framed message sequence: the head rides on the first message.
+    """(head, payload) of one framed message sequence (protobuf messages, or `Received` ones):
+    the head rides on the first message.
 
     Returns the first message's oneof head (checked against `head_field` when given; an
     `error` head is returned as is) and the verified payload (at most `max_bytes`).
     """
     first = None
     assembler = Assembler(max_bytes)
-    async for message in _each(messages, idle_timeout):
+    async for item in _each(messages, idle_timeout):
+        message, data = item if isinstance(item, Received) else (item, None)
         if first is None:
             first = message
             which = message.WhichOneof("head")
@@ -98,7 +102,7 @@ async def read_frame(messages: AsyncIterator, head_field: str | None = None, max
             raise ProtocolError("a head arrived in the middle of a payload")
         if not message.HasField("chunk"):
             raise ProtocolError("message without a payload chunk")
-        if assembler.add(message.chunk):
+        if assembler.add(message.chunk, data):
             return getattr(first, first.WhichOneof("head")), assembler.payload()
     if first is None:
         raise ProtocolError("the stream ended before any message")
@@ -138,3 +142,27 @@ def frame(message_type, head_field: str, head, payload: bytes, chunk_bytes: int 
     """`frame_parts` as protobuf messages (for hivemind's ServicerBase, which writes messages)."""
     for parts in frame_parts(message_type, head_field, head, payload, chunk_bytes):
         yield message_type.FromString(b"".join(parts))
+
+
+class Received(NamedTuple):
+    """A message read off a stream, and its chunk's data when that was left out of it (a view of
+    the bytes received; None: the data, if any, is in the message)."""
+
+    message: object
+    data: memoryview | None
+
+
+def parse_message(message_type, data: bytes) -> Received:
+    """A received message. When it is laid out as `frame_parts` writes it (the chunk last, its
+    data last), protobuf parses all but the data, which stays a view of `data`: not copied twice
+    more (into the message, then out of it). Anything else is parsed whole, as protobuf would."""
+    view = memoryview(data)
+    chunk_at = fields.trailing_field(view, _CHUNK[message_type])
+    data_at = fields.trailing_field(view[chunk_at[1] :], _DATA) if chunk_at else None
+    if data_at:
+        message = message_type.FromString(view[: chunk_at[0]])
+        if not message.HasField("chunk"):  # a chunk field twice would merge: left to protobuf
+            message.chunk.SetInParent()
+            message.chunk.MergeFromString(view[chunk_at[1] : chunk_at[1] + data_at[0]])
+            return Received(message, view[chunk_at[1] + data_at[1] :])
+    return Received(message_type.FromString(data), None)

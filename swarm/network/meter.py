@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from swarm.network.calls import MicroBatchCall
+from swarm.network.chunks import Received
 
 
 class LinkMeter:
@@ -38,25 +39,26 @@ class LinkMeter:
 
 
 async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
-    """Passes `messages` (framed replies) through, adding each payload's chunks after the first to
+    """Passes `messages` (framed replies, protobuf or `chunks.Received`) through, adding each payload's chunks after the first to
     `meter` once its last chunk is in (the reader stops there, so nothing waits for the stream's end).
     Payloads of two chunks or less are not timed: the second may hold only a few bytes, and few
     bytes over the gap between two arrivals says nothing about the link."""
     first = None
     nbytes = 0
-    async for message in messages:
+    async for item in messages:
         now = clock()
+        message, data = item if isinstance(item, Received) else (item, None)
         if message.HasField("chunk"):
             chunk = message.chunk
             if chunk.index == 0:
                 first, nbytes = now, 0
             else:
-                nbytes += len(chunk.data)
+                nbytes += len(chunk.data if data is None else data)
             if chunk.index + 1 == chunk.count and first is not None:
                 if chunk.count > 2:  # at least one whole chunk after the first: a last chunk may be a few bytes
                     meter.add(first, now, nbytes)
                 first = None
-        yield message
+        yield item
 
 
 class MeteredCall(MicroBatchCall):

@@ -22,7 +22,15 @@ from swarm.engine.microbatch import Kind
 from swarm.network import PROTOCOL_VERSION
 from swarm.network.announce import Announcer
 from swarm.network.calls import NAMESPACE, RemoteError, handle_name
-from swarm.network.chunks import MAX_MICRO_BATCH_BYTES, ProtocolError, frame, frame_parts, read_frame
+from swarm.network.chunks import (
+    MAX_MICRO_BATCH_BYTES,
+    ProtocolError,
+    Received,
+    frame,
+    frame_parts,
+    parse_message,
+    read_frame,
+)
 from swarm.network.hosted import HostedStage
 from swarm.network.node import SwarmNode
 from swarm.network.pacing import carrying, send_paced
@@ -102,7 +110,7 @@ class Requests:
         self._begun = marker == P2P.MESSAGE_MARKER  # else the end-of-stream marker
         return self._begun
 
-    async def messages(self) -> AsyncIterator[pb.StageRequest]:
+    async def messages(self) -> AsyncIterator[Received]:
         """This request's messages (a reader of one frame stops at its last one) and, read on,
         whatever follows until the caller ends the stream."""
         while True:
@@ -113,9 +121,7 @@ class Requests:
                 data = await P2P.receive_raw_data(self.reader)
             except asyncio.IncompleteReadError:
                 return
-            message = pb.StageRequest()
-            message.ParseFromString(data)
-            yield message
+            yield parse_message(pb.StageRequest, data)
 
 
 class StageServicer(ServicerBase):
