@@ -90,7 +90,7 @@ async def read_frame(messages: AsyncIterator, head_field: str | None = None, max
     first = None
     assembler = Assembler(max_bytes)
     async for item in _each(messages, idle_timeout):
-        message, data = item if isinstance(item, Received) else (item, None)
+        message, data = Received.of(item)
         if first is None:
             first = message
             which = message.WhichOneof("head")
@@ -150,6 +150,11 @@ class Received(NamedTuple):
 
     message: object
     data: memoryview | None
+
+    @classmethod
+    def of(cls, item) -> Received:
+        """`item` as a Received: a protobuf message (the data in it) or one already."""
+        return item if isinstance(item, cls) else cls(item, None)
 
 
 def parse_message(message_type, data: bytes) -> Received:

@@ -47,7 +47,7 @@ async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
     nbytes = 0
     async for item in messages:
         now = clock()
-        message, data = item if isinstance(item, Received) else (item, None)
+        message, data = Received.of(item)
         if message.HasField("chunk"):
             chunk = message.chunk
             if chunk.index == 0:

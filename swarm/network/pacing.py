@@ -171,11 +171,13 @@ async def send_paced(parts, writer: asyncio.StreamWriter, flow: Flow | None, egr
     if egress is not None and first:
         await egress.latency()
     writer.write(P2P.MESSAGE_MARKER + sum(len(part) for part in parts).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    if flow is None and egress is None:
+        for part in parts:
+            writer.write(part)
+        await writer.drain()
+        return
     owed = 0  # bytes of small parts written at once, charged to the next piece (one wake-up, not two)
     for i, part in enumerate(parts):
-        if flow is None and egress is None:
-            writer.write(part)
-            continue
         if len(part) < MIN_PIECE_BYTES and i + 1 < len(parts):
             writer.write(part)
             owed += len(part)
