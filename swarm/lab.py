@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarm.netlab.counters import CounterSampler
+from swarm.netlab.counters import CounterSampler, group_cpu_s
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
@@ -226,7 +226,7 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            counters = CounterSampler(self.net.link_bytes) if self.net is not None and self.results else None
+            counters = CounterSampler(self.net.link_bytes if self.net is not None else dict, self._cpu) if self.results else None
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
@@ -235,7 +235,7 @@ class Lab:
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
-            if counters is not None and trainer.returncode == 0:  # the links' own byte counts, for bench throughput
+            if counters is not None and trainer.returncode == 0:  # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
                 with open(self.results, "a") as f:
                     f.write(json.dumps(counters.to_row()) + "\n")
@@ -250,6 +250,10 @@ class Lab:
             self.stop()
             if self.results and Path(self.results).exists():
                 self._print("lab", f"results in {self.results}")
+
+    def _cpu(self) -> dict[str, list[float]]:
+        """CPU seconds so far of each process and its p2p daemon (each peer leads its own process group)."""
+        return group_cpu_s({name: process.pid for name, process in self.processes})
 
     def stop(self) -> None:
         """SIGINT (graceful), then SIGTERM, then SIGKILL to each process group (its p2p daemon too)."""

@@ -296,6 +296,33 @@ def test_required_delay_without_netem_is_a_clear_error(caps):
     assert "\n" not in str(info.value)
 
 
+def test_group_cpu_counts_a_peer_and_its_daemon_apart(tmp_path):
+    """A lab reads each peer's CPU time and its p2p daemon's from /proc by process group: here a
+    group leader and a child whose command is named p2pd, each burning its own CPU, then idling."""
+    from swarm.netlab.counters import group_cpu_s
+
+    daemon = tmp_path / "p2pd"
+    daemon.symlink_to(sys.executable)  # the process's name (comm) is the file it was started as
+    burn = "import time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
+    script = f"import subprocess\nsubprocess.Popen([{str(daemon)!r}, '-c', {burn.format(0.6)!r}])\n{burn.format(0.3)}"
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            own, child = group_cpu_s({"peer": leader.pid})["peer"]
+            if own >= 0.3 and child >= 0.6:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        cpu = group_cpu_s({"peer": leader.pid, "nobody": 2**22 + 7})
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+    own, child = cpu["peer"]
+    assert 0.3 <= own < 0.6 and 0.6 <= child < 0.9  # the interpreters' start-up on top of what each burned
+    assert cpu["nobody"] == [0.0, 0.0]
+
+
 def test_bad_lab_arguments():
     with pytest.raises(ValueError, match="unknown link"):
         NetLab(["a", "b"], rates={"c": "1mbit"})

@@ -373,6 +373,9 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
         assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
     else:
         assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
+    meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
+    used = {name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)] for name in ("stage0", "stage1", "trainer")}
+    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used  # each peer and its p2p daemon worked while metered
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
 

@@ -12,13 +12,14 @@ from swarm.bench.throughput import (
     ThroughputRow,
     backward_spec,
     codec_overrides,
+    cpu_breakdown,
     expected_samples_per_s,
     measure_run,
     speedups,
     steps_for,
 )
 from swarm.lab import parse_rates
-from swarm.netlab.counters import window
+from swarm.netlab.counters import CounterSampler, window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
 
@@ -68,25 +69,39 @@ def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
         measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
 
 
-def _meter(links_per_second: dict[str, tuple[int, int]], busy_per_second: float, until: float) -> dict:
+def _meter(links_per_second: dict[str, tuple[int, int]], busy_per_second: float, until: float, cpu_per_second: dict[str, tuple[float, float]] | None = None) -> dict:
     """A lab's meter row: counters growing linearly from t=0, one sample per second."""
     return {"type": "meter", "every_s": 1.0, "samples": [
-        {"at": float(t), "links": {n: [t * up, t * down] for n, (up, down) in links_per_second.items()}, "cpu_busy_s": t * busy_per_second, "cpu_total_s": 2.0 * t}
+        {"at": float(t), "links": {n: [t * up, t * down] for n, (up, down) in links_per_second.items()}, "cpu_busy_s": t * busy_per_second, "cpu_total_s": 2.0 * t,
+         **({"cpu": {n: [t * own, t * daemon] for n, (own, daemon) in cpu_per_second.items()}} if cpu_per_second else {})}
         for t in range(int(until) + 2)]}
 
 
 def test_meter_window_interpolates_between_samples_and_refuses_an_uncovered_window():
     row = {"type": "meter", "samples": [
-        {"at": 0.0, "links": {"a": [0, 0]}, "cpu_busy_s": 0.0, "cpu_total_s": 0.0},
-        {"at": 1.0, "links": {"a": [100, 50]}, "cpu_busy_s": 1.0, "cpu_total_s": 2.0},
-        {"at": 2.0, "links": {"a": [300, 150]}, "cpu_busy_s": 1.5, "cpu_total_s": 4.0}]}
+        {"at": 0.0, "links": {"a": [0, 0]}, "cpu_busy_s": 0.0, "cpu_total_s": 0.0, "cpu": {"a": [0.0, 0.0]}},
+        {"at": 1.0, "links": {"a": [100, 50]}, "cpu_busy_s": 1.0, "cpu_total_s": 2.0, "cpu": {"a": [0.4, 0.2], "b": [0.1, 0.0]}},
+        {"at": 2.0, "links": {"a": [300, 150]}, "cpu_busy_s": 1.5, "cpu_total_s": 4.0, "cpu": {"a": [0.6, 0.6], "b": [0.3, 0.1]}}]}
     counted = window(row, 0.5, 1.5)
     assert counted.sent == {"a": pytest.approx(150.0)} and counted.received == {"a": pytest.approx(75.0)}
-    assert counted.busy == pytest.approx((1.25 - 0.5) / (3.0 - 1.0))
+    assert counted.busy == pytest.approx((1.25 - 0.5) / (3.0 - 1.0)) and counted.busy_s == pytest.approx(0.75)
+    # process b was not there at first: it counts from zero
+    assert counted.cpu == {"a": pytest.approx([0.5 - 0.2, 0.4 - 0.1]), "b": pytest.approx([0.2 - 0.05, 0.05])}
+    del row["samples"][1]["cpu"]  # a meter without process CPU (an older results file)
+    assert window(row, 0.5, 1.5).cpu == {}
     with pytest.raises(ValueError, match="do not cover"):
         window(row, 0.5, 2.5)
     with pytest.raises(ValueError, match="empty window"):
         window(row, 1.0, 1.0)
+
+
+def test_the_meter_keeps_the_cpu_time_of_a_process_that_exited():
+    readings = iter([{"a": [1.0, 0.5], "b": [0.0, 0.0]}, {"a": [0.0, 0.0], "b": [0.2, 0.1]}, {"a": [0.0, 0.0], "b": [0.3, 0.1]}])
+    sampler = CounterSampler(dict, lambda: next(readings))
+    for _ in range(3):
+        sampler.sample()
+    assert [s["cpu"] for s in sampler.samples[1:]] == [{"a": [1.0, 0.5], "b": [0.2, 0.1]}, {"a": [1.0, 0.5], "b": [0.3, 0.1]}]
+    assert sampler.samples[0]["links"] == {}
 
 
 def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
@@ -99,6 +114,7 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
     # per second: 32 samples/s; stage1 sends 60,000 B/s = 1875 B per sample (1500 payload + 25%)
     rows.append(_meter({"stage0": (40_000, 30_000), "stage1": (60_000, 50_000), "trainer": (1000, 500)}, busy_per_second=1.5, until=20))
     figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+    assert figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None  # peers that reported no CPU, a meter without it
     assert figures["wire_bytes_per_sample"]["stage1"] == pytest.approx([1875.0, 1562.5])
     assert figures["busiest_bytes_per_sample"] == pytest.approx(1875.0) and figures["binding"] == "link stage1 up"
     assert figures["link_bound"] == pytest.approx(10_000 / 1875) and figures["payload_link_bound"] == pytest.approx(10_000 / 1500)
@@ -106,6 +122,27 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
     assert figures["machine_busy"] == pytest.approx(0.75)
     plain = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)  # no meter: the payload bound
     assert plain["wire_bytes_per_sample"] is None and plain["link_bound"] == plain["payload_link_bound"] == pytest.approx(10_000 / 1500)
+    assert plain["machine_busy"] is None and plain["machine_cpu_ms_per_sample"] is None
+
+
+def test_cpu_per_sample_and_the_share_of_it_the_stages_computed():
+    """The meter's CPU times become ms per sample; with the stages' computing threads' CPU, the share of
+    the busy machine that computed (in process there are no link counts: the payload bound stays)."""
+    rows = _rows(seconds_per_step=2.0)  # 32 samples/s
+    for row in rows:
+        if row["type"] == "step":
+            row["at"] = row["time_s"]
+    for peer in rows[-1]["stages"]:
+        peer["compute_cpu_s"] = peer["compute_s"] / 4  # per sample: 2.5 + 5 + 1.25 ms
+    rows.append(_meter({}, busy_per_second=0.64, until=20, cpu_per_second={"stage0": (0.16, 0.032), "stage1": (0.192, 0.048), "stage2": (0.064, 0.016), "trainer": (0.016, 0.0)}))
+    figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0, cores=2)
+    assert figures["wire_bytes_per_sample"] is None and figures["link_bound"] == figures["payload_link_bound"]
+    assert figures["machine_busy"] == pytest.approx(0.32) and figures["machine_cpu_ms_per_sample"] == pytest.approx(20.0)
+    assert figures["cpu_ms_per_sample"] == {"stage0": pytest.approx([5.0, 1.0]), "stage1": pytest.approx([6.0, 1.5]), "stage2": pytest.approx([2.0, 0.5]), "trainer": pytest.approx([0.5, 0.0])}
+    assert figures["compute_cpu_ms_per_sample"] == pytest.approx(8.75) and figures["compute_share"] == pytest.approx(8.75 / 20)
+    line = cpu_breakdown(ThroughputRow("none", "none", 0.08, shaping="inprocess", **figures))
+    assert line.startswith("CPU per sample: 20.00 ms = stage compute 8.75 + stage peers' other threads 4.25 + stage p2p daemons 3.00")
+    assert line.endswith("trainer and bootstrap (and daemons) 0.50 + the rest of the machine 3.50; compute is 44% of it")
 
 
 def test_backward_specs_and_speedups():

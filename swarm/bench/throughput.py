@@ -17,7 +17,11 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
   machine's cores, at most cores / the sum of the stages' compute CPU seconds per sample (the
   computing threads' CPU time, so waiting for a core is not counted as work);
 - achieved / min(link bound, compute bound);
-- with namespaces, how busy the machine's cores were over the measured steps (`machine_busy`).
+- how busy the machine's cores were over the measured steps (`machine_busy`), and where that CPU
+  went per sample: the stages' computing threads (`compute_cpu_ms_per_sample`), each process and its
+  p2p daemon (`cpu_ms_per_sample`). Once the cores are saturated, the fraction of the cores bound
+  is machine_busy x the computing threads' share of the busy CPU (`compute_share`): the event
+  loops, daemons and trainer on the same cores take the rest.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class ThroughputRow:
     payload_link_bound: float | None = None  # the link bound from the payload bytes alone (no headers, ACKs, DHT)
     wire_bytes_per_sample: dict[str, list[float]] | None = None  # per process: [up, down] as its link counted them
     machine_busy: float | None = None  # fraction of the machine's CPU time busy over the measured steps
+    machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time per sample over the measured steps
+    compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time per sample, summed
+    compute_share: float | None = None  # compute_cpu_ms_per_sample / machine_cpu_ms_per_sample
+    cpu_ms_per_sample: dict[str, list[float]] | None = None  # per process: [its own, its p2p daemon's] CPU time per sample
 
 
 def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
@@ -113,7 +121,8 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
     bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
     link, busiest, busiest_bytes = bound.link, f"{bound.busiest} {bound.direction}", bound.wire_bytes
-    wire, machine_busy = counted_wire(rows, first, last, samples)
+    meter = metered(rows, first, last, samples)
+    wire = meter["wire_bytes_per_sample"]
     if wire:  # the links' own counts: the bound is what tbf lets through, headers and ACKs included
         (busiest, busiest_bytes) = max(((f"{name} {d}", b) for name, pair in wire.items() for d, b in zip(("up", "down"), pair, strict=True)), key=lambda item: item[1])
         link = bandwidth_bits / 8 / busiest_bytes if busiest_bytes else math.inf
@@ -125,6 +134,7 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     else:
         binding = "compute" if compute == bound.compute else f"cores ({cores:g} shared)"
     train = next(r for r in rows if r["type"] == "config")["config"]["train"]
+    compute_cpu, machine_cpu = 1000 * sum(stage_cpu) if any(stage_cpu) else None, meter["machine_cpu_ms_per_sample"]
     return {
         "samples_per_s": achieved,
         "schedule_bound": schedule_bound(train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited),
@@ -135,8 +145,9 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
         "binding": binding,
         "busiest_bytes_per_sample": busiest_bytes,
         "payload_link_bound": bound.link,
-        "wire_bytes_per_sample": wire,
-        "machine_busy": machine_busy,
+        **meter,
+        "compute_cpu_ms_per_sample": compute_cpu,
+        "compute_share": compute_cpu / machine_cpu if compute_cpu and machine_cpu else None,
         "forward_bytes": forward,
         "backward_bytes": backward,
         "stage_ms_per_sample": [1000 * s for s in stage_s or []],
@@ -145,16 +156,23 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     }
 
 
-def counted_wire(rows: list[dict], first: dict, last: dict, samples: int) -> tuple[dict[str, list[float]] | None, float | None]:
-    """({process: [bytes up, bytes down] per sample}, machine CPU busy fraction) between two step rows,
-    from a lab's meter row; (None, None) without one (in-process shaping, or an older results file)."""
+def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
+    """Per sample between two step rows, from a lab's meter row (all None without one: an older
+    results file, or a run outside the lab): `wire_bytes_per_sample` {process: [bytes up, bytes
+    down]} (None without namespaces), `machine_busy` (fraction), `machine_cpu_ms_per_sample`,
+    `cpu_ms_per_sample` {process: [its own, its p2p daemon's] CPU ms} (None if not sampled)."""
     from swarm.netlab.counters import window
 
     meter = next((r for r in rows if r["type"] == "meter"), None)
     if meter is None or "at" not in first or "at" not in last:
-        return None, None
+        return dict.fromkeys(("wire_bytes_per_sample", "machine_busy", "machine_cpu_ms_per_sample", "cpu_ms_per_sample"))
     counted = window(meter, first["at"], last["at"])
-    return {name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent}, counted.busy
+    return {
+        "wire_bytes_per_sample": {name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent} or None,
+        "machine_busy": counted.busy,
+        "machine_cpu_ms_per_sample": 1000 * counted.busy_s / samples,
+        "cpu_ms_per_sample": {name: [1000 * s / samples for s in pair] for name, pair in counted.cpu.items()} or None,
+    }
 
 
 def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
@@ -214,11 +232,30 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
                 figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns", cores=available_cores())
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
                 log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}" + (f"; cores {100 * row.machine_busy:.0f}% busy" if row.machine_busy is not None else ""))
+                if row.cpu_ms_per_sample and row.compute_cpu_ms_per_sample:
+                    log("   " + cpu_breakdown(row))
                 if row.chosen:
                     log("   adaptive chose " + ", ".join(f"boundary {b}: {c}" for b, c in row.chosen.items()))
                 rows.append(row)
                 mine.append(row)
     return rows
+
+
+def cpu_breakdown(row: ThroughputRow) -> str:
+    """Where the machine's CPU went per sample: the stages' computing threads, the rest of the stage
+    peers (event loops, framing, pacing), their p2p daemons, the trainer and bootstrap, the rest."""
+    cpu = row.cpu_ms_per_sample or {}
+    stages = [pair for name, pair in cpu.items() if name.startswith("stage")]
+    others = [pair for name, pair in cpu.items() if not name.startswith("stage")]
+    compute = row.compute_cpu_ms_per_sample or 0.0
+    parts = {
+        "stage compute": compute,
+        "stage peers' other threads": sum(own for own, _ in stages) - compute,
+        "stage p2p daemons": sum(daemon for _, daemon in stages),
+        "trainer and bootstrap (and daemons)": sum(own + daemon for own, daemon in others),
+    }
+    rest = (row.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
+    return f"CPU per sample: {row.machine_cpu_ms_per_sample:.2f} ms = " + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items()) + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
 
 
 class _Quiet:

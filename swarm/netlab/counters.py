@@ -2,14 +2,16 @@
 
 The engine counts the payload it sends; a link carries more: TCP/IP and Ethernet headers, libp2p
 framing and encryption, ACKs for what flows the other way, DHT and status traffic. tbf meters all
-of it. `CounterSampler` samples every process's link byte counters (`NetLab.link_bytes`) and the
-machine's busy CPU time (/proc/stat) every `every_s` seconds while a lab runs, and `window()`
-interpolates them between two instants (say, the ends of the first and last measured steps).
+of it. `CounterSampler` samples every process's link byte counters (`NetLab.link_bytes`), the
+machine's busy CPU time (/proc/stat) and each lab process's CPU time and its p2p daemon's
+(`group_cpu_s`) every `every_s` seconds while a lab runs, and `window()` interpolates them between
+two instants (say, the ends of the first and last measured steps).
 
-    sampler = CounterSampler(net.link_bytes)
+    sampler = CounterSampler(net.link_bytes, read_cpu)
     while running: sampler.poll(); ...       # samples when `every_s` has passed
     row = sampler.to_row()                 # {"type": "meter", "samples": [...]} for a results file
-    window(row, start, end) -> Window(sent={name: bytes}, received={name: bytes}, busy=fraction)
+    window(row, start, end) -> Window(sent={name: bytes}, received={name: bytes}, busy=fraction,
+                                      busy_s=seconds, cpu={name: [process s, daemon s]})
 """
 
 from __future__ import annotations
@@ -32,9 +34,31 @@ def machine_cpu_s() -> tuple[float, float]:
     return (total - idle) / ticks, total / ticks
 
 
+def group_cpu_s(groups: dict[str, int], daemon: str = "p2pd") -> dict[str, list[float]]:
+    """{name: [CPU seconds so far of the process, of its p2p daemon]} (user and system) of each named
+    process group: a lab starts every peer as a group leader, and hivemind starts the peer's `daemon`
+    in that group. Processes that are gone count nothing."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    names = {pgid: name for name, pgid in groups.items()}
+    cpu = {name: [0.0, 0.0] for name in groups}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(fields[2]))  # after the name: state, ppid, pgrp, ...; utime and stime are 12th and 13th
+        if name is not None:
+            cpu[name][comm == daemon] += (int(fields[11]) + int(fields[12])) / ticks
+    return cpu
+
+
 class CounterSampler:
-    def __init__(self, read_links: Callable[[], dict[str, tuple[int, int]]], every_s: float = EVERY_S) -> None:
-        self.read_links = read_links
+    def __init__(self, read_links: Callable[[], dict[str, tuple[int, int]]], read_cpu: Callable[[], dict[str, list[float]]] | None = None, every_s: float = EVERY_S) -> None:
+        self.read_links, self.read_cpu = read_links, read_cpu  # read_cpu: group_cpu_s of the lab's processes
         self.every_s = every_s
         self.samples: list[dict] = []
 
@@ -46,7 +70,12 @@ class CounterSampler:
     def sample(self) -> None:
         links = self.read_links()
         busy, total = machine_cpu_s()
-        self.samples.append({"at": time.time(), "links": {name: list(pair) for name, pair in links.items()}, "cpu_busy_s": busy, "cpu_total_s": total})
+        sample = {"at": time.time(), "links": {name: list(pair) for name, pair in links.items()}, "cpu_busy_s": busy, "cpu_total_s": total}
+        if self.read_cpu is not None:
+            cpu = sample["cpu"] = self.read_cpu()
+            for name, before in (self.samples[-1].get("cpu", {}) if self.samples else {}).items():
+                cpu[name] = [max(b, now) for b, now in zip(before, cpu.get(name, (0.0, 0.0)), strict=True)]  # a process that exited keeps its time
+        self.samples.append(sample)
 
     def to_row(self) -> dict:
         return {"type": "meter", "every_s": self.every_s, "samples": self.samples}
@@ -57,6 +86,8 @@ class Window:
     sent: dict[str, float]  # bytes each process's link carried out of it between the two instants
     received: dict[str, float]
     busy: float  # fraction of the machine's CPU time that was busy
+    busy_s: float  # the machine's busy CPU seconds (all cores)
+    cpu: dict[str, list[float]]  # CPU seconds of each lab process and of its p2p daemon ({} if not sampled)
 
 
 def window(row: dict, start: float, end: float) -> Window:
@@ -83,5 +114,10 @@ def window(row: dict, start: float, end: float) -> Window:
     sent = {name: growth(lambda s, n=name: s["links"][n][0]) for name in names}
     received = {name: growth(lambda s, n=name: s["links"][n][1]) for name in names}
     total = growth(lambda s: s["cpu_total_s"])
-    busy = growth(lambda s: s["cpu_busy_s"]) / total if total > 0 else float("nan")
-    return Window(sent, received, busy)
+    busy_s = growth(lambda s: s["cpu_busy_s"])
+    busy = busy_s / total if total > 0 else float("nan")
+    cpu = {}
+    if all("cpu" in s for s in samples):  # processes that started later are not in the first samples
+        for name in samples[-1]["cpu"]:
+            cpu[name] = [growth(lambda s, n=name, i=i: s["cpu"].get(n, (0.0, 0.0))[i]) for i in (0, 1)]
+    return Window(sent, received, busy, busy_s, cpu)
