@@ -19,9 +19,11 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
 - achieved / min(link bound, compute bound);
 - how busy the machine's cores were over the measured steps (`machine_busy`), and where that CPU
   went per sample: the stages' computing threads (`compute_cpu_ms_per_sample`), each process and its
-  p2p daemon (`cpu_ms_per_sample`). Once the cores are saturated, the fraction of the cores bound
-  is machine_busy x the computing threads' share of the busy CPU (`compute_share`): the event
-  loops, daemons and trainer on the same cores take the rest.
+  p2p daemon (`cpu_ms_per_sample`). The fraction of the cores bound is machine_busy x the
+  computing threads' share of the busy CPU (`compute_share`; the peers report their compute CPU
+  over the whole run, so to within a percent): the event loops, daemons and trainer on the same
+  cores take the rest. /proc/stat counts busy time by the tick and misses the daemons' short
+  bursts at low load, so there the processes' own times can add up to more than the machine's.
 """
 
 from __future__ import annotations
