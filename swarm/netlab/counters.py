@@ -117,7 +117,7 @@ def window(row: dict, start: float, end: float) -> Window:
     busy_s = growth(lambda s: s["cpu_busy_s"])
     busy = busy_s / total if total > 0 else float("nan")
     cpu = {}
-    if all("cpu" in s for s in samples):  # processes that started later are not in the first samples
-        for name in samples[-1]["cpu"]:
+    if all("cpu" in s for s in samples):
+        for name in samples[-1]["cpu"]:  # a process that started later counts from zero before it did
             cpu[name] = [growth(lambda s, n=name, i=i: s["cpu"].get(n, (0.0, 0.0))[i]) for i in (0, 1)]
     return Window(sent, received, busy, busy_s, cpu)
