@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from swarm.netlab.counters import CounterSampler, group_cpu_s
+from swarm.netlab.counters import CounterSampler, GroupCpu
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
@@ -226,7 +226,8 @@ class Lab:
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
             extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            counters = CounterSampler(self.net.link_bytes if self.net is not None else dict, self._cpu) if self.results else None
+            processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})  # each peer leads its own group
+            counters = CounterSampler(self.net.link_bytes if self.net is not None else dict, processes) if self.results else None
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
@@ -250,10 +251,6 @@ class Lab:
             self.stop()
             if self.results and Path(self.results).exists():
                 self._print("lab", f"results in {self.results}")
-
-    def _cpu(self) -> dict[str, list[float]]:
-        """CPU seconds so far of each process and its p2p daemon (each peer leads its own process group)."""
-        return group_cpu_s({name: process.pid for name, process in self.processes})
 
     def stop(self) -> None:
         """SIGINT (graceful), then SIGTERM, then SIGKILL to each process group (its p2p daemon too)."""

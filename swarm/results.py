@@ -3,13 +3,16 @@
 Schema (every line has "type"):
 - config:  {"name", "config": {...}, "started": ISO time}
 - step:    {"step", "epoch", "loss", "lr", "samples", "exact", "bytes": {"boundary<i>.<direction>": bytes this step}, "time_s", "at": unix time}
+           swarm runs add "stages" (each stage peer's compute so far, as in the stages row) and, with
+           adaptive compression, "codecs"
 - eval:    {"step", "epoch", "uncompressed": {metrics}, "compressed": {metrics}}  (metrics: loss and
            accuracy; perplexity for language models)
 - summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
            {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
-- meter:   (lab runs in namespaces) {"every_s", "samples": [{"at": unix time, "links": {process: [bytes
-           sent, received]}, "cpu_busy_s", "cpu_total_s"}]} (swarm.netlab.counters)
-- stages:  (swarm runs) {"stages": [{"stage", "compute_s", "samples", "processed", "throughput"} per stage peer]}
+- meter:   (lab runs) {"every_s", "samples": [{"at": unix time, "links": {process: [bytes sent,
+           received]} (in namespaces; else {}), "cpu_busy_s", "cpu_total_s", "cpu": {process: [its
+           CPU s, its p2p daemon's]}}]} (swarm.netlab.counters)
+- stages:  (swarm runs) {"stages": [{"stage", "compute_s", "compute_cpu_s", "samples", "processed", "throughput"} per stage peer]}
 """
 
 from __future__ import annotations

@@ -296,31 +296,50 @@ def test_required_delay_without_netem_is_a_clear_error(caps):
     assert "\n" not in str(info.value)
 
 
-def test_group_cpu_counts_a_peer_and_its_daemon_apart(tmp_path):
-    """A lab reads each peer's CPU time and its p2p daemon's from /proc by process group: here a
-    group leader and a child whose command is named p2pd, each burning its own CPU, then idling."""
-    from swarm.netlab.counters import group_cpu_s
+def test_group_cpu_counts_a_peer_and_its_daemon_apart_and_keeps_an_exited_process(tmp_path):
+    """A lab reads each peer's CPU time and its p2p daemon's from /proc by process group. Here a group
+    leader burns 0.3 s; a child started as `p2pd` burns 0.6 s and exits; a child whose name holds a
+    parenthesis and spaces burns 0.2 s and idles."""
+    from swarm.netlab.counters import GroupCpu
 
-    daemon = tmp_path / "p2pd"
-    daemon.symlink_to(sys.executable)  # the process's name (comm) is the file it was started as
-    burn = "import time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\ntime.sleep(60)\n"
-    script = f"import subprocess\nsubprocess.Popen([{str(daemon)!r}, '-c', {burn.format(0.6)!r}])\n{burn.format(0.3)}"
+    for name in ("p2pd", "a) b c"):
+        (tmp_path / name).symlink_to(sys.executable)  # a process's name (comm) is the file it was started as
+    burn = "import time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
+    script = (f"import subprocess, time\ndaemon = subprocess.Popen([{str(tmp_path / 'p2pd')!r}, '-c', {burn.format(0.6)!r}])\n"
+              f"subprocess.Popen([{str(tmp_path / 'a) b c')!r}, '-c', {(burn.format(0.2) + 'time.sleep(60)')!r}])\n"
+              f"{burn.format(0.3)}daemon.wait()\ntime.sleep(60)\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait()
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    groups = {"peer": leader.pid, "gone": gone.pid}
+    cpu = GroupCpu(lambda: groups)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            own, child = group_cpu_s({"peer": leader.pid})["peer"]
-            if own >= 0.3 and child >= 0.6:
+            own, daemon = cpu()["peer"]
+            if own >= 0.5 and daemon >= 0.6 and not _group_has(leader.pid, "p2pd"):  # the daemon was reaped
                 break
             time.sleep(0.05)
         time.sleep(0.2)
-        cpu = group_cpu_s({"peer": leader.pid, "nobody": 2**22 + 7})
+        last = cpu()
     finally:
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
-    own, child = cpu["peer"]
-    assert 0.3 <= own < 0.6 and 0.6 <= child < 0.9  # the interpreters' start-up on top of what each burned
-    assert cpu["nobody"] == [0.0, 0.0]
+    own, daemon = last["peer"]
+    assert 0.5 <= own < 0.9 and 0.6 <= daemon < 0.9, last  # the interpreters' start-up on top of what each burned
+    assert not _group_has(leader.pid, "p2pd") and last["gone"] == [0.0, 0.0]
+
+
+def _group_has(pgid: int, name: str) -> bool:
+    """A process of that name is in the process group (and not yet reaped)."""
+    for entry in os.scandir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat and stat[stat.index("(") + 1 : stat.rindex(")")] == name and int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+            return True
+    return False
 
 
 def test_bad_lab_arguments():

@@ -339,6 +339,9 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     (stages,) = [r for r in read_results(results) if r["type"] == "stages"]  # what the throughput benchmark reads
     assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"])
     assert all(0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"])  # the computing thread's CPU time, one torch thread
+    steps = [r for r in read_results(results) if r["type"] == "step"]  # each carries the stages' compute so far
+    assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [[(0, 40), (1, 40)], [(0, 80), (1, 80)]]
+    assert all(0 < p["compute_s"] <= q["compute_s"] for p, q in zip(steps[0]["stages"], steps[1]["stages"], strict=True))
     threads = max(1, len(os.sched_getaffinity(0)) // 3)  # two stage peers and the trainer share the cores
     assert f"[lab] torch threads per peer: {threads}" in out.stdout
     assert p2pd_count() == before  # every daemon the lab started is gone

@@ -61,6 +61,25 @@ def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
     assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None  # peers that did not report CPU time
 
 
+def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry_it():
+    """Step rows carry each stage peer's running compute totals: the warm-up step (10 ms per sample
+    everywhere) is left out, as it is from samples/s; without them, or when a peer left meanwhile,
+    the whole run's stages row (10, 20 and 5 ms per sample) is used."""
+    rows = _rows()
+    for row in rows:
+        if row["type"] == "step":
+            row["stages"] = [{"stage": stage, "compute_s": 64 * (0.010 + ms / 1000 * (row["step"] - 1)), "compute_cpu_s": 32 * (0.010 + ms / 1000 * (row["step"] - 1)), "samples": 64 * row["step"]}
+                             for stage, ms in enumerate((1, 4, 2))]
+    figures = measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=2)
+    assert figures["stage_ms_per_sample"] == pytest.approx([1.0, 4.0, 2.0])  # steps 2..4 only
+    assert figures["compute_bound"] == pytest.approx(250.0) and figures["compute_cpu_ms_per_sample"] == pytest.approx(3.5)
+    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    rows[-2]["stages"] = rows[-2]["stages"][:2]  # the stage-2 peer left before the last step: its totals went with it
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    rows[-2]["stages"] = [{**peer, "compute_s": 0.0} for peer in rows[3]["stages"]]  # totals that went backwards
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+
+
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
@@ -95,13 +114,19 @@ def test_meter_window_interpolates_between_samples_and_refuses_an_uncovered_wind
         window(row, 1.0, 1.0)
 
 
-def test_the_meter_keeps_the_cpu_time_of_a_process_that_exited():
-    readings = iter([{"a": [1.0, 0.5], "b": [0.0, 0.0]}, {"a": [0.0, 0.0], "b": [0.2, 0.1]}, {"a": [0.0, 0.0], "b": [0.3, 0.1]}])
+def test_the_meter_stamps_a_sample_while_it_reads_and_keeps_the_cpu_readings():
+    import time
+
+    readings = iter([{"a": [1.0, 0.5]}, {"a": [1.5, 0.5], "b": [0.2, 0.1]}])
     sampler = CounterSampler(dict, lambda: next(readings))
-    for _ in range(3):
-        sampler.sample()
-    assert [s["cpu"] for s in sampler.samples[1:]] == [{"a": [1.0, 0.5], "b": [0.2, 0.1]}, {"a": [1.0, 0.5], "b": [0.3, 0.1]}]
-    assert sampler.samples[0]["links"] == {}
+    before = time.time()
+    sampler.sample()
+    sampler.sample()
+    assert [s["cpu"] for s in sampler.samples] == [{"a": [1.0, 0.5]}, {"a": [1.5, 0.5], "b": [0.2, 0.1]}]
+    assert before <= sampler.samples[0]["at"] <= sampler.samples[1]["at"] <= time.time() and sampler.samples[0]["links"] == {}
+    plain = CounterSampler(dict)  # no process CPU to read: none in the samples
+    plain.sample()
+    assert "cpu" not in plain.samples[0]
 
 
 def test_counted_link_bytes_bound_the_link_and_name_the_busiest():

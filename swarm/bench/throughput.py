@@ -13,17 +13,18 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
   TCP/IP, TLS and libp2p framing, ACKs and DHT traffic, all of which tbf meters); in process, the
   payload (swarm.netlab.bounds.pipeline_bound, also reported as `payload_link_bound`);
 - the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
-  included), from the stage peers' own accounting; and since the lab's peers share this
-  machine's cores, at most cores / the sum of the stages' compute CPU seconds per sample (the
-  computing threads' CPU time, so waiting for a core is not counted as work);
+  included) over the measured steps, from the stage peers' own accounting; and since the lab's
+  peers share this machine's cores, at most cores / the sum of the stages' compute CPU seconds
+  per sample (the computing threads' CPU time, so waiting for a core is not counted as work);
 - achieved / min(link bound, compute bound);
 - how busy the machine's cores were over the measured steps (`machine_busy`), and where that CPU
-  went per sample: the stages' computing threads (`compute_cpu_ms_per_sample`), each process and its
-  p2p daemon (`cpu_ms_per_sample`). The fraction of the cores bound is machine_busy x the
-  computing threads' share of the busy CPU (`compute_share`; the peers report their compute CPU
-  over the whole run, so to within a percent): the event loops, daemons and trainer on the same
-  cores take the rest. /proc/stat counts busy time by the tick and misses the daemons' short
-  bursts at low load, so there the processes' own times can add up to more than the machine's.
+  went per sample: the stages' computing threads (`compute_cpu_ms_per_sample`), each process and
+  its p2p daemon (`cpu_ms_per_sample`; a stage process's other threads are its event loop,
+  framing and pacing, and torch's workers when it runs more than one). The fraction of the cores
+  bound is machine_busy x the computing threads' share of the busy CPU (`compute_share`): the
+  event loops, daemons and trainer on the same cores take the rest. /proc/stat counts busy time
+  by the tick and misses the daemons' short bursts at low load, so there the processes' own
+  times can add up to more than the machine's.
 """
 
 from __future__ import annotations
@@ -115,10 +116,7 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
         for key, n in row["bytes"].items():  # "boundary<i>.<direction>.train"
             boundary, direction = key.split(".")[:2]
             (forward if direction == "forward" else backward)[int(boundary.removeprefix("boundary"))] += n / samples
-    per_stage: dict[int, list[float]] = {}
-    for peer in next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"]:
-        seconds, cpu, count = per_stage.setdefault(peer["stage"], [0.0, 0.0, 0])
-        per_stage[peer["stage"]] = [seconds + peer["compute_s"], cpu + peer.get("compute_cpu_s", 0.0), count + peer["samples"]]
+    per_stage = stage_compute(rows, first, last)
     stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None
     stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
     bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
@@ -156,6 +154,26 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
         "steps": len(steps),
         "chosen": steps[-1].get("codecs"),
     }
+
+
+def stage_compute(rows: list[dict], first: dict, last: dict) -> dict[int, list[float]]:
+    """{stage: [compute seconds, computing threads' CPU seconds, samples]} of its peers between two
+    step rows (their running totals, `SwarmPipeline.step_notes`); over the whole run (the `stages`
+    row) when the step rows do not carry them (an older results file) or a peer left meanwhile."""
+
+    def totals(peers: list[dict]) -> dict[int, list[float]]:
+        per_stage: dict[int, list[float]] = {}
+        for peer in peers:
+            seconds, cpu, count = per_stage.get(peer["stage"], [0.0, 0.0, 0])
+            per_stage[peer["stage"]] = [seconds + peer["compute_s"], cpu + peer.get("compute_cpu_s", 0.0), count + peer["samples"]]
+        return per_stage
+
+    if "stages" in last and ("stages" in first or "step" not in first):  # no warm-up: from the start
+        before, after = totals(first.get("stages", [])), totals(last["stages"])
+        between = {stage: [a - b for a, b in zip(now, before.get(stage, [0.0, 0.0, 0]), strict=True)] for stage, now in after.items()}
+        if set(before) <= set(after) and all(count > 0 and seconds >= 0 and cpu >= 0 for seconds, cpu, count in between.values()):
+            return between
+    return totals(next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"])
 
 
 def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
@@ -257,7 +275,7 @@ def cpu_breakdown(row: ThroughputRow) -> str:
         "trainer and bootstrap (and daemons)": sum(own + daemon for own, daemon in others),
     }
     rest = (row.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
-    return f"CPU per sample: {row.machine_cpu_ms_per_sample:.2f} ms = " + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items()) + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
+    return f"CPU per sample: {row.machine_cpu_ms_per_sample or 0.0:.2f} ms = " + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items()) + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
 
 
 class _Quiet:

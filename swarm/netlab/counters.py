@@ -4,10 +4,10 @@ The engine counts the payload it sends; a link carries more: TCP/IP and Ethernet
 framing and encryption, ACKs for what flows the other way, DHT and status traffic. tbf meters all
 of it. `CounterSampler` samples every process's link byte counters (`NetLab.link_bytes`), the
 machine's busy CPU time (/proc/stat) and each lab process's CPU time and its p2p daemon's
-(`group_cpu_s`) every `every_s` seconds while a lab runs, and `window()` interpolates them between
+(`GroupCpu`) every `every_s` seconds while a lab runs, and `window()` interpolates them between
 two instants (say, the ends of the first and last measured steps).
 
-    sampler = CounterSampler(net.link_bytes, read_cpu)
+    sampler = CounterSampler(net.link_bytes, GroupCpu(lambda: {name: pgid}))
     while running: sampler.poll(); ...       # samples when `every_s` has passed
     row = sampler.to_row()                 # {"type": "meter", "samples": [...]} for a results file
     window(row, start, end) -> Window(sent={name: bytes}, received={name: bytes}, busy=fraction,
@@ -34,31 +34,42 @@ def machine_cpu_s() -> tuple[float, float]:
     return (total - idle) / ticks, total / ticks
 
 
-def group_cpu_s(groups: dict[str, int], daemon: str = "p2pd") -> dict[str, list[float]]:
-    """{name: [CPU seconds so far of the process, of its p2p daemon]} (user and system) of each named
-    process group: a lab starts every peer as a group leader, and hivemind starts the peer's `daemon`
-    in that group. Processes that are gone count nothing."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    names = {pgid: name for name, pgid in groups.items()}
-    cpu = {name: [0.0, 0.0] for name in groups}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:  # it exited meanwhile
-            continue
-        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        name = names.get(int(fields[2]))  # after the name: state, ppid, pgrp, ...; utime and stime are 12th and 13th
-        if name is not None:
-            cpu[name][comm == daemon] += (int(fields[11]) + int(fields[12])) / ticks
-    return cpu
+class GroupCpu:
+    """CPU seconds so far (user and system) of named process groups, each as [its processes but the
+    daemon, its p2p daemon]: a lab starts every peer as a group leader, and hivemind starts the
+    peer's p2pd in that group. A process that has exited keeps the time it had when last read
+    (its /proc entry is gone by then), so totals only grow while every process is read now and then."""
+
+    def __init__(self, groups: Callable[[], dict[str, int]], daemon: str = "p2pd") -> None:
+        self.groups, self.daemon = groups, daemon  # groups: {name: process group id}, read at every call
+        self._seen: dict[int, tuple[int, bool, float]] = {}  # pid -> (group, is the daemon, CPU seconds)
+
+    def __call__(self) -> dict[str, list[float]]:
+        groups = self.groups()
+        names = {pgid: name for name, pgid in groups.items()}
+        ticks = os.sysconf("SC_CLK_TCK")
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+            except OSError:  # it exited meanwhile
+                continue
+            comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            pgid = int(fields[2])  # after the name: state, ppid, pgrp, ...; utime and stime are 12th and 13th
+            if pgid in names:
+                self._seen[int(entry.name)] = (pgid, comm == self.daemon, (int(fields[11]) + int(fields[12])) / ticks)
+        cpu = {name: [0.0, 0.0] for name in groups}
+        for pgid, is_daemon, seconds in self._seen.values():
+            if pgid in names:
+                cpu[names[pgid]][is_daemon] += seconds
+        return cpu
 
 
 class CounterSampler:
     def __init__(self, read_links: Callable[[], dict[str, tuple[int, int]]], read_cpu: Callable[[], dict[str, list[float]]] | None = None, every_s: float = EVERY_S) -> None:
-        self.read_links, self.read_cpu = read_links, read_cpu  # read_cpu: group_cpu_s of the lab's processes
+        self.read_links, self.read_cpu = read_links, read_cpu  # read_cpu: a GroupCpu of the lab's processes
         self.every_s = every_s
         self.samples: list[dict] = []
 
@@ -68,14 +79,13 @@ class CounterSampler:
             self.sample()
 
     def sample(self) -> None:
+        began = time.time()
         links = self.read_links()
         busy, total = machine_cpu_s()
-        sample = {"at": time.time(), "links": {name: list(pair) for name, pair in links.items()}, "cpu_busy_s": busy, "cpu_total_s": total}
+        sample = {"links": {name: list(pair) for name, pair in links.items()}, "cpu_busy_s": busy, "cpu_total_s": total}
         if self.read_cpu is not None:
-            cpu = sample["cpu"] = self.read_cpu()
-            for name, before in (self.samples[-1].get("cpu", {}) if self.samples else {}).items():
-                cpu[name] = [max(b, now) for b, now in zip(before, cpu.get(name, (0.0, 0.0)), strict=True)]  # a process that exited keeps its time
-        self.samples.append(sample)
+            sample["cpu"] = self.read_cpu()  # reads all of /proc: milliseconds on a busy machine
+        self.samples.append({"at": (began + time.time()) / 2, **sample})
 
     def to_row(self) -> dict:
         return {"type": "meter", "every_s": self.every_s, "samples": self.samples}

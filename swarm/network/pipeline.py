@@ -60,6 +60,7 @@ class SwarmPipeline:
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         self._step_statuses: list[pb.StageStatus] | None = None  # read by this step's adaptive decision, valid until more micro-batches run
+        self._counted: list[pb.StageStatus] | None = None  # what link_bytes last read: its stages' compute goes in the step's row
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -272,8 +273,13 @@ class SwarmPipeline:
         return [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(changes.items())]
 
     def step_notes(self) -> dict:
-        """Extra fields of a step's results row: the codecs that step ran with (adaptive compression)."""
-        return {"codecs": self.adaptive.ran} if self.adaptive is not None else {}
+        """Extra fields of a step's results row: the codecs that step ran with (adaptive compression),
+        and every stage peer's compute so far (with link_bytes' statuses), so that figures over some
+        steps (bench throughput leaves the warm-up out) take the compute of the same steps."""
+        notes = {"codecs": self.adaptive.ran} if self.adaptive is not None else {}
+        if self._counted is not None:
+            notes["stages"] = [_compute_row(status) for status in self._counted]
+        return notes
 
     def summary_notes(self) -> dict:
         """The summary row's account of adaptive compression: every change, and the latest decisions."""
@@ -298,7 +304,8 @@ class SwarmPipeline:
         """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts)."""
         totals: Counter = Counter()
         statuses, self._step_statuses = self._step_statuses, None
-        for status in statuses if statuses is not None else self.statuses():
+        self._counted = statuses if statuses is not None else self.statuses()
+        for status in self._counted:
             for link in status.links:
                 for key, n in link.sent.items():
                     direction, mode = key.split(".", 1)
@@ -307,7 +314,7 @@ class SwarmPipeline:
 
     def stage_rows(self) -> list[dict]:
         """Per stage peer: training compute seconds and samples (a throughput benchmark's compute bound)."""
-        return [{"stage": s.stage, "compute_s": s.compute_s, "compute_cpu_s": s.compute_cpu_s, "samples": s.samples, "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
+        return [{**_compute_row(s), "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
 
     def state_bytes(self) -> int:
         return sum(status.state_bytes for status in self.statuses())
@@ -352,3 +359,8 @@ class SwarmPipeline:
         self._routes.clear()
         self._sent.clear()
         return self._step
+
+
+def _compute_row(status: pb.StageStatus) -> dict:
+    """A stage peer's training compute so far: seconds, its computing thread's CPU seconds, samples."""
+    return {"stage": status.stage, "compute_s": status.compute_s, "compute_cpu_s": status.compute_cpu_s, "samples": status.samples}
