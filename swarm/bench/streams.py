@@ -38,17 +38,15 @@ def tree_cpu_s() -> float:
     """CPU seconds of this process and its direct children so far, to the nanosecond: the sum of
     their threads' run times from /proc/<pid>/task/<tid>/schedstat (/proc/<pid>/stat counts 10 ms
     ticks, too coarse for a few short exchanges). Threads that ended are not counted."""
+    from swarm.netlab.counters import proc_stats
+
     me, nanoseconds = os.getpid(), 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for pid, _, fields in proc_stats():
+        if pid != me and int(fields[1]) != me:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            if int(entry) != me and parent != me:
-                continue
-            for task in os.listdir(f"/proc/{entry}/task"):
-                with open(f"/proc/{entry}/task/{task}/schedstat") as f:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
                     nanoseconds += int(f.read().split()[0])
         except OSError:  # the process or thread ended meanwhile
             continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 EVERY_S = 1.0
@@ -32,6 +32,21 @@ def machine_cpu_s() -> tuple[float, float]:
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     total = sum(fields[:8])  # guest time is already inside user and nice
     return (total - idle) / ticks, total / ticks
+
+
+def proc_stats() -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, name, the fields after the name) of each process's /proc/<pid>/stat: state, ppid, pgrp,
+    ..., utime and stime 12th and 13th (the name may hold spaces and parentheses); processes that
+    exit meanwhile are left out."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        yield int(entry.name), stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
 
 
 class GroupCpu:
@@ -48,18 +63,9 @@ class GroupCpu:
         groups = self.groups()
         names = {pgid: name for name, pgid in groups.items()}
         ticks = os.sysconf("SC_CLK_TCK")
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    stat = f.read()
-            except OSError:  # it exited meanwhile
-                continue
-            comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-            pgid = int(fields[2])  # after the name: state, ppid, pgrp, ...; utime and stime are 12th and 13th
-            if pgid in names:
-                self._seen[int(entry.name)] = (pgid, comm == self.daemon, (int(fields[11]) + int(fields[12])) / ticks)
+        for pid, comm, fields in proc_stats():
+            if int(fields[2]) in names:
+                self._seen[pid] = (int(fields[2]), comm == self.daemon, (int(fields[11]) + int(fields[12])) / ticks)
         cpu = {name: [0.0, 0.0] for name in groups}
         for pgid, is_daemon, seconds in self._seen.values():
             if pgid in names:
