@@ -220,6 +220,8 @@ def bench_throughput(args: argparse.Namespace) -> int:
         print(throughput.format_rows(rows))
     for (codec, mbit), factor in throughput.speedups(rows).items():
         log(f"{codec} at {mbit:g} Mbit/s: {factor:.1f}x the samples/s of none")
+    for line in throughput.target_lines(rows):
+        log(line)
     if args.plot:
         throughput.plot(rows, args.plot, f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].shaping if rows else '-'}")
         log(f"plot written to {args.plot}")

@@ -17,6 +17,7 @@ from swarm.bench.throughput import (
     measure_run,
     speedups,
     steps_for,
+    target_lines,
 )
 from swarm.lab import parse_rates
 from swarm.netlab.counters import CounterSampler, window
@@ -183,6 +184,20 @@ def test_backward_specs_and_speedups():
                 forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
     rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
+
+
+def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
+    base = dict(backward="none", link_bound=1.0, compute_bound=1.0, schedule_bound=1.0, busiest_bytes_per_sample=1.0,
+                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns", samples_per_s=1.0)
+    rows = [ThroughputRow("none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
+            ThroughputRow("none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
+            ThroughputRow("quant:4", bandwidth_mbit=500, fraction_of_bound=0.6, binding="cores (2 shared)", compute_share=0.63, **base),
+            ThroughputRow("topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base)]
+    lines = target_lines(rows)
+    assert lines[0] == "link-bound points at >= 80% of the bound: 1 of 2 (lowest: none at 500 Mbit/s 79%)"
+    assert lines[1] == "bound by cores (2 shared): quant:4 at 500 Mbit/s 60%; the stages' compute used 63% of the busy CPU"
+    assert len(lines) == 2  # a point without a fraction is not judged
+    assert target_lines(rows[:1], target=0.9)[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
 
 
 def test_faster_points_run_enough_steps_for_the_time_budget():
