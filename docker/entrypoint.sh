@@ -4,14 +4,18 @@
 # Link shaping (needs cap_add NET_ADMIN; uses python -m swarm.netlab shape, the same tc commands
 # as the namespace lab):
 #   RATE=20mbit      egress rate of IFACE (tbf; with DELAY and a kernel with netem: netem rate+delay)
-#   DELAY=50ms       one-way delay (netem only; without netem it is reported and skipped)
+#   DELAY=50ms       one-way delay (netem; without netem the peer adds it to what it sends, in process)
 #   INGRESS=1        also shape what the container receives (ifb; needs ifb/u32/mirred on the host)
 #   IFACE=eth0
+#   NETEM=auto       auto: netem when DELAY is set and the kernel has it; yes: fail without it; no: never
 # The peer:
 #   ROLE=bootstrap | stage | trainer   (empty: run the given command after shaping)
 #   STAGE=N (stage), CONFIG=configs/smoke.yaml, RUN_ID=docker, STEPS, RESULTS (trainer)
 #   PORT=31337                 every peer listens on /ip4/0.0.0.0/tcp/$PORT
 #   ANNOUNCE=/ip4/PUBLIC/tcp/31337   --announce_maddrs, for peers outside this Docker network
+#                              (several: separated by spaces)
+#   PUBLIC_IP=203.0.113.7      without ANNOUNCE: announce /ip4/PUBLIC_IP/tcp/$PORT (other machines)
+#                              and this container's own address (peers on this Docker network)
 #   INITIAL_PEERS=/ip4/.../p2p/ID    join this peer; otherwise the bootstrap's address is derived
 #   BOOTSTRAP_HOST=bootstrap BOOTSTRAP_PORT=31337 BOOTSTRAP_IDENTITY=/shared/bootstrap.id
 #                              from its key file on the shared volume and its host name
@@ -36,14 +40,33 @@ if [ -n "${DRY_RUN:-}" ] && [ "${DRY_RUN}" != "0" ]; then DRY=1; fi
 
 fail() { echo "error: $*" >&2; exit 2; }
 
-# 1. this container's link
+# 1. this container's link; a delay tc cannot apply (no netem) is left to the peer (--shape_delay)
+delay_left=""
 if [ -n "${RATE:-}${DELAY:-}" ]; then
     ingress=""
     if [ "${INGRESS:-0}" = "1" ]; then ingress="--ingress"; fi
-    python -m swarm.netlab shape --dev "$IFACE" ${RATE:+--rate "$RATE"} ${DELAY:+--delay "$DELAY"} $ingress ${DRY:+--dry-run} || exit $?
+    left_file=$(mktemp)
+    python -m swarm.netlab shape --dev "$IFACE" ${RATE:+--rate "$RATE"} ${DELAY:+--delay "$DELAY"} --netem "${NETEM:-auto}" \
+        $ingress ${DRY:+--dry-run} --delay-left "$left_file" || { status=$?; rm -f "$left_file"; exit $status; }
+    delay_left=$(cat "$left_file")
+    rm -f "$left_file"
+fi
+shape_delay=""
+if [ -n "$delay_left" ] && [ -n "${ROLE:-}" ]; then
+    shape_delay="$delay_left"
+    echo "delay $delay_left: the peer adds it to every message it sends (in process)"
 fi
 
 # 2. its peer
+if [ -z "${ANNOUNCE:-}" ] && [ -n "${PUBLIC_IP:-}" ]; then
+    ANNOUNCE="/ip4/$PUBLIC_IP/tcp/$PORT"
+    if [ -z "$DRY" ]; then
+        own=$(python -c 'import socket; print(socket.gethostbyname(socket.gethostname()))') || fail "cannot resolve this container's address"
+        ANNOUNCE="$ANNOUNCE /ip4/$own/tcp/$PORT"
+    else
+        ANNOUNCE="$ANNOUNCE /ip4/<this container's address>/tcp/$PORT"
+    fi
+fi
 initial_peers() {
     if [ -n "${INITIAL_PEERS:-}" ]; then
         echo "$INITIAL_PEERS"
@@ -58,7 +81,7 @@ case "${ROLE:-}" in
     bootstrap)
         if [ -z "$DRY" ]; then python -m swarm.netlab identity "$BOOTSTRAP_IDENTITY" >/dev/null; fi
         set -- python -m peers.bootstrap --identity_path "$BOOTSTRAP_IDENTITY" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} "$@"
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
         ;;
     stage)
         [ -n "${STAGE:-}" ] || fail "ROLE=stage needs STAGE (0-based stage index)"
@@ -67,15 +90,15 @@ case "${ROLE:-}" in
         downlink="${DOWNLINK:-}"
         if [ -z "$downlink" ] && [ "${INGRESS:-0}" = "1" ]; then downlink="${RATE:-}"; fi
         set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} \
-            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} "$@"
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} \
+            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
         ;;
     trainer)
         peers=$(initial_peers) || exit 1
         uplink="${UPLINK:-${RATE:-}}"  # it paces the inputs it sends stage 0
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs "$ANNOUNCE"} ${uplink:+--uplink "$uplink"} \
-            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} "$@"
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${uplink:+--uplink "$uplink"} \
+            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
         ;;
     "")
         [ "$#" -gt 0 ] || fail "no ROLE (bootstrap, stage, trainer) and no command to run"

@@ -37,6 +37,19 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
 
 
+def _rate_file(path: Path) -> dict[str, str]:
+    """A YAML (or JSON) file of {process: rate}, or a one-line error naming it."""
+    import yaml
+
+    try:
+        table = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--bandwidth file {path} is not readable YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"--bandwidth file {path} must map process names to rates")
+    return {str(k): str(v) for k, v in table.items()}
+
+
 def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
     """`--bandwidth`: one rate ('100mbit'), per process ('stage1=20mbit,*=100mbit') or a YAML file
     of {process: rate}; processes: bootstrap, stage0.., trainer. Every rate is checked here."""
@@ -45,12 +58,9 @@ def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
     if text is None:
         return None
     if Path(text).is_file():
-        import yaml
-
-        table = yaml.safe_load(Path(text).read_text())
-        if not isinstance(table, dict):
-            raise ValueError(f"--bandwidth file {text} must map process names to rates")
-        table = {str(k): str(v) for k, v in table.items()}
+        table = _rate_file(Path(text))
+    elif text.endswith((".yaml", ".yml", ".json")) or "/" in text:  # no rate looks like a path
+        raise ValueError(f"--bandwidth file {text} does not exist")
     elif "=" in text:
         table = {}
         for item in text.split(","):
@@ -175,6 +185,8 @@ class Lab:
         if not (self.shaped and self.shaping == "netns"):
             if self.shaped:
                 self._print("lab", f"in-process shaping: {self._describe_inprocess()}")
+                if self.probe:
+                    self._probe_inprocess()
             return self._run_swarm(cfg)
         from swarm.netlab.namespaces import NetLab, NetlabError
 
@@ -198,22 +210,50 @@ class Lab:
         rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
         return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
 
-    def _probe(self) -> None:
-        """Measures the trainer's link to every stage (both directions) before the run."""
-        from swarm.netlab.probe import probe_netlab
+    def _probe_bytes(self) -> int:
+        """About half a second's worth on the slowest link."""
         from swarm.netlab.rates import parse_rate
 
         slowest = min((parse_rate(r) for r in (self.rates or {}).values()), default=10**9)
-        nbytes = int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))  # about half a second on the slowest link
-        stages = self.names[1:-1]
+        return int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))
+
+    def _print_probe(self, tag: str, results: dict, nbytes: int) -> None:
+        for name, measured in results.items():
+            text = ", ".join(f"{r.direction} {r.mbit_per_s:.1f} Mbit/s" for r in measured)
+            self._print(tag, f"probe trainer<->{name}: {text or 'no result'} (payload over libp2p, {nbytes} bytes)")
+
+    def _probe(self) -> None:
+        """Measures the trainer's link to every other process (both directions) before the run:
+        between them, those paths cross every access link."""
+        from swarm.netlab.probe import probe_netlab
+
+        nbytes, others = self._probe_bytes(), self.names[:-1]
         try:
-            results = probe_netlab(self.net, "trainer", stages, nbytes)
+            results = probe_netlab(self.net, "trainer", others, nbytes)
         except (RuntimeError, TimeoutError) as e:
             self._print("netlab", f"probe failed: {e}")
             return
-        for name in stages:
-            measured = ", ".join(f"{r.direction} {r.mbit_per_s:.1f} Mbit/s" for r in results.get(name, []))
-            self._print("netlab", f"probe trainer<->{name}: {measured or 'no result'} (payload over libp2p, {nbytes} bytes)")
+        self._print_probe("netlab", {name: results.get(name, []) for name in others}, nbytes)
+
+    def _probe_inprocess(self) -> None:
+        """The same probe through the shapers the peers will use: two loopback peers in this process,
+        each pacing its sends as the trainer and one stage will (up: the trainer's, down: the stage's)."""
+        import asyncio
+
+        from swarm.netlab.probe import probe_in_process
+        from swarm.netlab.shaper import TokenBucket
+
+        def bucket(name: str) -> TokenBucket:
+            return TokenBucket((self.rates or {}).get(name) or "100gbit", delay_s=self.delay or 0.0)  # as peers' --shape_rate/--shape_delay
+
+        nbytes, results = self._probe_bytes(), {}
+        try:
+            for name in self.names[1:-1]:
+                results[name] = asyncio.run(probe_in_process(nbytes, bucket=bucket("trainer"), server_bucket=bucket(name)))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            self._print("lab", f"probe failed: {e}")
+            return
+        self._print_probe("lab", results, nbytes)
 
     def _run_swarm(self, cfg) -> int:
         run_id = f"{cfg.name}-{secrets.token_hex(3)}"

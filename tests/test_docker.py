@@ -31,7 +31,7 @@ def test_compose_has_the_swarm_with_caps_and_health_checks():
     for name, service in services.items():
         assert "NET_ADMIN" in service.get("cap_add", []), name
         check = service["healthcheck"]
-        assert check["test"][0] in ("CMD", "CMD-SHELL") and "port-open" in check["test"], name
+        assert check["test"][0] in ("CMD", "CMD-SHELL") and "port-open" in " ".join(check["test"]) and "PORT" in check["test"][-1], name
         env = service["environment"]
         assert {"RATE", "DELAY"} <= set(env), name
         assert service["build"]["dockerfile"] == "docker/Dockerfile" and service["build"]["context"] == ".."
@@ -42,6 +42,22 @@ def test_compose_has_the_swarm_with_caps_and_health_checks():
         assert stage["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     assert set(services["trainer"]["depends_on"]) == {f"stage{i}" for i in range(4)}
     assert "shared" in compose["volumes"]
+
+
+def test_public_override_gives_every_peer_a_published_port_and_its_public_address(monkeypatch):
+    base = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
+    public = yaml.safe_load((DOCKER / "compose.public.yaml").read_text())["services"]
+    assert set(public) == set(base)
+    ports = {name: service["environment"]["PORT"] for name, service in public.items()}
+    assert len(set(ports.values())) == len(ports) and ports["bootstrap"] == base["bootstrap"]["environment"]["BOOTSTRAP_PORT"]
+    for name, service in public.items():
+        assert service["environment"]["PUBLIC_IP"].startswith("${PUBLIC_IP:?"), name  # compose refuses to start without it
+        published = service.get("ports", []) + base[name].get("ports", [])
+        assert published == [f"{ports[name]}:{ports[name]}"], name  # once: a port published twice would clash
+    out = _entrypoint({"DRY_RUN": "1", "PUBLIC_IP": "203.0.113.7", "PORT": "31340", "ROLE": "stage", "STAGE": "2", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    assert "--host_maddrs /ip4/0.0.0.0/tcp/31340 --announce_maddrs /ip4/203.0.113.7/tcp/31340 /ip4/<this container's address>/tcp/31340" in out.stdout, out.stdout + out.stderr
+    given = _entrypoint({"DRY_RUN": "1", "PUBLIC_IP": "203.0.113.7", "ANNOUNCE": "/ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1", "ROLE": "bootstrap"})
+    assert given.stdout.rstrip().endswith("--announce_maddrs /ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1"), given.stdout + given.stderr
 
 
 def test_dockerfile_lint():
@@ -76,6 +92,10 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
     assert "tc " not in trainer.stdout and "--uplink" not in trainer.stdout  # no RATE, no DELAY: no shaping, nothing declared
+    for role in ("bootstrap", "stage", "trainer"):  # a delay without netem: the peer adds it in process
+        delayed = _entrypoint({"DRY_RUN": "1", "NETEM": "no", "DELAY": "25ms", "ROLE": role, "STAGE": "1", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+        assert "delay 25ms NOT applied" in delayed.stdout and "the peer adds it" in delayed.stdout and delayed.stdout.rstrip().endswith("--shape_delay 25ms"), delayed.stdout + delayed.stderr
+    assert "--shape_delay" not in out.stdout  # netem applies it (tried first)
     paced = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "RATE": "20mbit", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
     assert "peers.trainer" in paced.stdout and "--uplink 20mbit" in paced.stdout, paced.stdout + paced.stderr
 

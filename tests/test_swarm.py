@@ -364,6 +364,7 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
         assert "stage1     10.77.0.4       up tbf 20mbit" in out.stdout and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
         probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
         assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
+        assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
         assert set(list_namespaces("hp")) == namespaces  # all torn down
         rows = read_results(results)
         meter = next(r for r in rows if r["type"] == "meter")["samples"]
@@ -376,6 +377,8 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
         assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
     else:
         assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
+        probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+        assert probe and 40 < float(probe[1]) <= 55 and 15 < float(probe[2]) <= 22  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
     meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
     used = {name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)] for name in ("stage0", "stage1", "trainer")}
     assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used  # each peer and its p2p daemon worked while metered

@@ -3,6 +3,7 @@ shaped swarm itself is exercised in tests/test_swarm.py and tests/test_netlab.py
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -13,11 +14,15 @@ from swarm.bench.throughput import (
     backward_spec,
     codec_overrides,
     cpu_breakdown,
+    describe_setup,
     expected_samples_per_s,
+    format_rows,
     measure_run,
+    plot,
     speedups,
     steps_for,
     target_lines,
+    to_json,
 )
 from swarm.lab import parse_rates
 from swarm.netlab.counters import CounterSampler, window
@@ -200,6 +205,27 @@ def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
     assert target_lines(rows[:1], target=0.9)[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
 
 
+def test_the_setup_line_names_the_real_boundary_sizes_and_the_small_compute():
+    line = describe_setup("configs/bench/relay-layer1.yaml", ["model.num_stages=4"], cores=2)
+    assert line.count("[64, 32, 32] (256 KiB in fp32)") == 3 and "almost no compute" in line and "2 cores" in line
+    assert "[1024, 768] (3,072 KiB in fp32)" in describe_setup("configs/bench/relay-layer1.yaml", ["model.num_stages=2", "model.options.boundary=gpt2"], cores=2)
+
+
+def test_rows_as_json_table_and_plot(tmp_path):
+    base = dict(backward="none", schedule_bound=9.0, busiest_bytes_per_sample=1e6, binding="link stage1 up",
+                forward_bytes=[1e6], backward_bytes=[1e6], stage_ms_per_sample=[2.0], steps=4, shaping="netns")
+    rows = [ThroughputRow("none", bandwidth_mbit=mbit, samples_per_s=mbit / 10, link_bound=mbit / 8, compute_bound=400.0, fraction_of_bound=0.8, **base) for mbit in (10, 100)]
+    rows.append(ThroughputRow("quant:4", bandwidth_mbit=100, samples_per_s=90.0, link_bound=100.0, compute_bound=math.inf, fraction_of_bound=0.9, **base))
+    data = json.loads(to_json(rows))
+    assert [(r["codec"], r["bandwidth_mbit"], r["samples_per_s"]) for r in data] == [("none", 10, 1.0), ("none", 100, 10.0), ("quant:4", 100, 90.0)]
+    assert {"codec", "bandwidth_mbit", "samples_per_s", "link_bound", "compute_bound", "fraction_of_bound"} <= set(data[0])
+    table = format_rows(rows).splitlines()
+    assert len(table) == 4 and table[0].split()[:2] == ["codec", "(fw"] and "90%" in table[3]
+    path = tmp_path / "plots" / "throughput.png"
+    plot(rows, str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
 def test_faster_points_run_enough_steps_for_the_time_budget():
     base = dict(backward="none", link_bound=1.0, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
                 forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
@@ -230,3 +256,14 @@ def test_lab_bandwidth_forms_and_errors(tmp_path):
         parse_rates("fast", NAMES)
     with pytest.raises(ValueError, match="NAME=RATE"):
         parse_rates("stage1=10mbit,stage2", NAMES)
+    with pytest.raises(ValueError, match="rates.yml does not exist"):
+        parse_rates(str(tmp_path / "rates.yml"), NAMES)
+    table.write_text("stage0: [10mbit\n")
+    with pytest.raises(ValueError, match=r"rates.yaml is not readable YAML: while parsing"):
+        parse_rates(str(table), NAMES)
+    table.write_bytes(b"stage0: \xff\xfe10mbit\n")
+    with pytest.raises(ValueError, match="rates.yaml is not readable YAML: 'utf-8' codec"):
+        parse_rates(str(table), NAMES)
+    table.write_text("- 10mbit\n")
+    with pytest.raises(ValueError, match="must map process names to rates"):
+        parse_rates(str(table), NAMES)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -205,6 +206,32 @@ def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
     return float(x.numel() * x.element_size())
 
 
+def describe_setup(config: str, overrides: list[str], cores: int) -> str:
+    """The stage models the benchmark runs: what each boundary carries (one sample through the
+    stages) and that their compute is small for this machine, measured per point."""
+    import torch
+
+    from swarm.config import load_config
+    from swarm.models.registry import MODELS, build_model
+    from swarm.run import build_data
+
+    cfg = load_config(config, overrides)
+    model = build_model(cfg.model.name, cfg.model.num_stages, **cfg.model.options)
+    _, x, _ = build_data(cfg)[0][0]
+    shapes, out = [], x.unsqueeze(0)
+    with torch.no_grad():
+        for stage in model.stages[:-1]:
+            out = stage(out)
+            shapes.append(f"{list(out.shape[1:])} ({out[0].numel() * 4 / 1024:,.0f} KiB in fp32)")
+    options = ", ".join(f"{k}: {v}" for k, v in cfg.model.options.items())
+    builder = MODELS.get(cfg.model.name)
+    about = " ".join((sys.modules[builder.__module__].__doc__ or "").split("\n\n")[0].split()) if builder else ""
+    return (f"stage models: {cfg.model.name} ({options or 'defaults'}), {cfg.model.num_stages} stages; per sample, boundaries carry "
+            + "; ".join(f"{i}: {shape}" for i, shape in enumerate(shapes))
+            + (f". {about}" if about else "")
+            + f" The stages' compute on this machine's {cores} cores is measured at every point (the compute bound).")
+
+
 def steps_for(seconds: float, batch_size: int, samples_per_s: float | None, minimum: int, cap: int = MAX_STEPS) -> int:
     """Steps that measure about `seconds` at `samples_per_s` after the warm-up (at least `minimum`,
     at most `cap`; `minimum` when there is no estimate)."""
@@ -232,6 +259,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
 
     overrides = list(overrides or [])
     input_bytes = input_bytes_per_sample(config, [*overrides, f"model.num_stages={stages}"])
+    log(describe_setup(config, [*overrides, f"model.num_stages={stages}"], available_cores()))
     bandwidths = sorted(bandwidths, key=parse_rate)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:

@@ -7,7 +7,7 @@
     probe       payload throughput between two hivemind P2P peers, in-process or across namespaces
     bounds      link, compute and pipeline throughput bounds; fraction of the bound achieved
     adaptive    per-boundary compression choice from measured bandwidth, with hysteresis
-    `python -m swarm.netlab detect|cleanup|shape|peer-id|wait-port`: see swarm/netlab/__main__.py
+    `python -m swarm.netlab detect|cleanup|shape|identity|bootstrap-maddr|port-open`: see swarm/netlab/__main__.py
 
 Importing this package does not import hivemind or torch (swarm.netlab.probe does, lazily).
 """

@@ -3,7 +3,8 @@
     detect [--json]                   what this kernel offers (netns, veth, bridge, tbf, netem, ifb)
     cleanup [--prefix hp]             delete namespaces left by crashed runs (owner pid dead)
     shape --dev eth0 [--rate 20mbit] [--delay 50ms] [--ingress] [--netem auto|yes|no] [--dry-run] [--clear]
-                                      shape this host's/container's own interface (Docker entrypoint)
+          [--delay-left FILE]         shape this host's/container's own interface (Docker entrypoint);
+                                      FILE gets the delay tc could not apply (no netem), for the peer
     identity PATH                     create a libp2p key if missing; print its peer id
     bootstrap-maddr --identity PATH --host NAME --port N [--wait S]
                                       /ip4/<NAME's address>/tcp/N/p2p/<id> once PATH exists
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--netem", choices=("auto", "yes", "no"), default="auto", help="auto: try netem when a delay is given, else tbf")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--clear", action="store_true", help="remove the shaping instead")
+    p.add_argument("--delay-left", default=None, metavar="FILE", help="write the delay not applied (no netem; empty if none) to FILE")
     p = sub.add_parser("identity", help="create a libp2p key file if missing and print its peer id")
     p.add_argument("path")
     p = sub.add_parser("bootstrap-maddr", help="the bootstrap peer's multiaddr from its key file and host name")
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             result = shape_interface(args.dev, args.rate, args.delay, args.ingress, args.netem, args.dry_run)
             print(("would shape " if args.dry_run else "shaped ") + result.describe(), flush=True)
+            if args.delay_left:
+                with open(args.delay_left, "w") as f:
+                    f.write(result.delay_left)
             return 0
         if args.command == "identity":
             from swarm.netlab.container import ensure_identity

@@ -37,12 +37,18 @@ class ShapeResult:
     ingress: bool
     commands: tuple[str, ...]
 
+    @property
+    def delay_left(self) -> str:
+        """The delay tc did not apply ('' when none), for the peer's in-process `--shape_delay`."""
+        return format_delay(self.delay_s) if self.delay_s and not self.delay_applied else ""
+
     def describe(self) -> str:
-        if self.qdisc is None:
+        if self.qdisc is None and not self.delay_s:
             return f"{self.dev}: not shaped"
-        text = f"{self.dev}: egress {self.qdisc} {format_rate(self.rate_bits) if self.rate_bits else 'no rate limit'}"
+        egress = "not rate-limited" if self.qdisc is None else f"{self.qdisc} {format_rate(self.rate_bits) if self.rate_bits else 'no rate limit'}"
+        text = f"{self.dev}: egress {egress}"
         if self.delay_s:
-            text += f", delay {format_delay(self.delay_s)}" if self.delay_applied else f", delay {format_delay(self.delay_s)} NOT applied (no netem in this kernel)"
+            text += f", delay {format_delay(self.delay_s)}" if self.delay_applied else f", delay {format_delay(self.delay_s)} NOT applied (no netem)"
         if self.ingress:
             text += f"; ingress tbf {format_rate(self.rate_bits)} via ifb"
         return text
