@@ -25,7 +25,7 @@
 #                              flow at its share); default: RATE, and for DOWNLINK only with INGRESS=1
 #   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
 #                              several containers share one host's cores (compose on one machine)
-#   DRY_RUN=1                  print the tc commands and the peer command; run nothing
+#   DRY_RUN=1                  print the tc commands and the peer command (quoted); run nothing
 set -eu
 
 PORT="${PORT:-31337}"
@@ -55,23 +55,27 @@ shape_delay=""
 if [ -n "$delay_left" ] && [ -n "${ROLE:-}" ]; then
     shape_delay="$delay_left"
     echo "delay $delay_left: the peer adds it to every message it sends (in process)"
+elif [ -n "$delay_left" ]; then
+    echo "delay $delay_left not applied: no netem, and no peer to add it (ROLE is empty)"
 fi
 
 # 2. its peer
 if [ -z "${ANNOUNCE:-}" ] && [ -n "${PUBLIC_IP:-}" ]; then
+    python -c 'import ipaddress, sys; ipaddress.IPv4Address(sys.argv[1])' "$PUBLIC_IP" 2>/dev/null \
+        || fail "PUBLIC_IP must be an IPv4 address, got '$PUBLIC_IP' (for a name or IPv6, set ANNOUNCE)"
     ANNOUNCE="/ip4/$PUBLIC_IP/tcp/$PORT"
     if [ -z "$DRY" ]; then
         own=$(python -c 'import socket; print(socket.gethostbyname(socket.gethostname()))') || fail "cannot resolve this container's address"
         ANNOUNCE="$ANNOUNCE /ip4/$own/tcp/$PORT"
     else
-        ANNOUNCE="$ANNOUNCE /ip4/<this container's address>/tcp/$PORT"
+        ANNOUNCE="$ANNOUNCE /ip4/CONTAINER_IP/tcp/$PORT"
     fi
 fi
 initial_peers() {
     if [ -n "${INITIAL_PEERS:-}" ]; then
         echo "$INITIAL_PEERS"
     elif [ -n "$DRY" ]; then
-        echo "/ip4/<${BOOTSTRAP_HOST}>/tcp/${BOOTSTRAP_PORT}/p2p/<id from ${BOOTSTRAP_IDENTITY}>"
+        echo "/ip4/${BOOTSTRAP_HOST}_IP/tcp/${BOOTSTRAP_PORT}/p2p/ID_FROM_${BOOTSTRAP_IDENTITY}"
     else
         python -m swarm.netlab bootstrap-maddr --identity "$BOOTSTRAP_IDENTITY" --host "$BOOTSTRAP_HOST" --port "$BOOTSTRAP_PORT" --wait "${WAIT:-180}"
     fi
@@ -108,8 +112,8 @@ case "${ROLE:-}" in
         ;;
 esac
 
-if [ -n "$DRY" ]; then
-    echo "+ exec $*"
+if [ -n "$DRY" ]; then  # quoted as a shell would need it: one argument per word shown
+    python -c 'import shlex, sys; print("+ exec", shlex.join(sys.argv[1:]))' "$@"
     exit 0
 fi
 exec "$@"

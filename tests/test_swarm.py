@@ -378,7 +378,7 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
     else:
         assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
         probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert probe and 40 < float(probe[1]) <= 55 and 15 < float(probe[2]) <= 22  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+        assert probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
     meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
     used = {name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)] for name in ("stage0", "stage1", "trainer")}
     assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used  # each peer and its p2p daemon worked while metered

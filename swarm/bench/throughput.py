@@ -222,13 +222,13 @@ def describe_setup(config: str, overrides: list[str], cores: int) -> str:
     with torch.no_grad():
         for stage in model.stages[:-1]:
             out = stage(out)
-            shapes.append(f"{list(out.shape[1:])} ({out[0].numel() * 4 / 1024:,.0f} KiB in fp32)")
+            shapes.append(f"{list(out.shape[1:])} ({out[0].numel() * out.element_size() / 1024:,.0f} KiB in {str(out.dtype).removeprefix('torch.')})")
     options = ", ".join(f"{k}: {v}" for k, v in cfg.model.options.items())
     builder = MODELS.get(cfg.model.name)
     about = " ".join((sys.modules[builder.__module__].__doc__ or "").split("\n\n")[0].split()) if builder else ""
     return (f"stage models: {cfg.model.name} ({options or 'defaults'}), {cfg.model.num_stages} stages; per sample, boundaries carry "
             + "; ".join(f"{i}: {shape}" for i, shape in enumerate(shapes))
-            + (f". {about}" if about else "")
+            + (f". {about}" if about else ".")
             + f" The stages' compute on this machine's {cores} cores is measured at every point (the compute bound).")
 
 

@@ -84,12 +84,12 @@ def shape_interface(dev: str, rate: str | int | None = None, delay: str | float 
     if use_netem:
         if dry_run and netem == "auto":
             fallback = tc.egress_commands(dev, rate_bits, 0.0, netem=False)
-            out("# netem is tried first; if this kernel lacks it: " + "; ".join(shlex.join(c) for c in fallback) + " (delay not applied)")
+            out("# netem is tried first; if this kernel lacks it: " + "; ".join(shlex.join(c) for c in fallback) + " (the delay is not applied by tc: --delay-left)")
         ok = run(commands[0], check=netem == "yes")
         executed.append(shlex.join(commands[0]))
         applied_netem = ok
         if not ok:
-            out(f"# netem is not available: delay {format_delay(delay_s)} not applied, rate only")
+            out(f"# netem is not available: delay {format_delay(delay_s)} not applied by tc, rate only (--delay-left)")
             commands = tc.egress_commands(dev, rate_bits, 0.0, netem=False)
         else:
             commands = []
