@@ -29,6 +29,7 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -196,13 +197,19 @@ def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
     }
 
 
-def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
-    """What the trainer sends stage 0 per sample (its raw input tensor)."""
+@functools.lru_cache(maxsize=4)
+def _first_sample(config: str, overrides: tuple[str, ...]):
+    """(config, the first training input) of `config`: the data is built once per benchmark."""
     from swarm.config import load_config
     from swarm.run import build_data
 
-    cfg = load_config(config, overrides)
-    _, x, _ = build_data(cfg)[0][0]
+    cfg = load_config(config, list(overrides))
+    return cfg, build_data(cfg)[0][0][1]
+
+
+def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
+    """What the trainer sends stage 0 per sample (its raw input tensor)."""
+    _, x = _first_sample(config, tuple(overrides))
     return float(x.numel() * x.element_size())
 
 
@@ -211,13 +218,10 @@ def describe_setup(config: str, overrides: list[str], cores: int) -> str:
     stages) and that their compute is small for this machine, measured per point."""
     import torch
 
-    from swarm.config import load_config
     from swarm.models.registry import MODELS, build_model
-    from swarm.run import build_data
 
-    cfg = load_config(config, overrides)
+    cfg, x = _first_sample(config, tuple(overrides))
     model = build_model(cfg.model.name, cfg.model.num_stages, **cfg.model.options)
-    _, x, _ = build_data(cfg)[0][0]
     shapes, out = [], x.unsqueeze(0)
     with torch.no_grad():
         for stage in model.stages[:-1]:
@@ -258,8 +262,9 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
     from swarm.netlab.rates import parse_rate
 
     overrides = list(overrides or [])
-    input_bytes = input_bytes_per_sample(config, [*overrides, f"model.num_stages={stages}"])
-    log(describe_setup(config, [*overrides, f"model.num_stages={stages}"], available_cores()))
+    setup = [*overrides, f"model.num_stages={stages}"]
+    input_bytes = input_bytes_per_sample(config, setup)
+    log(describe_setup(config, setup, available_cores()))
     bandwidths = sorted(bandwidths, key=parse_rate)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
