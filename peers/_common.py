@@ -8,8 +8,8 @@ import logging
 import signal
 import sys
 
-from swarm.network import loop
-from swarm.network.node import DAEMON_THREADS, NodeOptions
+from swarm.transport.hivemind import loop
+from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions
 
 
 def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from peers._common import add_network_args, fail, node_options, run_until_stopped, say, setup_logging, until_stopped
-from swarm.network.node import SwarmNode
+from swarm.transport.hivemind.node import SwarmNode
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -24,9 +24,9 @@ from peers._common import (
     until_stopped,
 )
 from swarm.config import ConfigError, load_config
-from swarm.network.hosted import HostedStage
-from swarm.network.node import SwarmNode
-from swarm.network.servicer import StageServicer
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServicer
 
 log = logging.getLogger("peers.stage")
 

@@ -11,8 +11,8 @@ import sys
 from dataclasses import asdict
 
 from peers._common import add_network_args, fail, node_options
-from swarm.network.node import SwarmNode
-from swarm.network.status import format_table, survey
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.survey import format_table, survey
 
 
 async def show(args: argparse.Namespace) -> int:

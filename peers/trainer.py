@@ -1,7 +1,7 @@
 """`python -m peers.trainer --config CFG --initial_peers ...`: drive a run through the swarm.
 
 It owns the data and the schedule, finds the stage peers on the DHT, sets them up, and runs
-`swarm.run.train` over a `SwarmPipeline`: the same loop, the same JSON lines as `python -m swarm run`.
+`swarm.training.loop.train` over a `SwarmPipeline`: the same loop, the same JSON lines as `python -m swarm run`.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     signal.signal(signal.SIGTERM, _interrupt)
     from swarm.config import ConfigError, load_config
-    from swarm.network.loop import LoopThread
-    from swarm.network.node import SwarmNode
-    from swarm.network.pipeline import SwarmPipeline
-    from swarm.results import ResultsWriter
-    from swarm.run import Checkpointing, Schedule, build_data, describe, open_results, train
+    from swarm.training.loop import Checkpointing, Schedule, build_data, describe, open_results, train
+    from swarm.training.results import ResultsWriter
+    from swarm.transport.hivemind.loop import LoopThread
+    from swarm.transport.hivemind.node import SwarmNode
+    from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
     try:
         cfg = load_config(args.config, args.overrides)

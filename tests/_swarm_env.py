@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from swarm.config import load_config
-from swarm.network.hosted import HostedStage
-from swarm.network.loop import LoopThread
-from swarm.network.node import NodeOptions, SwarmNode
-from swarm.network.pipeline import SwarmPipeline
-from swarm.network.servicer import StageServicer
-from swarm.results import ResultsWriter, read_results
-from swarm.run import Schedule, build_data, run_experiment, train
+from swarm.training.loop import Schedule, build_data, run_experiment, train
+from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.hivemind.loop import LoopThread
+from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 HOSTS = 5
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
@@ -129,10 +129,10 @@ def assert_same_run(ours, theirs):
 
 
 def split_batches(cfg, data, steps: int = 3):
-    """The first `steps` steps' (MicroBatch, inputs) pairs, as swarm.run.train would make them."""
+    """The first `steps` steps' (MicroBatch, inputs) pairs, as swarm.training.loop.train would make them."""
     from swarm.data import collate
     from swarm.engine.microbatch import Mode
-    from swarm.run import split_micro_batches
+    from swarm.training.loop import split_micro_batches
 
     train_set = data[0]
     out = []

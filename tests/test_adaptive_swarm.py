@@ -14,14 +14,14 @@ import pytest
 from _swarm_env import SMOKE
 
 from protocols import stage_pb2 as pb
+from protocols.framing import ProtocolError, frame, parse_message
 from swarm.config import ConfigError, load_config
-from swarm.network.adaptive_codecs import AdaptiveCodecs
-from swarm.network.chunks import ProtocolError, frame, parse_message
-from swarm.network.codec_switch import switched_config
-from swarm.network.hosted import HostedStage, config_digest
-from swarm.network.meter import LinkMeter, timed_chunks
-from swarm.results import ResultsWriter
-from swarm.run import Checkpointing, build_data, run_experiment, train
+from swarm.training.loop import Checkpointing, build_data, run_experiment, train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
+from swarm.transport.hivemind.stage.codecs import switched_config
+from swarm.transport.hivemind.stage.host import HostedStage, config_digest
+from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 
 TARGET_MS = 5  # boundary 0 carries 2 kB per sample uncompressed: 16 ms at 1 Mbit/s, well under 1 ms on loopback
 
@@ -120,7 +120,7 @@ DROP_AFTER = 3
 
 
 def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch):
-    import swarm.network.pipeline as pipeline_module
+    import swarm.transport.hivemind.trainer.pipeline as pipeline_module
 
     asked = []  # status calls, as the trainer makes them
     real_call_info = pipeline_module.call_info
@@ -182,8 +182,8 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
 
 
 def test_an_adaptive_checkpoint_is_refused_without_adaptive_compression(tmp_path):
-    from swarm.engine.local import LocalPipeline
-    from swarm.network.adaptive_codecs import CHECKPOINT_FILE, checkpoint_codecs
+    from swarm.transport.hivemind.trainer.adaptive import CHECKPOINT_FILE, checkpoint_codecs
+    from swarm.transport.local import LocalPipeline
 
     (tmp_path / CHECKPOINT_FILE).write_text('{"codecs": {"0": ["quant:4", "quant:4"]}, "history": []}')
     assert checkpoint_codecs(tmp_path) == {"codecs": {0: ("quant:4", "quant:4")}, "history": []}

@@ -12,8 +12,8 @@ from swarm.compression.state import GlobalState, SampleStore
 from swarm.config import load_config
 from swarm.engine.build import build_local_pipeline
 from swarm.engine.checkpoint import latest_run, load_stage, save_stage
-from swarm.results import ResultsWriter, read_results
-from swarm.run import Checkpointing, Schedule, build_data, run_experiment, train
+from swarm.training.loop import Checkpointing, Schedule, build_data, run_experiment, train
+from swarm.training.results import ResultsWriter, read_results
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from peers._common import apply_threads
-from swarm.results import read_results
+from swarm.training.results import read_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"

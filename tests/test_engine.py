@@ -12,7 +12,7 @@ from swarm.compression import parse
 from swarm.config import load_config
 from swarm.engine.build import build_local_pipeline
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.run import run_experiment
+from swarm.training.loop import run_experiment
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -130,7 +130,7 @@ def test_same_config_and_seed_give_the_same_losses(tmp_path):
     cfg = cfg_with("compression.forward=topk:0.2+ef21", "compression.backward=quant:6", "train.max_steps=6")
     first = run_experiment(cfg, tmp_path / "a.jsonl", progress=False)
     second = run_experiment(cfg, tmp_path / "b.jsonl", progress=False)
-    from swarm.results import read_results
+    from swarm.training.results import read_results
 
     losses = [[r["loss"] for r in read_results(p) if r["type"] == "step"] for p in (tmp_path / "a.jsonl", tmp_path / "b.jsonl")]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
@@ -140,7 +140,7 @@ def test_same_config_and_seed_give_the_same_losses(tmp_path):
 def test_short_runs_reduce_the_loss(tmp_path):
     cfg = cfg_with("train.epochs=8", "optimizer.lr=0.1", "compression.forward=quant:4", "compression.backward=quant:8")
     summary = run_experiment(cfg, tmp_path / "r.jsonl", progress=False)
-    from swarm.results import read_results
+    from swarm.training.results import read_results
 
     steps = [r["loss"] for r in read_results(tmp_path / "r.jsonl") if r["type"] == "step"]
     assert sum(steps[-5:]) / 5 < 0.6 * sum(steps[:5]) / 5
@@ -162,7 +162,7 @@ def test_resnet_recipe_reduces_the_loss(tmp_path):
         "train.eval_compressed=false",
     )
     run_experiment(cfg, tmp_path / "r.jsonl", progress=False)
-    from swarm.results import read_results
+    from swarm.training.results import read_results
 
     steps = [r["loss"] for r in read_results(tmp_path / "r.jsonl") if r["type"] == "step"]
     assert sum(steps[-4:]) / 4 < 0.8 * sum(steps[:4]) / 4
@@ -198,7 +198,7 @@ def gpt2_cfg(text_dir, tokenizer, *more: str):
 
 def test_gpt2_tied_embedding_stays_tied_and_matches_one_stage(tiny_text, tmp_path):
     from swarm.models import tied_weight_drift
-    from swarm.results import read_results
+    from swarm.training.results import read_results
 
     text_dir, tokenizer = tiny_text
     cfg4 = gpt2_cfg(text_dir, tokenizer, "train.max_steps=5", "compression.forward=none", "compression.backward=none")
@@ -220,7 +220,7 @@ def test_gpt2_tied_embedding_stays_tied_and_matches_one_stage(tiny_text, tmp_pat
 
 
 def test_gpt2_recipe_with_topk_reuse_reduces_the_loss(tiny_text, tmp_path):
-    from swarm.results import read_results
+    from swarm.training.results import read_results
 
     text_dir, tokenizer = tiny_text
     cfg = gpt2_cfg(text_dir, tokenizer, "train.epochs=6", "compression.forward=topk:0.3", "compression.backward=topk:reuse")
@@ -231,7 +231,7 @@ def test_gpt2_recipe_with_topk_reuse_reduces_the_loss(tiny_text, tmp_path):
 
 
 def test_micro_batch_split_gives_the_asked_count_and_weights_sum_to_one():
-    from swarm.run import split_micro_batches
+    from swarm.training.loop import split_micro_batches
 
     ids = torch.arange(6)
     parts = split_micro_batches(0, ids, torch.randn(6, 3), torch.zeros(6), 4, Mode.TRAIN, False)

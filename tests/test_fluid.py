@@ -1,10 +1,10 @@
-"""The fluid model of a pipeline step (swarm.netlab.fluid): fair sharing and exact small cases."""
+"""The fluid model of a pipeline step (swarm.bench.fluid): fair sharing and exact small cases."""
 
 from __future__ import annotations
 
 import pytest
 
-from swarm.netlab.fluid import StepModel, max_min_rates, simulate
+from swarm.bench.fluid import StepModel, max_min_rates, simulate
 
 MIB = 2**20
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.netlab import adaptive, bounds
+from swarm.bench import bounds
+from swarm.compression import adaptive
 from swarm.netlab.namespaces import NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
 from swarm.netlab.rates import format_rate, parse_delay, parse_rate
 from swarm.netlab.shaper import TokenBucket, shaped
@@ -231,7 +232,7 @@ def test_shaped_stream_adds_delay_without_cutting_rate():
 
 def test_in_process_p2p_stream_through_the_bucket():
     """A real hivemind P2P stream (two daemons on loopback), the sender shaped by the bucket."""
-    from swarm.netlab.probe import probe_in_process
+    from swarm.lab.probe import probe_in_process
 
     results = asyncio.run(probe_in_process(3_000_000, bucket=TokenBucket("20mbit"), server_bucket=TokenBucket("20mbit")))
     rates = {r.direction: r.mbit_per_s for r in results}
@@ -416,7 +417,7 @@ def test_without_root_one_line_error(caps):
 
 def test_shaping_limits_hivemind_throughput(caps):
     """Probe servers in b (20mbit) and c (1gbit), one client in a (1gbit); real p2p daemons per namespace."""
-    from swarm.netlab.probe import probe_netlab
+    from swarm.lab.probe import probe_netlab
 
     with NetLab(["a", "b", "c"], rates={"a": "1gbit", "b": "20mbit", "c": "1gbit"}) as net:
         assert "tbf 20mbit" in net.summary()

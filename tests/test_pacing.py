@@ -1,4 +1,4 @@
-"""Per-flow pacing (swarm.network.pacing): the fair-share arithmetic, the paced writer on a real
+"""Per-flow pacing (swarm.transport.hivemind.pacing): the fair-share arithmetic, the paced writer on a real
 hivemind stream, and a swarm of peers that declare their link rates (real hivemind on loopback)."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from _swarm_env import assert_same_run, smoke, split_batches, swarm_rows
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
-from swarm.network.announce import StageRecord
-from swarm.network.calls import _Stream
-from swarm.network.chunks import frame, frame_parts
-from swarm.network.hosted import HostedStage
-from swarm.network.meta import tensor_to_raw
-from swarm.network.node import NodeOptions, SwarmNode
-from swarm.network.pacing import (
+from protocols.framing import frame, frame_parts
+from swarm.training.loop import Schedule, build_data, train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.announce import StageRecord
+from swarm.transport.hivemind.calls import _Stream
+from swarm.transport.hivemind.meta import tensor_to_raw
+from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.pacing import (
     MIN_PIECE_BYTES,
     PAYLOAD_SHARE,
     PIECE_BYTES,
@@ -26,10 +27,9 @@ from swarm.network.pacing import (
     send_paced,
     stage_flows,
 )
-from swarm.network.pipeline import SwarmPipeline
-from swarm.network.servicer import StageServicer
-from swarm.results import ResultsWriter
-from swarm.run import Schedule, build_data, train
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 
 def test_flows_per_stage():

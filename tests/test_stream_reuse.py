@@ -13,13 +13,13 @@ from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.network import PROTOCOL_VERSION
-from swarm.network.calls import MicroBatchCall, RemoteError, StreamPool
-from swarm.network.hosted import HostedStage
-from swarm.network.meta import batch_to_meta, tensor_to_raw
-from swarm.network.node import NodeOptions, SwarmNode
-from swarm.network.servicer import StageServicer
-from swarm.run import build_data
+from swarm.training.loop import build_data
+from swarm.transport.hivemind import PROTOCOL_VERSION
+from swarm.transport.hivemind.calls import MicroBatchCall, RemoteError, StreamPool
+from swarm.transport.hivemind.meta import batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServicer
 
 
 def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data, seq: int) -> MicroBatchCall:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from swarm.config import load_config
-from swarm.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
-from swarm.results import read_results
-from swarm.study import StudyLocked, _lock, discover, run_study, status
+from swarm.study.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
+from swarm.study.runner import StudyLocked, _lock, discover, run_study, status
+from swarm.training.results import read_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def losses(path: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     """a-base finished by the study, b-top20 killed at step 6 of 12 then resumed, c-top10 never run."""
-    from swarm.run import run_experiment
+    from swarm.training.loop import run_experiment
 
     base = tmp_path_factory.mktemp("study")
     configs = write_configs(base / "configs")
@@ -54,7 +54,7 @@ def study(tmp_path_factory):
     first_a = (results / "a-base.jsonl").read_text()
 
     # b-top20: killed while logging step 6 (checkpoints come with every evaluation, every 4 steps)
-    from swarm.results import ResultsWriter
+    from swarm.training.results import ResultsWriter
 
     class Killed(RuntimeError):
         pass
@@ -127,7 +127,7 @@ def test_only_patterns_and_status_command(study, capsys):
 
 
 def test_study_report_puts_paper_and_measured_figures_side_by_side(study, tmp_path):
-    from swarm.report import write_study_report
+    from swarm.study.report import write_study_report
 
     written = write_study_report(study["configs"], study["results"], tmp_path / "out")
     md = (tmp_path / "out" / "results.md").read_text()
@@ -198,9 +198,9 @@ def test_the_papers_own_figures_pass_every_check():
 def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, tmp_path):
     """`swarm lab` on a study config (separate processes, hivemind DHT and libp2p on loopback)
     repeats the single-process run; the study report puts the two side by side."""
-    from swarm.lab import Lab
-    from swarm.report import load_run, write_study_report
-    from swarm.rerun import compare
+    from swarm.lab.launch import Lab
+    from swarm.study.report import load_run, write_study_report
+    from swarm.study.rerun import compare
 
     results = tmp_path / "runs"
     shutil.copytree(study["results"], results)
@@ -220,15 +220,15 @@ def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, tmp_
 
 
 def test_a_rerun_of_another_config_is_refused(study):
-    from swarm.report import load_run
-    from swarm.rerun import compare
+    from swarm.study.report import load_run
+    from swarm.study.rerun import compare
 
     with pytest.raises(ValueError, match="not a re-run of .* configs differ in compression"):
         compare(load_run(study["results"] / "a-base.jsonl"), load_run(study["results"] / "b-top20.jsonl"))
 
 
 def test_runs_logged_before_a_config_field_was_added_are_not_stale(study):
-    from swarm.study import same_config
+    from swarm.study.runner import same_config
 
     cfg = load_config(study["configs"] / "a-base.yaml")
     logged = next(r for r in read_results(study["results"] / "a-base.jsonl") if r["type"] == "config")["config"]

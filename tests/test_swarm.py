@@ -22,20 +22,20 @@ from _swarm_env import SMOKE, assert_same_run, local_rows, p2pd_count, smoke, sp
 from google.protobuf.message import DecodeError
 
 from protocols import stage_pb2 as pb
+from protocols.framing import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, parse_message, read_frame
 from swarm.config import load_config
 from swarm.engine.microbatch import MicroBatch
-from swarm.network import PROTOCOL_VERSION, loop
-from swarm.network.announce import discover
-from swarm.network.calls import RemoteError, _Stream, call_info, call_setup, handle_name
-from swarm.network.chunks import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, parse_message, read_frame
-from swarm.network.hosted import HostedStage, config_digest
-from swarm.network.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
-from swarm.network.node import DAEMON_THREADS, NodeOptions, SwarmNode
-from swarm.network.pipeline import SwarmPipeline
-from swarm.network.servicer import StageServicer
-from swarm.network.status import format_table, survey
-from swarm.results import ResultsWriter, read_results
-from swarm.run import Schedule, build_data, train
+from swarm.training.loop import Schedule, build_data, train
+from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.hivemind import PROTOCOL_VERSION, loop
+from swarm.transport.hivemind.announce import discover
+from swarm.transport.hivemind.calls import RemoteError, _Stream, call_info, call_setup, handle_name
+from swarm.transport.hivemind.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
+from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions, SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage, config_digest
+from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.survey import format_table, survey
+from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = [

@@ -9,9 +9,9 @@ import pytest
 import torch
 from _swarm_env import assert_same_run, local_rows, smoke, split_batches
 
-from swarm.network.hosted import HostedStage
-from swarm.results import ResultsWriter, read_results
-from swarm.run import Schedule, build_data, run_experiment, train
+from swarm.training.loop import Schedule, build_data, run_experiment, train
+from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.hivemind.stage.host import HostedStage
 
 
 def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
@@ -171,7 +171,7 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
     files: both repeat the uninterrupted run, error-feedback state included."""
     import shutil
 
-    from swarm.run import Checkpointing
+    from swarm.training.loop import Checkpointing
 
     cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:0.2+ef21", "train.eval_every=100")
     run_id = uuid.uuid4().hex[:8]
@@ -206,8 +206,8 @@ def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
     10 Mbit/s): the router keeps the last peers it found for `keep_s`, then gives up."""
     import time
 
-    from swarm.network.announce import StageRecord, announce
-    from swarm.network.routing import NoPeerError, Router
+    from swarm.transport.hivemind.announce import StageRecord, announce
+    from swarm.transport.hivemind.routing import NoPeerError, Router
 
     run_id = uuid.uuid4().hex[:8]
     node = swarm.hosts[0][0]

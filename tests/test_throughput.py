@@ -24,7 +24,7 @@ from swarm.bench.throughput import (
     target_lines,
     to_json,
 )
-from swarm.lab import parse_rates
+from swarm.lab.launch import parse_rates
 from swarm.netlab.counters import CounterSampler, window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]

@@ -1,7 +1,7 @@
 """`python -m swarm bench throughput CONFIG --bandwidth RATES --codecs SPECS`: samples per second
 of a shaped swarm against the bounds the links and the compute allow.
 
-Every (codec, bandwidth) runs a real swarm (`swarm.lab.Lab`: bootstrap, stage peers and trainer
+Every (codec, bandwidth) runs a real swarm (`swarm.lab.launch.Lab`: bootstrap, stage peers and trainer
 as processes, links shaped in namespaces or in process) for a few steps. From its results:
 - achieved samples/s over the steady steps (the first `warmup` steps, with connection setup, are
   left out);
@@ -11,7 +11,7 @@ as processes, links shaped in namespaces or in process) for a few steps. From it
   direction of the busiest process bounds samples/s. With namespaces, the bytes are those the
   kernel counted on each link over the measured steps (swarm.netlab.counters: the payload plus
   TCP/IP, TLS and libp2p framing, ACKs and DHT traffic, all of which tbf meters); in process, the
-  payload (swarm.netlab.bounds.pipeline_bound, also reported as `payload_link_bound`);
+  payload (swarm.bench.bounds.pipeline_bound, also reported as `payload_link_bound`);
 - the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
   included) over the measured steps, from the stage peers' own accounting; and since the lab's
   peers share this machine's cores, at most cores / the sum of the stages' compute CPU seconds
@@ -37,7 +37,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.results import read_results
+from swarm.training.results import read_results
 
 WARMUP_STEPS = 1
 MAX_STEPS = 64  # what --seconds may raise a point's steps to
@@ -71,7 +71,7 @@ class ThroughputRow:
     link_bound: float
     compute_bound: float
     fraction_of_bound: float
-    schedule_bound: float  # what this schedule allows on ideal fair links (swarm.netlab.fluid)
+    schedule_bound: float  # what this schedule allows on ideal fair links (swarm.bench.fluid)
     binding: str  # what the bound is: "link <process> <direction>" or "compute"
     busiest_bytes_per_sample: float  # on the binding link: counted by the kernel when measured, else the payload
     forward_bytes: list[float]  # per boundary, per training sample
@@ -92,8 +92,8 @@ class ThroughputRow:
 
 def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
     """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
-    from swarm.netlab.fluid import StepModel, simulate
-    from swarm.network.calls import SENDING
+    from swarm.bench.fluid import StepModel, simulate
+    from swarm.transport.hivemind.calls import SENDING
 
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
@@ -105,7 +105,7 @@ def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: lis
 def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS, download_limited: bool = True, cores: float | None = None) -> dict:
     """The figures of one finished run's results rows (see module doc); `cores`: the stages share
     that many cores (None: each has its own hardware)."""
-    from swarm.netlab.bounds import pipeline_bound, shared_cores_bound
+    from swarm.bench.bounds import pipeline_bound, shared_cores_bound
 
     steps = [r for r in rows if r["type"] == "step"]
     if len(steps) <= warmup:
@@ -201,7 +201,7 @@ def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
 def _first_sample(config: str, overrides: tuple[str, ...]):
     """(config, the first training input) of `config`: the data is built once per benchmark."""
     from swarm.config import load_config
-    from swarm.run import build_data
+    from swarm.training.loop import build_data
 
     cfg = load_config(config, list(overrides))
     return cfg, build_data(cfg)[0][0][1]
@@ -258,7 +258,7 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
     """`seconds` > 0: a codec's faster bandwidths run more steps (see `steps_for`), so that a point
     whose steps take a second or two is not measured over a few noisy seconds; bandwidths run slowest first."""
     from swarm.config import load_config
-    from swarm.lab import Lab, available_cores
+    from swarm.lab.launch import Lab, available_cores
     from swarm.netlab.rates import parse_rate
 
     overrides = list(overrides or [])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from swarm.config.options import accepted_options, reject_unknown
 from swarm.data.cifar import build_cifar10
 from swarm.data.digits import build_digits
 from swarm.data.wikitext import build_wikitext2
-from swarm.options import accepted_options, reject_unknown
 
 DATASETS: dict[str, Callable] = {
     "digits": build_digits,

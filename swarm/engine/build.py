@@ -54,7 +54,7 @@ def build_runtime(cfg: ExperimentConfig, staged, index: int, total_steps: int, c
 
 
 def build_local_pipeline(cfg: ExperimentConfig, total_steps: int, capacity: int | None = None):
-    from swarm.engine.local import LocalPipeline
+    from swarm.transport.local import LocalPipeline
 
     staged = build_staged_model(cfg)
     if len(staged.stages) != cfg.model.num_stages:

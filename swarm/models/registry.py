@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from swarm.config.options import accepted_options, reject_unknown
 from swarm.models.base import StagedModel
 from swarm.models.custom import build_custom
 from swarm.models.digits import build_digits_cnn, build_digits_mlp
 from swarm.models.gpt2 import build_gpt2
 from swarm.models.relay import build_relay
 from swarm.models.resnet import build_resnet18
-from swarm.options import accepted_options, reject_unknown
 
 MODELS: dict[str, Callable[..., StagedModel]] = {
     "resnet18": build_resnet18,

@@ -9,5 +9,5 @@
     adaptive    per-boundary compression choice from measured bandwidth, with hysteresis
     `python -m swarm.netlab detect|cleanup|shape|identity|bootstrap-maddr|port-open`: see swarm/netlab/__main__.py
 
-Importing this package does not import hivemind or torch (swarm.netlab.probe does, lazily).
+Importing this package does not import hivemind or torch (swarm.lab.probe does, lazily).
 """

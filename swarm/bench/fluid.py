@@ -1,0 +1,169 @@
+"""What the pipeline's schedule allows on ideal links: a fluid model of one synchronous step.
+
+The link bound (swarm.bench.bounds) assumes the busiest link never idles. A real step cannot
+reach it: the pipeline fills and drains, and a link carrying both waves waits on the other. This
+model replays the swarm's schedule (micro-batches admitted `in_flight` at a time by the trainer,
+at most `sending` payloads in transfer per neighbour, one compute thread per stage, backward in
+forward order) on access links that share their rate among the transfers crossing them (a
+transfer from A to B uses A's up and B's down link) max-min fairly in proportion to the transfers'
+sizes, as the peers' pacing shares them (swarm.transport.hivemind.pacing: payloads written together finish
+together), with no latency, loss or protocol overhead. Its step time is what a perfect network
+would give this schedule; a measured step much slower than that points at the transport, not the
+schedule.
+
+    model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
+                      forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,
+                      compute_s=[0.01] * 4, rate_bits=100e6)
+    result = simulate(model)     # .step_s, .busy (fraction of the step each link carried data)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class StepModel:
+    stages: int
+    micro_batches: int
+    in_flight: int
+    sending: int  # payloads in transfer at once per neighbour (swarm.transport.hivemind.calls.SENDING)
+    forward_bytes: Sequence[float]  # per micro-batch, boundary j = stage j -> j + 1
+    backward_bytes: Sequence[float]
+    compute_s: Sequence[float]  # per micro-batch and stage, forward or backward (each)
+    rate_bits: float  # every process's access link, each direction
+    input_bytes: float = 0.0  # trainer -> stage 0, per micro-batch
+    download_limited: bool = True  # False: only what a process sends is shaped (in-process shaping)
+
+    def __post_init__(self) -> None:
+        if self.stages < 2:
+            raise ValueError(f"the model needs at least 2 stages, got {self.stages}")
+        for name, values, n in (("forward_bytes", self.forward_bytes, self.stages - 1), ("backward_bytes", self.backward_bytes, self.stages - 1), ("compute_s", self.compute_s, self.stages)):
+            if len(values) != n:
+                raise ValueError(f"{name} needs {n} values (one per {'boundary' if n < self.stages else 'stage'}), got {len(values)}")
+        if min(self.micro_batches, self.in_flight, self.sending) < 1 or self.rate_bits <= 0:
+            raise ValueError("micro_batches, in_flight, sending and rate_bits must be positive")
+
+
+@dataclass(frozen=True)
+class FluidResult:
+    step_s: float
+    busy: dict[str, float]  # "stage1 up" -> fraction of the step at full rate
+
+
+def max_min_rates(flows: Sequence[tuple[str, ...]], capacity: float, weights: Sequence[float] | None = None) -> list[float]:
+    """Weighted max-min fair rates of flows, each given as the links it crosses (all of `capacity`):
+    on a link, unsaturated flows get rates in proportion to their weights (default: equal)."""
+    weights = weights or [1.0] * len(flows)
+    rates = [0.0] * len(flows)
+    active = set(range(len(flows)))
+    left: dict[str, float] = defaultdict(lambda: capacity)
+    while active:
+        users: dict[str, list[int]] = defaultdict(list)
+        for i in active:
+            for link in flows[i]:
+                users[link].append(i)
+        share = min(left[link] / sum(weights[i] for i in ix) for link, ix in users.items())
+        for i in active:
+            rates[i] += share * weights[i]
+        for link, ix in users.items():
+            left[link] -= share * sum(weights[i] for i in ix)
+        saturated = {i for link, ix in users.items() if left[link] <= _EPS * capacity for i in ix}
+        active -= saturated
+    return rates
+
+
+class _Step:
+    def __init__(self, m: StepModel) -> None:
+        self.m, self.t = m, 0.0
+        self.capacity = m.rate_bits / 8
+        self.transfers: list[list] = []  # [bytes left, sender, receiver, callback, size]
+        self.waiting: dict[tuple[str, str], deque] = defaultdict(deque)
+        self.in_transfer: dict[tuple[str, str], int] = defaultdict(int)
+        self.events: list = []
+        self.order = itertools.count()
+        self.free_at: dict[int, float] = defaultdict(float)
+        self.back_ready: dict[int, set[int]] = defaultdict(set)
+        self.back_next: dict[int, int] = defaultdict(int)
+        self.busy: dict[str, float] = defaultdict(float)
+        self.admitted = self.done = 0
+
+    def later(self, when: float, callback) -> None:
+        heapq.heappush(self.events, (when, next(self.order), callback))
+
+    def compute(self, stage: int, callback) -> None:
+        start = max(self.t, self.free_at[stage])
+        self.free_at[stage] = start + self.m.compute_s[stage]
+        self.later(self.free_at[stage], callback)
+
+    def send(self, sender: str, receiver: str, nbytes: float, callback) -> None:
+        self.waiting[(sender, receiver)].append((nbytes, callback))
+        self.start_waiting()
+
+    def start_waiting(self) -> None:
+        for pair, queue in self.waiting.items():
+            while queue and self.in_transfer[pair] < self.m.sending:
+                nbytes, callback = queue.popleft()
+                self.in_transfer[pair] += 1
+                self.transfers.append([nbytes, *pair, callback, nbytes])
+
+    def admit(self) -> None:
+        mb = self.admitted
+        self.admitted += 1
+        self.send("trainer", "stage0", self.m.input_bytes, lambda: self.compute(0, lambda: self.forward_done(0, mb)))
+
+    def forward_done(self, stage: int, mb: int) -> None:
+        if stage == self.m.stages - 1:
+            self.backward_arrived(stage, mb)  # the loss's gradient is here
+            return
+        self.send(f"stage{stage}", f"stage{stage + 1}", self.m.forward_bytes[stage], lambda: self.compute(stage + 1, lambda: self.forward_done(stage + 1, mb)))
+
+    def backward_arrived(self, stage: int, mb: int) -> None:
+        """A gradient reached `stage`: backward there in forward order, then the gradient goes up."""
+        self.back_ready[stage].add(mb)
+        while self.back_next[stage] in self.back_ready[stage]:
+            n = self.back_next[stage]
+            self.back_ready[stage].discard(n)
+            self.back_next[stage] += 1
+            self.compute(stage, self.finished if stage == 0 else lambda s=stage, k=n: self.send(f"stage{s}", f"stage{s - 1}", self.m.backward_bytes[s - 1], lambda: self.backward_arrived(s - 1, k)))
+
+    def finished(self) -> None:
+        self.done += 1
+        if self.admitted < self.m.micro_batches:
+            self.admit()
+
+    def run(self) -> FluidResult:
+        for _ in range(min(self.m.in_flight, self.m.micro_batches)):
+            self.admit()
+        while self.done < self.m.micro_batches:
+            flows = [(f"{t[1]} up", f"{t[2]} down") if self.m.download_limited else (f"{t[1]} up",) for t in self.transfers]
+            rates = max_min_rates(flows, self.capacity, [max(t[4], _EPS) for t in self.transfers]) if flows else []
+            until_transfer = min((t[0] / r for t, r in zip(self.transfers, rates, strict=True) if r > 0), default=float("inf"))
+            until_event = self.events[0][0] - self.t if self.events else float("inf")
+            dt = max(min(until_transfer, until_event), 0.0)
+            if dt == float("inf"):
+                raise RuntimeError("the fluid model stalled (nothing in transfer, nothing scheduled)")
+            for transfer, rate, links in zip(self.transfers, rates, flows, strict=True):
+                transfer[0] -= rate * dt
+                for link in links:
+                    self.busy[link] += rate * dt / self.capacity
+            self.t += dt
+            arrived = [t for t in self.transfers if t[0] <= _EPS * self.capacity]
+            self.transfers = [t for t in self.transfers if t[0] > _EPS * self.capacity]
+            for _, sender, receiver, callback, _ in arrived:
+                self.in_transfer[(sender, receiver)] -= 1
+                callback()
+            while self.events and self.events[0][0] <= self.t + _EPS:
+                heapq.heappop(self.events)[2]()
+            self.start_waiting()
+        return FluidResult(self.t, {link: seconds / self.t for link, seconds in sorted(self.busy.items()) if self.t > 0})
+
+
+def simulate(model: StepModel) -> FluidResult:
+    return _Step(model).run()

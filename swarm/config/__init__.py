@@ -1,0 +1,12 @@
+"""Experiment configuration: what a run is (`experiment`), and checking builder options (`options`)."""
+
+from swarm.config.experiment import (
+    ConfigError,
+    ExperimentConfig,
+    LinkConfig,
+    LinkOverride,
+    OptimizerConfig,
+    load_config,
+)
+
+__all__ = ["ConfigError", "ExperimentConfig", "LinkConfig", "LinkOverride", "OptimizerConfig", "load_config"]

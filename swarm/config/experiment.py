@@ -1,0 +1,218 @@
+"""Experiment configuration: pydantic models loaded from YAML, validated at load time.
+
+A bad key or value fails with one line naming the field (`ConfigError`), never a traceback from
+deep inside torch. `--set key.path=value` overrides are applied before validation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from swarm.compression.spec import SpecError, parse
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message is one line and names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_spec(value: str | None) -> str | None:
+    if value is None:
+        return value
+    try:
+        parse(value)
+    except SpecError as e:
+        raise ValueError(str(e)) from None
+    return value
+
+
+class LinkConfig(_Strict):
+    """Compression of one boundary: activations forward, gradients backward."""
+
+    forward: str = "none"
+    backward: str = "none"
+
+    _forward_ok = field_validator("forward")(_check_spec)
+    _backward_ok = field_validator("backward")(_check_spec)
+
+    def check(self, where: str) -> None:
+        if parse(self.backward).reuses_indices and not parse(self.forward).codec.sparse:
+            raise ValueError(f"{where}: backward topk:reuse needs a topk forward codec on the same boundary")
+        if parse(self.forward).reuses_indices:
+            raise ValueError(f"{where}: topk:reuse is for the backward direction only")
+
+
+class LinkOverride(_Strict):
+    """A boundary's own settings; an unset direction keeps the default."""
+
+    forward: str | None = None
+    backward: str | None = None
+
+    _forward_ok = field_validator("forward")(_check_spec)
+    _backward_ok = field_validator("backward")(_check_spec)
+
+
+class AdaptiveConfig(_Strict):
+    """Swarm only: per boundary, the mildest setting of a ladder whose link time fits the slower
+    neighbour's compute, from the bandwidth measured during training (swarm.transport.hivemind.trainer.adaptive).
+    Switching codecs restarts the link's codec state (error feedback, reused indices) on both ends."""
+
+    ladder: Literal["topk", "quant"] = "topk"  # topk:R with reused-index gradients, or quant:B both ways
+    every: int = Field(1, ge=1)  # optimizer steps between decisions
+    hysteresis: float = Field(0.15, ge=0, lt=1)  # back to a milder setting only with this much to spare
+    target_ms: float | None = Field(None, gt=0)  # link ms per sample to stay under; default: the slower neighbour's compute
+
+
+class CompressionConfig(LinkConfig):
+    """Defaults for every boundary, with per-boundary overrides (boundary i sits after stage i)."""
+
+    boundaries: dict[int, LinkOverride] = Field(default_factory=dict)
+    adaptive: AdaptiveConfig | None = None
+    store_dir: str | None = None  # disk-backed AQ-SGD / per-sample EF buffers go here
+    store_capacity: int | None = None  # samples per disk-backed buffer (the train set size)
+
+    def link(self, boundary: int) -> LinkConfig:
+        own = self.boundaries.get(boundary, LinkOverride())
+        return LinkConfig(forward=own.forward or self.forward, backward=own.backward or self.backward)
+
+
+class ModelConfig(_Strict):
+    name: str = "digits_cnn"  # resnet18 | gpt2 | digits_cnn | package.module:function
+    num_stages: int = Field(4, ge=1, le=64)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class DataConfig(_Strict):
+    name: Literal["digits", "cifar10", "wikitext2"] = "digits"
+    data_dir: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    schedule_epochs: float | None = Field(None, gt=0)  # schedule length; the run's length by default
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+
+
+class TrainConfig(_Strict):
+    epochs: float = Field(1, gt=0)
+    batch_size: int = Field(100, ge=1)
+    micro_batches: int = Field(4, ge=1)
+    eval_batch_size: int = Field(200, ge=1)
+    eval_every: float = Field(1, gt=0)  # epochs between evaluations
+    eval_compressed: bool = True  # evaluate with compression on as well as off
+    warmup_epochs: float = Field(0, ge=0)  # uncompressed epochs first (fills AQ-SGD buffers)
+    max_steps: int | None = Field(None, ge=1)
+    in_flight: int | None = Field(None, ge=1)  # micro-batches in a swarm's pipeline at once (default: 2 x stages)
+
+    @model_validator(mode="after")
+    def _micro_batches_fit(self) -> TrainConfig:
+        if self.micro_batches > self.batch_size:
+            raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed batch_size ({self.batch_size})")
+        return self
+
+
+class ReportConfig(_Strict):
+    """Where a run appears in `python -m swarm report` (paper-shaped tables)."""
+
+    table: str = "Runs"  # e.g. "Table 2: TopK"
+    row: str | None = None  # row label; the run name by default
+    paper: dict[str, float] = Field(default_factory=dict)  # the paper's figures for this row, side by side
+
+
+class ExperimentConfig(_Strict):
+    name: str = "experiment"
+    report: ReportConfig = Field(default_factory=ReportConfig)
+    seed: int = 0
+    device: str = "cpu"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+
+    @model_validator(mode="after")
+    def _links_fit_the_model(self) -> ExperimentConfig:
+        boundaries = self.model.num_stages - 1
+        extra = sorted(b for b in self.compression.boundaries if not 0 <= b < boundaries)
+        if extra:
+            raise ValueError(f"compression.boundaries: {self.model.num_stages} stages have boundaries 0..{boundaries - 1}, got {extra}")
+        for b in range(max(boundaries, 1)):
+            self.compression.link(b).check(f"compression (boundary {b})")
+        if self.compression.adaptive is not None and boundaries < 1:
+            raise ValueError("compression.adaptive: a 1-stage model has no links to adapt (model.num_stages must be at least 2)")
+        return self
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda") and value != "mps":
+            raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {value!r}")
+        return value
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{where}: {message}{more}"
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b.c=value` (YAML value) into a nested dict."""
+    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None

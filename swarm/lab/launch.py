@@ -1,0 +1,338 @@
+"""`python -m swarm lab CONFIG --stages S`: a whole swarm on this machine, as separate processes.
+
+It starts a bootstrap peer, S stage peers and a trainer (each its own process with its own p2p
+daemon), prefixes and streams their output, and stops every one of them, daemons included, when
+the trainer ends, on error and on Ctrl-C.
+
+With `--bandwidth` / `--delay` the links are shaped. `netns` (the default as root): every process
+gets its own network namespace and access link (swarm.netlab.namespaces), rate limited by tc in
+both directions, with the delay from netem where the kernel has it and otherwise added on each
+process's send path in process; a probe measures the links before the run. `inprocess`: processes
+on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
+Either way each stage peer and the trainer is told its link rate (--uplink / --downlink), so it
+paces every neighbour flow at its share (swarm.transport.hivemind.pacing), unless `pacing` is off.
+
+The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
+their number (at least one). Left at torch's default, every process runs a thread per core, and
+on 2 cores the 5 processes' threads competed for the cores: up to 4x fewer samples/s
+(docs/bench/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from swarm.netlab.counters import CounterSampler, GroupCpu
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+SHAPINGS = ("netns", "inprocess")
+
+
+def _rate_file(path: Path) -> dict[str, str]:
+    """A YAML (or JSON) file of {process: rate}, or a one-line error naming it."""
+    import yaml
+
+    try:
+        table = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:
+        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
+        raise ValueError(f"--bandwidth file {path} is not readable YAML: {e.problem or e.context}{where}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--bandwidth file {path} is not readable YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"--bandwidth file {path} must map process names to rates")
+    return {str(k): str(v) for k, v in table.items()}
+
+
+def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
+    """`--bandwidth`: one rate ('100mbit'), per process ('stage1=20mbit,*=100mbit') or a YAML file
+    of {process: rate}; processes: bootstrap, stage0.., trainer. Every rate is checked here."""
+    from swarm.netlab.rates import parse_rate
+
+    if text is None:
+        return None
+    if Path(text).is_file():
+        table = _rate_file(Path(text))
+    elif text.endswith((".yaml", ".yml", ".json")) or "/" in text:  # no rate looks like a path
+        raise ValueError(f"--bandwidth file {text} does not exist")
+    elif "=" in text:
+        table = {}
+        for item in text.split(","):
+            name, _, rate = item.partition("=")
+            if not rate:
+                raise ValueError(f"--bandwidth item {item!r}: write NAME=RATE")
+            table[name.strip()] = rate.strip()
+    else:
+        table = {"*": text}
+    unknown = sorted(set(table) - {*names, "*"})
+    if unknown:
+        raise ValueError(f"--bandwidth names unknown process(es) {', '.join(unknown)} (processes: {', '.join(names)}, or * for the rest)")
+    rates = {name: table.get(name, table.get("*")) for name in names}
+    for rate in rates.values():
+        if rate is not None:
+            parse_rate(rate)
+    return {name: rate for name, rate in rates.items() if rate is not None}
+_NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def peer_threads(peers: int) -> int:
+    """torch threads for each of `peers` computing processes on this machine: a fair share of its cores."""
+    return max(1, available_cores() // max(peers, 1))
+
+
+class Lab:
+    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None,
+                 bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True, pacing: bool = True) -> None:
+        self.config, self.stages, self.results, self.steps = config, stages, results, steps
+        self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
+        self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
+        self.rates = parse_rates(bandwidth, self.names)  # ValueError: one line
+        if delay is not None:
+            from swarm.netlab.rates import parse_delay
+
+            parse_delay(delay)
+        if shaping is not None and shaping not in SHAPINGS:
+            raise ValueError(f"--shaping must be one of {', '.join(SHAPINGS)}, got {shaping!r}")
+        self.delay = delay
+        self.shaped = bool(self.rates) or bool(delay)
+        self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
+        self.probe = probe
+        self.pacing = pacing
+        self.threads = peer_threads(stages + 1)
+        self.net = None
+        self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
+        self.out = out or sys.stdout
+        self.startup_timeout = startup_timeout
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self._lock = threading.Lock()
+        self._boot_lines: queue.Queue[str] = queue.Queue()
+
+    def _print(self, name: str, line: str) -> None:
+        with self._lock:
+            self.out.write(f"[{name}] {line}\n")
+            self.out.flush()
+
+    def _host(self, name: str) -> str:
+        return self.net.maddr(name) if self.net is not None else LOOPBACK
+
+    def _shape_args(self, name: str) -> list[str]:
+        """In-process shaping for `name`: all of it (inprocess), or the delay netem could not apply."""
+        if not self.shaped:
+            return []
+        if self.net is not None:
+            missing = self.net.missing_delay(name)
+            return ["--shape_delay", f"{missing * 1000:.3f}ms"] if missing > 0 else []
+        rate = (self.rates or {}).get(name)
+        return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
+
+    def _link_args(self, name: str) -> list[str]:
+        """A stage peer's or the trainer's declared link rate (its access link is shaped the same both ways)."""
+        rate = (self.rates or {}).get(name)
+        if not (self.pacing and rate and (name.startswith("stage") or name == "trainer")):
+            return []
+        return ["--uplink", rate, "--downlink", rate]
+
+    def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        command = [sys.executable, "-m", module, *args, "--host_maddrs", self._host(name), *self._shape_args(name), *self._link_args(name)]
+        if self.net is not None:
+            command = self.net.wrap(name, command)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
+        self.processes.append((name, process))
+
+        def pump() -> None:
+            for line in process.stdout:
+                line = line.rstrip()
+                if name == "bootstrap":
+                    self._boot_lines.put(line)
+                if line and not any(noise in line for noise in _NOISE):
+                    self._print(name, line)
+
+        threading.Thread(target=pump, name=f"lab-{name}", daemon=True).start()
+        return process
+
+    def _bootstrap_address(self, process: subprocess.Popen) -> str:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the bootstrap peer exited with code {process.returncode}")
+            try:
+                line = self._boot_lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line.startswith("/ip4/"):
+                return line
+        raise RuntimeError(f"the bootstrap peer printed no address within {self.startup_timeout:.0f}s")
+
+    def run(self) -> int:
+        from swarm.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(self.config, self.overrides)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not (self.shaped and self.shaping == "netns"):
+            if self.shaped:
+                self._print("lab", f"in-process shaping: {self._describe_inprocess()}")
+                if self.probe:
+                    self._probe_inprocess()
+            return self._run_swarm(cfg)
+        from swarm.netlab.namespaces import NetLab, NetlabError
+
+        try:
+            with NetLab(self.names, self.rates, self.delay) as net:
+                self.net = net
+                for line in net.summary().splitlines():
+                    self._print("netlab", line)
+                if self.probe:
+                    self._probe()
+                return self._run_swarm(cfg)
+        except NetlabError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # a signal during setup or teardown
+            return 130
+        finally:
+            self.net = None
+
+    def _describe_inprocess(self) -> str:
+        rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
+        return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
+
+    def _probe_bytes(self) -> int:
+        """About half a second's worth on the slowest link."""
+        from swarm.netlab.rates import parse_rate
+
+        slowest = min((parse_rate(r) for r in (self.rates or {}).values()), default=10**9)
+        return int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))
+
+    def _print_probe(self, tag: str, results: dict, nbytes: int) -> None:
+        for name, measured in results.items():
+            text = ", ".join(f"{r.direction} {r.mbit_per_s:.1f} Mbit/s" for r in measured)
+            self._print(tag, f"probe trainer<->{name}: {text or 'no result'} (payload over libp2p, {nbytes} bytes)")
+
+    def _probe(self) -> None:
+        """Measures the trainer's link to every other process (both directions) before the run:
+        between them, those paths cross every access link."""
+        from swarm.lab.probe import probe_netlab
+
+        nbytes, others = self._probe_bytes(), self.names[:-1]
+        try:
+            results = probe_netlab(self.net, "trainer", others, nbytes)
+        except Exception as e:  # a diagnostic: the run goes on without it
+            self._print("netlab", f"probe failed: {type(e).__name__}: {e}")
+            return
+        self._print_probe("netlab", {name: results.get(name, []) for name in others}, nbytes)
+
+    def _probe_inprocess(self) -> None:
+        """The same probe through the shapers the peers will use: two loopback peers in this process,
+        each pacing its sends as the trainer and one stage will (up: the trainer's, down: the stage's)."""
+        import asyncio
+
+        from swarm.lab.probe import probe_in_process
+        from swarm.netlab.shaper import TokenBucket
+
+        def bucket(name: str) -> TokenBucket:  # the rate of the peer's --shape_rate (the probe measures throughput, not delay)
+            return TokenBucket((self.rates or {}).get(name) or "100gbit")
+
+        nbytes, results = self._probe_bytes(), {}
+        try:
+            for name in self.names[1:-1]:
+                results[name] = asyncio.run(probe_in_process(nbytes, bucket=bucket("trainer"), server_bucket=bucket(name)))
+        except Exception as e:  # a diagnostic: the run goes on without it
+            self._print("lab", f"probe failed: {type(e).__name__}: {e}")
+            return
+        self._print_probe("lab", results, nbytes)
+
+    def _run_swarm(self, cfg) -> int:
+        run_id = f"{cfg.name}-{secrets.token_hex(3)}"
+        sets = [arg for item in self.overrides for arg in ("--set", item)]
+        try:
+            boot = self._start("bootstrap", "peers.bootstrap")
+            initial = self._bootstrap_address(boot)
+            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads), *sets]
+            self._print("lab", f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)")
+            for stage in range(self.stages):
+                self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
+            extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
+            processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})  # each peer leads its own group
+            counters = CounterSampler(self.net.link_bytes if self.net is not None else dict, processes) if self.results else None
+            trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
+            while trainer.poll() is None:
+                for name, process in self.processes:
+                    if process is not trainer and process.poll() is not None:
+                        raise RuntimeError(f"{name} exited with code {process.returncode}")
+                if counters is not None:
+                    counters.poll()
+                time.sleep(0.2)
+            if counters is not None and trainer.returncode == 0:  # the links' own byte counts and the CPU, for bench throughput
+                counters.sample()
+                with open(self.results, "a") as f:
+                    f.write(json.dumps(counters.to_row()) + "\n")
+            return trainer.returncode
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            self._print("lab", "interrupted: stopping every peer")
+            return 130
+        finally:
+            self.stop()
+            if self.results and Path(self.results).exists():
+                self._print("lab", f"results in {self.results}")
+
+    def stop(self) -> None:
+        """SIGINT (graceful), then SIGTERM, then SIGKILL to each process group (its p2p daemon too)."""
+        running = [(name, p) for name, p in reversed(self.processes)]
+        for sig, grace in ((signal.SIGINT, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            for _, process in running:
+                try:  # first only the peer itself: it shuts its daemon down; then the whole group
+                    if sig is signal.SIGINT:
+                        process.send_signal(sig)
+                    else:
+                        os.killpg(process.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + grace
+            for _, process in running:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            if sig is not signal.SIGKILL:
+                running = [(n, p) for n, p in running if p.poll() is None or _group_alive(p.pid)]
+            if not running:
+                break
+        self.processes.clear()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None, **shaping) -> int:
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing (see `Lab`)."""
+    try:
+        lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return lab.run()

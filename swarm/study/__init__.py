@@ -1,0 +1,1 @@
+"""Studies: running a directory of configs resumably, and the paper-shaped report of their results."""

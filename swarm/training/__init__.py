@@ -1,0 +1,1 @@
+"""Training an experiment through any pipeline: the loop, its schedule, results and checkpoints."""

@@ -1,0 +1,252 @@
+"""`python -m swarm run CONFIG`: train and evaluate an experiment through a pipeline.
+
+The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run_many`, `step`,
+`link_bytes` and `state_bytes` (the in-process one here, the swarm's trainer in peers/).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from swarm.config import ExperimentConfig
+from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.training.results import ResultsWriter, read_results
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps_per_epoch: int
+    total_steps: int
+    eval_every_steps: int
+    warmup_steps: int
+    lr_horizon: int  # steps the learning-rate schedule spans (the paper's cosine used T_max = 200 epochs)
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig, train_size: int, max_steps: int | None = None) -> Schedule:
+        per_epoch = train_size // cfg.train.batch_size
+        if per_epoch == 0:
+            raise ValueError(f"the training set ({train_size} samples) is smaller than one batch ({cfg.train.batch_size})")
+        total = max(1, math.ceil(cfg.train.epochs * per_epoch))
+        for cap in (cfg.train.max_steps, max_steps):
+            if cap is not None:
+                total = min(total, cap)
+        horizon = total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
+        return cls(per_epoch, total, max(1, round(cfg.train.eval_every * per_epoch)), round(cfg.train.warmup_epochs * per_epoch), horizon)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often `train` checkpoints every stage and its own position."""
+
+    directory: str
+    every: int | None = None  # steps between checkpoints; None: after every evaluation
+    keep: int = 2  # newest checkpoints kept
+
+
+def build_data(cfg: ExperimentConfig):
+    from swarm.data import build_datasets
+
+    return build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+
+
+def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode, exact: bool):
+    """(MicroBatch, inputs) pairs; loss weights make the gradients add up to the batch mean.
+
+    tensor_split gives exactly `count` pieces (chunk may give fewer), sizes differing by at most 1.
+    """
+    total = ids.numel()
+    out = []
+    pieces = zip(ids.tensor_split(count), inputs.tensor_split(count), targets.tensor_split(count), strict=True)
+    for index, (i, x, y) in enumerate(pieces):
+        out.append((MicroBatch(step, index, i, y, mode, i.numel() / total, exact), x))
+    return out
+
+
+EVAL_GROUP = 16  # evaluation micro-batches handed to the pipeline at once (a swarm overlaps them)
+
+
+def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
+    loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
+    sums: Counter = Counter()
+    group: list = []
+    for index, (ids, inputs, targets) in enumerate(loader):
+        group.append((MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact), inputs))
+        if len(group) == EVAL_GROUP:
+            for metrics in pipeline.run_many(group):
+                sums.update(metrics)
+            group = []
+    for metrics in pipeline.run_many(group):
+        sums.update(metrics)
+    from swarm.models import summarize
+
+    return summarize(sums, perplexity=cfg.data.name == "wikitext2")
+
+
+def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in now.items() if k.endswith(".train") and v - before.get(k, 0)}
+
+
+def _skip_batches(loader: DataLoader, count: int):
+    """An iterator over `loader` past its first `count` batches, drawing the same random numbers
+    as iterating them (in one process without loading them)."""
+    batches = iter(loader)
+    indices = getattr(batches, "_sampler_iter", None) if loader.num_workers == 0 else None
+    for _ in range(count):
+        next(indices if indices is not None else batches)
+    return batches
+
+
+def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+    """The training loop; returns the summary row (also written to `results`).
+
+    With `checkpoint`, it resumes from the newest complete checkpoint in its directory (the
+    pipeline needs `save_checkpoint` / `load_checkpoint`) and saves new ones as it goes.
+    """
+    from tqdm import tqdm
+
+    from swarm.data import collate
+
+    train_set, test_set = data
+    schedule = Schedule.of(cfg, len(train_set), max_steps)
+    if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
+        results.write({"type": "config", "name": cfg.name, "config": cfg.model_dump(mode="json"), "started": datetime.datetime.now(datetime.UTC).isoformat()})
+    generator = torch.Generator().manual_seed(cfg.seed)
+    step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
+    evals: list[dict] = []
+    if checkpoint is not None:
+        from swarm.engine.checkpoint import latest_run, load_run
+
+        latest = latest_run(checkpoint.directory)
+        if latest is not None:
+            state = load_run(latest, pipeline)
+            step, samples, epoch, done_in_epoch, elapsed = state["step"], state["samples"], state["epoch"], state["batch"], state["time_s"]
+            generator.set_state(state["generator"])
+            torch.set_rng_state(state["rng"])
+            evals = json.loads(state["evals"])
+            print(f"resuming from checkpoint {latest} at step {step}", file=sys.stderr)
+    started = time.perf_counter() - elapsed
+    bytes_before: dict[str, int] = pipeline.link_bytes() if step else {}
+    bar = tqdm(total=schedule.total_steps, initial=step, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True)
+
+    def run_eval() -> None:
+        row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
+        row["uncompressed"] = evaluate(pipeline, cfg, test_set, step, True, collate)
+        if cfg.train.eval_compressed:
+            row["compressed"] = evaluate(pipeline, cfg, test_set, step, False, collate)
+        evals.append(row)
+        results.write(row)
+        bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
+
+    def save_checkpoint(epoch_start: torch.Tensor) -> None:
+        from swarm.engine.checkpoint import save_run
+
+        position = {"epoch": epoch, "batch": done_in_epoch, "generator": epoch_start, "rng": torch.get_rng_state(), "samples": samples, "evals": json.dumps(evals), "time_s": time.perf_counter() - started}
+        save_run(checkpoint.directory, step, pipeline, position, checkpoint.keep)
+
+    while step < schedule.total_steps:
+        if hasattr(train_set, "set_epoch"):
+            train_set.set_epoch(epoch)
+        epoch_start = generator.get_state()  # what replays this epoch's order on resume
+        loader = DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True, generator=generator, collate_fn=collate)
+        for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
+            done_in_epoch += 1
+            exact = step < schedule.warmup_steps
+            pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
+            losses = [metrics["loss"] * batch.weight for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)]
+            lr = pipeline.step()
+            step += 1
+            samples += ids.numel()
+            now = pipeline.link_bytes()
+            notes = pipeline.step_notes() if hasattr(pipeline, "step_notes") else {}  # a swarm's adaptive codecs
+            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started, "at": time.time(), **notes})
+            bytes_before = now
+            bar.update(1)
+            bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
+            evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
+            if evaluated:
+                run_eval()
+            if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
+                save_checkpoint(epoch_start)
+            if step >= schedule.total_steps:
+                break
+        else:
+            epoch, done_in_epoch = epoch + 1, 0
+    bar.close()
+    totals = {k.removesuffix(".train"): v for k, v in pipeline.link_bytes().items() if k.endswith(".train")}
+    summary = {
+        "type": "summary",
+        "name": cfg.name,
+        "steps": step,
+        "samples": samples,
+        "wall_time_s": time.perf_counter() - started,
+        "bytes": totals,
+        "bytes_per_sample": {k: v / max(samples, 1) for k, v in totals.items()},
+        "state_bytes": pipeline.state_bytes(),
+        "final": evals[-1] if evals else None,
+        "best": {
+            mode: max((e[mode] for e in evals if mode in e), key=lambda m: m.get("accuracy", -m.get("loss", 0.0)), default=None)
+            for mode in ("uncompressed", "compressed")
+        },
+        **(pipeline.summary_notes() if hasattr(pipeline, "summary_notes") else {}),
+    }
+    results.write(summary)
+    return summary
+
+
+def describe(summary: dict, results_path=None) -> list[str]:
+    """What a finished run prints: steps, time and the final metrics (and where results went)."""
+    final = summary.get("final") or {}
+    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
+    for mode in ("uncompressed", "compressed"):
+        if mode in final:
+            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
+    return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
+
+
+def _rows_until(results_path, step: int) -> list[dict]:
+    """A resumed run's results so far: the config and the step and eval rows up to `step`."""
+    try:
+        rows = read_results(results_path)
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
+
+
+def open_results(results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter) -> ResultsWriter:
+    """The results file of a run; one that resumes from a checkpoint keeps its rows up to there."""
+    kept = []
+    if checkpoint is not None and results_path is not None:
+        from swarm.engine.checkpoint import latest_run
+
+        latest = latest_run(checkpoint.directory)
+        if latest is not None:
+            kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
+    results = writer(results_path)
+    for row in kept:
+        results.write(row)
+    return results
+
+
+def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
+    from swarm.engine.build import build_local_pipeline
+
+    if cfg.compression.adaptive is not None:
+        raise ValueError("compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure")
+    data = build_data(cfg)
+    schedule = Schedule.of(cfg, len(data[0]), max_steps)
+    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+    results = open_results(results_path, checkpoint)
+    try:
+        return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
+    finally:
+        results.close()

@@ -1,0 +1,142 @@
+"""Stage announcements on the DHT: one key per (run, stage), one subkey per peer.
+
+hivemind's `declare_experts` stores one plain value per uid, so two peers serving a stage would
+overwrite each other; subkeys (as Petals does) keep them all. Records expire unless refreshed, so
+a dead peer drops out on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+
+from hivemind.utils import get_dht_time
+
+from swarm.transport.hivemind import PROTOCOL_VERSION
+from swarm.transport.hivemind.node import SwarmNode
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 5.0
+TTL_S = 15.0
+
+
+RUNS_KEY = "hivepipe.runs"  # subkey per run id: {"num_stages": n}, so status can list runs
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"hivepipe.{run_id}.stage{stage}"
+
+
+@dataclass
+class StageRecord:
+    """What a stage peer says about itself (plain data: DHT values are msgpack)."""
+
+    peer_id: str
+    stage: int
+    num_stages: int
+    addrs: list[str]
+    throughput: float = 0.0  # samples per second, EMA; 0 until measured
+    queue: int = 0
+    codecs: dict[str, str] = field(default_factory=dict)  # {"forward": spec, "backward": spec} of the inbound link
+    version: int = PROTOCOL_VERSION
+    ready: bool = False  # set up by the run's trainer: it can take micro-batches
+    updated: float = 0.0
+    session: str = ""  # the trainer session it was set up by (peers route only within one session)
+    download_share: float = 0.0  # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
+
+    @classmethod
+    def from_value(cls, peer_id: str, value) -> StageRecord | None:
+        if not isinstance(value, dict):
+            return None
+        try:
+            return cls(
+                peer_id=peer_id,
+                stage=int(value["stage"]),
+                num_stages=int(value["num_stages"]),
+                addrs=[str(a) for a in value.get("addrs", [])],
+                throughput=float(value.get("throughput", 0.0)),
+                queue=int(value.get("queue", 0)),
+                codecs={str(k): str(v) for k, v in dict(value.get("codecs", {})).items()},
+                version=int(value.get("version", 0)),
+                ready=bool(value.get("ready", False)),
+                updated=float(value.get("updated", 0.0)),
+                session=str(value.get("session", "")),
+                download_share=max(0.0, float(value.get("download_share", 0.0))),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def to_value(self) -> dict:
+        value = asdict(self)
+        value.pop("peer_id")
+        return value
+
+
+async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float = TTL_S) -> bool:
+    record.updated = get_dht_time()
+    expires = get_dht_time() + ttl
+    await node.dht.store(RUNS_KEY, {"num_stages": record.num_stages}, expires, subkey=run_id)
+    return await node.dht.store(stage_key(run_id, record.stage), record.to_value(), expires, subkey=record.peer_id)
+
+
+async def list_runs(node: SwarmNode) -> dict[str, int]:
+    """run id -> number of stages, for every run with a live stage peer."""
+    found = await node.dht.get(RUNS_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    runs = {}
+    for run_id, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and isinstance(value.get("num_stages"), int):
+            runs[str(run_id)] = int(value["num_stages"])
+    return dict(sorted(runs.items()))
+
+
+async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord]:
+    """Every live peer announcing `stage` of `run_id` (any protocol version: callers filter)."""
+    found = await node.dht.get(stage_key(run_id, stage), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        record = StageRecord.from_value(str(subkey), getattr(item, "value", None))
+        if record is not None and record.stage == stage:
+            records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+class Announcer:
+    """Re-announces records every `period` seconds until stopped."""
+
+    def __init__(self, node: SwarmNode, records, period: float = REFRESH_S, ttl: float = TTL_S) -> None:
+        self.node = node
+        self.records = records  # callable -> list[(run_id, StageRecord)]
+        self.period, self.ttl = period, ttl
+        self._task: asyncio.Task | None = None
+
+    async def announce_now(self) -> None:
+        for run_id, record in self.records():
+            try:
+                await announce(self.node, run_id, record, self.ttl)
+            except Exception as e:  # the DHT may be briefly unreachable; the next round retries
+                log.warning("announcing stage %s of %s failed: %s", record.stage, run_id, e)
+
+    async def _loop(self) -> None:
+        while True:
+            await self.announce_now()
+            await asyncio.sleep(self.period)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None

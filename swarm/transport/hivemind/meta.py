@@ -1,0 +1,101 @@
+"""Micro-batch metadata and small raw tensors (sample ids, targets, stage 0's input) on the wire.
+
+Raw tensors carry dtype and shape and are validated before use: a wrong length or an unknown
+dtype is a `ProtocolError`, never a numpy or torch traceback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from protocols import stage_pb2 as pb
+from protocols.framing import ProtocolError
+from swarm.engine.microbatch import MicroBatch, Mode
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 31
+_MODES = {Mode.TRAIN: pb.TRAIN, Mode.EVAL: pb.EVAL}
+_MODES_BACK = {v: k for k, v in _MODES.items()}
+
+
+def tensor_to_raw(tensor: torch.Tensor) -> pb.RawTensor:
+    tensor = tensor.detach().cpu().contiguous()
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ProtocolError(f"dtype {name} cannot travel raw (allowed: {', '.join(_DTYPES)})")
+    data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return pb.RawTensor(dtype=name, shape=list(tensor.shape), data=data)
+
+
+def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
+    dtype = _DTYPES.get(raw.dtype)
+    if dtype is None:
+        raise ProtocolError(f"{what}: unknown dtype {raw.dtype!r}")
+    shape = tuple(int(d) for d in raw.shape)
+    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+        raise ProtocolError(f"{what}: bad shape {shape}")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS:
+        raise ProtocolError(f"{what}: {numel} elements exceed the limit {MAX_ELEMENTS}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(raw.data) != numel * itemsize:
+        raise ProtocolError(f"{what}: {len(raw.data)} bytes for shape {shape} of {raw.dtype} (expected {numel * itemsize})")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.from_numpy(np.frombuffer(bytearray(raw.data), dtype=np.uint8))
+    return flat.view(dtype).reshape(shape)
+
+
+def batch_to_meta(batch: MicroBatch) -> pb.BatchMeta:
+    return pb.BatchMeta(
+        step=batch.step,
+        index=batch.index,
+        mode=_MODES[batch.mode],
+        weight=batch.weight,
+        exact=batch.exact,
+        sample_ids=tensor_to_raw(batch.sample_ids),
+        targets=tensor_to_raw(batch.targets),
+    )
+
+
+def meta_to_batch(meta: pb.BatchMeta) -> MicroBatch:
+    mode = _MODES_BACK.get(meta.mode)
+    if mode is None:
+        raise ProtocolError(f"unknown micro-batch mode {meta.mode}")
+    ids = raw_to_tensor(meta.sample_ids, "sample ids")
+    targets = raw_to_tensor(meta.targets, "targets")
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ProtocolError(f"sample ids must be a 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+    if targets.dim() == 0 or targets.shape[0] != ids.numel():
+        raise ProtocolError(f"targets of shape {tuple(targets.shape)} do not match {ids.numel()} sample ids")
+    if not math.isfinite(meta.weight) or meta.weight < 0:
+        raise ProtocolError(f"bad micro-batch weight {meta.weight}")
+    return MicroBatch(int(meta.step), int(meta.index), ids, targets, mode, float(meta.weight), bool(meta.exact))
+
+
+def tensors_to_payload(named: dict[str, torch.Tensor]) -> tuple[list[pb.TensorSlot], bytes]:
+    """Several tensors in one payload (step exchanges): slots plus concatenated bytes."""
+    slots, parts, offset = [], [], 0
+    for name, tensor in named.items():
+        raw = tensor_to_raw(tensor)
+        slots.append(pb.TensorSlot(name=name, dtype=raw.dtype, shape=raw.shape, offset=offset, length=len(raw.data)))
+        parts.append(raw.data)
+        offset += len(raw.data)
+    return slots, b"".join(parts)
+
+
+def payload_to_tensors(slots, payload: bytes) -> dict[str, torch.Tensor]:
+    out = {}
+    for slot in slots:
+        if slot.offset + slot.length > len(payload):
+            raise ProtocolError(f"tensor {slot.name!r} runs past the end of the payload")
+        raw = pb.RawTensor(dtype=slot.dtype, shape=slot.shape, data=payload[slot.offset : slot.offset + slot.length])
+        out[slot.name] = raw_to_tensor(raw, f"tensor {slot.name!r}")
+    return out

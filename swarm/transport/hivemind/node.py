@@ -1,0 +1,154 @@
+"""One peer's presence in the swarm: a hivemind P2P daemon plus a DHT node sharing it.
+
+Every process (bootstrap, stage, trainer, status) is one `SwarmNode`; the DHT node lives in the
+same asyncio loop as the RPC servicer, so there is no extra DHT process per peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
+
+from swarm.netlab.rates import parse_rate
+from swarm.transport.hivemind.calls import StreamPool
+
+# p2pd's Go threads (GOMAXPROCS). One moved 320-340 MB/s through a pair of daemons on this 2-core
+# machine against 260-270 MB/s with Go's default of one per core, at 25% less daemon CPU per MB
+# (Go's idle threads spin looking for work); a paced stage link at 500 Mbit/s cost the daemons
+# 4.3-4.9 ms of CPU per MB against 6.1-6.5. Far more than the links hivepipe is for.
+DAEMON_THREADS = 1
+
+
+@contextlib.contextmanager
+def _go_threads(threads: int):
+    """GOMAXPROCS for the Go programs started inside (0: unset, Go's default); restored after."""
+    before = os.environ.get("GOMAXPROCS")
+    if threads:
+        os.environ["GOMAXPROCS"] = str(threads)
+    else:
+        os.environ.pop("GOMAXPROCS", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("GOMAXPROCS", None)
+        else:
+            os.environ["GOMAXPROCS"] = before
+
+
+def check_daemon_threads(threads: int) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"--daemon_threads must be 0 (one per core) or a positive integer, got {threads}")
+
+
+_STARTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its lock on daemon starts
+
+
+async def start_daemon(threads: int = DAEMON_THREADS, **options) -> P2P:
+    """`P2P.create(**options)` with a daemon of `threads` Go threads (0: one per core). Starts in
+    one event loop take turns: hivemind copies the environment after awaiting, and two starts with
+    different counts would otherwise swap them."""
+    check_daemon_threads(threads)
+    async with _STARTING.setdefault(asyncio.get_running_loop(), asyncio.Lock()):
+        with _go_threads(threads):
+            return await P2P.create(**options)
+
+
+@dataclass
+class NodeOptions:
+    """What hivemind and Petals users pass to a peer (see `peers/_common.py`)."""
+
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Sequence[str] | None = None
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    startup_timeout: float = 30.0
+    shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
+    shape_delay: str | None = None  # one-way delay added to every message this peer sends
+    uplink: str | None = None  # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
+    downlink: str | None = None
+    daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core
+    extra: dict = field(default_factory=dict)
+
+
+class SwarmNode:
+    def __init__(self, p2p: P2P, dht: DHTNode, egress=None, uplink_bits: int | None = None, downlink_bits: int | None = None) -> None:
+        self.p2p = p2p
+        self.dht = dht
+        self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
+        self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
+        self.streams = StreamPool(p2p, egress)  # micro-batch streams to the peers we call, kept for reuse
+
+    @classmethod
+    async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
+        options = options or NodeOptions()
+        initial = list(options.initial_peers)
+        egress = None
+        if options.shape_rate or options.shape_delay:
+            from swarm.netlab.shaper import TokenBucket
+
+            try:
+                egress = TokenBucket(options.shape_rate or "100gbit", delay_s=options.shape_delay or 0.0)
+            except ValueError as e:
+                raise RuntimeError(f"--shape_rate / --shape_delay: {e}") from None
+        links = {}
+        for name in ("uplink", "downlink"):
+            text = getattr(options, name)
+            try:
+                links[name] = parse_rate(text) if text else None
+            except ValueError as e:
+                raise RuntimeError(f"--{name}: {e}") from None
+        try:
+            check_daemon_threads(options.daemon_threads)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        try:
+            p2p = await start_daemon(
+                options.daemon_threads,
+                initial_peers=initial,
+                host_maddrs=list(options.host_maddrs),
+                announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,
+                identity_path=options.identity_path,
+                use_relay=options.use_relay,
+                use_auto_relay=options.use_auto_relay,
+                startup_timeout=options.startup_timeout,
+                dht_mode="client" if options.client_mode else "server",
+                **options.extra,
+            )
+        except Exception as e:
+            raise RuntimeError(f"the p2p daemon did not start: {e} (check --host_maddrs and --identity_path)") from e
+        try:
+            dht = await DHTNode.create(p2p=p2p, initial_peers=initial, client_mode=options.client_mode, num_workers=4)
+        except Exception as e:
+            await p2p.shutdown()
+            where = ", ".join(initial) or "no initial peers"
+            raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
+        return cls(p2p, dht, egress, links["uplink"], links["downlink"])
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def maddrs(self) -> list[str]:
+        """Full multiaddrs others join with (`.../p2p/<peer id>`)."""
+        return [str(a) for a in await self.p2p.get_visible_maddrs()]
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Bounded: the DHT's goodbye talks to the daemon, which may already be gone."""
+        self.streams.close()
+        try:
+            await asyncio.wait_for(self.dht.shutdown(), timeout)
+        except Exception:
+            pass
+        finally:
+            await asyncio.wait_for(self.p2p.shutdown(), timeout)

@@ -1,0 +1,95 @@
+"""Choosing the peer that serves a stage: by throughput and queue, skipping banned peers.
+
+A peer that fails or times out is banned with exponential backoff (hivemind's `Blacklist`
+policy, as Petals uses it); a success clears its record.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from swarm.transport.hivemind import PROTOCOL_VERSION
+from swarm.transport.hivemind.announce import StageRecord, discover
+from swarm.transport.hivemind.node import SwarmNode
+
+
+class NoPeerError(RuntimeError):
+    """No live, compatible, unbanned peer serves a stage."""
+
+
+class Bans:
+    def __init__(self, base_s: float = 5.0, backoff: float = 2.0, max_s: float = 300.0) -> None:
+        self.base_s, self.backoff, self.max_s = base_s, backoff, max_s
+        self.until: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
+
+    def fail(self, peer_id: str) -> float:
+        n = self.failures.get(peer_id, 0)
+        duration = min(self.base_s * self.backoff**n, self.max_s)
+        self.until[peer_id] = time.monotonic() + duration
+        self.failures[peer_id] = n + 1
+        return duration
+
+    def succeed(self, peer_id: str) -> None:
+        self.until.pop(peer_id, None)
+        self.failures.pop(peer_id, None)
+
+    def banned(self, peer_id: str) -> bool:
+        return self.until.get(peer_id, 0.0) > time.monotonic()
+
+
+class Router:
+    """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand."""
+
+    def __init__(self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None, keep_s: float = 60.0) -> None:
+        self.node = node
+        self.run_id = run_id
+        self.refresh_s = refresh_s
+        self.keep_s = keep_s
+        self.bans = Bans()
+        self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
+        self._found: dict[int, tuple[float, list[StageRecord]]] = {}  # the last lookup that found someone
+        self._random = random.Random(seed)
+
+    async def peers(self, stage: int, refresh: bool = False) -> list[StageRecord]:
+        """The stage's peers, looked up again after `refresh_s`. A lookup that finds nobody keeps the
+        last non-empty answer for `keep_s`: over a saturated slow link the DHT's requests can time
+        out while the peers serve on (a dead one is found out by its call failing, and banned)."""
+        cached = self._cache.get(stage)
+        if refresh or cached is None or time.monotonic() - cached[0] > self.refresh_s or not cached[1]:
+            now = time.monotonic()
+            records = [r for r in await discover(self.node, self.run_id, stage) if r.version == PROTOCOL_VERSION]
+            if records:
+                self._found[stage] = (now, records)
+            elif stage in self._found and now - self._found[stage][0] <= self.keep_s:
+                records = self._found[stage][1]
+            self._cache[stage] = (now, records)
+        return self._cache[stage][1]
+
+    async def choose(self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None) -> StageRecord:
+        """The best ready peer for `stage` (set up by `session`, when given): `sticky` if it is still
+        usable, else by throughput/(queue+1)."""
+        for refresh in (False, True):
+            records = await self.peers(stage, refresh)
+            candidates = [r for r in records if r.peer_id not in exclude and not self.bans.banned(r.peer_id) and r.ready and session in (None, r.session)]
+            if candidates:
+                break
+        else:
+            raise NoPeerError(f"no live peer serves stage {stage} of run {self.run_id!r}")
+        best = max(candidates, key=lambda r: (self.score(r), self._random.random()))
+        for record in candidates:  # keep a working neighbour (its link state) unless another is much faster
+            if record.peer_id == sticky and 2 * self.score(record) >= self.score(best):
+                return record
+        return best
+
+    @staticmethod
+    def score(record: StageRecord) -> float:
+        """Expected share of work a peer can take: unmeasured peers count as average."""
+        return (record.throughput or 1.0) / (1 + record.queue)
+
+    def failed(self, peer_id: str) -> float:
+        return self.bans.fail(peer_id)
+
+    def succeeded(self, peer_id: str) -> None:
+        self.bans.succeed(peer_id)
