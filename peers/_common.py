@@ -14,22 +14,62 @@ from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions
 
 def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:
     net = parser.add_argument_group("network (as in hivemind and Petals)")
-    net.add_argument("--initial_peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm (python -m peers.bootstrap prints them)")
-    net.add_argument("--host_maddrs", nargs="+", default=[host_default], help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337")
-    net.add_argument("--announce_maddrs", nargs="+", default=None, help="multiaddrs others should dial (behind NAT or port forwarding)")
-    net.add_argument("--identity_path", default=None, help="private key file: a stable peer id across restarts (created if missing)")
+    net.add_argument(
+        "--initial_peers",
+        nargs="*",
+        default=[],
+        help="multiaddrs of peers already in the swarm (python -m peers.bootstrap prints them)",
+    )
+    net.add_argument(
+        "--host_maddrs", nargs="+", default=[host_default], help="multiaddrs to listen on, e.g. /ip4/0.0.0.0/tcp/31337"
+    )
+    net.add_argument(
+        "--announce_maddrs",
+        nargs="+",
+        default=None,
+        help="multiaddrs others should dial (behind NAT or port forwarding)",
+    )
+    net.add_argument(
+        "--identity_path", default=None, help="private key file: a stable peer id across restarts (created if missing)"
+    )
     net.add_argument("--no_relay", action="store_true", help="do not use libp2p circuit relays")
-    net.add_argument("--use_auto_relay", action="store_true", help="look for relays automatically (for peers behind NAT)")
+    net.add_argument(
+        "--use_auto_relay", action="store_true", help="look for relays automatically (for peers behind NAT)"
+    )
     net.add_argument("--startup_timeout", type=float, default=30.0, help="seconds to wait for the p2p daemon to start")
-    net.add_argument("--shape_rate", default=None, help="pace what this peer sends to this rate, in process (e.g. 100mbit; no root needed)")
-    net.add_argument("--shape_delay", default=None, help="add this one-way delay to every message this peer sends (e.g. 20ms)")
-    net.add_argument("--uplink", default=None, help="this machine's upload rate (e.g. 100mbit): payloads to each neighbour are paced at their fair share of it")
-    net.add_argument("--downlink", default=None, help="this machine's download rate: neighbours pace what they send here at their share of it")
-    net.add_argument("--daemon_threads", type=int, default=DAEMON_THREADS, help=f"threads running this peer's p2p daemon's Go code (its GOMAXPROCS, overriding the environment's; default {DAEMON_THREADS}: ~2.7 Gbit/s measured; 0: Go's default, one per core)")
+    net.add_argument(
+        "--shape_rate",
+        default=None,
+        help="pace what this peer sends to this rate, in process (e.g. 100mbit; no root needed)",
+    )
+    net.add_argument(
+        "--shape_delay", default=None, help="add this one-way delay to every message this peer sends (e.g. 20ms)"
+    )
+    net.add_argument(
+        "--uplink",
+        default=None,
+        help="this machine's upload rate (e.g. 100mbit): payloads to each neighbour are paced at their fair share of it",
+    )
+    net.add_argument(
+        "--downlink",
+        default=None,
+        help="this machine's download rate: neighbours pace what they send here at their share of it",
+    )
+    net.add_argument(
+        "--daemon_threads",
+        type=int,
+        default=DAEMON_THREADS,
+        help=f"threads running this peer's p2p daemon's Go code (its GOMAXPROCS, overriding the environment's; default {DAEMON_THREADS}: ~2.7 Gbit/s measured; 0: Go's default, one per core)",
+    )
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads of this peer (default: torch's, one per core); give peers that share a machine's cores a share each")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of this peer (default: torch's, one per core); give peers that share a machine's cores a share each",
+    )
 
 
 def apply_threads(threads: int | None) -> str | None:
@@ -63,7 +103,12 @@ def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOpt
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

@@ -35,12 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers.stage", description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, required=True, help="which stage to host (0-based)")
     parser.add_argument("--config", required=True, help="experiment YAML (the trainer must use the same one)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field (use the trainer's overrides)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (use the trainer's overrides)",
+    )
     parser.add_argument("--run_id", default=None, help="the run to join (default: the config's name)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (overrides the config)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the next stage's reply")
     parser.add_argument("--report_every", type=float, default=10.0, help="seconds between progress lines")
-    parser.add_argument("--max_payload_mb", type=float, default=1024.0, help="refuse micro-batch payloads larger than this (MiB)")
+    parser.add_argument(
+        "--max_payload_mb", type=float, default=1024.0, help="refuse micro-batch payloads larger than this (MiB)"
+    )
     add_threads_arg(parser)
     add_network_args(parser)
     return parser
@@ -54,7 +63,9 @@ async def serve(args: argparse.Namespace) -> int:
     if error := apply_threads(args.threads):
         return fail(error)
     if not 0 <= args.stage < cfg.model.num_stages:
-        return fail(f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})")
+        return fail(
+            f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
+        )
     run_id = args.run_id or cfg.name
     try:
         node = await SwarmNode.create(node_options(args))
@@ -85,7 +96,9 @@ async def _report(hosted: HostedStage, every: float) -> None:
         await asyncio.sleep(every)
         now = (hosted.processed, hosted.steps)
         if now != last:
-            say(f"stage {hosted.stage}: {hosted.processed} micro-batches, {hosted.steps} steps, {hosted.throughput:.1f} samples/s")
+            say(
+                f"stage {hosted.stage}: {hosted.processed} micro-batches, {hosted.steps} steps, {hosted.throughput:.1f} samples/s"
+            )
             last = now
 
 

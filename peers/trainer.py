@@ -16,14 +16,21 @@ from peers._common import add_network_args, add_threads_arg, apply_threads, fail
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="experiment YAML (the stage peers must use the same one)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
     parser.add_argument("--results", help="write JSON-lines results here")
     parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
     parser.add_argument("--run_id", default=None, help="the run the stage peers joined (default: the config's name)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one micro-batch")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for every stage to have a peer")
-    parser.add_argument("--checkpoint_dir", help="save checkpoints (every stage's state, fetched from its peers) here and resume from the newest one")
-    parser.add_argument("--checkpoint_every", type=int, help="steps between checkpoints (default: after every evaluation)")
+    parser.add_argument(
+        "--checkpoint_dir",
+        help="save checkpoints (every stage's state, fetched from its peers) here and resume from the newest one",
+    )
+    parser.add_argument(
+        "--checkpoint_every", type=int, help="steps between checkpoints (default: after every evaluation)"
+    )
     add_threads_arg(parser)
     add_network_args(parser)
     return parser
@@ -42,7 +49,14 @@ def _echoing(writer_cls):
             if row.get("type") == "step":
                 say(f"step {row['step']}: loss {row['loss']:.6f} lr {row['lr']:.5f} ({row['time_s']:.1f}s)")
             elif row.get("type") == "eval":
-                say(f"eval at step {row['step']}: " + "; ".join(f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items()) for mode in ("uncompressed", "compressed") if mode in row))
+                say(
+                    f"eval at step {row['step']}: "
+                    + "; ".join(
+                        f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items())
+                        for mode in ("uncompressed", "compressed")
+                        if mode in row
+                    )
+                )
 
     return Echo
 

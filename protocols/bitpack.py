@@ -81,7 +81,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         w = m // 8
         done = set()
         for j, b, lo, _ in _layout(bits)[2]:  # code bits from 8b + lo - jk on go to byte bit lo
-            _shift_into(packed[:, b * w : (b + 1) * w], planes[:, j * w : (j + 1) * w], lo, 8 * b + lo - j * bits, bits, b in done)
+            _shift_into(
+                packed[:, b * w : (b + 1) * w],
+                planes[:, j * w : (j + 1) * w],
+                lo,
+                8 * b + lo - j * bits,
+                bits,
+                b in done,
+            )
             done.add(b)
     if n > g * m:
         rest = np.unpackbits(src[:, g * m :, None], axis=-1, count=bits, bitorder="little")

@@ -37,9 +37,13 @@ class Assembler:
         """Adds a chunk (its `data` when received apart: parse_message); True once the payload is complete."""
         if self.count is None:
             if chunk.total_length > self.max_bytes:
-                raise ProtocolError(f"payload of {chunk.total_length} bytes exceeds this peer's limit of {self.max_bytes} bytes")
+                raise ProtocolError(
+                    f"payload of {chunk.total_length} bytes exceeds this peer's limit of {self.max_bytes} bytes"
+                )
             if chunk.count != max(1, -(-chunk.total_length // CHUNK_BYTES)):
-                raise ProtocolError(f"bad chunk header: {chunk.count} chunks for {chunk.total_length} bytes (chunks are {CHUNK_BYTES} bytes)")
+                raise ProtocolError(
+                    f"bad chunk header: {chunk.count} chunks for {chunk.total_length} bytes (chunks are {CHUNK_BYTES} bytes)"
+                )
             self.count, self.total, self.crc = chunk.count, chunk.total_length, chunk.crc32
         elif (chunk.count, chunk.total_length, chunk.crc32) != (self.count, self.total, self.crc):
             raise ProtocolError("chunk totals changed within one payload")
@@ -58,7 +62,9 @@ class Assembler:
     def payload(self) -> bytes:
         if self.count is None or len(self.parts) != self.count:
             got = 0 if self.count is None else len(self.parts)
-            raise ProtocolError(f"truncated payload: {got} of {self.count or '?'} chunks, {self.size} of {self.total or '?'} bytes")
+            raise ProtocolError(
+                f"truncated payload: {got} of {self.count or '?'} chunks, {self.size} of {self.total or '?'} bytes"
+            )
         data = b"".join(self.parts)
         if len(data) != self.total:
             raise ProtocolError(f"truncated payload: {len(data)} of {self.total} bytes")
@@ -80,7 +86,12 @@ async def _each(messages: AsyncIterator, idle_timeout: float | None):
             raise ProtocolError(f"no message for {idle_timeout:.0f}s in the middle of a payload") from None
 
 
-async def read_frame(messages: AsyncIterator, head_field: str | None = None, max_bytes: int = MAX_PAYLOAD_BYTES, idle_timeout: float | None = None):
+async def read_frame(
+    messages: AsyncIterator,
+    head_field: str | None = None,
+    max_bytes: int = MAX_PAYLOAD_BYTES,
+    idle_timeout: float | None = None,
+):
     """(head, payload) of one framed message sequence (protobuf messages, or `Received` ones):
     the head rides on the first message.
 
@@ -134,7 +145,10 @@ def frame_parts(message_type, head_field: str, head, payload: bytes, chunk_bytes
     for i in range(count):
         data = view[i * chunk_bytes : (i + 1) * chunk_bytes]
         header = pb.Chunk(index=i, count=count, total_length=total, crc32=crc).SerializeToString()
-        segments = [head_bytes if i == 0 else b"", *fields.length_delimited(_CHUNK[message_type], [header, *fields.bytes_field(_DATA, data)])]
+        segments = [
+            head_bytes if i == 0 else b"",
+            *fields.length_delimited(_CHUNK[message_type], [header, *fields.bytes_field(_DATA, data)]),
+        ]
         yield (b"".join(segments[:-1]), data) if len(data) else (b"".join(segments),)
 
 

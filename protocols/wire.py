@@ -120,7 +120,10 @@ def _buffer_field(number: int, data: memoryview, check: _BufferBytes) -> list:
 def _raw_segments(part: RawPart, check: _BufferBytes) -> list:
     if part.data.dtype not in _DTYPES:
         raise TypeError(f"cannot send dtype {part.data.dtype}")
-    return [pb.Raw(wire_dtype=_DTYPES[part.data.dtype]).SerializeToString(), *_buffer_field(2, _buffer(part.data), check)]
+    return [
+        pb.Raw(wire_dtype=_DTYPES[part.data.dtype]).SerializeToString(),
+        *_buffer_field(2, _buffer(part.data), check),
+    ]
 
 
 def _quant_segments(part: QuantPart, check: _BufferBytes) -> list:
@@ -140,7 +143,11 @@ def _sparse_segments(part: SparsePart, total: int, check: _BufferBytes) -> tuple
         name, data = indices.encode_indices(part.positions, total)
         coding, raw = _CODINGS[name], _buffer(data)
         digest = crc32(raw)
-    values = fields.length_delimited(6, _quant_segments(part.values, check)) if isinstance(part.values, QuantPart) else fields.length_delimited(5, _raw_segments(part.values, check))
+    values = (
+        fields.length_delimited(6, _quant_segments(part.values, check))
+        if isinstance(part.values, QuantPart)
+        else fields.length_delimited(5, _raw_segments(part.values, check))
+    )
     segments = [
         pb.Sparse(kept_per_sample=part.kept_per_sample, index_coding=coding).SerializeToString(),
         *_buffer_field(3, raw, check),
@@ -166,7 +173,13 @@ def encode(enc: Encoded) -> bytes:
         tail.state.version = enc.stamp.version
         tail.state.sample_versions.extend(enc.stamp.sample_versions)
         tail.state.warmup = enc.stamp.warmup
-    segments = [pb.CompressedTensor(format_version=FORMAT_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype]).SerializeToString(), *segments, tail.SerializeToString()]
+    segments = [
+        pb.CompressedTensor(
+            format_version=FORMAT_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype]
+        ).SerializeToString(),
+        *segments,
+        tail.SerializeToString(),
+    ]
     digest = 0
     for segment in segments:
         digest = crc32(segment, digest)
@@ -295,6 +308,3 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     if isinstance(body, SparsePart) and body.positions is not None:
         enc.index_digest = body.index_digest
     return enc
-
-
-

@@ -27,11 +27,19 @@ TARGET_MS = 5  # boundary 0 carries 2 kB per sample uncompressed: 16 ms at 1 Mbi
 
 
 def adaptive_cfg(*overrides: str):
-    return load_config(SMOKE, [
-        "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=topk", f"compression.adaptive.target_ms={TARGET_MS}",
-        "train.eval_every=100", "train.eval_compressed=false", "data.options.train_size=1750",  # a small final evaluation over the slow link
-        *overrides,
-    ])
+    return load_config(
+        SMOKE,
+        [
+            "compression.forward=none",
+            "compression.backward=none",
+            "compression.adaptive.ladder=topk",
+            f"compression.adaptive.target_ms={TARGET_MS}",
+            "train.eval_every=100",
+            "train.eval_compressed=false",
+            "data.options.train_size=1750",  # a small final evaluation over the slow link
+            *overrides,
+        ],
+    )
 
 
 class Hook(ResultsWriter):
@@ -47,7 +55,9 @@ class Hook(ResultsWriter):
             self.after(row["step"])
 
 
-def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None, checkpoint=None):
+def shaped_run(
+    swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None, checkpoint=None
+):
     """Trains `steps` steps with stage 0 on a host whose egress runs at `rate` and the other stages
     on `placement`; returns (rows, summary, statuses at the end, the trainer's adaptive
     controller, swarm warnings, the hosted stages of `placement`); `finish(run_id, data, hosted)`
@@ -80,7 +90,12 @@ def shaped_run(swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1),
 def link_codecs(statuses, boundary: int) -> set[tuple[bool, str, str]]:
     """(upstream end?, forward, backward) of every peer's end of `boundary` in use (a link whose
     ends went in a switch and has carried nothing since has none)."""
-    return {(link.upstream, link.forward_codec, link.backward_codec) for s in statuses for link in s.links if link.boundary == boundary and link.forward_codec}
+    return {
+        (link.upstream, link.forward_codec, link.backward_codec)
+        for s in statuses
+        for link in s.links
+        if link.boundary == boundary and link.forward_codec
+    }
 
 
 def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
@@ -88,15 +103,23 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     replicated = ((1, 1), (1, 4), (2, 2), (3, 3))  # two peers serve stage 1
     restarted = []
 
-    def new_session(run_id: str, data, hosted) -> None:  # a new trainer: the stages start from the config's codecs again
+    def new_session(
+        run_id: str, data, hosted
+    ) -> None:  # a new trainer: the stages start from the config's codecs again
         switched = [h.cfg.compression.link(0) for h in hosted[:2]]
         swarm.pipeline(cfg, run_id, 3, data)
         restarted.extend([switched, [h.cfg.compression.link(0) for h in hosted[:2]]])  # stage 1's replicas
 
-    rows, summary, statuses, adaptive, warnings, hosted = shaped_run(swarm, cfg, 3, "1mbit", placement=replicated, finish=new_session)
+    rows, summary, statuses, adaptive, warnings, hosted = shaped_run(
+        swarm, cfg, 3, "1mbit", placement=replicated, finish=new_session
+    )
     steps = [r for r in rows if r["type"] == "step"]
     assert len(steps) == 3 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)  # finished, finite
-    assert steps[0]["codecs"] == {"0": "none / none", "1": "none / none", "2": "none / none"}  # step 1 ran with the config's codecs
+    assert steps[0]["codecs"] == {
+        "0": "none / none",
+        "1": "none / none",
+        "2": "none / none",
+    }  # step 1 ran with the config's codecs
     chosen = steps[1]["codecs"]["0"]
     forward, backward = chosen.split(" / ")
     assert forward.startswith("quant:") and backward == forward  # none cannot fit: quantized both ways
@@ -104,7 +127,12 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     assert steps[1]["codecs"]["2"] == "none / none"  # 130 B per sample on an unshaped link: fits uncompressed
     changes = summary["adaptive"]["changes"]
     first = next(c for c in changes if c["boundary"] == 0)
-    assert first["step"] == 1 and first["from_step"] == 2 and first["forward"] == forward and "none no longer fits" in first["why"]  # moved from the codec in force
+    assert (
+        first["step"] == 1
+        and first["from_step"] == 2
+        and first["forward"] == forward
+        and "none no longer fits" in first["why"]
+    )  # moved from the codec in force
     assert summary["adaptive"]["codecs"] == steps[-1]["codecs"]
     assert "boundary 0" in summary["adaptive"]["decisions"]["0"] and "boundary 0" in adaptive.report()
     assert not warnings, [w.getMessage() for w in warnings]
@@ -113,7 +141,9 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     switched, fresh = restarted
     assert [(link.forward, link.backward) for link in switched] == [adaptive.codecs[0]] * 2
     assert [link.forward for link in fresh] == ["none", "none"]
-    assert all(h.digest == config_digest(cfg) for h in hosted)  # as configured: a switch does not change what setup checks
+    assert all(
+        h.digest == config_digest(cfg) for h in hosted
+    )  # as configured: a switch does not change what setup checks
 
 
 DROP_AFTER = 3
@@ -142,13 +172,17 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
     assert [b - a for a, b in zip(asked_by_step, asked_by_step[1:], strict=False)] == [4] * 6
     steps = [r for r in rows if r["type"] == "step"]
     assert len(steps) == 7 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)
-    assert all(r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1])  # fast until the drop, and the step it hit
+    assert all(
+        r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1]
+    )  # fast until the drop, and the step it hit
     switch = next(c for c in summary["adaptive"]["changes"] if c["boundary"] == 0)
     assert switch["step"] == DROP_AFTER + 1 and "no longer fits" in switch["why"]
     assert switch["forward"].startswith("topk:") and switch["backward"] == "topk:reuse"
     after = steps[DROP_AFTER + 1]
     assert after["codecs"]["0"] == f"{switch['forward']} / topk:reuse"
-    assert after["bytes"]["boundary0.forward.train"] < 0.6 * steps[DROP_AFTER - 1]["bytes"]["boundary0.forward.train"]  # topk:0.5 sends 53%
+    assert (
+        after["bytes"]["boundary0.forward.train"] < 0.6 * steps[DROP_AFTER - 1]["bytes"]["boundary0.forward.train"]
+    )  # topk:0.5 sends 53%
     assert all(r["codecs"]["2"] == "none / none" for r in steps)
     # no micro-batch failed or was retried (a link whose ends disagreed would be reset): both ends switched together
     assert not warnings, [w.getMessage() for w in warnings]
@@ -166,9 +200,13 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
         pipeline = swarm.pipeline(cfg, run_id, 3, data)
         assert [h.cfg.compression.link(0).forward for h in hosted[:1]] == ["none"]  # the new session reset the stages
         train(cfg, pipeline, data, results, 3, progress=False, checkpoint=Checkpointing(str(directory), 2))
-        resumed.extend([results.rows, pipeline.statuses(), [h.cfg.compression.link(0) for h in hosted], pipeline.adaptive])
+        resumed.extend(
+            [results.rows, pipeline.statuses(), [h.cfg.compression.link(0) for h in hosted], pipeline.adaptive]
+        )
 
-    rows, _, _, adaptive, warnings, _ = shaped_run(swarm, cfg, 2, "1mbit", finish=resume, checkpoint=Checkpointing(str(directory), 2))
+    rows, _, _, adaptive, warnings, _ = shaped_run(
+        swarm, cfg, 2, "1mbit", finish=resume, checkpoint=Checkpointing(str(directory), 2)
+    )
     saved = [r for r in rows if r["type"] == "step"][-1]["codecs"]  # what step 2 ran with, and the checkpoint keeps
     assert saved["0"].startswith("quant:") and saved["0"] == "{} / {}".format(*adaptive.codecs[0])
     after_rows, statuses, stage_links, restored = resumed
@@ -212,7 +250,9 @@ def test_bad_adaptive_configs_are_one_line_errors(override, message):
 
 
 def test_adaptive_is_off_by_default_and_refused_in_one_process(tmp_path, capsys):
-    assert adaptive_cfg().compression.adaptive.every == 1 and load_config(SMOKE).compression.adaptive is None  # off by default
+    assert (
+        adaptive_cfg().compression.adaptive.every == 1 and load_config(SMOKE).compression.adaptive is None
+    )  # off by default
     with pytest.raises(ValueError, match="compression.adaptive needs the swarm"):
         run_experiment(adaptive_cfg(), tmp_path / "r.jsonl", 1, progress=False)
     from swarm.cli import main
@@ -252,14 +292,27 @@ def test_replies_are_timed_from_their_first_chunk_to_their_last():
         # chunks 2 and 3 arrived over 2 ticks after the first; the two-chunk reply (a last chunk of 5
         # bytes) and the one-chunk reply are not timed
         assert meter.nbytes == 2_500_000 - (1 << 20) and meter.busy_s == 2.0
-    assert [len(item.data) for item in got] == [1 << 20, 1 << 20, 2_500_000 - (2 << 20), 1 << 20, 5, 5]  # passed on whole
+    assert [len(item.data) for item in got] == [
+        1 << 20,
+        1 << 20,
+        2_500_000 - (2 << 20),
+        1 << 20,
+        5,
+        5,
+    ]  # passed on whole
 
 
 def _status(stage: int, compute_s: float, samples: int, links: list[pb.LinkStatus]) -> pb.StageStatus:
     return pb.StageStatus(stage=stage, num_stages=2, compute_s=compute_s, samples=samples, links=links)
 
 
-QUANT_LADDER_10MS = ["model.num_stages=2", "compression.forward=none", "compression.backward=none", "compression.adaptive.ladder=quant", "compression.adaptive.target_ms=10"]
+QUANT_LADDER_10MS = [
+    "model.num_stages=2",
+    "compression.forward=none",
+    "compression.backward=none",
+    "compression.adaptive.ladder=quant",
+    "compression.adaptive.target_ms=10",
+]
 
 
 def statuses(forward_bits: float, backward_bits: float | None, elements: int = 1000) -> list[pb.StageStatus]:
@@ -290,16 +343,22 @@ def test_a_resumed_run_keeps_the_hysteresis_of_the_codecs_in_force():
     assert fresh.observe(statuses(0.55e6, 0.55e6), 1) == {0: ("quant:5", "quant:5")}  # from none: the mildest that fits
     resumed = AdaptiveCodecs(cfg)
     resumed.restore({"codecs": {0: ("quant:4", "quant:4")}, "history": []})
-    assert resumed.observe(statuses(0.55e6, 0.55e6), 1) == {}  # quant:4 stays: a checkpoint does not reset the hysteresis
+    assert (
+        resumed.observe(statuses(0.55e6, 0.55e6), 1) == {}
+    )  # quant:4 stays: a checkpoint does not reset the hysteresis
     assert "kept" in resumed.last[0].describe()
 
 
 def test_stages_check_switched_codecs_before_the_step_applies():
     cfg = load_config(SMOKE, ["compression.forward=none", "compression.backward=none"])
-    switched, changed = switched_config(cfg, 1, [pb.BoundaryCodecs(boundary=b, forward="quant:4", backward="quant:4") for b in (0, 1, 2)])
+    switched, changed = switched_config(
+        cfg, 1, [pb.BoundaryCodecs(boundary=b, forward="quant:4", backward="quant:4") for b in (0, 1, 2)]
+    )
     assert changed == [0, 1]  # stage 1 sits on boundaries 0 and 1 only
     assert switched.compression.link(1).forward == "quant:4" and switched.compression.link(2).forward == "none"
-    assert switched_config(switched, 1, [pb.BoundaryCodecs(boundary=0, forward="quant:4", backward="quant:4")])[1] == []  # no change, no restart
+    assert (
+        switched_config(switched, 1, [pb.BoundaryCodecs(boundary=0, forward="quant:4", backward="quant:4")])[1] == []
+    )  # no change, no restart
     with pytest.raises(ProtocolError, match="bad compression spec"):
         switched_config(cfg, 1, [pb.BoundaryCodecs(boundary=0, forward="zip:3", backward="none")])
     with pytest.raises(ProtocolError, match="topk:reuse needs a topk forward"):

@@ -76,4 +76,7 @@ def test_stream_bench_times_both_modes_over_real_daemons():
     for row in rows:
         assert row["exchanges"] == 20 and row["wall_ms"] > 0 and row["cpu_ms"] > 0
     result = run_cli("bench", "streams", "--payload_kb", "-3")
-    assert result.returncode == 2 and "--payload_kb: expected a positive integer, got '-3'" in result.stderr.strip().splitlines()[-1]
+    assert (
+        result.returncode == 2
+        and "--payload_kb: expected a positive integer, got '-3'" in result.stderr.strip().splitlines()[-1]
+    )

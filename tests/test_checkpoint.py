@@ -137,7 +137,16 @@ def _run(cfg, directory=None, every=None, crash_at=None, steps=6) -> list[dict]:
     [
         (["compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse"], 6, 4),
         # 5 steps per epoch: the checkpoint at step 6 sits inside the second epoch's data order
-        (["compression.forward=topk:0.3+aqsgd", "compression.backward=topk:0.3+ef", "train.batch_size=80", "train.epochs=2"], 8, 8),
+        (
+            [
+                "compression.forward=topk:0.3+aqsgd",
+                "compression.backward=topk:0.3+ef",
+                "train.batch_size=80",
+                "train.epochs=2",
+            ],
+            8,
+            8,
+        ),
         # stochastic rounding draws from the global RNG, which the checkpoint restores
         (["compression.forward=quant:3/stochastic", "compression.backward=quant:4/stochastic"], 6, 5),
     ],

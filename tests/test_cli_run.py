@@ -41,7 +41,20 @@ def test_report_writes_tables_and_curves(tmp_path):
     runs = []
     for spec in ("none", "topk:0.2"):
         out = tmp_path / f"{spec.replace(':', '')}.jsonl"
-        result = cli("run", str(SMOKE), "--steps", "2", "--results", str(out), "--set", f"compression.forward={spec}", "--set", "compression.backward=none", "--set", f"name=run-{spec}")
+        result = cli(
+            "run",
+            str(SMOKE),
+            "--steps",
+            "2",
+            "--results",
+            str(out),
+            "--set",
+            f"compression.forward={spec}",
+            "--set",
+            "compression.backward=none",
+            "--set",
+            f"name=run-{spec}",
+        )
         assert result.returncode == 0, result.stderr
         runs.append(str(out))
     result = cli("report", *runs, "--out", str(tmp_path / "report"))
@@ -61,7 +74,11 @@ def test_bad_configs_fail_with_one_line(tmp_path):
     result = cli("run", str(broken))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "not valid YAML" in result.stderr
     result = cli("run", str(SMOKE), "--set", "compression.forward=topk:7")
-    assert result.returncode == 2 and "compression.forward" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        result.returncode == 2
+        and "compression.forward" in result.stderr
+        and len(result.stderr.strip().splitlines()) == 1
+    )
     result = cli("run", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = cli("report", str(broken))
@@ -70,7 +87,9 @@ def test_bad_configs_fail_with_one_line(tmp_path):
 
 def test_bad_options_and_paths_fail_with_one_line(tmp_path):
     result = cli("run", str(SMOKE), "--set", "model.options={bogus: 1}")
-    assert result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
+    )
     assert "bogus" in result.stderr
     result = cli("run", str(SMOKE), "--set", "data.options={train_size: 10}")
     assert result.returncode == 2 and "smaller than one batch" in result.stderr
@@ -78,8 +97,17 @@ def test_bad_options_and_paths_fail_with_one_line(tmp_path):
 
 def test_peers_take_a_thread_count_and_refuse_a_bad_one():
     for module, args in (("peers.stage", ["--stage", "0"]), ("peers.trainer", [])):
-        result = subprocess.run([sys.executable, "-m", module, *args, "--config", str(SMOKE), "--threads", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --threads must be a positive integer, got 0"
+        result = subprocess.run(
+            [sys.executable, "-m", module, *args, "--config", str(SMOKE), "--threads", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert (
+            result.returncode == 2
+            and result.stderr.strip().splitlines()[-1] == "error: --threads must be a positive integer, got 0"
+        )
     before = torch.get_num_threads()
     try:
         assert apply_threads(1) is None and torch.get_num_threads() == 1
@@ -90,5 +118,15 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one():
 
 def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
     for module, args in (("peers.bootstrap", []), ("peers.stage", ["--stage", "0", "--config", str(SMOKE)])):
-        result = subprocess.run([sys.executable, "-m", module, *args, "--daemon_threads", "-2"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-        assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --daemon_threads must be 0 (one per core) or a positive integer, got -2"
+        result = subprocess.run(
+            [sys.executable, "-m", module, *args, "--daemon_threads", "-2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert (
+            result.returncode == 2
+            and result.stderr.strip().splitlines()[-1]
+            == "error: --daemon_threads must be 0 (one per core) or a positive integer, got -2"
+        )

@@ -78,7 +78,20 @@ def test_reuse_roundtrip_through_bytes(inner, dtype, case):
         assert torch.equal(out, torch.where(mask, grad, torch.zeros_like(grad)))
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "quant:3", "quant:4/tensor", "quant:8/channel", "topk:0.1", "topk:0.2/q4", "topk:0.5/bf16"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "none",
+        "fp16",
+        "bf16",
+        "quant:3",
+        "quant:4/tensor",
+        "quant:8/channel",
+        "topk:0.1",
+        "topk:0.2/q4",
+        "topk:0.5/bf16",
+    ],
+)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS.get)
 def test_sender_receiver_roundtrip(spec, dtype):
     parsed = parse(spec)

@@ -20,7 +20,13 @@ def test_paper_tables_are_covered():
     by_table: dict[str, list] = {}
     for cfg in paper:
         by_table.setdefault(cfg.report.table.split(":")[0], []).append(cfg)
-    assert {k: len(v) for k, v in by_table.items()} == {"Table 1": 8, "Table 2": 6, "Table 3": 5, "Table 4": 4, "Table 5": 6}
+    assert {k: len(v) for k, v in by_table.items()} == {
+        "Table 1": 8,
+        "Table 2": 6,
+        "Table 3": 5,
+        "Table 4": 4,
+        "Table 5": 6,
+    }
     for cfg in paper:
         assert cfg.report.paper, f"{cfg.name} carries the paper's figures"
         assert cfg.model.num_stages == 4
@@ -29,10 +35,24 @@ def test_paper_tables_are_covered():
 def test_boundary_overrides_merge_with_the_defaults():
     from swarm.config import ConfigError
 
-    cfg = load_config(None, ["compression.forward=topk:0.1", "compression.backward=topk:reuse", "compression.boundaries={1: {forward: 'topk:0.3'}}"])
+    cfg = load_config(
+        None,
+        [
+            "compression.forward=topk:0.1",
+            "compression.backward=topk:reuse",
+            "compression.boundaries={1: {forward: 'topk:0.3'}}",
+        ],
+    )
     assert (cfg.compression.link(0).forward, cfg.compression.link(0).backward) == ("topk:0.1", "topk:reuse")
     assert (cfg.compression.link(1).forward, cfg.compression.link(1).backward) == ("topk:0.3", "topk:reuse")
     with pytest.raises(ConfigError, match="boundaries 0..2, got \\[9\\]"):
         load_config(None, ["compression.boundaries={9: {forward: 'quant:4'}}"])
     with pytest.raises(ConfigError, match="boundary 1.*topk:reuse needs a topk forward"):
-        load_config(None, ["compression.forward=topk:0.1", "compression.backward=topk:reuse", "compression.boundaries={1: {forward: 'quant:4'}}"])
+        load_config(
+            None,
+            [
+                "compression.forward=topk:0.1",
+                "compression.backward=topk:reuse",
+                "compression.boundaries={1: {forward: 'quant:4'}}",
+            ],
+        )

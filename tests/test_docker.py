@@ -17,15 +17,40 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 ENTRYPOINT = DOCKER / "entrypoint.sh"
 # the entrypoint's own variables are what each test sets, never what the calling shell exported
-ENTRYPOINT_VARS = ("RATE", "DELAY", "INGRESS", "IFACE", "NETEM", "ROLE", "STAGE", "CONFIG", "RUN_ID", "STEPS", "RESULTS", "PORT", "ANNOUNCE", "PUBLIC_IP",
-                   "INITIAL_PEERS", "BOOTSTRAP_HOST", "BOOTSTRAP_PORT", "BOOTSTRAP_IDENTITY", "WAIT", "UPLINK", "DOWNLINK", "THREADS", "DRY_RUN")
+ENTRYPOINT_VARS = (
+    "RATE",
+    "DELAY",
+    "INGRESS",
+    "IFACE",
+    "NETEM",
+    "ROLE",
+    "STAGE",
+    "CONFIG",
+    "RUN_ID",
+    "STEPS",
+    "RESULTS",
+    "PORT",
+    "ANNOUNCE",
+    "PUBLIC_IP",
+    "INITIAL_PEERS",
+    "BOOTSTRAP_HOST",
+    "BOOTSTRAP_PORT",
+    "BOOTSTRAP_IDENTITY",
+    "WAIT",
+    "UPLINK",
+    "DOWNLINK",
+    "THREADS",
+    "DRY_RUN",
+)
 ENV = {k: v for k, v in os.environ.items() if k not in ENTRYPOINT_VARS}
 ENV["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _entrypoint(env: dict, *args: str, wrap=None) -> subprocess.CompletedProcess:
     argv = ["sh", str(ENTRYPOINT), *args]
-    return subprocess.run(wrap(argv) if wrap else argv, capture_output=True, text=True, env={**ENV, **env}, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        wrap(argv) if wrap else argv, capture_output=True, text=True, env={**ENV, **env}, cwd=ROOT, timeout=60
+    )
 
 
 def test_compose_has_the_swarm_with_caps_and_health_checks():
@@ -35,11 +60,17 @@ def test_compose_has_the_swarm_with_caps_and_health_checks():
     for name, service in services.items():
         assert "NET_ADMIN" in service.get("cap_add", []), name
         check = service["healthcheck"]
-        assert check["test"][0] in ("CMD", "CMD-SHELL") and "port-open" in " ".join(check["test"]) and "PORT" in check["test"][-1], name
+        assert (
+            check["test"][0] in ("CMD", "CMD-SHELL")
+            and "port-open" in " ".join(check["test"])
+            and "PORT" in check["test"][-1]
+        ), name
         env = service["environment"]
         assert {"RATE", "DELAY"} <= set(env), name
         assert service["build"]["dockerfile"] == "docker/Dockerfile" and service["build"]["context"] == ".."
-    assert services["bootstrap"]["environment"]["ROLE"] == "bootstrap" and "31337:31337" in services["bootstrap"]["ports"]
+    assert (
+        services["bootstrap"]["environment"]["ROLE"] == "bootstrap" and "31337:31337" in services["bootstrap"]["ports"]
+    )
     for i in range(4):
         stage = services[f"stage{i}"]
         assert stage["environment"]["ROLE"] == "stage" and stage["environment"]["STAGE"] == str(i)
@@ -53,18 +84,48 @@ def test_public_override_gives_every_peer_a_published_port_and_its_public_addres
     public = yaml.safe_load((DOCKER / "compose.public.yaml").read_text())["services"]
     assert set(public) == set(base) - {"trainer"}  # the trainer is a DHT client: nobody dials it
     ports = {name: service["environment"]["PORT"] for name, service in public.items()}
-    assert len(set(ports.values())) == len(ports) and ports["bootstrap"] == base["bootstrap"]["environment"]["BOOTSTRAP_PORT"]
+    assert (
+        len(set(ports.values())) == len(ports)
+        and ports["bootstrap"] == base["bootstrap"]["environment"]["BOOTSTRAP_PORT"]
+    )
     for name, service in public.items():
-        assert service["environment"]["PUBLIC_IP"].startswith("${PUBLIC_IP:?"), name  # compose refuses to start without it
+        assert service["environment"]["PUBLIC_IP"].startswith("${PUBLIC_IP:?"), (
+            name
+        )  # compose refuses to start without it
         published = service.get("ports", []) + base[name].get("ports", [])
         assert published == [f"{ports[name]}:{ports[name]}"], name  # once: a port published twice would clash
-    out = _entrypoint({"DRY_RUN": "1", "PUBLIC_IP": "203.0.113.7", "PORT": "31340", "ROLE": "stage", "STAGE": "2", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
-    assert "--host_maddrs /ip4/0.0.0.0/tcp/31340 --announce_maddrs /ip4/203.0.113.7/tcp/31340 /ip4/CONTAINER_IP/tcp/31340" in out.stdout, out.stdout + out.stderr
-    given = _entrypoint({"DRY_RUN": "1", "PUBLIC_IP": "203.0.113.7", "ANNOUNCE": "/ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1", "ROLE": "bootstrap"})
+    out = _entrypoint(
+        {
+            "DRY_RUN": "1",
+            "PUBLIC_IP": "203.0.113.7",
+            "PORT": "31340",
+            "ROLE": "stage",
+            "STAGE": "2",
+            "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm",
+        }
+    )
+    assert (
+        "--host_maddrs /ip4/0.0.0.0/tcp/31340 --announce_maddrs /ip4/203.0.113.7/tcp/31340 /ip4/CONTAINER_IP/tcp/31340"
+        in out.stdout
+    ), out.stdout + out.stderr
+    given = _entrypoint(
+        {
+            "DRY_RUN": "1",
+            "PUBLIC_IP": "203.0.113.7",
+            "ANNOUNCE": "/ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1",
+            "ROLE": "bootstrap",
+        }
+    )
     # the dry run quotes each argument: two addresses, not one with a space in it
-    assert given.stdout.rstrip().endswith("--announce_maddrs /ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1"), given.stdout + given.stderr
+    assert given.stdout.rstrip().endswith("--announce_maddrs /ip4/5.6.7.8/tcp/1 /ip4/9.9.9.9/tcp/1"), (
+        given.stdout + given.stderr
+    )
     named = _entrypoint({"DRY_RUN": "1", "PUBLIC_IP": "swarm.example.org", "ROLE": "bootstrap"})
-    assert named.returncode == 2 and named.stderr.strip() == "error: PUBLIC_IP must be an IPv4 address, got 'swarm.example.org' (for a name or IPv6, set ANNOUNCE)"
+    assert (
+        named.returncode == 2
+        and named.stderr.strip()
+        == "error: PUBLIC_IP must be an IPv4 address, got 'swarm.example.org' (for a name or IPv6, set ANNOUNCE)"
+    )
 
 
 def test_dockerfile_lint():
@@ -82,32 +143,90 @@ def test_dockerfile_lint():
 
 
 def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
-    out = _entrypoint({"DRY_RUN": "1", "RATE": "20mbit", "DELAY": "50ms", "ROLE": "stage", "STAGE": "2", "IFACE": "eth0"}, "--set", "train.epochs=2")
+    out = _entrypoint(
+        {"DRY_RUN": "1", "RATE": "20mbit", "DELAY": "50ms", "ROLE": "stage", "STAGE": "2", "IFACE": "eth0"},
+        "--set",
+        "train.epochs=2",
+    )
     assert out.returncode == 0, out.stderr
     assert "tc qdisc replace dev eth0 root netem delay 50ms rate 20000000bit" in out.stdout
     assert "tbf rate 20000000bit" in out.stdout  # the fallback when the kernel has no netem
-    assert "peers.stage --stage 2 --config configs/smoke.yaml --run_id docker" in out.stdout and "--set train.epochs=2" in out.stdout
+    assert (
+        "peers.stage --stage 2 --config configs/smoke.yaml --run_id docker" in out.stdout
+        and "--set train.epochs=2" in out.stdout
+    )
     assert "--uplink 20mbit" in out.stdout and "--downlink" not in out.stdout  # what it receives is not shaped here
-    both = _entrypoint({"DRY_RUN": "1", "RATE": "20mbit", "INGRESS": "1", "ROLE": "stage", "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    both = _entrypoint(
+        {
+            "DRY_RUN": "1",
+            "RATE": "20mbit",
+            "INGRESS": "1",
+            "ROLE": "stage",
+            "STAGE": "0",
+            "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm",
+        }
+    )
     assert "--uplink 20mbit --downlink 20mbit" in both.stdout, both.stderr
-    declared = _entrypoint({"DRY_RUN": "1", "UPLINK": "30mbit", "DOWNLINK": "200mbit", "ROLE": "stage", "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    declared = _entrypoint(
+        {
+            "DRY_RUN": "1",
+            "UPLINK": "30mbit",
+            "DOWNLINK": "200mbit",
+            "ROLE": "stage",
+            "STAGE": "0",
+            "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm",
+        }
+    )
     assert "--uplink 30mbit --downlink 200mbit" in declared.stdout and "tc " not in declared.stdout
     assert "--threads" not in declared.stdout  # torch's default unless asked
     for role in ("stage", "trainer"):
-        shared = _entrypoint({"DRY_RUN": "1", "THREADS": "1", "ROLE": role, "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+        shared = _entrypoint(
+            {"DRY_RUN": "1", "THREADS": "1", "ROLE": role, "STAGE": "0", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"}
+        )
         assert shared.stdout.rstrip().endswith("--threads 1"), shared.stdout + shared.stderr
-    trainer = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
-    assert "peers.trainer" in trainer.stdout and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout and "--steps 5" in trainer.stdout
-    assert "tc " not in trainer.stdout and "--uplink" not in trainer.stdout  # no RATE, no DELAY: no shaping, nothing declared
+    trainer = _entrypoint(
+        {"DRY_RUN": "1", "ROLE": "trainer", "STEPS": "5", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"}
+    )
+    assert (
+        "peers.trainer" in trainer.stdout
+        and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout
+        and "--steps 5" in trainer.stdout
+    )
+    assert (
+        "tc " not in trainer.stdout and "--uplink" not in trainer.stdout
+    )  # no RATE, no DELAY: no shaping, nothing declared
     for role in ("bootstrap", "stage", "trainer"):  # a delay without netem: the peer adds it in process
-        delayed = _entrypoint({"DRY_RUN": "1", "NETEM": "no", "DELAY": "25ms", "ROLE": role, "STAGE": "1", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
-        assert "delay 25ms NOT applied" in delayed.stdout and "the peer adds it" in delayed.stdout and delayed.stdout.rstrip().endswith("--shape_delay 25ms"), delayed.stdout + delayed.stderr
+        delayed = _entrypoint(
+            {
+                "DRY_RUN": "1",
+                "NETEM": "no",
+                "DELAY": "25ms",
+                "ROLE": role,
+                "STAGE": "1",
+                "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm",
+            }
+        )
+        assert (
+            "delay 25ms NOT applied" in delayed.stdout
+            and "the peer adds it" in delayed.stdout
+            and delayed.stdout.rstrip().endswith("--shape_delay 25ms")
+        ), delayed.stdout + delayed.stderr
     assert "--shape_delay" not in out.stdout  # a dry run assumes netem takes the delay (it is tried first)
-    paced = _entrypoint({"DRY_RUN": "1", "ROLE": "trainer", "RATE": "20mbit", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"})
+    paced = _entrypoint(
+        {"DRY_RUN": "1", "ROLE": "trainer", "RATE": "20mbit", "INITIAL_PEERS": "/ip4/1.2.3.4/tcp/1/p2p/Qm"}
+    )
     assert "peers.trainer" in paced.stdout and "--uplink 20mbit" in paced.stdout, paced.stdout + paced.stderr
 
 
-@pytest.mark.parametrize(("env", "message"), [({"RATE": "fast"}, "bad rate"), ({"RATE": "10mbps"}, "ambiguous"), ({"ROLE": "stage", "STAGE": ""}, "needs STAGE"), ({"ROLE": "bogus"}, "ROLE must be")])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RATE": "fast"}, "bad rate"),
+        ({"RATE": "10mbps"}, "ambiguous"),
+        ({"ROLE": "stage", "STAGE": ""}, "needs STAGE"),
+        ({"ROLE": "bogus"}, "ROLE must be"),
+    ],
+)
 def test_entrypoint_bad_input_is_one_line(env, message):
     out = _entrypoint({"DRY_RUN": "1", **env}, "true")
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -119,11 +238,19 @@ def test_entrypoint_shapes_for_real_inside_a_namespace():
     except NetlabError as e:
         pytest.fail(f"this test needs Linux namespaces with tc (root, iproute2): {e}")
     with NetLab(["peer"]) as net:
-        out = _entrypoint({"RATE": "20mbit", "DELAY": "5ms", "INGRESS": "1"}, "tc", "qdisc", "show", wrap=lambda argv: net.wrap("peer", argv))
+        out = _entrypoint(
+            {"RATE": "20mbit", "DELAY": "5ms", "INGRESS": "1"},
+            "tc",
+            "qdisc",
+            "show",
+            wrap=lambda argv: net.wrap("peer", argv),
+        )
         assert out.returncode == 0, out.stderr
         assert re.search(r"qdisc (tbf|netem) \S+ dev eth0 root .*rate 20Mbit", out.stdout), out.stdout
         assert "dev ifb0 root" in out.stdout and "ingress ffff: dev eth0" in out.stdout
         assert "shaped eth0" in out.stdout
         if "netem" not in out.stdout.split("shaped eth0")[1]:
             assert "NOT applied" in out.stdout  # no netem here: said, not silently dropped
-            assert "delay 5ms not applied: no netem, and no peer to add it (ROLE is empty)" in out.stdout  # what tc left, read back
+            assert (
+                "delay 5ms not applied: no netem, and no peer to add it (ROLE is empty)" in out.stdout
+            )  # what tc left, read back

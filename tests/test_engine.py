@@ -71,7 +71,9 @@ def test_engine_compression_equals_codec_applied_directly():
     g_wire = bwd.receiver().receive(bwd.sender().send(h_wire.grad).payload).tensor
     h.backward(g_wire)
     assert math.isclose(metrics["loss"], float(loss.detach()), rel_tol=1e-6)
-    for ours, theirs in zip(stage_grads(staged), [p.grad for m in (first, second) for p in m.parameters()], strict=True):
+    for ours, theirs in zip(
+        stage_grads(staged), [p.grad for m in (first, second) for p in m.parameters()], strict=True
+    ):
         assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
@@ -132,7 +134,10 @@ def test_same_config_and_seed_give_the_same_losses(tmp_path):
     second = run_experiment(cfg, tmp_path / "b.jsonl", progress=False)
     from swarm.training.results import read_results
 
-    losses = [[r["loss"] for r in read_results(p) if r["type"] == "step"] for p in (tmp_path / "a.jsonl", tmp_path / "b.jsonl")]
+    losses = [
+        [r["loss"] for r in read_results(p) if r["type"] == "step"]
+        for p in (tmp_path / "a.jsonl", tmp_path / "b.jsonl")
+    ]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
     assert first["bytes"] == second["bytes"]
 
@@ -174,7 +179,9 @@ def tiny_text(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("text")
     words = "the cat sat on the mat and the dog ran to the hat . ".split()
-    rows = [" = Title = \n"] + [" " + " ".join(words[(i * 3) % len(words):] + words[: (i * 3) % len(words)]) + " \n" for i in range(60)]
+    rows = [" = Title = \n"] + [
+        " " + " ".join(words[(i * 3) % len(words) :] + words[: (i * 3) % len(words)]) + " \n" for i in range(60)
+    ]
     (root / "wiki.train.raw").write_text("".join(rows))
     (root / "wiki.valid.raw").write_text("".join(rows[:12]))
     return root, write_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
@@ -202,7 +209,14 @@ def test_gpt2_tied_embedding_stays_tied_and_matches_one_stage(tiny_text, tmp_pat
 
     text_dir, tokenizer = tiny_text
     cfg4 = gpt2_cfg(text_dir, tokenizer, "train.max_steps=5", "compression.forward=none", "compression.backward=none")
-    cfg1 = gpt2_cfg(text_dir, tokenizer, "train.max_steps=5", "model.num_stages=1", "compression.forward=none", "compression.backward=none")
+    cfg1 = gpt2_cfg(
+        text_dir,
+        tokenizer,
+        "train.max_steps=5",
+        "model.num_stages=1",
+        "compression.forward=none",
+        "compression.backward=none",
+    )
     run_experiment(cfg4, tmp_path / "four.jsonl", progress=False)
     run_experiment(cfg1, tmp_path / "one.jsonl", progress=False)
     four = [r["loss"] for r in read_results(tmp_path / "four.jsonl") if r["type"] == "step"]
@@ -223,7 +237,9 @@ def test_gpt2_recipe_with_topk_reuse_reduces_the_loss(tiny_text, tmp_path):
     from swarm.training.results import read_results
 
     text_dir, tokenizer = tiny_text
-    cfg = gpt2_cfg(text_dir, tokenizer, "train.epochs=6", "compression.forward=topk:0.3", "compression.backward=topk:reuse")
+    cfg = gpt2_cfg(
+        text_dir, tokenizer, "train.epochs=6", "compression.forward=topk:0.3", "compression.backward=topk:reuse"
+    )
     summary = run_experiment(cfg, tmp_path / "g.jsonl", progress=False)
     steps = [r["loss"] for r in read_results(tmp_path / "g.jsonl") if r["type"] == "step"]
     assert sum(steps[-3:]) / 3 < 0.8 * sum(steps[:3]) / 3

@@ -86,7 +86,18 @@ def test_warmup_fills_buffers_with_exact_values(spec):
     link.assert_mirrored(x.shape, ids)
 
 
-@pytest.mark.parametrize("spec", ["topk:0.1+ef21", "quant:4+ef21", "fp16+ef21", "topk:0.2/q8+ef21", "topk:0.1+ef21/sample", "quant:3+ef21/sample", "topk:0.2+aqsgd/fp32"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:0.1+ef21",
+        "quant:4+ef21",
+        "fp16+ef21",
+        "topk:0.2/q8+ef21",
+        "topk:0.1+ef21/sample",
+        "quant:3+ef21/sample",
+        "topk:0.2+aqsgd/fp32",
+    ],
+)
 def test_state_float_store_equals_receiver_output(spec):
     """With fp32 state, the state after commit is exactly what the receiver output."""
     link = Link(spec)
@@ -226,7 +237,17 @@ def test_sender_state_independent_of_input_mutation(spec):
 # ---- EF (sender-only) ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["topk:0.1+ef", "quant:2+ef", "topk:0.2+ef/sample", "topk:0.2+efmixed", "topk:0.3/q4+efmixed/sample", "quant:3/tensor+ef/sample"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:0.1+ef",
+        "quant:2+ef",
+        "topk:0.2+ef/sample",
+        "topk:0.2+efmixed",
+        "topk:0.3/q4+efmixed/sample",
+        "quant:3/tensor+ef/sample",
+    ],
+)
 def test_error_feedback_telescopes(spec):
     """EF: the sum of what was received equals the sum of inputs minus the final error."""
     parsed = parse(spec)

@@ -19,7 +19,9 @@ def test_max_min_rates_share_the_bottleneck_and_give_the_rest_away():
 def test_weighted_rates_share_a_link_in_proportion():
     assert max_min_rates([("a up", "b down"), ("a up", "c down")], 1.0, [3.0, 1.0]) == pytest.approx([0.75, 0.25])
     # c's down link holds the second flow to a quarter of c's rate; a's up link gives the first the rest
-    assert max_min_rates([("a up", "b down"), ("a up", "c down"), ("d up", "c down")], 1.0, [1.0, 1.0, 3.0]) == pytest.approx([0.75, 0.25, 0.75])
+    assert max_min_rates(
+        [("a up", "b down"), ("a up", "c down"), ("d up", "c down")], 1.0, [1.0, 1.0, 3.0]
+    ) == pytest.approx([0.75, 0.25, 0.75])
 
 
 def test_waves_of_unequal_size_share_the_middle_links_by_size():
@@ -34,7 +36,17 @@ def test_waves_of_unequal_size_share_the_middle_links_by_size():
 
 def test_one_micro_batch_takes_the_sum_of_its_transfers_and_computes():
     rate = 8e6  # 1 MB/s
-    model = StepModel(stages=2, micro_batches=1, in_flight=1, sending=1, forward_bytes=[500_000], backward_bytes=[250_000], compute_s=[0.1, 0.2], rate_bits=rate, input_bytes=100_000)
+    model = StepModel(
+        stages=2,
+        micro_batches=1,
+        in_flight=1,
+        sending=1,
+        forward_bytes=[500_000],
+        backward_bytes=[250_000],
+        compute_s=[0.1, 0.2],
+        rate_bits=rate,
+        input_bytes=100_000,
+    )
     result = simulate(model)
     # input 0.1 s, forward 0.1 s on stage 0, activations 0.5 s, forward and backward 0.2 + 0.2 s on
     # stage 1, gradients 0.25 s, backward 0.1 s on stage 0

@@ -460,7 +460,10 @@ def test_custom_model_errors(custom_module, target, options, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize(("boundary", "shape"), [("resnet18.layer1", (64, 32, 32)), ("resnet18.layer2", (128, 16, 16)), ("gpt2", (1024, 768))])
+@pytest.mark.parametrize(
+    ("boundary", "shape"),
+    [("resnet18.layer1", (64, 32, 32)), ("resnet18.layer2", (128, 16, 16)), ("gpt2", (1024, 768))],
+)
 def test_relay_carries_real_boundary_sizes_through_every_stage(boundary, shape):
     from swarm.models import build_model
 

@@ -42,18 +42,51 @@ def _ns_leftovers(tag: str) -> list[str]:
 
 
 def _qdiscs(ns: str, dev: str) -> str:
-    return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True, check=True
+    ).stdout
 
 
 # ------------------------------------------------------------------------------------------ rates
 
 
-@pytest.mark.parametrize(("text", "bits"), [("100mbit", 100_000_000), ("10Mbit", 10_000_000), ("1gbit", 10**9), ("500kbit", 500_000), ("1.5mbit", 1_500_000), ("64kibit", 65536), (" 20 MBIT ", 20_000_000), (5e6, 5_000_000), (123, 123)])
+@pytest.mark.parametrize(
+    ("text", "bits"),
+    [
+        ("100mbit", 100_000_000),
+        ("10Mbit", 10_000_000),
+        ("1gbit", 10**9),
+        ("500kbit", 500_000),
+        ("1.5mbit", 1_500_000),
+        ("64kibit", 65536),
+        (" 20 MBIT ", 20_000_000),
+        (5e6, 5_000_000),
+        (123, 123),
+    ],
+)
 def test_parse_rate(text, bits):
     assert parse_rate(text) == bits
 
 
-@pytest.mark.parametrize("bad", ["", "fast", "100", "-5mbit", "0mbit", "10mbps", "10MB/s", "1e400mbit", "mbit", "10 m bit s", "nan", True, float("inf"), 0])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "fast",
+        "100",
+        "-5mbit",
+        "0mbit",
+        "10mbps",
+        "10MB/s",
+        "1e400mbit",
+        "mbit",
+        "10 m bit s",
+        "nan",
+        True,
+        float("inf"),
+        0,
+    ],
+)
 def test_bad_rate_is_one_clear_line(bad):
     if bad == "100":  # a bare number is bits/s: valid
         assert parse_rate(bad) == 100
@@ -121,7 +154,11 @@ def test_pipeline_bound_access_links_share_fw_and_bw():
     assert slow_edge.busiest == "stage0" and slow_edge.link == pytest.approx(1.0)
     with_trainer = bounds.chain_transfers(fw, bw, input_bytes=3e6, label_bytes=1e3)
     assert bounds.access_loads(with_trainer)["trainer"].up == pytest.approx(3.001e6)
-    assert bounds.access_bound("80mbit", with_trainer) == (pytest.approx(2.5), "stage0", "down")  # inputs + gradients in
+    assert bounds.access_bound("80mbit", with_trainer) == (
+        pytest.approx(2.5),
+        "stage0",
+        "down",
+    )  # inputs + gradients in
     with pytest.raises(ValueError, match="topology"):
         bounds.pipeline_bound(1e6, fw, bw, topology="mesh")
 
@@ -234,7 +271,9 @@ def test_in_process_p2p_stream_through_the_bucket():
     """A real hivemind P2P stream (two daemons on loopback), the sender shaped by the bucket."""
     from swarm.lab.probe import probe_in_process
 
-    results = asyncio.run(probe_in_process(3_000_000, bucket=TokenBucket("20mbit"), server_bucket=TokenBucket("20mbit")))
+    results = asyncio.run(
+        probe_in_process(3_000_000, bucket=TokenBucket("20mbit"), server_bucket=TokenBucket("20mbit"))
+    )
     rates = {r.direction: r.mbit_per_s for r in results}
     assert set(rates) == {"up", "down"}
     for direction, mbit in rates.items():
@@ -257,13 +296,17 @@ def test_namespaces_up_and_gone_without_leftovers(caps):
         assert sorted(net.namespaces()) == sorted([f"{tag}--bridge", f"{tag}-boot", f"{tag}-stage0", f"{tag}-trainer"])
         assert net.address("boot") == "10.77.0.2" and net.maddr("trainer", 5) == "/ip4/10.77.0.4/tcp/5"
         assert net.wrap("stage0", ["true"])[-3:] == ["exec", f"{tag}-stage0", "true"]
-        shown = net.run("stage0", ["ip", "-o", "addr", "show", "dev", "eth0"], capture_output=True, text=True, check=True).stdout
+        shown = net.run(
+            "stage0", ["ip", "-o", "addr", "show", "dev", "eth0"], capture_output=True, text=True, check=True
+        ).stdout
         assert "10.77.0.3/24" in shown
         assert "UP" in net.run("stage0", ["ip", "-o", "link", "show", "lo"], capture_output=True, text=True).stdout
         link = net.links["stage0"]
         assert link.up.qdisc == ("netem" if caps.netem else "tbf") and link.down.qdisc == "tbf"
         assert link.down.rate_bits == link.rate_bits == 20_000_000 and link.down.burst_bytes > 0
-        assert "rate 20Mbit" in _qdiscs(link.netns, "eth0") and "rate 20Mbit" in _qdiscs(net.bridge_ns, link.down.device)
+        assert "rate 20Mbit" in _qdiscs(link.netns, "eth0") and "rate 20Mbit" in _qdiscs(
+            net.bridge_ns, link.down.device
+        )
         assert link.delay_applied == caps.netem and net.missing_delay("stage0") == (0.0 if caps.netem else 0.01)
         assert net.links["boot"].up.qdisc in (None, "netem") and net.links["boot"].down.qdisc is None
         report = net.report()
@@ -306,9 +349,11 @@ def test_group_cpu_counts_a_peer_and_its_daemon_apart_and_keeps_an_exited_proces
     for name in ("p2pd", "a) b c"):
         (tmp_path / name).symlink_to(sys.executable)  # a process's name (comm) is the file it was started as
     burn = "import time\nend = time.process_time() + {}\nwhile time.process_time() < end: pass\n"
-    script = (f"import subprocess, time\ndaemon = subprocess.Popen([{str(tmp_path / 'p2pd')!r}, '-c', {burn.format(0.6)!r}])\n"
-              f"subprocess.Popen([{str(tmp_path / 'a) b c')!r}, '-c', {(burn.format(0.2) + 'time.sleep(60)')!r}])\n"
-              f"{burn.format(0.3)}daemon.wait()\ntime.sleep(60)\n")
+    script = (
+        f"import subprocess, time\ndaemon = subprocess.Popen([{str(tmp_path / 'p2pd')!r}, '-c', {burn.format(0.6)!r}])\n"
+        f"subprocess.Popen([{str(tmp_path / 'a) b c')!r}, '-c', {(burn.format(0.2) + 'time.sleep(60)')!r}])\n"
+        f"{burn.format(0.3)}daemon.wait()\ntime.sleep(60)\n"
+    )
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     gone.wait()
     leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
@@ -318,7 +363,9 @@ def test_group_cpu_counts_a_peer_and_its_daemon_apart_and_keeps_an_exited_proces
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             own, daemon = cpu()["peer"]
-            if own >= TICKED * 0.5 and daemon >= TICKED * 0.6 and not _group_has(leader.pid, "p2pd"):  # the daemon was reaped
+            if (
+                own >= TICKED * 0.5 and daemon >= TICKED * 0.6 and not _group_has(leader.pid, "p2pd")
+            ):  # the daemon was reaped
                 break
             time.sleep(0.05)
         time.sleep(0.2)
@@ -327,7 +374,9 @@ def test_group_cpu_counts_a_peer_and_its_daemon_apart_and_keeps_an_exited_proces
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait()
     own, daemon = last["peer"]
-    assert TICKED * 0.5 <= own < 0.9 and TICKED * 0.6 <= daemon < 0.9, last  # the interpreters' start-up on top of what each burned
+    assert TICKED * 0.5 <= own < 0.9 and TICKED * 0.6 <= daemon < 0.9, (
+        last
+    )  # the interpreters' start-up on top of what each burned
     assert not _group_has(leader.pid, "p2pd") and last["gone"] == [0.0, 0.0]
 
 
@@ -369,7 +418,9 @@ _OWNER = textwrap.dedent(
 
 
 def _owner(mode: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-c", _OWNER, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
     tag = process.stdout.readline().strip()
     assert tag.startswith(f"hp-{process.pid}-"), process.stderr.read()
     assert len(_ns_leftovers(tag)) == 3
@@ -436,4 +487,6 @@ def test_shaping_limits_hivemind_throughput(caps):
     assert set(slow) == set(fast) == {"up", "down"}
     for direction in ("up", "down"):  # a -> b crosses b's down link, b -> a its up link
         assert 0.75 * 20 <= slow[direction] <= 1.02 * 20, f"{direction}: {slow[direction]:.2f} Mbit/s on a 20mbit link"
-        assert fast[direction] > 3 * slow[direction], f"{direction}: 1gbit {fast[direction]:.1f} vs 20mbit {slow[direction]:.1f} Mbit/s"
+        assert fast[direction] > 3 * slow[direction], (
+            f"{direction}: 1gbit {fast[direction]:.1f} vs 20mbit {slow[direction]:.1f} Mbit/s"
+        )

@@ -161,7 +161,9 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
 
     stats = swarm.loop.run(send())
     assert len(framed) == 2 and all(len(parts) == 2 for parts in framed)
-    assert [m.SerializeToString() for m in received] == [m.SerializeToString() for m in frame(pb.StageReply, "result", head, payload)] * 2
+    assert [m.SerializeToString() for m in received] == [
+        m.SerializeToString() for m in frame(pb.StageReply, "result", head, payload)
+    ] * 2
     assert received[0].result == head and b"".join(m.chunk.data for m in received[:2]) == payload
     sizes = [sum(len(p) for p in parts) for parts in framed]
     assert stats.bytes == sum(sizes) and stats.calls == sum(-(-len(data) // PIECE_BYTES) for _, data in framed)
@@ -174,12 +176,17 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
     run_id = uuid.uuid4().hex[:8]
     peers = []
     for _ in range(3):
-        node = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, uplink="400mbit", downlink="400mbit")))
+        node = swarm.loop.run(
+            SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, uplink="400mbit", downlink="400mbit"))
+        )
         servicer = StageServicer(node)
         swarm.loop.run(servicer.start())
         peers.append((node, servicer))
     try:
-        hosted = [servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30)) for stage, (node, servicer) in enumerate(peers)]
+        hosted = [
+            servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30))
+            for stage, (node, servicer) in enumerate(peers)
+        ]
         for _, servicer in peers:
             swarm.loop.run(servicer.announcer.announce_now())
         data = build_data(cfg)
@@ -189,15 +196,27 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
         ids = [h.node.peer_id for h in hosted]
         flows = {(s, n): f for s, h in enumerate(hosted) for n, f in h.pacer._flows.items()}
         trainer = swarm.trainer.peer_id  # stage 0 replies to it (a few bytes, paced at stage 0's upload)
-        assert set(flows) == {(0, ids[1]), (1, ids[2]), (1, ids[0]), (2, ids[1]), (0, trainer)}  # activations down, gradients up
+        assert set(flows) == {
+            (0, ids[1]),
+            (1, ids[2]),
+            (1, ids[0]),
+            (2, ids[1]),
+            (0, trainer),
+        }  # activations down, gradients up
         for flow in flows.values():
             assert flow.bucket.stats().bytes > 0
-            assert 0 < flow.bucket.rate_bits <= 400e6 * PAYLOAD_SHARE  # a share by payload size, never more than the link
+            assert (
+                0 < flow.bucket.rate_bits <= 400e6 * PAYLOAD_SHARE
+            )  # a share by payload size, never more than the link
         assert all(h.awaiting == 0 for h in hosted)
         # the step is over: every receiver offers its whole download again (stage 0 offers it always)
-        assert hosted[0].pacer._offered[ids[1]] == hosted[1].pacer._offered[ids[0]] == pytest.approx(400e6 * PAYLOAD_SHARE)
+        assert (
+            hosted[0].pacer._offered[ids[1]] == hosted[1].pacer._offered[ids[0]] == pytest.approx(400e6 * PAYLOAD_SHARE)
+        )
         forward = hosted[1].received[(ids[0], "forward", "train")]
-        assert flows[(0, ids[1])].bucket.stats().bytes >= forward  # every activation byte to stage 1 went through its flow
+        assert (
+            flows[(0, ids[1])].bucket.stats().bytes >= forward
+        )  # every activation byte to stage 1 went through its flow
         assert_same_run(results.rows, swarm_rows(swarm, cfg, steps=3))
     finally:
         for node, servicer in peers:
@@ -210,7 +229,9 @@ def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swar
     peers here declare nothing, so no offer lowers it); every input byte is booked."""
     cfg = smoke("model.num_stages=2")
     run_id = uuid.uuid4().hex[:8]
-    trainer = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, uplink="300mbit")))
+    trainer = swarm.loop.run(
+        SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, uplink="300mbit"))
+    )
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1)])
     try:
         data = build_data(cfg)
@@ -219,7 +240,7 @@ def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swar
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)
         inputs = sum(len(tensor_to_raw(x).SerializeToString()) for _, x in items)
-        (peer, flow), = pipeline.pacer._flows.items()
+        ((peer, flow),) = pipeline.pacer._flows.items()
         assert peer == hosted[0].node.peer_id
         assert flow.bucket.rate_bits == int(300e6 * PAYLOAD_SHARE)
         assert flow.bucket.stats().bytes >= inputs

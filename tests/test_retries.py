@@ -167,7 +167,11 @@ def test_reset_both_ends_resynchronizes(spec):
 
 @pytest.mark.parametrize("spec", ["quant:3+ef21", "topk:0.3+aqsgd/q4", "topk:0.2/q8+ef21/sample"])
 @settings(max_examples=60)
-@given(plan=st.lists(st.tuples(st.integers(0, 7), st.booleans(), st.booleans(), st.integers(0, 3)), min_size=1, max_size=25))
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(0, 7), st.booleans(), st.booleans(), st.integers(0, 3)), min_size=1, max_size=25
+    )
+)
 def test_lossy_link_never_diverges_silently(spec, plan):
     """Random delivery: messages lost, duplicated, replayed late; acks lost. The sender commits a
     message only when the receiver accepted and committed it (an ack). Whenever the receiver

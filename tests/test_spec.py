@@ -161,8 +161,38 @@ def test_non_string_spec(value):
         parse(value)
 
 
-TOKENS = ["none", "fp32", "fp16", "bf16", "quant", "topk", "reuse", ":", "/", "+", "0.1", "1", "4", "9", "q4", "q9",
-          "tensor", "sample", "channel", "stochastic", "ef", "ef21", "efmixed", "aqsgd", " ", "\n", "\t", "x", "-", "."]
+TOKENS = [
+    "none",
+    "fp32",
+    "fp16",
+    "bf16",
+    "quant",
+    "topk",
+    "reuse",
+    ":",
+    "/",
+    "+",
+    "0.1",
+    "1",
+    "4",
+    "9",
+    "q4",
+    "q9",
+    "tensor",
+    "sample",
+    "channel",
+    "stochastic",
+    "ef",
+    "ef21",
+    "efmixed",
+    "aqsgd",
+    " ",
+    "\n",
+    "\t",
+    "x",
+    "-",
+    ".",
+]
 
 
 @settings(max_examples=300)

@@ -167,7 +167,9 @@ def test_bytes_per_sample(numel):
         assert s.bytes_per_sample <= numel * bits / 8 + 32
         assert s.nbytes == 3 * s.bytes_per_sample
         assert s.samples == 3
-    assert [stores[f].bytes_per_sample for f in ("q1", "q4", "q6", "q8")] == sorted(stores[f].bytes_per_sample for f in ("q1", "q4", "q6", "q8"))
+    assert [stores[f].bytes_per_sample for f in ("q1", "q4", "q6", "q8")] == sorted(
+        stores[f].bytes_per_sample for f in ("q1", "q4", "q6", "q8")
+    )
 
 
 def test_empty_store_reports_zero():

@@ -27,7 +27,17 @@ def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data,
     x = torch.stack([data[1][i][1] for i in range(4)])
     y = torch.tensor([data[1][i][2] for i in range(4)])
     batch = MicroBatch(0, seq, torch.arange(4), y, mode=Mode.EVAL)
-    head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, sender=sender, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=10, epoch=0, seq=seq)
+    head = pb.MicroBatchHead(
+        protocol_version=PROTOCOL_VERSION,
+        run_id=run_id,
+        stage=0,
+        sender=sender,
+        kind=pb.FORWARD,
+        batch=batch_to_meta(batch),
+        budget_s=10,
+        epoch=0,
+        seq=seq,
+    )
     return MicroBatchCall(streams, peer, head, tensor_to_raw(x).SerializeToString())
 
 
@@ -44,7 +54,9 @@ def test_a_run_opens_about_one_stream_per_micro_batch_in_flight_and_stays_exact(
     assert micro_batches == 40
     assert all(1 <= n <= cfg.train.in_flight for n in opened), opened
     downstream = [node.peer_id for node in nodes]
-    assert [pool.idle(peer) for pool, peer in zip(callers, downstream, strict=True)] == opened  # every stream came back after its last reply
+    assert [
+        pool.idle(peer) for pool, peer in zip(callers, downstream, strict=True)
+    ] == opened  # every stream came back after its last reply
     assert_same_run(rows, local_rows(cfg, tmp_path))
 
 
@@ -60,7 +72,13 @@ def test_streams_the_servicer_closed_or_kept_too_long_are_replaced(swarm):
     streams = StreamPool(swarm.trainer.p2p, keep_s=10.0, clock=lambda: clock[0])
     try:
         servicer.host(HostedStage(node, run_id, cfg, 0, timeout=30))
-        swarm.loop.run(servicer.hosted[(run_id, 0)].setup(pb.SetupRequest(config_digest=servicer.hosted[(run_id, 0)].digest, session="s", lr_horizon=10, capacity=400)))
+        swarm.loop.run(
+            servicer.hosted[(run_id, 0)].setup(
+                pb.SetupRequest(
+                    config_digest=servicer.hosted[(run_id, 0)].digest, session="s", lr_horizon=10, capacity=400
+                )
+            )
+        )
         data = build_data(cfg)
 
         def one(seq: int) -> pb.ResultHead:
@@ -114,7 +132,9 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
     peer = hosted.node.peer_id
     streams = StreamPool(swarm.trainer.p2p)
     try:
-        swarm.loop.run(hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400)))
+        swarm.loop.run(
+            hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))
+        )
         data = build_data(cfg)
         good = _stage0_call(streams, peer, run_id, swarm.trainer.peer_id, data, 0)
         swarm.loop.run(good.reply(20))
@@ -125,7 +145,9 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
             swarm.loop.run(bad.reply(20))
         bad.finish()
         assert streams.idle(peer) == 0 and streams.opened == 1  # the bad call took the pooled stream and closed it
-        again = _stage0_call(streams, peer, run_id, swarm.trainer.peer_id, data, 1)  # the refused one never reached the stage
+        again = _stage0_call(
+            streams, peer, run_id, swarm.trainer.peer_id, data, 1
+        )  # the refused one never reached the stage
         result, _ = swarm.loop.run(again.reply(20))
         again.finish()
         assert result.kind == pb.DONE and streams.opened == 2 and streams.idle(peer) == 1
@@ -141,7 +163,9 @@ def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_
     (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
     streams = StreamPool(swarm.trainer.p2p)
     try:
-        swarm.loop.run(hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400)))
+        swarm.loop.run(
+            hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))
+        )
         data = build_data(cfg)
         for seq in range(3):
             call = _stage0_call(streams, hosted.node.peer_id, run_id, swarm.trainer.peer_id, data, seq)
@@ -149,7 +173,7 @@ def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_
             call.finish()
             assert result.kind == pb.DONE and result.metrics["count"] == 4
         assert streams.opened == 1
-        (stream, _), = streams._idle[hosted.node.peer_id]
+        ((stream, _),) = streams._idle[hosted.node.peer_id]
 
         async def end_and_wait():
             await P2P.send_protobuf(P2P.END_OF_STREAM, stream.writer)

@@ -31,7 +31,11 @@ report: {{table: 'Table 2: TopK', row: {row}, paper: {{acc_off: {off}, acc_on: {
 
 def write_configs(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    rows = [("a-base", "none", "none", "No compression", 93.0, 93.0), ("b-top20", "topk:0.2", "topk:0.2", "Top 20%", 86.74, 92.73), ("c-top10", "topk:0.1", "topk:0.1", "Top 10%", 75.89, 91.87)]
+    rows = [
+        ("a-base", "none", "none", "No compression", 93.0, 93.0),
+        ("b-top20", "topk:0.2", "topk:0.2", "Top 20%", 86.74, 92.73),
+        ("c-top10", "topk:0.1", "topk:0.1", "Top 10%", 75.89, 91.87),
+    ]
     for name, fw, bw, row, off, on in rows:
         (directory / f"{name}.yaml").write_text(TINY.format(name=name, fw=fw, bw=bw, row=row, off=off, on=on))
     return directory
@@ -80,7 +84,14 @@ def study(tmp_path_factory):
 
     log = io.StringIO()
     assert run_study(configs, results, only=["a-base", "b-top20"], heartbeat=0, progress=False, out=log) == 0
-    return {"configs": configs, "results": results, "log": log.getvalue(), "first_a": first_a, "partial": partial_state, "reference": reference}
+    return {
+        "configs": configs,
+        "results": results,
+        "log": log.getvalue(),
+        "first_a": first_a,
+        "partial": partial_state,
+        "reference": reference,
+    }
 
 
 def test_study_skips_finished_runs_and_resumes_a_partial_one(study):
@@ -147,7 +158,9 @@ def test_study_report_puts_paper_and_measured_figures_side_by_side(study, tmp_pa
 
 
 def _quant_row(fw: int, bw: int, acc: float) -> Row:
-    return Row(f"fw{fw}-bw{bw}", "resnet18", f"quant:{fw}/tensor", f"quant:{bw}/tensor", finished=True, acc_off=acc, acc_on=acc)
+    return Row(
+        f"fw{fw}-bw{bw}", "resnet18", f"quant:{fw}/tensor", f"quant:{bw}/tensor", finished=True, acc_off=acc, acc_on=acc
+    )
 
 
 def test_findings_are_read_from_the_numbers():
@@ -176,7 +189,9 @@ def test_study_configs_are_generated_and_carry_the_papers_figures():
     tables = {}
     for name, cfg in study.items():
         tables[cfg.report.table.split(":")[0]] = tables.get(cfg.report.table.split(":")[0], 0) + 1
-        row = cfg.report.row.removesuffix("%") if ", warmup " in cfg.report.row else cfg.report.row  # "warmup 20%" of our epochs
+        row = (
+            cfg.report.row.removesuffix("%") if ", warmup " in cfg.report.row else cfg.report.row
+        )  # "warmup 20%" of our epochs
         twin = next(p for p in paper if (p.report.table, p.report.row) == (cfg.report.table, row))
         assert cfg.report.paper == twin.report.paper, name
         assert cfg.model.num_stages == 4 and cfg.seed == 0
@@ -189,7 +204,21 @@ def test_the_papers_own_figures_pass_every_check():
     for path in sorted((ROOT / "configs" / "study-cpu").glob("*.yaml")):
         cfg = load_config(path)
         paper = cfg.report.paper
-        rows.append(Row(cfg.name, cfg.model.name, cfg.compression.forward, cfg.compression.backward, cfg.train.warmup_epochs, True, paper.get("acc_off"), paper.get("acc_on"), paper.get("eval_loss"), paper.get("eval_loss"), dict(paper)))
+        rows.append(
+            Row(
+                cfg.name,
+                cfg.model.name,
+                cfg.compression.forward,
+                cfg.compression.backward,
+                cfg.train.warmup_epochs,
+                True,
+                paper.get("acc_off"),
+                paper.get("acc_on"),
+                paper.get("eval_loss"),
+                paper.get("eval_loss"),
+                dict(paper),
+            )
+        )
     findings = check_all(rows)
     assert len(findings) == 8
     assert [f.verdict for f in findings] == ["holds"] * 8, [(f.title, f.ours) for f in findings if f.verdict != "holds"]
@@ -232,7 +261,10 @@ def test_runs_logged_before_a_config_field_was_added_are_not_stale(study):
 
     cfg = load_config(study["configs"] / "a-base.yaml")
     logged = next(r for r in read_results(study["results"] / "a-base.jsonl") if r["type"] == "config")["config"]
-    older = {**logged, "compression": {k: v for k, v in logged["compression"].items() if k != "adaptive"}}  # as logged before `adaptive` existed
+    older = {
+        **logged,
+        "compression": {k: v for k, v in logged["compression"].items() if k != "adaptive"},
+    }  # as logged before `adaptive` existed
     assert same_config(logged, cfg) and same_config(older, cfg)
     assert not same_config({**logged, "seed": 1}, cfg)
     assert not same_config({**logged, "gone": 1}, cfg) and not same_config(None, cfg)

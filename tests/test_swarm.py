@@ -56,7 +56,12 @@ def test_oracle_swarm_equals_single_process(swarm, tmp_path, stages, forward, ba
 
 def test_oracle_with_clipping_and_two_peers_on_a_stage(swarm, tmp_path):
     """Gradient clipping across stages, and a stage with two peers: one serves, both step."""
-    cfg = smoke("model.num_stages=3", "optimizer.grad_clip=0.05", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
+    cfg = smoke(
+        "model.num_stages=3",
+        "optimizer.grad_clip=0.05",
+        "compression.forward=topk:0.2+ef21",
+        "compression.backward=topk:reuse",
+    )
     rows = swarm_rows(swarm, cfg, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
     assert_same_run(rows, local_rows(cfg, tmp_path))
 
@@ -71,7 +76,10 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
     try:
         records = swarm.loop.run(discover(swarm.trainer, run_id, 1))
         assert {r.peer_id for r in records} == {swarm.hosts[i][0].peer_id for i in (1, 2, 3)}
-        assert all(r.version == PROTOCOL_VERSION and r.codecs == {"forward": "topk:0.2", "backward": "topk:reuse"} for r in records)
+        assert all(
+            r.version == PROTOCOL_VERSION and r.codecs == {"forward": "topk:0.2", "backward": "topk:reuse"}
+            for r in records
+        )
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 2, data)
         assert len(pipeline.members[1]) == 3
@@ -83,7 +91,9 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         assert {r.stage for r in served} == {0, 1}
         assert any(link["sent"] and link["received"] for r in served for link in r.links)
         (down,) = [link for r in served if r.stage == 0 for link in r.links]
-        assert down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4  # topk:0.2: a fifth of the values, in fp16
+        assert (
+            down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4
+        )  # topk:0.2: a fifth of the values, in fp16
         ratio = sum(down["raw"].values()) / sum(down["sent"].values())  # with the evaluations' exact tensors
         assert ratio > 1
         assert all(r.rtt_ms is not None and r.rtt_ms > 0 for r in rows)
@@ -113,7 +123,10 @@ def test_peers_run_on_uvloop():
 def test_p2p_daemons_run_on_the_threads_a_peer_is_given(swarm):
     """--daemon_threads reaches the p2p daemon as GOMAXPROCS (0: Go's default), and only the daemon."""
     before = os.environ.get("GOMAXPROCS")
-    nodes = [swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, daemon_threads=n))) for n in (DAEMON_THREADS, 3, 0)]
+    nodes = [
+        swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, daemon_threads=n)))
+        for n in (DAEMON_THREADS, 3, 0)
+    ]
     try:
         seen = []
         for node in nodes:
@@ -125,7 +138,9 @@ def test_p2p_daemons_run_on_the_threads_a_peer_is_given(swarm):
     finally:
         for node in nodes:
             swarm.loop.run(node.shutdown())
-    with pytest.raises(RuntimeError, match=r"^--daemon_threads must be 0 \(one per core\) or a positive integer, got -1$"):
+    with pytest.raises(
+        RuntimeError, match=r"^--daemon_threads must be 0 \(one per core\) or a positive integer, got -1$"
+    ):
         swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, daemon_threads=-1)))
 
 
@@ -136,7 +151,11 @@ def _chunks(payload: bytes) -> list[pb.Chunk]:
 def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
     """frame_parts writes each message as protobuf would (chunk fields filled, then serialized), the
     data a view of the payload, for heads with and without fields and payloads of 0 to 4 chunks."""
-    heads = [(pb.StageRequest, "micro_batch", pb.MicroBatchHead(run_id="r", stage=2, budget_s=3.5)), (pb.StageReply, "result", pb.ResultHead()), (pb.StageRequest, "step", pb.StepHead())]
+    heads = [
+        (pb.StageRequest, "micro_batch", pb.MicroBatchHead(run_id="r", stage=2, budget_s=3.5)),
+        (pb.StageReply, "result", pb.ResultHead()),
+        (pb.StageRequest, "step", pb.StepHead()),
+    ]
     for size in (0, 1, 300, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES + 17):
         payload = os.urandom(size)
         count = max(1, -(-size // CHUNK_BYTES))
@@ -145,11 +164,18 @@ def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
             assert len(framed) == count
             for i, parts in enumerate(framed):
                 expected = message_type(**{field: head}) if i == 0 else message_type()
-                expected.chunk.index, expected.chunk.count, expected.chunk.total_length, expected.chunk.crc32 = i, count, size, zlib.crc32(payload)
+                expected.chunk.index, expected.chunk.count, expected.chunk.total_length, expected.chunk.crc32 = (
+                    i,
+                    count,
+                    size,
+                    zlib.crc32(payload),
+                )
                 expected.chunk.data = payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
                 assert b"".join(parts) == expected.SerializeToString(), (size, field, i)
                 assert size == 0 or parts[-1].obj is payload  # not a copy
-            assert [m.SerializeToString() for m in frame(message_type, field, head, payload)] == [b"".join(parts) for parts in framed]
+            assert [m.SerializeToString() for m in frame(message_type, field, head, payload)] == [
+                b"".join(parts) for parts in framed
+            ]
 
 
 def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf_does():
@@ -167,13 +193,18 @@ def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf
         assert message == pb.StageRequest.FromString(data)
     whole = pb.StageRequest(micro_batch=head, chunk=pb.Chunk(index=0, count=1, total_length=3, crc32=7, data=b"abc"))
     chunk_first = whole.chunk.SerializeToString()
-    chunk_first = b"\x22" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
+    chunk_first = (
+        b"\x22" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
+    )
     twice = whole.SerializeToString() + pb.StageRequest(chunk=pb.Chunk(data=b"xyz")).SerializeToString()
     trailing = whole.SerializeToString() + pb.StageRequest(micro_batch=pb.MicroBatchHead(stage=9)).SerializeToString()
     for data in (chunk_first, twice, trailing):
         message, view = parse_message(pb.StageRequest, data)
         assert view is None and message == pb.StageRequest.FromString(data)
-    assert parse_message(pb.StageRequest, twice).message.chunk.data == b"xyz" and parse_message(pb.StageRequest, trailing).message.micro_batch.stage == 9
+    assert (
+        parse_message(pb.StageRequest, twice).message.chunk.data == b"xyz"
+        and parse_message(pb.StageRequest, trailing).message.micro_batch.stage == 9
+    )
     for garbage in (whole.SerializeToString()[:-1], b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0f"):
         with pytest.raises(DecodeError):
             pb.StageRequest.FromString(garbage)
@@ -243,9 +274,21 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 2, data)
-        ids, x, y = torch.arange(4), torch.stack([data[0][i][1] for i in range(4)]), torch.tensor([data[0][i][2] for i in range(4)])
+        ids, x, y = (
+            torch.arange(4),
+            torch.stack([data[0][i][1] for i in range(4)]),
+            torch.tensor([data[0][i][2] for i in range(4)]),
+        )
         batch = MicroBatch(0, 0, ids, y)
-        head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, sender=swarm.trainer.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=10)
+        head = pb.MicroBatchHead(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=run_id,
+            stage=0,
+            sender=swarm.trainer.peer_id,
+            kind=pb.FORWARD,
+            batch=batch_to_meta(batch),
+            budget_s=10,
+        )
         payload = tensor_to_raw(x).SerializeToString()
         good = list(frame(pb.StageRequest, "micro_batch", head, payload))
 
@@ -256,7 +299,9 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, corrupted))
         assert isinstance(error, pb.ErrorReply) and "checksum" in error.message and "\n" not in error.message
 
-        big = list(frame(pb.StageRequest, "micro_batch", head, os.urandom(3 << 19)))  # two chunks; only the first arrives
+        big = list(
+            frame(pb.StageRequest, "micro_batch", head, os.urandom(3 << 19))
+        )  # two chunks; only the first arrives
         error, _ = swarm.loop.run(_raw_call(p2p, peer, big[:1]))
         assert isinstance(error, pb.ErrorReply) and "truncated" in error.message
 
@@ -295,13 +340,26 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         assert "targets" in error.message
 
         with pytest.raises(Exception):  # noqa: B017 (hivemind reports an unknown protocol in several ways)
-            swarm.loop.run(asyncio.wait_for(p2p.call_protobuf_handler(hosted.node.p2p.peer_id, handle_name("rpc_bogus"), pb.InfoRequest(), pb.InfoReply), 10))
+            swarm.loop.run(
+                asyncio.wait_for(
+                    p2p.call_protobuf_handler(
+                        hosted.node.p2p.peer_id, handle_name("rpc_bogus"), pb.InfoRequest(), pb.InfoReply
+                    ),
+                    10,
+                )
+            )
         reply = swarm.loop.run(call_info(p2p, peer, "", 10))
         assert reply.peer_id == peer
-        old = swarm.loop.run(p2p.call_protobuf_handler(hosted.node.p2p.peer_id, handle_name("rpc_info"), pb.InfoRequest(protocol_version=0), pb.InfoReply))
+        old = swarm.loop.run(
+            p2p.call_protobuf_handler(
+                hosted.node.p2p.peer_id, handle_name("rpc_info"), pb.InfoRequest(protocol_version=0), pb.InfoReply
+            )
+        )
         assert "protocol version 0" in old.error
         with pytest.raises(RemoteError, match="config mismatch"):
-            request = pb.SetupRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, config_digest="0" * 16, lr_horizon=2)
+            request = pb.SetupRequest(
+                protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, config_digest="0" * 16, lr_horizon=2
+            )
             swarm.loop.run(call_setup(p2p, peer, request, 10))
 
         # the peer kept serving: a good micro-batch still trains
@@ -314,7 +372,9 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
 
 def test_config_digest_covers_what_stages_compute():
     base = smoke()
-    assert config_digest(base) == config_digest(smoke("train.batch_size=20", "name=other", "compression.store_dir=/tmp/elsewhere"))
+    assert config_digest(base) == config_digest(
+        smoke("train.batch_size=20", "name=other", "compression.store_dir=/tmp/elsewhere")
+    )
     assert config_digest(base) != config_digest(smoke("compression.forward=quant:4", "compression.backward=none"))
     assert config_digest(base) != config_digest(smoke("seed=1"))
 
@@ -328,20 +388,53 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
     sets = [a for o in overrides for a in ("--set", o)]
     out = subprocess.run(
-        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), "--checkpoint_dir", str(tmp_path / "ck"), "--checkpoint_every", "1", *sets],
-        capture_output=True, text=True, timeout=150, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "lab",
+            str(SMOKE),
+            "--stages",
+            "2",
+            "--steps",
+            "2",
+            "--results",
+            str(results),
+            "--checkpoint_dir",
+            str(tmp_path / "ck"),
+            "--checkpoint_every",
+            "1",
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
-    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "trainer.pt"]
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
+        "stage0.pt",
+        "stage1.pt",
+        "trainer.pt",
+    ]
     (stages,) = [r for r in read_results(results) if r["type"] == "stages"]  # what the throughput benchmark reads
-    assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"])
-    assert all(0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"])  # the computing thread's CPU time, one torch thread
+    assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(
+        s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"]
+    )
+    assert all(
+        0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"]
+    )  # the computing thread's CPU time, one torch thread
     steps = [r for r in read_results(results) if r["type"] == "step"]  # each carries the stages' compute so far
-    assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [[(0, 40), (1, 40)], [(0, 80), (1, 80)]]
-    assert all(0 < p["compute_s"] <= q["compute_s"] for p, q in zip(steps[0]["stages"], steps[1]["stages"], strict=True))
+    assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [
+        [(0, 40), (1, 40)],
+        [(0, 80), (1, 80)],
+    ]
+    assert all(
+        0 < p["compute_s"] <= q["compute_s"] for p, q in zip(steps[0]["stages"], steps[1]["stages"], strict=True)
+    )
     threads = max(1, len(os.sched_getaffinity(0)) // 3)  # two stage peers and the trainer share the cores
     assert f"[lab] torch threads per peer: {threads}" in out.stdout
     assert p2pd_count() == before  # every daemon the lab started is gone
@@ -356,32 +449,74 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
     results = tmp_path / "shaped.jsonl"
     namespaces = set(list_namespaces("hp"))
     out = subprocess.run(
-        [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", "--results", str(results), "--bandwidth", "stage1=20mbit,*=50mbit", "--delay", "5ms", "--shaping", shaping, "--set", "train.eval_every=100"],
-        capture_output=True, text=True, timeout=200, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "lab",
+            str(SMOKE),
+            "--stages",
+            "2",
+            "--steps",
+            "2",
+            "--results",
+            str(results),
+            "--bandwidth",
+            "stage1=20mbit,*=50mbit",
+            "--delay",
+            "5ms",
+            "--shaping",
+            shaping,
+            "--set",
+            "train.eval_every=100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     if shaping == "netns":
-        assert "stage1     10.77.0.4       up tbf 20mbit" in out.stdout and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
+        assert (
+            "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
+            and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
+        )
         probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
         assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
         assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
         assert set(list_namespaces("hp")) == namespaces  # all torn down
         rows = read_results(results)
         meter = next(r for r in rows if r["type"] == "meter")["samples"]
-        counted = {name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)] for name in ("stage0", "stage1")}
-        payload = {d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step") for d in ("forward", "backward")}
+        counted = {
+            name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)]
+            for name in ("stage0", "stage1")
+        }
+        payload = {
+            d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step")
+            for d in ("forward", "backward")
+        }
         assert payload["forward"] > 0 and payload["backward"] > 0
         # what each link's qdisc metered covers the payload that crossed it, headers on top
         assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
         assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
         assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
     else:
-        assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
+        assert (
+            "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms"
+            in out.stdout
+        )
         probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+        assert (
+            probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
+        )  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
     meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
-    used = {name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)] for name in ("stage0", "stage1", "trainer")}
-    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used  # each peer and its p2p daemon worked while metered
+    used = {
+        name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)]
+        for name in ("stage0", "stage1", "trainer")
+    }
+    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), (
+        used
+    )  # each peer and its p2p daemon worked while metered
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
 
@@ -390,7 +525,14 @@ def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):
     """Peers created with a shape rate send requests and replies through their token bucket."""
     cfg = smoke("model.num_stages=2")
     run_id = uuid.uuid4().hex[:8]
-    shaped = [swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, shape_rate="200mbit", shape_delay="1ms", client_mode=client))) for client in (False, False, True)]
+    shaped = [
+        swarm.loop.run(
+            SwarmNode.create(
+                NodeOptions(initial_peers=swarm.maddrs, shape_rate="200mbit", shape_delay="1ms", client_mode=client)
+            )
+        )
+        for client in (False, False, True)
+    ]
     servicers = [StageServicer(node) for node in shaped[:2]]
     try:
         for stage, servicer in enumerate(servicers):

@@ -59,7 +59,13 @@ def _only(router, keep: str, others) -> None:
 
 
 def test_micro_batches_overlap_in_the_pipeline(swarm, tmp_path):
-    cfg = smoke("model.num_stages=4", "compression.forward=topk:0.1+ef21", "compression.backward=topk:0.1+ef21", "train.micro_batches=8", "train.batch_size=32")
+    cfg = smoke(
+        "model.num_stages=4",
+        "compression.forward=topk:0.1+ef21",
+        "compression.backward=topk:0.1+ef21",
+        "train.micro_batches=8",
+        "train.batch_size=32",
+    )
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(s, s) for s in range(4)])
     try:
@@ -93,7 +99,13 @@ def test_replicas_of_a_stage_stay_identical_when_micro_batches_split_between_the
             assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
             assert pipeline.step() == pytest.approx(local.step())
         assert all(h.processed == 6 for h in replicas)
-        for p, q, r in zip(*(m.parameters() for m in (replicas[0].runtime.module, replicas[1].runtime.module, local.runtimes[1].module)), strict=True):
+        for p, q, r in zip(
+            *(
+                m.parameters()
+                for m in (replicas[0].runtime.module, replicas[1].runtime.module, local.runtimes[1].module)
+            ),
+            strict=True,
+        ):
             assert torch.equal(p, q)
             assert torch.allclose(p, r, rtol=1e-5, atol=1e-7)
     finally:
@@ -173,19 +185,45 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
 
     from swarm.training.loop import Checkpointing
 
-    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:0.2+ef21", "train.eval_every=100")
+    cfg = smoke(
+        "model.num_stages=3",
+        "compression.forward=topk:0.2+ef21",
+        "compression.backward=topk:0.2+ef21",
+        "train.eval_every=100",
+    )
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
     directory = tmp_path / "ckpt"
     try:
         data = build_data(cfg)
         first = ResultsWriter(None)
-        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, first, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+        train(
+            cfg,
+            swarm.pipeline(cfg, run_id, 4, data),
+            data,
+            first,
+            4,
+            progress=False,
+            checkpoint=Checkpointing(str(directory), 2),
+        )
         assert sorted(p.name for p in directory.iterdir()) == ["step-00000002", "step-00000004"]
-        assert sorted(p.name for p in (directory / "step-00000002").iterdir()) == ["stage0.pt", "stage1.pt", "stage2.pt", "trainer.pt"]
+        assert sorted(p.name for p in (directory / "step-00000002").iterdir()) == [
+            "stage0.pt",
+            "stage1.pt",
+            "stage2.pt",
+            "trainer.pt",
+        ]
         shutil.rmtree(directory / "step-00000004")
         resumed = ResultsWriter(None)
-        train(cfg, swarm.pipeline(cfg, run_id, 4, data), data, resumed, 4, progress=False, checkpoint=Checkpointing(str(directory), 2))
+        train(
+            cfg,
+            swarm.pipeline(cfg, run_id, 4, data),
+            data,
+            resumed,
+            4,
+            progress=False,
+            checkpoint=Checkpointing(str(directory), 2),
+        )
     finally:
         swarm.unhost(run_id)
     uninterrupted = local_rows(cfg, tmp_path, steps=4)
@@ -213,7 +251,10 @@ def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
     node = swarm.hosts[0][0]
     record = StageRecord(node.peer_id, 1, 4, [], ready=True)
     assert swarm.loop.run(announce(node, run_id, record, ttl=1.5))
-    keeping, forgetting = Router(swarm.trainer, run_id, refresh_s=0.0), Router(swarm.trainer, run_id, refresh_s=0.0, keep_s=0.0)
+    keeping, forgetting = (
+        Router(swarm.trainer, run_id, refresh_s=0.0),
+        Router(swarm.trainer, run_id, refresh_s=0.0, keep_s=0.0),
+    )
     for router in (keeping, forgetting):
         assert swarm.loop.run(router.choose(1)).peer_id == node.peer_id
     time.sleep(2.0)  # the record expired: the DHT has nobody for stage 1

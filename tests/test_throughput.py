@@ -31,20 +31,44 @@ NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
 
 
 def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
-    rows = [{"type": "config", "config": {"train": {"batch_size": samples_per_step, "micro_batches": 8, "in_flight": 8}}}]
+    rows = [
+        {"type": "config", "config": {"train": {"batch_size": samples_per_step, "micro_batches": 8, "in_flight": 8}}}
+    ]
     for i in range(1, steps + 1):
-        rows.append({"type": "step", "step": i, "samples": i * samples_per_step, "time_s": 10.0 + i * seconds_per_step,
-                     "bytes": {"boundary0.forward.train": fw * samples_per_step, "boundary0.backward.train": bw * samples_per_step,
-                               "boundary1.forward.train": fw * samples_per_step, "boundary1.backward.train": bw * samples_per_step}})
-    rows.append({"type": "stages", "stages": [{"stage": 0, "compute_s": 1.0, "samples": 100}, {"stage": 1, "compute_s": 2.0, "samples": 100},
-                                               {"stage": 1, "compute_s": 2.0, "samples": 100}, {"stage": 2, "compute_s": 0.5, "samples": 100}]})
+        rows.append(
+            {
+                "type": "step",
+                "step": i,
+                "samples": i * samples_per_step,
+                "time_s": 10.0 + i * seconds_per_step,
+                "bytes": {
+                    "boundary0.forward.train": fw * samples_per_step,
+                    "boundary0.backward.train": bw * samples_per_step,
+                    "boundary1.forward.train": fw * samples_per_step,
+                    "boundary1.backward.train": bw * samples_per_step,
+                },
+            }
+        )
+    rows.append(
+        {
+            "type": "stages",
+            "stages": [
+                {"stage": 0, "compute_s": 1.0, "samples": 100},
+                {"stage": 1, "compute_s": 2.0, "samples": 100},
+                {"stage": 1, "compute_s": 2.0, "samples": 100},
+                {"stage": 2, "compute_s": 0.5, "samples": 100},
+            ],
+        }
+    )
     return rows
 
 
 def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)
     assert figures["samples_per_s"] == pytest.approx(32.0)  # steps 2..4 after the warm-up step
-    assert figures["forward_bytes"] == pytest.approx([1000, 1000]) and figures["backward_bytes"] == pytest.approx([500, 500])
+    assert figures["forward_bytes"] == pytest.approx([1000, 1000]) and figures["backward_bytes"] == pytest.approx(
+        [500, 500]
+    )
     assert figures["compute_bound"] == pytest.approx(50.0)  # stage 1: two peers, 4 s over 200 samples
     # stage1's up link sends 1000 B forward and 500 B back per sample: 1 MB/s / 1500 B
     assert figures["link_bound"] == pytest.approx(1_000_000 / 1500)
@@ -63,8 +87,12 @@ def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
     # per sample: 9 + 18 + 4.5 ms of CPU on one core -> 1 / 31.5 ms, below the slowest stage's 50/s
     assert figures["cores_bound"] == pytest.approx(1 / 0.0315) and figures["compute_bound"] == figures["cores_bound"]
     assert figures["binding"] == "cores (1 shared)" and figures["fraction_of_bound"] == pytest.approx(32.0 * 0.0315)
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"  # 127/s on 4 cores
-    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None  # peers that did not report CPU time
+    assert (
+        measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"
+    )  # 127/s on 4 cores
+    assert (
+        measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None
+    )  # peers that did not report CPU time
 
 
 def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry_it():
@@ -74,39 +102,91 @@ def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry
     rows = _rows()
     for row in rows:
         if row["type"] == "step":
-            row["stages"] = [{"stage": stage, "compute_s": 64 * (0.010 + ms / 1000 * (row["step"] - 1)), "compute_cpu_s": 32 * (0.010 + ms / 1000 * (row["step"] - 1)), "samples": 64 * row["step"]}
-                             for stage, ms in enumerate((1, 4, 2))]
+            row["stages"] = [
+                {
+                    "stage": stage,
+                    "compute_s": 64 * (0.010 + ms / 1000 * (row["step"] - 1)),
+                    "compute_cpu_s": 32 * (0.010 + ms / 1000 * (row["step"] - 1)),
+                    "samples": 64 * row["step"],
+                }
+                for stage, ms in enumerate((1, 4, 2))
+            ]
     figures = measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=2)
     assert figures["stage_ms_per_sample"] == pytest.approx([1.0, 4.0, 2.0])  # steps 2..4 only
-    assert figures["compute_bound"] == pytest.approx(250.0) and figures["compute_cpu_ms_per_sample"] == pytest.approx(3.5)
-    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    assert figures["compute_bound"] == pytest.approx(250.0) and figures["compute_cpu_ms_per_sample"] == pytest.approx(
+        3.5
+    )
+    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+        "stage_ms_per_sample"
+    ] == pytest.approx([10.0, 20.0, 5.0])
     rows[-2]["stages"] = rows[-2]["stages"][:2]  # the stage-2 peer left before the last step: its totals went with it
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+        "stage_ms_per_sample"
+    ] == pytest.approx([10.0, 20.0, 5.0])
     rows[-2]["stages"] = [{**peer, "compute_s": 0.0} for peer in rows[3]["stages"]]  # totals that went backwards
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+        "stage_ms_per_sample"
+    ] == pytest.approx([10.0, 20.0, 5.0])
 
 
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
-    assert 0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]  # fill and drain cost, not more
+    assert (
+        0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]
+    )  # fill and drain cost, not more
     with pytest.raises(ValueError, match="at least 2"):
         measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
 
 
-def _meter(links_per_second: dict[str, tuple[int, int]], busy_per_second: float, until: float, cpu_per_second: dict[str, tuple[float, float]] | None = None) -> dict:
+def _meter(
+    links_per_second: dict[str, tuple[int, int]],
+    busy_per_second: float,
+    until: float,
+    cpu_per_second: dict[str, tuple[float, float]] | None = None,
+) -> dict:
     """A lab's meter row: counters growing linearly from t=0, one sample per second."""
-    return {"type": "meter", "every_s": 1.0, "samples": [
-        {"at": float(t), "links": {n: [t * up, t * down] for n, (up, down) in links_per_second.items()}, "cpu_busy_s": t * busy_per_second, "cpu_total_s": 2.0 * t,
-         **({"cpu": {n: [t * own, t * daemon] for n, (own, daemon) in cpu_per_second.items()}} if cpu_per_second else {})}
-        for t in range(int(until) + 2)]}
+    return {
+        "type": "meter",
+        "every_s": 1.0,
+        "samples": [
+            {
+                "at": float(t),
+                "links": {n: [t * up, t * down] for n, (up, down) in links_per_second.items()},
+                "cpu_busy_s": t * busy_per_second,
+                "cpu_total_s": 2.0 * t,
+                **(
+                    {"cpu": {n: [t * own, t * daemon] for n, (own, daemon) in cpu_per_second.items()}}
+                    if cpu_per_second
+                    else {}
+                ),
+            }
+            for t in range(int(until) + 2)
+        ],
+    }
 
 
 def test_meter_window_interpolates_between_samples_and_refuses_an_uncovered_window():
-    row = {"type": "meter", "samples": [
-        {"at": 0.0, "links": {"a": [0, 0]}, "cpu_busy_s": 0.0, "cpu_total_s": 0.0, "cpu": {"a": [0.0, 0.0]}},
-        {"at": 1.0, "links": {"a": [100, 50]}, "cpu_busy_s": 1.0, "cpu_total_s": 2.0, "cpu": {"a": [0.4, 0.2], "b": [0.1, 0.0]}},
-        {"at": 2.0, "links": {"a": [300, 150]}, "cpu_busy_s": 1.5, "cpu_total_s": 4.0, "cpu": {"a": [0.6, 0.6], "b": [0.3, 0.1]}}]}
+    row = {
+        "type": "meter",
+        "samples": [
+            {"at": 0.0, "links": {"a": [0, 0]}, "cpu_busy_s": 0.0, "cpu_total_s": 0.0, "cpu": {"a": [0.0, 0.0]}},
+            {
+                "at": 1.0,
+                "links": {"a": [100, 50]},
+                "cpu_busy_s": 1.0,
+                "cpu_total_s": 2.0,
+                "cpu": {"a": [0.4, 0.2], "b": [0.1, 0.0]},
+            },
+            {
+                "at": 2.0,
+                "links": {"a": [300, 150]},
+                "cpu_busy_s": 1.5,
+                "cpu_total_s": 4.0,
+                "cpu": {"a": [0.6, 0.6], "b": [0.3, 0.1]},
+            },
+        ],
+    }
     counted = window(row, 0.5, 1.5)
     assert counted.sent == {"a": pytest.approx(150.0)} and counted.received == {"a": pytest.approx(75.0)}
     assert counted.busy == pytest.approx((1.25 - 0.5) / (3.0 - 1.0)) and counted.busy_s == pytest.approx(0.75)
@@ -129,7 +209,10 @@ def test_the_meter_stamps_a_sample_while_it_reads_and_keeps_the_cpu_readings():
     sampler.sample()
     sampler.sample()
     assert [s["cpu"] for s in sampler.samples] == [{"a": [1.0, 0.5]}, {"a": [1.5, 0.5], "b": [0.2, 0.1]}]
-    assert before <= sampler.samples[0]["at"] <= sampler.samples[1]["at"] <= time.time() and sampler.samples[0]["links"] == {}
+    assert (
+        before <= sampler.samples[0]["at"] <= sampler.samples[1]["at"] <= time.time()
+        and sampler.samples[0]["links"] == {}
+    )
     plain = CounterSampler(dict)  # no process CPU to read: none in the samples
     plain.sample()
     assert "cpu" not in plain.samples[0]
@@ -143,16 +226,28 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
         if row["type"] == "step":
             row["at"] = row["time_s"]
     # per second: 32 samples/s; stage1 sends 60,000 B/s = 1875 B per sample (1500 payload + 25%)
-    rows.append(_meter({"stage0": (40_000, 30_000), "stage1": (60_000, 50_000), "trainer": (1000, 500)}, busy_per_second=1.5, until=20))
+    rows.append(
+        _meter(
+            {"stage0": (40_000, 30_000), "stage1": (60_000, 50_000), "trainer": (1000, 500)},
+            busy_per_second=1.5,
+            until=20,
+        )
+    )
     figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0)
-    assert figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None  # peers that reported no CPU, a meter without it
+    assert (
+        figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None
+    )  # peers that reported no CPU, a meter without it
     assert figures["wire_bytes_per_sample"]["stage1"] == pytest.approx([1875.0, 1562.5])
     assert figures["busiest_bytes_per_sample"] == pytest.approx(1875.0) and figures["binding"] == "link stage1 up"
-    assert figures["link_bound"] == pytest.approx(10_000 / 1875) and figures["payload_link_bound"] == pytest.approx(10_000 / 1500)
+    assert figures["link_bound"] == pytest.approx(10_000 / 1875) and figures["payload_link_bound"] == pytest.approx(
+        10_000 / 1500
+    )
     assert figures["fraction_of_bound"] == pytest.approx(32.0 / (10_000 / 1875))
     assert figures["machine_busy"] == pytest.approx(0.75)
     plain = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)  # no meter: the payload bound
-    assert plain["wire_bytes_per_sample"] is None and plain["link_bound"] == plain["payload_link_bound"] == pytest.approx(10_000 / 1500)
+    assert plain["wire_bytes_per_sample"] is None and plain["link_bound"] == plain[
+        "payload_link_bound"
+    ] == pytest.approx(10_000 / 1500)
     assert plain["machine_busy"] is None and plain["machine_cpu_ms_per_sample"] is None
 
 
@@ -165,15 +260,40 @@ def test_cpu_per_sample_and_the_share_of_it_the_stages_computed():
             row["at"] = row["time_s"]
     for peer in rows[-1]["stages"]:
         peer["compute_cpu_s"] = peer["compute_s"] / 4  # per sample: 2.5 + 5 + 1.25 ms
-    rows.append(_meter({}, busy_per_second=0.64, until=20, cpu_per_second={"stage0": (0.16, 0.032), "stage1": (0.192, 0.048), "stage2": (0.064, 0.016), "trainer": (0.016, 0.0)}))
+    rows.append(
+        _meter(
+            {},
+            busy_per_second=0.64,
+            until=20,
+            cpu_per_second={
+                "stage0": (0.16, 0.032),
+                "stage1": (0.192, 0.048),
+                "stage2": (0.064, 0.016),
+                "trainer": (0.016, 0.0),
+            },
+        )
+    )
     figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0, cores=2)
     assert figures["wire_bytes_per_sample"] is None and figures["link_bound"] == figures["payload_link_bound"]
-    assert figures["machine_busy"] == pytest.approx(0.32) and figures["machine_cpu_ms_per_sample"] == pytest.approx(20.0)
-    assert figures["cpu_ms_per_sample"] == {"stage0": pytest.approx([5.0, 1.0]), "stage1": pytest.approx([6.0, 1.5]), "stage2": pytest.approx([2.0, 0.5]), "trainer": pytest.approx([0.5, 0.0])}
-    assert figures["compute_cpu_ms_per_sample"] == pytest.approx(8.75) and figures["compute_share"] == pytest.approx(8.75 / 20)
+    assert figures["machine_busy"] == pytest.approx(0.32) and figures["machine_cpu_ms_per_sample"] == pytest.approx(
+        20.0
+    )
+    assert figures["cpu_ms_per_sample"] == {
+        "stage0": pytest.approx([5.0, 1.0]),
+        "stage1": pytest.approx([6.0, 1.5]),
+        "stage2": pytest.approx([2.0, 0.5]),
+        "trainer": pytest.approx([0.5, 0.0]),
+    }
+    assert figures["compute_cpu_ms_per_sample"] == pytest.approx(8.75) and figures["compute_share"] == pytest.approx(
+        8.75 / 20
+    )
     line = cpu_breakdown(ThroughputRow("none", "none", 0.08, shaping="inprocess", **figures))
-    assert line.startswith("CPU per sample: 20.00 ms = stage compute 8.75 + stage peers' other threads 4.25 + stage p2p daemons 3.00")
-    assert line.endswith("trainer and bootstrap (and daemons) 0.50 + the rest of the machine 3.50; compute is 44% of it")
+    assert line.startswith(
+        "CPU per sample: 20.00 ms = stage compute 8.75 + stage peers' other threads 4.25 + stage p2p daemons 3.00"
+    )
+    assert line.endswith(
+        "trainer and bootstrap (and daemons) 0.50 + the rest of the machine 3.50; compute is 44% of it"
+    )
 
 
 def test_backward_specs_and_speedups():
@@ -181,26 +301,62 @@ def test_backward_specs_and_speedups():
     assert backward_spec("topk:0.1+ef21") == "topk:0.1+ef21"
     assert backward_spec("quant:4") == "quant:4"
     assert backward_spec("topk:0.1|quant:8") == "quant:8"
-    assert codec_overrides("topk:0.1") == ("topk:0.1", "topk:reuse", ["compression.forward=topk:0.1", "compression.backward=topk:reuse"])
+    assert codec_overrides("topk:0.1") == (
+        "topk:0.1",
+        "topk:reuse",
+        ["compression.forward=topk:0.1", "compression.backward=topk:reuse"],
+    )
     assert codec_overrides("adaptive:quant")[2][-1] == "compression.adaptive.ladder=quant"
     with pytest.raises(ValueError, match="adaptive:topk or adaptive:quant"):
         codec_overrides("adaptive:zip")
-    base = dict(backward="none", link_bound=1.0, compute_bound=math.inf, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
-                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
-    rows = [ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base), ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base)]
+    base = dict(
+        backward="none",
+        link_bound=1.0,
+        compute_bound=math.inf,
+        fraction_of_bound=1.0,
+        schedule_bound=1.0,
+        binding="link",
+        busiest_bytes_per_sample=1.0,
+        forward_bytes=[],
+        backward_bytes=[],
+        stage_ms_per_sample=[],
+        steps=4,
+        shaping="netns",
+    )
+    rows = [
+        ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base),
+        ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base),
+    ]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
 
 
 def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
-    base = dict(backward="none", link_bound=1.0, compute_bound=1.0, schedule_bound=1.0, busiest_bytes_per_sample=1.0,
-                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns", samples_per_s=1.0)
-    rows = [ThroughputRow("none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
-            ThroughputRow("none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
-            ThroughputRow("quant:4", bandwidth_mbit=500, fraction_of_bound=0.6, binding="cores (2 shared)", compute_share=0.63, **base),
-            ThroughputRow("topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base)]
+    base = dict(
+        backward="none",
+        link_bound=1.0,
+        compute_bound=1.0,
+        schedule_bound=1.0,
+        busiest_bytes_per_sample=1.0,
+        forward_bytes=[],
+        backward_bytes=[],
+        stage_ms_per_sample=[],
+        steps=4,
+        shaping="netns",
+        samples_per_s=1.0,
+    )
+    rows = [
+        ThroughputRow("none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
+        ThroughputRow("none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
+        ThroughputRow(
+            "quant:4", bandwidth_mbit=500, fraction_of_bound=0.6, binding="cores (2 shared)", compute_share=0.63, **base
+        ),
+        ThroughputRow("topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base),
+    ]
     lines = target_lines(rows)
     assert lines[0] == "link-bound points at >= 80% of the bound: 1 of 2 (lowest: none at 500 Mbit/s 79%)"
-    assert lines[1] == "bound by cores (2 shared): quant:4 at 500 Mbit/s 60%; the stages' compute used 63% of the busy CPU"
+    assert (
+        lines[1] == "bound by cores (2 shared): quant:4 at 500 Mbit/s 60%; the stages' compute used 63% of the busy CPU"
+    )
     assert len(lines) == 2  # a point without a fraction is not judged
     assert target_lines(rows[:1], target=0.9)[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
 
@@ -208,17 +364,55 @@ def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
 def test_the_setup_line_names_the_real_boundary_sizes_and_the_small_compute():
     line = describe_setup("configs/bench/relay-layer1.yaml", ["model.num_stages=4"], cores=2)
     assert line.count("[64, 32, 32] (256 KiB in float32)") == 3 and "almost no compute" in line and "2 cores" in line
-    assert "[1024, 768] (3,072 KiB in float32)" in describe_setup("configs/bench/relay-layer1.yaml", ["model.num_stages=2", "model.options.boundary=gpt2"], cores=2)
+    assert "[1024, 768] (3,072 KiB in float32)" in describe_setup(
+        "configs/bench/relay-layer1.yaml", ["model.num_stages=2", "model.options.boundary=gpt2"], cores=2
+    )
 
 
 def test_rows_as_json_table_and_plot(tmp_path):
-    base = dict(backward="none", schedule_bound=9.0, busiest_bytes_per_sample=1e6, binding="link stage1 up",
-                forward_bytes=[1e6], backward_bytes=[1e6], stage_ms_per_sample=[2.0], steps=4, shaping="netns")
-    rows = [ThroughputRow("none", bandwidth_mbit=mbit, samples_per_s=mbit / 10, link_bound=mbit / 8, compute_bound=400.0, fraction_of_bound=0.8, **base) for mbit in (10, 100)]
-    rows.append(ThroughputRow("quant:4", bandwidth_mbit=100, samples_per_s=90.0, link_bound=100.0, compute_bound=math.inf, fraction_of_bound=0.9, **base))
+    base = dict(
+        backward="none",
+        schedule_bound=9.0,
+        busiest_bytes_per_sample=1e6,
+        binding="link stage1 up",
+        forward_bytes=[1e6],
+        backward_bytes=[1e6],
+        stage_ms_per_sample=[2.0],
+        steps=4,
+        shaping="netns",
+    )
+    rows = [
+        ThroughputRow(
+            "none",
+            bandwidth_mbit=mbit,
+            samples_per_s=mbit / 10,
+            link_bound=mbit / 8,
+            compute_bound=400.0,
+            fraction_of_bound=0.8,
+            **base,
+        )
+        for mbit in (10, 100)
+    ]
+    rows.append(
+        ThroughputRow(
+            "quant:4",
+            bandwidth_mbit=100,
+            samples_per_s=90.0,
+            link_bound=100.0,
+            compute_bound=math.inf,
+            fraction_of_bound=0.9,
+            **base,
+        )
+    )
     data = json.loads(to_json(rows))
-    assert [(r["codec"], r["bandwidth_mbit"], r["samples_per_s"]) for r in data] == [("none", 10, 1.0), ("none", 100, 10.0), ("quant:4", 100, 90.0)]
-    assert {"codec", "bandwidth_mbit", "samples_per_s", "link_bound", "compute_bound", "fraction_of_bound"} <= set(data[0])
+    assert [(r["codec"], r["bandwidth_mbit"], r["samples_per_s"]) for r in data] == [
+        ("none", 10, 1.0),
+        ("none", 100, 10.0),
+        ("quant:4", 100, 90.0),
+    ]
+    assert {"codec", "bandwidth_mbit", "samples_per_s", "link_bound", "compute_bound", "fraction_of_bound"} <= set(
+        data[0]
+    )
     table = format_rows(rows).splitlines()
     assert len(table) == 4 and table[0].split()[:2] == ["codec", "(fw"] and "90%" in table[3]
     path = tmp_path / "plots" / "throughput.png"
@@ -227,10 +421,23 @@ def test_rows_as_json_table_and_plot(tmp_path):
 
 
 def test_faster_points_run_enough_steps_for_the_time_budget():
-    base = dict(backward="none", link_bound=1.0, fraction_of_bound=1.0, schedule_bound=1.0, binding="link", busiest_bytes_per_sample=1.0,
-                forward_bytes=[], backward_bytes=[], stage_ms_per_sample=[], steps=4, shaping="netns")
-    slow = [ThroughputRow("topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
-            ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base)]
+    base = dict(
+        backward="none",
+        link_bound=1.0,
+        fraction_of_bound=1.0,
+        schedule_bound=1.0,
+        binding="link",
+        busiest_bytes_per_sample=1.0,
+        forward_bytes=[],
+        backward_bytes=[],
+        stage_ms_per_sample=[],
+        steps=4,
+        shaping="netns",
+    )
+    slow = [
+        ThroughputRow("topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
+        ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base),
+    ]
     assert expected_samples_per_s([], 10) is None
     assert expected_samples_per_s(slow[:1], 50) == pytest.approx(80)  # scales with the rate
     assert expected_samples_per_s(slow, 500) == pytest.approx(450)  # the nearest slower point's compute bound caps it
@@ -248,7 +455,9 @@ def test_lab_bandwidth_forms_and_errors(tmp_path):
     assert parse_rates("stage1=20mbit", NAMES) == {"stage1": "20mbit"}
     table = tmp_path / "rates.yaml"
     table.write_text("stage0: 10mbit\n'*': 50mbit\n")
-    assert parse_rates(str(table), NAMES)["stage0"] == "10mbit" and parse_rates(str(table), NAMES)["trainer"] == "50mbit"
+    assert (
+        parse_rates(str(table), NAMES)["stage0"] == "10mbit" and parse_rates(str(table), NAMES)["trainer"] == "50mbit"
+    )
     assert parse_rates(None, NAMES) is None
     with pytest.raises(ValueError, match="unknown process"):
         parse_rates("stage9=10mbit", NAMES)
@@ -259,7 +468,9 @@ def test_lab_bandwidth_forms_and_errors(tmp_path):
     with pytest.raises(ValueError, match="rates.yml does not exist"):
         parse_rates(str(tmp_path / "rates.yml"), NAMES)
     table.write_text("stage0: [10mbit\n")
-    with pytest.raises(ValueError, match=r"rates.yaml is not readable YAML: expected ',' or '\]', but got .* \(line 2, column 1\)"):
+    with pytest.raises(
+        ValueError, match=r"rates.yaml is not readable YAML: expected ',' or '\]', but got .* \(line 2, column 1\)"
+    ):
         parse_rates(str(table), NAMES)
     table.write_bytes(b"stage0: \xff\xfe10mbit\n")
     with pytest.raises(ValueError, match="rates.yaml is not readable YAML: 'utf-8' codec"):

@@ -32,8 +32,27 @@ def kept_counts(enc, shape) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "ratio,n",
-    [(0.1, 10), (0.3, 10), (0.7, 10), (0.2, 5), (0.6, 5), (0.01, 100), (0.05, 20), (0.15, 20), (0.35, 20),
-     (0.9, 10), (0.55, 20), (0.001, 1000), (0.125, 8), (0.3, 7), (0.29, 100), (0.57, 100), (1 / 3, 3), (0.1, 1), (1.0, 13)],
+    [
+        (0.1, 10),
+        (0.3, 10),
+        (0.7, 10),
+        (0.2, 5),
+        (0.6, 5),
+        (0.01, 100),
+        (0.05, 20),
+        (0.15, 20),
+        (0.35, 20),
+        (0.9, 10),
+        (0.55, 20),
+        (0.001, 1000),
+        (0.125, 8),
+        (0.3, 7),
+        (0.29, 100),
+        (0.57, 100),
+        (1 / 3, 3),
+        (0.1, 1),
+        (1.0, 13),
+    ],
 )
 def test_topk_keeps_ceil_ratio_n_per_sample(ratio, n):
     shape = (3, n)
@@ -133,9 +152,7 @@ def test_topk_large_rows_exact(kind, dtype):
 
 
 def test_topk_ties():
-    x = torch.tensor([[1.0, -1.0, 2.0, 1.0, -1.0, -2.0, 1.0, 1.0, -1.0, 1.0],
-                      [0.0] * 10,
-                      [3.0] * 10])
+    x = torch.tensor([[1.0, -1.0, 2.0, 1.0, -1.0, -2.0, 1.0, 1.0, -1.0, 1.0], [0.0] * 10, [3.0] * 10])
     for ratio, k in [(0.3, 3), (0.5, 5), (0.1, 1), (0.2, 2)]:
         enc = through_wire(TopK(ratio).encode(x))
         assert enc.body.kept_per_sample == k
@@ -257,7 +274,15 @@ def test_topk_quantized_values_size():
 # ---- 5. reused indices -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fwd_spec,back_spec", [("topk:0.1/fp16", "topk:reuse/fp16"), ("topk:0.3", "topk:reuse"), ("topk:0.05/q8", "topk:reuse/q4"), ("topk:0.5/bf16", "topk:reuse/bf16")])
+@pytest.mark.parametrize(
+    "fwd_spec,back_spec",
+    [
+        ("topk:0.1/fp16", "topk:reuse/fp16"),
+        ("topk:0.3", "topk:reuse"),
+        ("topk:0.05/q8", "topk:reuse/q4"),
+        ("topk:0.5/bf16", "topk:reuse/bf16"),
+    ],
+)
 def test_reused_index_gradient(fwd_spec, back_spec):
     fwd, back = parse(fwd_spec), parse(back_spec)
     assert back.reuses_indices and not fwd.reuses_indices

@@ -23,8 +23,22 @@ def _corpus():
     torch.manual_seed(1234)
     items = []  # (name, payload, reuse selection or None)
     x = make((3, 8))
-    for spec in ["none", "fp32", "fp16", "bf16", "quant:1", "quant:3/tensor", "quant:4/channel", "quant:8",
-                 "quant:5/stochastic", "topk:0.5", "topk:0.1/fp16", "topk:0.25/q4", "topk:1.0/bf16", "topk:0.3/q8"]:
+    for spec in [
+        "none",
+        "fp32",
+        "fp16",
+        "bf16",
+        "quant:1",
+        "quant:3/tensor",
+        "quant:4/channel",
+        "quant:8",
+        "quant:5/stochastic",
+        "topk:0.5",
+        "topk:0.1/fp16",
+        "topk:0.25/q4",
+        "topk:1.0/bf16",
+        "topk:0.3/q8",
+    ]:
         items.append((spec, parse(spec).sender().send(x).payload, None))
     items.append(("quant:6/channel 4-D", parse("quant:6/channel").sender().send(make((2, 3, 2, 2))).payload, None))
     items.append(("none fp64", parse("none").sender().send(make((5,), torch.float64)).payload, None))
@@ -34,8 +48,16 @@ def _corpus():
     items.append(("topk:0.02 varint", parse("topk:0.02/fp16").sender().send(big).payload, None))
     # reused indices
     fwd = parse("topk:0.25").sender().send(x)
-    items.append(("topk:reuse", parse("topk:reuse/fp16").sender().send(make((3, 8)), reuse=fwd.selection).payload, fwd.selection))
-    items.append(("topk:reuse/q4", parse("topk:reuse/q4").sender().send(make((3, 8)), reuse=fwd.selection).payload, fwd.selection))
+    items.append(
+        ("topk:reuse", parse("topk:reuse/fp16").sender().send(make((3, 8)), reuse=fwd.selection).payload, fwd.selection)
+    )
+    items.append(
+        (
+            "topk:reuse/q4",
+            parse("topk:reuse/q4").sender().send(make((3, 8)), reuse=fwd.selection).payload,
+            fwd.selection,
+        )
+    )
     # stamped (mirrored state)
     s = parse("topk:0.25+ef21").sender()
     s.send(x).commit()

@@ -68,7 +68,11 @@ def link_bound(rate_bits: RateLike, forward_bytes: float, backward_bytes: float 
 
 def compute_bound(stage_seconds_per_sample: Sequence[float] | float) -> float:
     """Samples/s of a pipeline whose slowest stage spends max(seconds) per sample (forward+backward)."""
-    seconds = [stage_seconds_per_sample] if isinstance(stage_seconds_per_sample, int | float) else list(stage_seconds_per_sample)
+    seconds = (
+        [stage_seconds_per_sample]
+        if isinstance(stage_seconds_per_sample, int | float)
+        else list(stage_seconds_per_sample)
+    )
     if not seconds:
         raise ValueError("compute_bound needs at least one stage time")
     if any(s < 0 for s in seconds):
@@ -111,7 +115,14 @@ class Load:
     down: float  # bytes per sample it receives
 
 
-def chain_transfers(forward_bytes: Sequence[float], backward_bytes: Sequence[float], names: Sequence[str] | None = None, input_bytes: float = 0.0, label_bytes: float = 0.0, trainer: str = "trainer") -> list[Transfer]:
+def chain_transfers(
+    forward_bytes: Sequence[float],
+    backward_bytes: Sequence[float],
+    names: Sequence[str] | None = None,
+    input_bytes: float = 0.0,
+    label_bytes: float = 0.0,
+    trainer: str = "trainer",
+) -> list[Transfer]:
     """The traffic of a pipeline: boundary j carries fw[j] from stage j to j+1 and bw[j] back.
 
     `names` defaults to stage0..stageS-1 (S = boundaries + 1). `input_bytes` (trainer -> stage 0)
@@ -145,7 +156,9 @@ def access_loads(transfers: Sequence[Transfer]) -> dict[str, Load]:
     return {p: Load(up.get(p, 0.0), down.get(p, 0.0)) for p in sorted(set(up) | set(down))}
 
 
-def access_bound(rates: RateLike | Mapping[str, RateLike | None], transfers: Sequence[Transfer], shared: bool = False) -> tuple[float, str | None, str | None]:
+def access_bound(
+    rates: RateLike | Mapping[str, RateLike | None], transfers: Sequence[Transfer], shared: bool = False
+) -> tuple[float, str | None, str | None]:
     """(samples/s, busiest process, its busiest direction) for per-process access links.
 
     `rates`: one rate for every process, or {process: rate}; a missing or None rate is unshaped.
@@ -188,7 +201,9 @@ class Bound:
         link = "unbounded" if math.isinf(self.link) else f"{self.link:.3g} samples/s"
         text = f"link bound {link}"
         if self.busiest is not None and self.rate_bits:
-            text += f" ({self.busiest} {self.direction}: {self.wire_bytes:.4g} B/sample at {format_rate(self.rate_bits)})"
+            text += (
+                f" ({self.busiest} {self.direction}: {self.wire_bytes:.4g} B/sample at {format_rate(self.rate_bits)})"
+            )
         if not math.isinf(self.compute):
             text += f", compute bound {self.compute:.3g} samples/s"
         text += f"; {self.binding}-bound"
@@ -231,7 +246,14 @@ def pipeline_bound(
         for j, (rate, fw, bw) in enumerate(zip(per, forward_bytes, backward_bytes, strict=True)):
             bound = link_bound(rate, fw, bw, shared)
             if bound < best.link:
-                best = Bound(bound, compute, str(j), "fw+bw" if shared else "max(fw,bw)", fw + bw if shared else max(fw, bw), _rate(rate))
+                best = Bound(
+                    bound,
+                    compute,
+                    str(j),
+                    "fw+bw" if shared else "max(fw,bw)",
+                    fw + bw if shared else max(fw, bw),
+                    _rate(rate),
+                )
         return best
     if topology == "access":
         if isinstance(rates, Sequence) and not isinstance(rates, str):

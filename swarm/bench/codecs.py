@@ -135,7 +135,14 @@ def hivemind_float16_probe(name: str, x: torch.Tensor) -> Probe:
 def torch_topk_probe(name: str, x: torch.Tensor, ratio: float = 0.1) -> Probe:
     flat = x.reshape(x.shape[0], -1)
     k = kept_per_sample(ratio, flat.shape[1])
-    return Probe(f"torch:topk:{ratio:g}", name, x, lambda: torch.topk(flat.abs(), k, dim=1, sorted=False), None, lambda out, y: (None, None, None))
+    return Probe(
+        f"torch:topk:{ratio:g}",
+        name,
+        x,
+        lambda: torch.topk(flat.abs(), k, dim=1, sorted=False),
+        None,
+        lambda out, y: (None, None, None),
+    )
 
 
 def store_probe(name: str, x: torch.Tensor, fmt: str) -> Probe:
@@ -208,14 +215,24 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool]]:
         ref = by.get(("hivemind:float16", tensor))
         topk_ref = by.get(("torch:topk:0.1", tensor))
         if (r := by.get(("topk:0.1/fp16", tensor))) is not None:
-            out.append((f"{tensor}: topk:0.1/fp16 <= 2.7 bits/elem", f"{r.bits_per_element:.3f}", r.bits_per_element <= 2.7))
+            out.append(
+                (f"{tensor}: topk:0.1/fp16 <= 2.7 bits/elem", f"{r.bits_per_element:.3f}", r.bits_per_element <= 2.7)
+            )
         if (r := by.get(("topk:reuse/fp16", tensor))) is not None:
-            out.append((f"{tensor}: topk:reuse/fp16 <= 1.7 bits/elem", f"{r.bits_per_element:.3f}", r.bits_per_element <= 1.7))
+            out.append(
+                (f"{tensor}: topk:reuse/fp16 <= 1.7 bits/elem", f"{r.bits_per_element:.3f}", r.bits_per_element <= 1.7)
+            )
         for r in rows:  # the default (per-sample) quantizer; /tensor and /channel rows are informative
             if r.tensor != tensor or not r.codec.startswith("quant:") or "/" in r.codec:
                 continue
             bits = int(r.codec.split(":")[1].split("/")[0])
-            out.append((f"{tensor}: {r.codec} <= {bits + 0.1:g} bits/elem", f"{r.bits_per_element:.3f}", r.bits_per_element <= bits + 0.1))
+            out.append(
+                (
+                    f"{tensor}: {r.codec} <= {bits + 0.1:g} bits/elem",
+                    f"{r.bits_per_element:.3f}",
+                    r.bits_per_element <= bits + 0.1,
+                )
+            )
             if ref is not None:
                 ratio = _round_trip_seconds(ref) / _round_trip_seconds(r)
                 out.append((f"{tensor}: {r.codec} enc+dec speed >= hivemind:float16", f"{ratio:.2f}x", ratio >= 1.0))
@@ -243,10 +260,14 @@ def format_table(rows: list[Row]) -> str:
     stores = [r for r in rows if r.extra]
     if stores:
         lines.append("")
-        lines.append(f"AQ-SGD buffers for {CIFAR_TRAIN_SAMPLES:,} CIFAR-10 samples at the layer1 boundary (per side, per boundary):")
+        lines.append(
+            f"AQ-SGD buffers for {CIFAR_TRAIN_SAMPLES:,} CIFAR-10 samples at the layer1 boundary (per side, per boundary):"
+        )
         for r in stores:
             e = r.extra
-            lines.append(f"  {r.codec:20s} {e['bytes_per_sample']:>8,d} B/sample  {100 * e['fraction_of_fp32']:6.2f}% of fp32  {e['gb_for_50k_samples']:6.2f} GB")
+            lines.append(
+                f"  {r.codec:20s} {e['bytes_per_sample']:>8,d} B/sample  {100 * e['fraction_of_fp32']:6.2f}% of fp32  {e['gb_for_50k_samples']:6.2f} GB"
+            )
     return "\n".join(lines)
 
 

@@ -44,9 +44,15 @@ class StepModel:
     def __post_init__(self) -> None:
         if self.stages < 2:
             raise ValueError(f"the model needs at least 2 stages, got {self.stages}")
-        for name, values, n in (("forward_bytes", self.forward_bytes, self.stages - 1), ("backward_bytes", self.backward_bytes, self.stages - 1), ("compute_s", self.compute_s, self.stages)):
+        for name, values, n in (
+            ("forward_bytes", self.forward_bytes, self.stages - 1),
+            ("backward_bytes", self.backward_bytes, self.stages - 1),
+            ("compute_s", self.compute_s, self.stages),
+        ):
             if len(values) != n:
-                raise ValueError(f"{name} needs {n} values (one per {'boundary' if n < self.stages else 'stage'}), got {len(values)}")
+                raise ValueError(
+                    f"{name} needs {n} values (one per {'boundary' if n < self.stages else 'stage'}), got {len(values)}"
+                )
         if min(self.micro_batches, self.in_flight, self.sending) < 1 or self.rate_bits <= 0:
             raise ValueError("micro_batches, in_flight, sending and rate_bits must be positive")
 
@@ -57,7 +63,9 @@ class FluidResult:
     busy: dict[str, float]  # "stage1 up" -> fraction of the step at full rate
 
 
-def max_min_rates(flows: Sequence[tuple[str, ...]], capacity: float, weights: Sequence[float] | None = None) -> list[float]:
+def max_min_rates(
+    flows: Sequence[tuple[str, ...]], capacity: float, weights: Sequence[float] | None = None
+) -> list[float]:
     """Weighted max-min fair rates of flows, each given as the links it crosses (all of `capacity`):
     on a link, unsaturated flows get rates in proportion to their weights (default: equal)."""
     weights = weights or [1.0] * len(flows)
@@ -122,7 +130,12 @@ class _Step:
         if stage == self.m.stages - 1:
             self.backward_arrived(stage, mb)  # the loss's gradient is here
             return
-        self.send(f"stage{stage}", f"stage{stage + 1}", self.m.forward_bytes[stage], lambda: self.compute(stage + 1, lambda: self.forward_done(stage + 1, mb)))
+        self.send(
+            f"stage{stage}",
+            f"stage{stage + 1}",
+            self.m.forward_bytes[stage],
+            lambda: self.compute(stage + 1, lambda: self.forward_done(stage + 1, mb)),
+        )
 
     def backward_arrived(self, stage: int, mb: int) -> None:
         """A gradient reached `stage`: backward there in forward order, then the gradient goes up."""
@@ -131,7 +144,14 @@ class _Step:
             n = self.back_next[stage]
             self.back_ready[stage].discard(n)
             self.back_next[stage] += 1
-            self.compute(stage, self.finished if stage == 0 else lambda s=stage, k=n: self.send(f"stage{s}", f"stage{s - 1}", self.m.backward_bytes[s - 1], lambda: self.backward_arrived(s - 1, k)))
+            self.compute(
+                stage,
+                self.finished
+                if stage == 0
+                else lambda s=stage, k=n: self.send(
+                    f"stage{s}", f"stage{s - 1}", self.m.backward_bytes[s - 1], lambda: self.backward_arrived(s - 1, k)
+                ),
+            )
 
     def finished(self) -> None:
         self.done += 1
@@ -142,9 +162,13 @@ class _Step:
         for _ in range(min(self.m.in_flight, self.m.micro_batches)):
             self.admit()
         while self.done < self.m.micro_batches:
-            flows = [(f"{t[1]} up", f"{t[2]} down") if self.m.download_limited else (f"{t[1]} up",) for t in self.transfers]
+            flows = [
+                (f"{t[1]} up", f"{t[2]} down") if self.m.download_limited else (f"{t[1]} up",) for t in self.transfers
+            ]
             rates = max_min_rates(flows, self.capacity, [max(t[4], _EPS) for t in self.transfers]) if flows else []
-            until_transfer = min((t[0] / r for t, r in zip(self.transfers, rates, strict=True) if r > 0), default=float("inf"))
+            until_transfer = min(
+                (t[0] / r for t, r in zip(self.transfers, rates, strict=True) if r > 0), default=float("inf")
+            )
             until_event = self.events[0][0] - self.t if self.events else float("inf")
             dt = max(min(until_transfer, until_event), 0.0)
             if dt == float("inf"):
@@ -162,7 +186,9 @@ class _Step:
             while self.events and self.events[0][0] <= self.t + _EPS:
                 heapq.heappop(self.events)[2]()
             self.start_waiting()
-        return FluidResult(self.t, {link: seconds / self.t for link, seconds in sorted(self.busy.items()) if self.t > 0})
+        return FluidResult(
+            self.t, {link: seconds / self.t for link, seconds in sorted(self.busy.items()) if self.t > 0}
+        )
 
 
 def simulate(model: StepModel) -> FluidResult:

@@ -102,6 +102,9 @@ def run(exchanges: int = 300, payload_kb: int = 60) -> list[StreamCost]:
 
 
 def format_rows(rows: list[StreamCost], payload_kb: int) -> str:
-    lines = [f"{payload_kb} KiB request, 2-byte reply, loopback, two p2pd daemons", f"{'stream':<16} {'exchanges':>9} {'wall ms':>8} {'CPU ms':>7}"]
+    lines = [
+        f"{payload_kb} KiB request, 2-byte reply, loopback, two p2pd daemons",
+        f"{'stream':<16} {'exchanges':>9} {'wall ms':>8} {'CPU ms':>7}",
+    ]
     lines += [f"{r.mode:<16} {r.exchanges:>9} {r.wall_ms:>8.2f} {r.cpu_ms:>7.2f}" for r in rows]
     return "\n".join(lines)

@@ -50,7 +50,11 @@ def codec_overrides(codec: str) -> tuple[str, str, list[str]]:
         ladder = codec.split(":", 1)[1]
         if ladder not in ("topk", "quant"):
             raise ValueError(f"bad codec {codec!r}: adaptive:topk or adaptive:quant")
-        return codec, "adaptive", ["compression.forward=none", "compression.backward=none", f"compression.adaptive.ladder={ladder}"]
+        return (
+            codec,
+            "adaptive",
+            ["compression.forward=none", "compression.backward=none", f"compression.adaptive.ladder={ladder}"],
+        )
     forward, backward = codec.split("|", 1)[0], backward_spec(codec)
     return forward, backward, [f"compression.forward={forward}", f"compression.backward={backward}"]
 
@@ -87,29 +91,64 @@ class ThroughputRow:
     machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time per sample over the measured steps
     compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time per sample, summed
     compute_share: float | None = None  # compute_cpu_ms_per_sample / machine_cpu_ms_per_sample
-    cpu_ms_per_sample: dict[str, list[float]] | None = None  # per process: [its own, its p2p daemon's] CPU time per sample
+    cpu_ms_per_sample: dict[str, list[float]] | None = (
+        None  # per process: [its own, its p2p daemon's] CPU time per sample
+    )
 
 
-def schedule_bound(train: dict, stages: int, bandwidth_bits: float, forward: list[float], backward: list[float], stage_s: list[float] | None, input_bytes: float, download_limited: bool = True) -> float:
+def schedule_bound(
+    train: dict,
+    stages: int,
+    bandwidth_bits: float,
+    forward: list[float],
+    backward: list[float],
+    stage_s: list[float] | None,
+    input_bytes: float,
+    download_limited: bool = True,
+) -> float:
     """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
     from swarm.bench.fluid import StepModel, simulate
     from swarm.transport.hivemind.calls import SENDING
 
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
-    compute = [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages  # forward and backward each
-    model = StepModel(stages, train["micro_batches"], in_flight, SENDING, [b * size for b in forward], [b * size for b in backward], compute, bandwidth_bits, input_bytes * size, download_limited)
+    compute = (
+        [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
+    )  # forward and backward each
+    model = StepModel(
+        stages,
+        train["micro_batches"],
+        in_flight,
+        SENDING,
+        [b * size for b in forward],
+        [b * size for b in backward],
+        compute,
+        bandwidth_bits,
+        input_bytes * size,
+        download_limited,
+    )
     return train["batch_size"] / simulate(model).step_s
 
 
-def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_bytes: float, topology: str = "access", warmup: int = WARMUP_STEPS, download_limited: bool = True, cores: float | None = None) -> dict:
+def measure_run(
+    rows: list[dict],
+    stages: int,
+    bandwidth_bits: float,
+    input_bytes: float,
+    topology: str = "access",
+    warmup: int = WARMUP_STEPS,
+    download_limited: bool = True,
+    cores: float | None = None,
+) -> dict:
     """The figures of one finished run's results rows (see module doc); `cores`: the stages share
     that many cores (None: each has its own hardware)."""
     from swarm.bench.bounds import pipeline_bound, shared_cores_bound
 
     steps = [r for r in rows if r["type"] == "step"]
     if len(steps) <= warmup:
-        raise ValueError(f"the run has {len(steps)} steps; at least {warmup + 1} are needed (the first {warmup} warm up)")
+        raise ValueError(
+            f"the run has {len(steps)} steps; at least {warmup + 1} are needed (the first {warmup} warm up)"
+        )
     first, last = steps[warmup - 1] if warmup else {"samples": 0, "time_s": 0.0}, steps[-1]
     samples = last["samples"] - first["samples"]
     achieved = samples / (last["time_s"] - first["time_s"])
@@ -121,12 +160,23 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     per_stage = stage_compute(rows, first, last)
     stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None
     stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
-    bound = pipeline_bound(bandwidth_bits, forward, backward, stage_s, topology=topology, names=[f"stage{i}" for i in range(stages)], input_bytes=input_bytes)
+    bound = pipeline_bound(
+        bandwidth_bits,
+        forward,
+        backward,
+        stage_s,
+        topology=topology,
+        names=[f"stage{i}" for i in range(stages)],
+        input_bytes=input_bytes,
+    )
     link, busiest, busiest_bytes = bound.link, f"{bound.busiest} {bound.direction}", bound.wire_bytes
     meter = metered(rows, first, last, samples)
     wire = meter["wire_bytes_per_sample"]
     if wire:  # the links' own counts: the bound is what tbf lets through, headers and ACKs included
-        (busiest, busiest_bytes) = max(((f"{name} {d}", b) for name, pair in wire.items() for d, b in zip(("up", "down"), pair, strict=True)), key=lambda item: item[1])
+        (busiest, busiest_bytes) = max(
+            ((f"{name} {d}", b) for name, pair in wire.items() for d, b in zip(("up", "down"), pair, strict=True)),
+            key=lambda item: item[1],
+        )
         link = bandwidth_bits / 8 / busiest_bytes if busiest_bytes else math.inf
     cores_bound = shared_cores_bound(cores, stage_cpu) if cores and any(stage_cpu) else None
     compute = min(bound.compute, cores_bound or math.inf)
@@ -139,7 +189,9 @@ def measure_run(rows: list[dict], stages: int, bandwidth_bits: float, input_byte
     compute_cpu, machine_cpu = 1000 * sum(stage_cpu) if any(stage_cpu) else None, meter["machine_cpu_ms_per_sample"]
     return {
         "samples_per_s": achieved,
-        "schedule_bound": schedule_bound(train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited),
+        "schedule_bound": schedule_bound(
+            train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited
+        ),
         "link_bound": link,
         "compute_bound": compute,
         "cores_bound": cores_bound,
@@ -167,13 +219,22 @@ def stage_compute(rows: list[dict], first: dict, last: dict) -> dict[int, list[f
         per_stage: dict[int, list[float]] = {}
         for peer in peers:
             seconds, cpu, count = per_stage.get(peer["stage"], [0.0, 0.0, 0])
-            per_stage[peer["stage"]] = [seconds + peer["compute_s"], cpu + peer.get("compute_cpu_s", 0.0), count + peer["samples"]]
+            per_stage[peer["stage"]] = [
+                seconds + peer["compute_s"],
+                cpu + peer.get("compute_cpu_s", 0.0),
+                count + peer["samples"],
+            ]
         return per_stage
 
     if "stages" in last and ("stages" in first or "step" not in first):  # no warm-up: from the start
         before, after = totals(first.get("stages", [])), totals(last["stages"])
-        between = {stage: [a - b for a, b in zip(now, before.get(stage, [0.0, 0.0, 0]), strict=True)] for stage, now in after.items()}
-        if set(before) <= set(after) and all(count > 0 and seconds >= 0 and cpu >= 0 for seconds, cpu, count in between.values()):
+        between = {
+            stage: [a - b for a, b in zip(now, before.get(stage, [0.0, 0.0, 0]), strict=True)]
+            for stage, now in after.items()
+        }
+        if set(before) <= set(after) and all(
+            count > 0 and seconds >= 0 and cpu >= 0 for seconds, cpu, count in between.values()
+        ):
             return between
     return totals(next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"])
 
@@ -187,10 +248,15 @@ def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
 
     meter = next((r for r in rows if r["type"] == "meter"), None)
     if meter is None or "at" not in first or "at" not in last:
-        return dict.fromkeys(("wire_bytes_per_sample", "machine_busy", "machine_cpu_ms_per_sample", "cpu_ms_per_sample"))
+        return dict.fromkeys(
+            ("wire_bytes_per_sample", "machine_busy", "machine_cpu_ms_per_sample", "cpu_ms_per_sample")
+        )
     counted = window(meter, first["at"], last["at"])
     return {
-        "wire_bytes_per_sample": {name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent} or None,
+        "wire_bytes_per_sample": {
+            name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent
+        }
+        or None,
         "machine_busy": counted.busy,
         "machine_cpu_ms_per_sample": 1000 * counted.busy_s / samples,
         "cpu_ms_per_sample": {name: [1000 * s / samples for s in pair] for name, pair in counted.cpu.items()} or None,
@@ -226,14 +292,18 @@ def describe_setup(config: str, overrides: list[str], cores: int) -> str:
     with torch.no_grad():
         for stage in model.stages[:-1]:
             out = stage(out)
-            shapes.append(f"{list(out.shape[1:])} ({out[0].numel() * out.element_size() / 1024:,.0f} KiB in {str(out.dtype).removeprefix('torch.')})")
+            shapes.append(
+                f"{list(out.shape[1:])} ({out[0].numel() * out.element_size() / 1024:,.0f} KiB in {str(out.dtype).removeprefix('torch.')})"
+            )
     options = ", ".join(f"{k}: {v}" for k, v in cfg.model.options.items())
     builder = MODELS.get(cfg.model.name)
     about = " ".join((sys.modules[builder.__module__].__doc__ or "").split("\n\n")[0].split()) if builder else ""
-    return (f"stage models: {cfg.model.name} ({options or 'defaults'}), {cfg.model.num_stages} stages; per sample, boundaries carry "
-            + "; ".join(f"{i}: {shape}" for i, shape in enumerate(shapes))
-            + (f". {about}" if about else ".")
-            + f" The stages' compute on this machine's {cores} cores is measured at every point (the compute bound).")
+    return (
+        f"stage models: {cfg.model.name} ({options or 'defaults'}), {cfg.model.num_stages} stages; per sample, boundaries carry "
+        + "; ".join(f"{i}: {shape}" for i, shape in enumerate(shapes))
+        + (f". {about}" if about else ".")
+        + f" The stages' compute on this machine's {cores} cores is measured at every point (the compute bound)."
+    )
 
 
 def steps_for(seconds: float, batch_size: int, samples_per_s: float | None, minimum: int, cap: int = MAX_STEPS) -> int:
@@ -254,7 +324,18 @@ def expected_samples_per_s(earlier: list[ThroughputRow], bandwidth_mbit: float) 
     return min(nearest.samples_per_s * bandwidth_mbit / nearest.bandwidth_mbit, nearest.compute_bound)
 
 
-def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages: int = 4, steps: int = 4, shaping: str | None = None, overrides: list[str] | None = None, log=print, pacing: bool = True, seconds: float = 0.0) -> list[ThroughputRow]:
+def run_throughput(
+    config: str,
+    bandwidths: list[str],
+    codecs: list[str],
+    stages: int = 4,
+    steps: int = 4,
+    shaping: str | None = None,
+    overrides: list[str] | None = None,
+    log=print,
+    pacing: bool = True,
+    seconds: float = 0.0,
+) -> list[ThroughputRow]:
     """`seconds` > 0: a codec's faster bandwidths run more steps (see `steps_for`), so that a point
     whose steps take a second or two is not measured over a few noisy seconds; bandwidths run slowest first."""
     from swarm.config import load_config
@@ -275,16 +356,40 @@ def run_throughput(config: str, bandwidths: list[str], codecs: list[str], stages
             mine: list[ThroughputRow] = []  # this codec's points so far, for the steps of the next
             for bandwidth in bandwidths:
                 results = Path(tmp) / f"{len(rows)}.jsonl"
-                run_steps = steps_for(seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps)
+                run_steps = steps_for(
+                    seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps
+                )
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {run_steps} steps")
                 # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
-                lab = Lab(config, stages, str(results), run_steps, sets, bandwidth=bandwidth, shaping=shaping, probe=False, pacing=pacing, out=_Quiet(log), trainer_args=["--timeout", "900"])
+                lab = Lab(
+                    config,
+                    stages,
+                    str(results),
+                    run_steps,
+                    sets,
+                    bandwidth=bandwidth,
+                    shaping=shaping,
+                    probe=False,
+                    pacing=pacing,
+                    out=_Quiet(log),
+                    trainer_args=["--timeout", "900"],
+                )
                 code = lab.run()
                 if code != 0:
                     raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
-                figures = measure_run(read_results(results), stages, parse_rate(bandwidth), input_bytes, download_limited=lab.shaping == "netns", cores=available_cores())
+                figures = measure_run(
+                    read_results(results),
+                    stages,
+                    parse_rate(bandwidth),
+                    input_bytes,
+                    download_limited=lab.shaping == "netns",
+                    cores=available_cores(),
+                )
                 row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
-                log(f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}" + (f"; cores {100 * row.machine_busy:.0f}% busy" if row.machine_busy is not None else ""))
+                log(
+                    f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}"
+                    + (f"; cores {100 * row.machine_busy:.0f}% busy" if row.machine_busy is not None else "")
+                )
                 if row.cpu_ms_per_sample and row.compute_cpu_ms_per_sample:
                     log("   " + cpu_breakdown(row))
                 if row.chosen:
@@ -308,7 +413,11 @@ def cpu_breakdown(row: ThroughputRow) -> str:
         "trainer and bootstrap (and daemons)": sum(own + daemon for own, daemon in others),
     }
     rest = (row.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
-    return f"CPU per sample: {row.machine_cpu_ms_per_sample or 0.0:.2f} ms = " + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items()) + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
+    return (
+        f"CPU per sample: {row.machine_cpu_ms_per_sample or 0.0:.2f} ms = "
+        + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
+        + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
+    )
 
 
 class _Quiet:
@@ -327,19 +436,46 @@ class _Quiet:
 
 
 def format_rows(rows: list[ThroughputRow]) -> str:
-    header = ["codec (fw / bw)", "Mbit/s", "samples/s", "link bound", "compute bound", "of bound", "schedule bound", "busiest B/sample", "binding"]
+    header = [
+        "codec (fw / bw)",
+        "Mbit/s",
+        "samples/s",
+        "link bound",
+        "compute bound",
+        "of bound",
+        "schedule bound",
+        "busiest B/sample",
+        "binding",
+    ]
     table = [header] + [
-        [f"{r.codec} / {r.backward}", f"{r.bandwidth_mbit:g}", f"{r.samples_per_s:.1f}", f"{r.link_bound:.1f}", f"{r.compute_bound:.1f}", f"{100 * r.fraction_of_bound:.0f}%", f"{r.schedule_bound:.1f}", f"{r.busiest_bytes_per_sample:,.0f}", r.binding]
+        [
+            f"{r.codec} / {r.backward}",
+            f"{r.bandwidth_mbit:g}",
+            f"{r.samples_per_s:.1f}",
+            f"{r.link_bound:.1f}",
+            f"{r.compute_bound:.1f}",
+            f"{100 * r.fraction_of_bound:.0f}%",
+            f"{r.schedule_bound:.1f}",
+            f"{r.busiest_bytes_per_sample:,.0f}",
+            r.binding,
+        ]
         for r in rows
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))) for line in table)
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
+        for line in table
+    )
 
 
 def speedups(rows: list[ThroughputRow], baseline: str = "none") -> dict[tuple[str, float], float]:
     """samples/s of each codec over the baseline's at the same bandwidth."""
     base = {r.bandwidth_mbit: r.samples_per_s for r in rows if r.codec == baseline}
-    return {(r.codec, r.bandwidth_mbit): r.samples_per_s / base[r.bandwidth_mbit] for r in rows if r.bandwidth_mbit in base and r.codec != baseline}
+    return {
+        (r.codec, r.bandwidth_mbit): r.samples_per_s / base[r.bandwidth_mbit]
+        for r in rows
+        if r.bandwidth_mbit in base and r.codec != baseline
+    }
 
 
 TARGET_FRACTION = 0.8  # the issue's target: achieved >= 80% of min(link bound, compute bound)
@@ -349,6 +485,7 @@ def target_lines(rows: list[ThroughputRow], target: float = TARGET_FRACTION) -> 
     """How the rows stand against `target`, the link-bound points (the comm-bound configurations)
     apart from those the compute or the shared cores bound (where the p2p daemons, event loops and
     trainer take CPU from the stages: compute_share says how much)."""
+
     def name(r: ThroughputRow) -> str:
         return f"{r.codec} at {r.bandwidth_mbit:g} Mbit/s {100 * r.fraction_of_bound:.0f}%"
 
@@ -358,10 +495,14 @@ def target_lines(rows: list[ThroughputRow], target: float = TARGET_FRACTION) -> 
     if linked:
         low = min(linked, key=lambda r: r.fraction_of_bound)
         met = sum(r.fraction_of_bound >= target for r in linked)
-        lines.append(f"link-bound points at >= {100 * target:.0f}% of the bound: {met} of {len(linked)} (lowest: {name(low)})")
+        lines.append(
+            f"link-bound points at >= {100 * target:.0f}% of the bound: {met} of {len(linked)} (lowest: {name(low)})"
+        )
     for r in measured:
         if not r.binding.startswith("link"):
-            share = f"; the stages' compute used {100 * r.compute_share:.0f}% of the busy CPU" if r.compute_share else ""
+            share = (
+                f"; the stages' compute used {100 * r.compute_share:.0f}% of the busy CPU" if r.compute_share else ""
+            )
             lines.append(f"bound by {r.binding}: {name(r)}{share}")
     return lines
 

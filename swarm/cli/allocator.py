@@ -27,5 +27,7 @@ def keep_freed_memory(limit_bytes: int = 1 << 30) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         return False
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, min(limit_bytes, 1 << 30))) and bool(mallopt(_M_TRIM_THRESHOLD, limit_bytes))
+    _applied = bool(mallopt(_M_MMAP_THRESHOLD, min(limit_bytes, 1 << 30))) and bool(
+        mallopt(_M_TRIM_THRESHOLD, limit_bytes)
+    )
     return _applied

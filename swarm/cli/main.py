@@ -39,7 +39,9 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m swarm", description="hivepipe: compressed pipeline-parallel training")
+    parser = argparse.ArgumentParser(
+        prog="python -m swarm", description="hivepipe: compressed pipeline-parallel training"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="benchmarks that print figures")
     which = bench.add_subparsers(dest="bench", required=True)
@@ -47,53 +49,128 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     codecs.add_argument("--repeat", type=_positive_int, default=3, help="timed repeats per row (median is reported)")
     codecs.add_argument("--scale", type=_fraction, default=1.0, help="shrink the batch dimension of the tensors (0, 1]")
-    streams = which.add_parser("streams", help="CPU and time of a micro-batch exchange on a new hivemind stream against a kept one")
+    streams = which.add_parser(
+        "streams", help="CPU and time of a micro-batch exchange on a new hivemind stream against a kept one"
+    )
     streams.add_argument("--exchanges", type=_positive_int, default=300, help="exchanges timed per mode")
     streams.add_argument("--payload_kb", type=_positive_int, default=60, help="request size (KiB)")
     streams.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
-    throughput = which.add_parser("throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds")
-    throughput.add_argument("config", nargs="?", default="configs/bench/relay-layer1.yaml", help="experiment YAML (default: real ResNet-18 layer1 boundaries, little compute)")
-    throughput.add_argument("--bandwidth", default="10mbit,50mbit,100mbit,500mbit", help="comma-separated rates of every process link")
-    throughput.add_argument("--codecs", default="none,quant:4,topk:0.1", help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive)")
+    throughput = which.add_parser(
+        "throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds"
+    )
+    throughput.add_argument(
+        "config",
+        nargs="?",
+        default="configs/bench/relay-layer1.yaml",
+        help="experiment YAML (default: real ResNet-18 layer1 boundaries, little compute)",
+    )
+    throughput.add_argument(
+        "--bandwidth", default="10mbit,50mbit,100mbit,500mbit", help="comma-separated rates of every process link"
+    )
+    throughput.add_argument(
+        "--codecs",
+        default="none,quant:4,topk:0.1",
+        help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive)",
+    )
     throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
-    throughput.add_argument("--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)")
-    throughput.add_argument("--seconds", type=_non_negative_float, default=20.0, help="measure each point for about this long: a codec's faster bandwidths run more steps than --steps, from its slower points' samples/s (0: always --steps)")
+    throughput.add_argument(
+        "--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)"
+    )
+    throughput.add_argument(
+        "--seconds",
+        type=_non_negative_float,
+        default=20.0,
+        help="measure each point for about this long: a codec's faster bandwidths run more steps than --steps, from its slower points' samples/s (0: always --steps)",
+    )
     throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
     throughput.add_argument("--no_pacing", action="store_true", help="as in lab: stage peers send unpaced")
-    throughput.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    throughput.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
     throughput.add_argument("--plot", default="throughput.png", help="PNG of samples/s against bandwidth ('' for none)")
-    throughput.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout (progress on stderr)")
+    throughput.add_argument(
+        "--json", action="store_true", help="print a JSON list of rows on stdout (progress on stderr)"
+    )
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
     run.add_argument("config", help="experiment YAML (see configs/)")
     run.add_argument("--results", help="write JSON-lines results here")
     run.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. --set compression.forward=topk:0.1")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set compression.forward=topk:0.1",
+    )
     run.add_argument("--device", help="cpu, cuda, cuda:N (overrides the config)")
     run.add_argument("--checkpoint_dir", help="save checkpoints here and resume from the newest one it holds")
-    run.add_argument("--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)")
-    lab = commands.add_parser("lab", help="a swarm on this machine: bootstrap, stage peers and trainer as separate processes")
+    run.add_argument(
+        "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
+    )
+    lab = commands.add_parser(
+        "lab", help="a swarm on this machine: bootstrap, stage peers and trainer as separate processes"
+    )
     lab.add_argument("config", help="experiment YAML (see configs/)")
-    lab.add_argument("--stages", type=_positive_int, required=True, help="number of stage peers (the model is split into this many stages)")
+    lab.add_argument(
+        "--stages",
+        type=_positive_int,
+        required=True,
+        help="number of stage peers (the model is split into this many stages)",
+    )
     lab.add_argument("--results", help="write JSON-lines results here")
     lab.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
-    lab.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    lab.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
     lab.add_argument("--device", help="cpu, cuda, cuda:N for the stage peers (overrides the config)")
-    lab.add_argument("--checkpoint_dir", help="the trainer saves checkpoints here (every stage's state) and resumes from the newest one")
-    lab.add_argument("--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)")
-    lab.add_argument("--bandwidth", help="shape the links: a rate (100mbit), per process (stage1=20mbit,*=100mbit) or a YAML file {process: rate}")
-    lab.add_argument("--delay", help="one-way delay per process link, e.g. 40ms (netem where the kernel has it, else in process)")
-    lab.add_argument("--shaping", choices=["netns", "inprocess"], help="netns: namespaces + tc (default as root); inprocess: peers pace their own sends")
+    lab.add_argument(
+        "--checkpoint_dir",
+        help="the trainer saves checkpoints here (every stage's state) and resumes from the newest one",
+    )
+    lab.add_argument(
+        "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
+    )
+    lab.add_argument(
+        "--bandwidth",
+        help="shape the links: a rate (100mbit), per process (stage1=20mbit,*=100mbit) or a YAML file {process: rate}",
+    )
+    lab.add_argument(
+        "--delay", help="one-way delay per process link, e.g. 40ms (netem where the kernel has it, else in process)"
+    )
+    lab.add_argument(
+        "--shaping",
+        choices=["netns", "inprocess"],
+        help="netns: namespaces + tc (default as root); inprocess: peers pace their own sends",
+    )
     lab.add_argument("--no_probe", action="store_true", help="skip the link throughput probe before a shaped run")
-    lab.add_argument("--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)")
+    lab.add_argument(
+        "--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)"
+    )
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
     study.add_argument("--results_dir", default="runs/study-cpu", help="results (NAME.jsonl) and checkpoints go here")
-    study.add_argument("--only", action="append", default=[], metavar="PATTERN", help="only configs whose name matches (glob, or substring); repeatable")
+    study.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="only configs whose name matches (glob, or substring); repeatable",
+    )
     study.add_argument("--status", action="store_true", help="print every run's state and exit")
-    study.add_argument("--heartbeat", type=float, default=60.0, help="seconds between status lines when stderr is not a terminal (0: none)")
+    study.add_argument(
+        "--heartbeat",
+        type=float,
+        default=60.0,
+        help="seconds between status lines when stderr is not a terminal (0: none)",
+    )
     report = commands.add_parser("report", help="markdown tables and PNG curves from results")
     report.add_argument("results", nargs="*", help="JSON-lines results files (default: the study's, see --study)")
-    report.add_argument("--study", default="configs/study-cpu", help="without results files: report this study's configs (rows not run yet show as pending)")
+    report.add_argument(
+        "--study",
+        default="configs/study-cpu",
+        help="without results files: report this study's configs (rows not run yet show as pending)",
+    )
     report.add_argument("--results_dir", default="runs/study-cpu", help="where the study's results are")
     report.add_argument("--out", default="docs/results", help="output directory")
     return parser
@@ -208,7 +285,18 @@ def bench_throughput(args: argparse.Namespace) -> int:
                 continue
             for spec in codec.split("|"):
                 parse(spec)
-        rows = throughput.run_throughput(args.config, bandwidths, codecs, args.stages, args.steps, args.shaping, args.overrides, log, pacing=not args.no_pacing, seconds=args.seconds)
+        rows = throughput.run_throughput(
+            args.config,
+            bandwidths,
+            codecs,
+            args.stages,
+            args.steps,
+            args.shaping,
+            args.overrides,
+            log,
+            pacing=not args.no_pacing,
+            seconds=args.seconds,
+        )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -223,7 +311,11 @@ def bench_throughput(args: argparse.Namespace) -> int:
     for line in throughput.target_lines(rows):
         log(line)
     if args.plot:
-        throughput.plot(rows, args.plot, f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].shaping if rows else '-'}")
+        throughput.plot(
+            rows,
+            args.plot,
+            f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].shaping if rows else '-'}",
+        )
         log(f"plot written to {args.plot}")
     return 0
 
@@ -249,8 +341,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_every and not args.checkpoint_dir:
             print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
             return 2
-        checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else [])
-        return run_lab(args.config, args.stages, args.results, args.steps, args.overrides, args.device, checkpointing, bandwidth=args.bandwidth, delay=args.delay, shaping=args.shaping, probe=not args.no_probe, pacing=not args.no_pacing)
+        checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
+            ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
+        )
+        return run_lab(
+            args.config,
+            args.stages,
+            args.results,
+            args.steps,
+            args.overrides,
+            args.device,
+            checkpointing,
+            bandwidth=args.bandwidth,
+            delay=args.delay,
+            shaping=args.shaping,
+            probe=not args.no_probe,
+            pacing=not args.no_pacing,
+        )
     return 2
 
 

@@ -71,7 +71,12 @@ def _rate(bandwidth_bits: Bandwidth) -> str:
     return format_rate(bandwidth_bits) if math.isfinite(bandwidth_bits) else "unmeasured bandwidth"
 
 
-def topk_candidates(elements: int, ratios: Sequence[float] = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05), value_bytes: float = 4, reuse_backward: bool = True) -> list[Candidate]:
+def topk_candidates(
+    elements: int,
+    ratios: Sequence[float] = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05),
+    value_bytes: float = 4,
+    reuse_backward: bool = True,
+) -> list[Candidate]:
     """A bytes model for TopK (ratio 1.0 is no compression, spec 'none').
 
     Forward: kept values plus the cheaper index coding of protocols.indices (a bitmap, n/8 bytes,
@@ -92,7 +97,9 @@ def topk_candidates(elements: int, ratios: Sequence[float] = (1.0, 0.5, 0.3, 0.2
     return out
 
 
-def quant_candidates(elements: int, bits: Sequence[int] = (8, 7, 6, 5, 4, 3, 2), groups: int = 1, include_none: bool = True) -> list[Candidate]:
+def quant_candidates(
+    elements: int, bits: Sequence[int] = (8, 7, 6, 5, 4, 3, 2), groups: int = 1, include_none: bool = True
+) -> list[Candidate]:
     """A bytes model for k-bit quantization: packed codes plus an fp32 min and scale per group."""
     out = [Candidate("none", elements * 4.0)] if include_none else []
     for b in bits:
@@ -107,7 +114,13 @@ def neighbour_targets(stage_seconds: Sequence[float]) -> dict[int, float]:
     return {j: max(stage_seconds[j], stage_seconds[j + 1]) for j in range(len(stage_seconds) - 1)}
 
 
-def choose(candidates: Sequence[Candidate], bandwidth_bits: Bandwidth, target_seconds: float, shared: bool = False, margin: float = 0.0) -> int:
+def choose(
+    candidates: Sequence[Candidate],
+    bandwidth_bits: Bandwidth,
+    target_seconds: float,
+    shared: bool = False,
+    margin: float = 0.0,
+) -> int:
     """Index of the mildest candidate with link time <= (1 - margin) * target; else the strongest."""
     if not candidates:
         raise ValueError("no candidates to choose from")
@@ -153,9 +166,14 @@ class AdaptiveCompression:
         for boundary, options in self.candidates.items():
             if not options:
                 raise ValueError(f"boundary {boundary} has no candidates")
-            sizes = [max(c.forward_bytes, c.backward_bytes if c.backward_bytes is not None else c.forward_bytes) for c in options]
+            sizes = [
+                max(c.forward_bytes, c.backward_bytes if c.backward_bytes is not None else c.forward_bytes)
+                for c in options
+            ]
             if any(b > a for a, b in zip(sizes, sizes[1:], strict=False)):
-                raise ValueError(f"boundary {boundary}: candidates must go from mildest (most bytes) to strongest, got {[c.spec for c in options]}")
+                raise ValueError(
+                    f"boundary {boundary}: candidates must go from mildest (most bytes) to strongest, got {[c.spec for c in options]}"
+                )
 
     @staticmethod
     def _per(value, boundary: Hashable, what: str):
@@ -165,7 +183,9 @@ class AdaptiveCompression:
             value = value[boundary]
         return tuple(float(v) for v in value) if isinstance(value, tuple) else float(value)
 
-    def decide(self, bandwidth_bits: Bandwidth | Mapping[Hashable, Bandwidth], target_seconds: float | Mapping[Hashable, float]) -> dict[Hashable, Decision]:
+    def decide(
+        self, bandwidth_bits: Bandwidth | Mapping[Hashable, Bandwidth], target_seconds: float | Mapping[Hashable, float]
+    ) -> dict[Hashable, Decision]:
         """Re-decides every boundary for the given bandwidth(s) and target(s); records changes."""
         decisions = {}
         for boundary, options in self.candidates.items():
@@ -182,11 +202,16 @@ class AdaptiveCompression:
                 if relaxed < now:
                     pick, reason = relaxed, f"{options[relaxed].spec} fits with {self.hysteresis:.0%} to spare"
                 else:
-                    pick, reason = now, f"kept: {options[ideal].spec} would fit, but not with {self.hysteresis:.0%} to spare"
+                    pick, reason = (
+                        now,
+                        f"kept: {options[ideal].spec} would fit, but not with {self.hysteresis:.0%} to spare",
+                    )
             else:
                 pick, reason = now, "kept"
             seconds = options[pick].link_seconds(bandwidth, self.shared)
-            decision = Decision(boundary, options[pick].spec, pick, seconds, target, bandwidth, seconds <= target, pick != now, reason)
+            decision = Decision(
+                boundary, options[pick].spec, pick, seconds, target, bandwidth, seconds <= target, pick != now, reason
+            )
             self.current[boundary] = pick
             self.last[boundary] = decision
             if decision.changed:
@@ -203,5 +228,7 @@ class AdaptiveCompression:
             return "adaptive compression: no decision yet"
         lines = ["adaptive compression:"] + [f"  {d.describe()}" for d in self.last.values()]
         if self.history:
-            lines.append(f"  {len(self.history)} change(s): " + ", ".join(f"{d.boundary}->{d.spec}" for d in self.history))
+            lines.append(
+                f"  {len(self.history)} change(s): " + ", ".join(f"{d.boundary}->{d.spec}" for d in self.history)
+            )
         return "\n".join(lines)

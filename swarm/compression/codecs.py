@@ -107,7 +107,6 @@ def decode_values(part: RawPart | QuantPart, shape: tuple[int, ...], dtype: torc
     return part.data.to(device=device, dtype=dtype).reshape(shape)
 
 
-
 # ---- sparse codecs ------------------------------------------------------------------------------
 
 

@@ -91,7 +91,9 @@ class Sender:
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
 
-    def _encode(self, x: torch.Tensor, sample_ids, reuse: Selection | None, warmup: bool) -> tuple[Encoded, Callable | None]:
+    def _encode(
+        self, x: torch.Tensor, sample_ids, reuse: Selection | None, warmup: bool
+    ) -> tuple[Encoded, Callable | None]:
         return (_EXACT if warmup else self.codec).encode(x, reuse), None
 
     def send(self, x: torch.Tensor, sample_ids=None, reuse: Selection | None = None, warmup: bool = False) -> Outgoing:
@@ -124,7 +126,9 @@ class Receiver:
         self.codec = codec
         self.limits = limits
 
-    def _decode(self, enc: Encoded, sample_ids, reuse: Selection | None, device) -> tuple[torch.Tensor, Callable | None]:
+    def _decode(
+        self, enc: Encoded, sample_ids, reuse: Selection | None, device
+    ) -> tuple[torch.Tensor, Callable | None]:
         return decode_payload(enc, reuse, device), None
 
     def receive(self, payload: bytes, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
@@ -159,7 +163,9 @@ def _load_table_state(end, state: dict) -> None:
     table = getattr(end, "table", None)
     if (table is None) != ("table" not in state):
         have, got = ("no" if table is None else "a"), ("no" if "table" not in state else "a")
-        raise ValueError(f"checkpoint has {got} error-feedback state where this {type(end).__name__} keeps {have} state (was the compression spec changed?)")
+        raise ValueError(
+            f"checkpoint has {got} error-feedback state where this {type(end).__name__} keeps {have} state (was the compression spec changed?)"
+        )
     if table is not None:
         table.load_state_dict(state["table"])
 
@@ -171,7 +177,9 @@ def _table(per_sample: bool, store: str, path, capacity):
 class ErrorFeedbackSender(Sender):
     """Seide EF (and EF-mixed for TopK): the error buffer lives on the sender only."""
 
-    def __init__(self, codec: Codec, per_sample: bool = False, mixed: bool = False, store: str = "fp32", path=None, capacity=None) -> None:
+    def __init__(
+        self, codec: Codec, per_sample: bool = False, mixed: bool = False, store: str = "fp32", path=None, capacity=None
+    ) -> None:
         super().__init__(codec)
         if mixed and not isinstance(codec, TopK):
             raise ValueError("efmixed needs a topk codec")
@@ -186,7 +194,9 @@ class ErrorFeedbackSender(Sender):
         from_input = (k + 1) // 2
         mask = torch.zeros((rows, per_sample), dtype=torch.bool, device=x.device)
         if from_input:
-            mask.scatter_(1, torch.topk(x.detach().reshape(rows, -1).abs(), from_input, dim=1, sorted=False).indices, True)
+            mask.scatter_(
+                1, torch.topk(x.detach().reshape(rows, -1).abs(), from_input, dim=1, sorted=False).indices, True
+            )
         if k - from_input:
             scores = error.reshape(rows, -1).abs().masked_fill_(mask, -1.0)
             mask.scatter_(1, torch.topk(scores, k - from_input, dim=1, sorted=False).indices, True)
@@ -197,7 +207,13 @@ class ErrorFeedbackSender(Sender):
         ids = _ids(sample_ids, rows_of(shape)) if self.per_sample else None
         error, versions = self.table.load(shape, ids, x.device)
         if warmup:  # exact values leave no error
-            return _EXACT.encode(x), _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, torch.zeros_like(error), tuple(v + 1 for v in versions)))
+            return _EXACT.encode(x), _commit_if_current(
+                self.table,
+                shape,
+                ids,
+                versions,
+                lambda: self.table.save(ids, torch.zeros_like(error), tuple(v + 1 for v in versions)),
+            )
         corrected = error.add_(x.detach())
         if self.mixed:
             positions, k = self._mixed_positions(x, corrected - x.detach())
@@ -207,7 +223,9 @@ class ErrorFeedbackSender(Sender):
         enc.dtype = x.dtype
         residual = corrected - decode_payload(enc, reuse, x.device).float()
         new_versions = tuple(v + 1 for v in versions)
-        return enc, _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, residual, new_versions))
+        return enc, _commit_if_current(
+            self.table, shape, ids, versions, lambda: self.table.save(ids, residual, new_versions)
+        )
 
     def reset(self) -> None:
         self.table.reset()
@@ -270,11 +288,21 @@ class MirroredSender(_Mirrored, Sender):
             updated = state.add_(decode_payload(enc, reuse, x.device).float())
         enc.stamp = self._stamp(versions, warmup)
         new_versions = tuple(v + 1 for v in versions)
-        return enc, _commit_if_current(self.table, shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))
+        return enc, _commit_if_current(
+            self.table, shape, ids, versions, lambda: self.table.save(ids, updated, new_versions)
+        )
 
 
 class MirroredReceiver(_ReceiverKeys, _Mirrored, Receiver):
-    def __init__(self, codec: Codec, per_sample: bool, store: str = "fp32", path=None, capacity=None, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        per_sample: bool,
+        store: str = "fp32",
+        path=None,
+        capacity=None,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+    ) -> None:
         Receiver.__init__(self, codec, limits)
         self._setup(per_sample, store, path, capacity)
 
@@ -286,11 +314,15 @@ class MirroredReceiver(_ReceiverKeys, _Mirrored, Receiver):
             raise StateMismatchError("payload carries no state version, but this link keeps mirrored state")
         theirs = stamp.sample_versions if self.per_sample else (stamp.version,)
         if tuple(theirs) != versions:
-            raise StateMismatchError(f"mirrored state versions differ: sender {tuple(theirs)[:4]}, receiver {versions[:4]}")
+            raise StateMismatchError(
+                f"mirrored state versions differ: sender {tuple(theirs)[:4]}, receiver {versions[:4]}"
+            )
         if stamp.warmup:
             updated = decode_payload(enc, reuse, device).float()
         else:
             updated = state.add_(decode_payload(enc, reuse, device).float())
         new_versions = tuple(v + 1 for v in versions)
         out = updated.to(enc.dtype, copy=True)  # the caller may change the output before commit
-        return out, _commit_if_current(self.table, enc.shape, ids, versions, lambda: self.table.save(ids, updated, new_versions))
+        return out, _commit_if_current(
+            self.table, enc.shape, ids, versions, lambda: self.table.save(ids, updated, new_versions)
+        )

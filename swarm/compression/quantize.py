@@ -50,7 +50,9 @@ def quantize(
     # small (always when the range spans zero); far-from-zero groups take the two-step path.
     fused = bool((torch.maximum(lows.abs(), highs.abs()) * inverse < _FUSED_LIMIT).all())
     if fused and not stochastic and _on_numpy(rows):  # the common case: scaled and cast a block at a time
-        codes = torch.from_numpy(_affine_blocks(rows.numpy(), inverse.numpy(), (0.5 - lows * inverse).numpy(), np.uint8))
+        codes = torch.from_numpy(
+            _affine_blocks(rows.numpy(), inverse.numpy(), (0.5 - lows * inverse).numpy(), np.uint8)
+        )
         return QuantPart(bits, granularity, codes.reshape(-1), lows, steps)
     if fused:
         scaled = _affine(rows, inverse, 0.5 - lows * inverse)
@@ -114,7 +116,9 @@ def _affine_blocks(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, dtype: t
     return out
 
 
-def dequantize(part: QuantPart, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+def dequantize(
+    part: QuantPart, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
     groups = part.lows.numel()
     if groups == 0:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -59,7 +59,9 @@ class CompressionSpec:
 
     def sender(self, store_path=None, capacity: int | None = None) -> Sender:
         if self.feedback in ("ef", "efmixed"):
-            return ErrorFeedbackSender(self.codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity)
+            return ErrorFeedbackSender(
+                self.codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity
+            )
         if self.mirrored:
             return MirroredSender(self.codec, self.per_sample, self.store, store_path, capacity)
         return Sender(self.codec)

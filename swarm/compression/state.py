@@ -78,7 +78,9 @@ class RowFormat:
             return raw.reshape(-1).clone().view(_FLOAT_FORMATS[self.fmt]).view(raw.shape[0], -1).float()
         ranges = raw[:, -8:].reshape(-1).clone().view(torch.float32).view(-1, 2)  # a copy: views need alignment
         codes = bitpack.unpack(raw[:, :-8], self.bits, self.numel)
-        part = QuantPart(self.bits, Granularity.SAMPLE, codes.reshape(-1), ranges[:, 0].contiguous(), ranges[:, 1].contiguous())
+        part = QuantPart(
+            self.bits, Granularity.SAMPLE, codes.reshape(-1), ranges[:, 0].contiguous(), ranges[:, 1].contiguous()
+        )
         return dequantize(part, (raw.shape[0], self.numel), torch.float32, raw.device)
 
     def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,13 @@ class GlobalState:
 
     def state_dict(self) -> dict:
         """The buffers and their versions (plain tensors and ints: a checkpoint)."""
-        return {"kind": "global", "buffers": [{"shape": list(shape), "values": buf.cpu().clone(), "version": int(version)} for shape, (buf, version) in self._buffers.items()]}
+        return {
+            "kind": "global",
+            "buffers": [
+                {"shape": list(shape), "values": buf.cpu().clone(), "version": int(version)}
+                for shape, (buf, version) in self._buffers.items()
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "global":
@@ -148,7 +156,9 @@ class SampleStore:
             self._row_shape = row_shape
             self._format = RowFormat(self.fmt, math.prod(row_shape))
             if self.path is not None:
-                mm = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.uint8, shape=(self.capacity, self._format.row_bytes))
+                mm = np.lib.format.open_memmap(
+                    self.path, mode="w+", dtype=np.uint8, shape=(self.capacity, self._format.row_bytes)
+                )
                 self._rows = torch.from_numpy(mm)
                 self._versions = torch.zeros(self.capacity, dtype=torch.long)
             else:
@@ -158,7 +168,9 @@ class SampleStore:
             raise ValueError(f"state store holds samples of shape {self._row_shape}, got {row_shape}")
         if needed > self._rows.shape[0]:
             if self.path is not None:
-                raise StoreFullError(f"state store is full ({self.capacity} samples); raise its capacity to the dataset size")
+                raise StoreFullError(
+                    f"state store is full ({self.capacity} samples); raise its capacity to the dataset size"
+                )
             grow = max(needed, 2 * self._rows.shape[0], 16)
             rows = torch.empty((grow, self._format.row_bytes), dtype=torch.uint8)
             rows[: self._rows.shape[0]] = self._rows
@@ -250,14 +262,20 @@ class SampleStore:
         else:
             self._row_shape, self._format = row_shape, RowFormat(self.fmt, math.prod(row_shape))
             if not os.path.exists(self.path):
-                raise FileNotFoundError(f"the disk-backed state store {self.path} is gone; its rows are not in the checkpoint")
+                raise FileNotFoundError(
+                    f"the disk-backed state store {self.path} is gone; its rows are not in the checkpoint"
+                )
             mm = np.lib.format.open_memmap(self.path, mode="r+")
             if mm.shape != (self.capacity, self._format.row_bytes) or mm.dtype != np.uint8:
-                raise ValueError(f"state store {self.path} holds {mm.shape} {mm.dtype}, expected ({self.capacity}, {self._format.row_bytes}) uint8")
+                raise ValueError(
+                    f"state store {self.path} holds {mm.shape} {mm.dtype}, expected ({self.capacity}, {self._format.row_bytes}) uint8"
+                )
             self._rows = torch.from_numpy(mm)
             self._versions = torch.zeros(self.capacity, dtype=torch.long)
             if self._rows_crc(len(ids)) != state.get("rows_crc32", 0):
-                raise ValueError(f"the rows in {self.path} changed since this checkpoint (disk-backed stores keep rows in place: only the newest checkpoint can resume)")
+                raise ValueError(
+                    f"the rows in {self.path} changed since this checkpoint (disk-backed stores keep rows in place: only the newest checkpoint can resume)"
+                )
         self._versions[: len(ids)] = state["versions"]
         self._slots = {i: slot for slot, i in enumerate(ids)}
 

@@ -113,7 +113,11 @@ def top_positions(x: torch.Tensor, ratio: float) -> tuple[torch.Tensor, int]:
     if k >= per_sample:
         return torch.arange(total, device=x.device), per_sample
     flat = x.detach().reshape(rows, per_sample)
-    if flat.device.type == "cpu" and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and per_sample >= _MIN_ROW:
+    if (
+        flat.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and per_sample >= _MIN_ROW
+    ):
         return _partition_select(flat.float().numpy(), k), k
     return _exact(flat.abs(), k), k
 
@@ -122,7 +126,9 @@ def gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).index_select(0, positions.to(x.device))
 
 
-def scatter(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+def scatter(
+    values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device=None
+) -> torch.Tensor:
     if dtype in _NUMPY_DTYPES and (device is None or torch.device(device).type == "cpu"):
         # numpy: torch.zeros and index_copy_ stall for milliseconds while other processes hold the cores
         out = np.zeros(math.prod(shape), dtype=_NUMPY_DTYPES[dtype])

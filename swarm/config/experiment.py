@@ -68,7 +68,9 @@ class AdaptiveConfig(_Strict):
     ladder: Literal["topk", "quant"] = "topk"  # topk:R with reused-index gradients, or quant:B both ways
     every: int = Field(1, ge=1)  # optimizer steps between decisions
     hysteresis: float = Field(0.15, ge=0, lt=1)  # back to a milder setting only with this much to spare
-    target_ms: float | None = Field(None, gt=0)  # link ms per sample to stay under; default: the slower neighbour's compute
+    target_ms: float | None = Field(
+        None, gt=0
+    )  # link ms per sample to stay under; default: the slower neighbour's compute
 
 
 class CompressionConfig(LinkConfig):
@@ -151,11 +153,15 @@ class ExperimentConfig(_Strict):
         boundaries = self.model.num_stages - 1
         extra = sorted(b for b in self.compression.boundaries if not 0 <= b < boundaries)
         if extra:
-            raise ValueError(f"compression.boundaries: {self.model.num_stages} stages have boundaries 0..{boundaries - 1}, got {extra}")
+            raise ValueError(
+                f"compression.boundaries: {self.model.num_stages} stages have boundaries 0..{boundaries - 1}, got {extra}"
+            )
         for b in range(max(boundaries, 1)):
             self.compression.link(b).check(f"compression (boundary {b})")
         if self.compression.adaptive is not None and boundaries < 1:
-            raise ValueError("compression.adaptive: a 1-stage model has no links to adapt (model.num_stages must be at least 2)")
+            raise ValueError(
+                "compression.adaptive: a 1-stage model has no links to adapt (model.num_stages must be at least 2)"
+            )
         return self
 
     @field_validator("device")

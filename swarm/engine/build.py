@@ -31,7 +31,9 @@ def link_ends(cfg: ExperimentConfig, index: int, capacity: int | None = None) ->
     return inbound, outbound
 
 
-def build_runtime(cfg: ExperimentConfig, staged, index: int, total_steps: int, capacity: int | None = None, hold_grads: bool = False) -> StageRuntime:
+def build_runtime(
+    cfg: ExperimentConfig, staged, index: int, total_steps: int, capacity: int | None = None, hold_grads: bool = False
+) -> StageRuntime:
     device = torch.device(cfg.device)
     module = staged.stages[index].to(device)
     optimizer = make_optimizer(cfg.optimizer, module)
@@ -58,6 +60,8 @@ def build_local_pipeline(cfg: ExperimentConfig, total_steps: int, capacity: int 
 
     staged = build_staged_model(cfg)
     if len(staged.stages) != cfg.model.num_stages:
-        raise ValueError(f"model {cfg.model.name} built {len(staged.stages)} stages, config asks for {cfg.model.num_stages}")
+        raise ValueError(
+            f"model {cfg.model.name} built {len(staged.stages)} stages, config asks for {cfg.model.num_stages}"
+        )
     runtimes = [build_runtime(cfg, staged, i, total_steps, capacity) for i in range(cfg.model.num_stages)]
     return LocalPipeline(runtimes, staged.tied, cfg.optimizer.grad_clip), staged

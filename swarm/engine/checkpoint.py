@@ -49,7 +49,9 @@ def stage_state(runtime, step: int, ends: dict | None = None) -> dict:
     """What a checkpoint of one stage holds. `ends`: extra link ends by name (a hosted stage's
     ends per neighbour), saved next to the runtime's own inbound / outbound ends."""
     if runtime.pending:
-        raise RuntimeError(f"stage {runtime.index} has {runtime.pending} micro-batch(es) in flight; checkpoint between steps")
+        raise RuntimeError(
+            f"stage {runtime.index} has {runtime.pending} micro-batch(es) in flight; checkpoint between steps"
+        )
     return {
         "format": FORMAT,
         "stage": runtime.index,
@@ -78,7 +80,9 @@ def read_stage(path: str | os.PathLike, device="cpu") -> dict:
 def apply_stage_state(runtime, state: dict) -> int:
     """Load a stage checkpoint into `runtime`; returns its step."""
     if (state["stage"], state["num_stages"]) != (runtime.index, runtime.num_stages):
-        raise ValueError(f"checkpoint is of stage {state['stage']}/{state['num_stages']}, this runtime is stage {runtime.index}/{runtime.num_stages}")
+        raise ValueError(
+            f"checkpoint is of stage {state['stage']}/{state['num_stages']}, this runtime is stage {runtime.index}/{runtime.num_stages}"
+        )
     runtime.module.load_state_dict(state["module"])
     runtime.optimizer.load_state_dict(state["optimizer"])
     if runtime.scheduler is not None and state["scheduler"] is not None:
@@ -86,7 +90,9 @@ def apply_stage_state(runtime, state: dict) -> int:
     for name in ("inbound", "outbound"):
         end, saved = getattr(runtime, name), state[name]
         if (end is None) != (saved is None):
-            raise ValueError(f"checkpoint of stage {runtime.index} has {'no' if saved is None else 'an'} {name} link end, the runtime {'none' if end is None else 'one'}")
+            raise ValueError(
+                f"checkpoint of stage {runtime.index} has {'no' if saved is None else 'an'} {name} link end, the runtime {'none' if end is None else 'one'}"
+            )
         if end is not None:
             end.load_state_dict(saved)
     runtime._saved.clear()
@@ -110,7 +116,11 @@ def latest_run(directory: str | os.PathLike) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir() and (m := _RUN_DIR.fullmatch(p.name)) and (p / "trainer.pt").is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if p.is_dir() and (m := _RUN_DIR.fullmatch(p.name)) and (p / "trainer.pt").is_file()
+    ]
     return max(found)[1] if found else None
 
 

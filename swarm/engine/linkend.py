@@ -20,7 +20,15 @@ FORWARD, BACKWARD = "forward", "backward"
 
 
 class LinkEnd:
-    def __init__(self, boundary: int, upstream: bool, forward: str, backward: str, store_dir: str | None = None, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        boundary: int,
+        upstream: bool,
+        forward: str,
+        backward: str,
+        store_dir: str | None = None,
+        capacity: int | None = None,
+    ) -> None:
         self.boundary = boundary
         self.upstream = upstream
         self.forward_spec: CompressionSpec = parse(forward)
@@ -77,7 +85,9 @@ class LinkEnd:
     def state_dict(self) -> dict:
         """Compression state of both ends and the byte counters; only between micro-batches."""
         if self.selections:
-            raise RuntimeError(f"boundary {self.boundary} has {len(self.selections)} micro-batch(es) in flight; checkpoint between steps")
+            raise RuntimeError(
+                f"boundary {self.boundary} has {len(self.selections)} micro-batch(es) in flight; checkpoint between steps"
+            )
         return {
             "boundary": self.boundary,
             "upstream": self.upstream,

@@ -67,7 +67,9 @@ class StageRuntime:
             incoming = self.inbound.receive(batch, payload, self.device)
             x, commit = incoming.tensor, incoming.commit
         if x.dim() == 0 or x.shape[0] != batch.size or batch.targets.shape[:1] != (batch.size,):
-            raise ValueError(f"micro-batch {batch.key}: input of shape {tuple(x.shape)} and targets of shape {tuple(batch.targets.shape)} for {batch.size} samples")
+            raise ValueError(
+                f"micro-batch {batch.key}: input of shape {tuple(x.shape)} and targets of shape {tuple(batch.targets.shape)} for {batch.size} samples"
+            )
         return x, commit
 
     def forward(self, batch: MicroBatch, payload) -> Message:
@@ -102,7 +104,9 @@ class StageRuntime:
 
     # ---- backward --------------------------------------------------------------------------
 
-    def _backprop(self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    def _backprop(
+        self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor | None:
         """Backward through this stage; the input's gradient (None for stage 0's input)."""
         if not self.hold_grads:
             output.backward(grad_output)
@@ -127,7 +131,9 @@ class StageRuntime:
             for p, g in self.held[key]:
                 p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
-    def _gradient_message(self, batch: MicroBatch, x: torch.Tensor, x_grad: torch.Tensor | None, metrics: dict | None = None) -> Message:
+    def _gradient_message(
+        self, batch: MicroBatch, x: torch.Tensor, x_grad: torch.Tensor | None, metrics: dict | None = None
+    ) -> Message:
         """Where the gradient goes next; `metrics` (the loss) ride along to stage 0."""
         if self.first:
             return Message(Kind.DONE, -1, batch, metrics=metrics or {})

@@ -75,12 +75,16 @@ def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
         table = {"*": text}
     unknown = sorted(set(table) - {*names, "*"})
     if unknown:
-        raise ValueError(f"--bandwidth names unknown process(es) {', '.join(unknown)} (processes: {', '.join(names)}, or * for the rest)")
+        raise ValueError(
+            f"--bandwidth names unknown process(es) {', '.join(unknown)} (processes: {', '.join(names)}, or * for the rest)"
+        )
     rates = {name: table.get(name, table.get("*")) for name in names}
     for rate in rates.values():
         if rate is not None:
             parse_rate(rate)
     return {name: rate for name, rate in rates.items() if rate is not None}
+
+
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 
@@ -94,8 +98,23 @@ def peer_threads(peers: int) -> int:
 
 
 class Lab:
-    def __init__(self, config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, out=None, startup_timeout: float = 90.0, trainer_args: list[str] | None = None,
-                 bandwidth: str | None = None, delay: str | None = None, shaping: str | None = None, probe: bool = True, pacing: bool = True) -> None:
+    def __init__(
+        self,
+        config: str,
+        stages: int,
+        results: str | None = None,
+        steps: int | None = None,
+        overrides: list[str] | None = None,
+        device: str | None = None,
+        out=None,
+        startup_timeout: float = 90.0,
+        trainer_args: list[str] | None = None,
+        bandwidth: str | None = None,
+        delay: str | None = None,
+        shaping: str | None = None,
+        probe: bool = True,
+        pacing: bool = True,
+    ) -> None:
         self.config, self.stages, self.results, self.steps = config, stages, results, steps
         self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
         self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
@@ -147,10 +166,27 @@ class Lab:
 
     def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", module, *args, "--host_maddrs", self._host(name), *self._shape_args(name), *self._link_args(name)]
+        command = [
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            "--host_maddrs",
+            self._host(name),
+            *self._shape_args(name),
+            *self._link_args(name),
+        ]
         if self.net is not None:
             command = self.net.wrap(name, command)
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+        )
         self.processes.append((name, process))
 
         def pump() -> None:
@@ -246,13 +282,17 @@ class Lab:
         from swarm.lab.probe import probe_in_process
         from swarm.netlab.shaper import TokenBucket
 
-        def bucket(name: str) -> TokenBucket:  # the rate of the peer's --shape_rate (the probe measures throughput, not delay)
+        def bucket(
+            name: str,
+        ) -> TokenBucket:  # the rate of the peer's --shape_rate (the probe measures throughput, not delay)
             return TokenBucket((self.rates or {}).get(name) or "100gbit")
 
         nbytes, results = self._probe_bytes(), {}
         try:
             for name in self.names[1:-1]:
-                results[name] = asyncio.run(probe_in_process(nbytes, bucket=bucket("trainer"), server_bucket=bucket(name)))
+                results[name] = asyncio.run(
+                    probe_in_process(nbytes, bucket=bucket("trainer"), server_bucket=bucket(name))
+                )
         except Exception as e:  # a diagnostic: the run goes on without it
             self._print("lab", f"probe failed: {type(e).__name__}: {e}")
             return
@@ -264,13 +304,34 @@ class Lab:
         try:
             boot = self._start("bootstrap", "peers.bootstrap")
             initial = self._bootstrap_address(boot)
-            common = ["--config", self.config, "--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads), *sets]
-            self._print("lab", f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)")
+            common = [
+                "--config",
+                self.config,
+                "--run_id",
+                run_id,
+                "--initial_peers",
+                initial,
+                "--threads",
+                str(self.threads),
+                *sets,
+            ]
+            self._print(
+                "lab",
+                f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)",
+            )
             for stage in range(self.stages):
                 self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
-            extra = (["--results", str(self.results)] if self.results else []) + (["--steps", str(self.steps)] if self.steps else [])
-            processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})  # each peer leads its own group
-            counters = CounterSampler(self.net.link_bytes if self.net is not None else dict, processes) if self.results else None
+            extra = (["--results", str(self.results)] if self.results else []) + (
+                ["--steps", str(self.steps)] if self.steps else []
+            )
+            processes = GroupCpu(
+                lambda: {name: process.pid for name, process in self.processes}
+            )  # each peer leads its own group
+            counters = (
+                CounterSampler(self.net.link_bytes if self.net is not None else dict, processes)
+                if self.results
+                else None
+            )
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
             while trainer.poll() is None:
                 for name, process in self.processes:
@@ -279,7 +340,9 @@ class Lab:
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
-            if counters is not None and trainer.returncode == 0:  # the links' own byte counts and the CPU, for bench throughput
+            if (
+                counters is not None and trainer.returncode == 0
+            ):  # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
                 with open(self.results, "a") as f:
                     f.write(json.dumps(counters.to_row()) + "\n")
@@ -328,7 +391,16 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_lab(config: str, stages: int, results: str | None = None, steps: int | None = None, overrides: list[str] | None = None, device: str | None = None, trainer_args: list[str] | None = None, **shaping) -> int:
+def run_lab(
+    config: str,
+    stages: int,
+    results: str | None = None,
+    steps: int | None = None,
+    overrides: list[str] | None = None,
+    device: str | None = None,
+    trainer_args: list[str] | None = None,
+    **shaping,
+) -> int:
     """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing (see `Lab`)."""
     try:
         lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)

@@ -82,7 +82,13 @@ class ProbeResult:
 
 
 def _p2p_options(host_maddrs: Sequence[str]) -> dict:
-    return {"host_maddrs": list(host_maddrs), "use_relay": False, "auto_nat": False, "nat_port_map": False, "startup_timeout": 60}
+    return {
+        "host_maddrs": list(host_maddrs),
+        "use_relay": False,
+        "auto_nat": False,
+        "nat_port_map": False,
+        "startup_timeout": 60,
+    }
 
 
 async def _send(writer: asyncio.StreamWriter, nbytes: int, bucket: TokenBucket | None, chunk_bytes: int) -> None:
@@ -119,7 +125,9 @@ class ProbeServer:
         await self.p2p.shutdown()
 
 
-async def start_server(host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None) -> ProbeServer:
+async def start_server(
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None
+) -> ProbeServer:
     """A P2P instance serving PROTOCOL; `bucket` shapes what it sends ("down")."""
     from swarm.transport.hivemind.node import start_daemon
 
@@ -147,7 +155,9 @@ async def start_server(host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), b
     return ProbeServer(p2p, [str(m) for m in await p2p.get_visible_maddrs()])
 
 
-async def measure(p2p, peer_id, nbytes: int, direction: str = "up", bucket: TokenBucket | None = None, chunk_bytes: int = CHUNK_BYTES) -> ProbeResult:
+async def measure(
+    p2p, peer_id, nbytes: int, direction: str = "up", bucket: TokenBucket | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> ProbeResult:
     """One timed transfer of `nbytes` on a fresh stream (after a warm-up transfer on it)."""
     if direction not in ("up", "down"):
         raise ValueError(f"bad direction {direction!r}: up or down")
@@ -181,7 +191,14 @@ async def _connect(p2p, maddr: str):
     return peer_id
 
 
-async def probe_peers(maddrs: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None, p2p=None) -> list[ProbeResult]:
+async def probe_peers(
+    maddrs: Sequence[str],
+    nbytes: int,
+    directions: Sequence[str] = ("up", "down"),
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    bucket: TokenBucket | None = None,
+    p2p=None,
+) -> list[ProbeResult]:
     """Measures each of `maddrs` (full multiaddrs with /p2p/ID) in turn, every direction."""
     from swarm.transport.hivemind.node import start_daemon
 
@@ -200,7 +217,12 @@ async def probe_peers(maddrs: Sequence[str], nbytes: int, directions: Sequence[s
             await p2p.shutdown()
 
 
-async def probe_in_process(nbytes: int, bucket: TokenBucket | None = None, directions: Sequence[str] = ("up", "down"), server_bucket: TokenBucket | None = None) -> list[ProbeResult]:
+async def probe_in_process(
+    nbytes: int,
+    bucket: TokenBucket | None = None,
+    directions: Sequence[str] = ("up", "down"),
+    server_bucket: TokenBucket | None = None,
+) -> list[ProbeResult]:
     """Two P2P instances on loopback in this process; `bucket` shapes the client's sends, `server_bucket` the server's."""
     server = await start_server(bucket=server_bucket)
     try:
@@ -246,24 +268,50 @@ def _read_marks(process: subprocess.Popen, deadline: float) -> str:
             raise TimeoutError("the probe server printed no address in time")
 
 
-def probe_netlab(net, src: str, dsts: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), timeout: float = 120.0) -> dict[str, list[ProbeResult]]:
+def probe_netlab(
+    net, src: str, dsts: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), timeout: float = 120.0
+) -> dict[str, list[ProbeResult]]:
     """A probe server in each of `dsts`' namespaces and one client in `src`'s, all started at once.
 
     "up" is src -> dst (src's up link and dst's down link), "down" is dst -> src. `net` is a started
     swarm.netlab.namespaces.NetLab (anything with .wrap(name, argv) and .maddr(name) will do).
     """
     deadline = time.monotonic() + timeout
-    servers = {dst: subprocess.Popen(net.wrap(dst, _python("serve", "--host", net.maddr(dst))), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True) for dst in dsts}
-    client_argv = _python("client", "--peers_from_stdin", "--bytes", str(nbytes), "--host", net.maddr(src), "--direction", *directions)
-    client = subprocess.Popen(net.wrap(src, client_argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    servers = {
+        dst: subprocess.Popen(
+            net.wrap(dst, _python("serve", "--host", net.maddr(dst))),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            start_new_session=True,
+        )
+        for dst in dsts
+    }
+    client_argv = _python(
+        "client", "--peers_from_stdin", "--bytes", str(nbytes), "--host", net.maddr(src), "--direction", *directions
+    )
+    client = subprocess.Popen(
+        net.wrap(src, client_argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
     try:
         peers = {dst: _read_marks(process, deadline) for dst, process in servers.items()}
         try:
-            out, err = client.communicate("".join(f"{m}\n" for m in peers.values()) + "\n", timeout=max(1.0, deadline - time.monotonic()))
+            out, err = client.communicate(
+                "".join(f"{m}\n" for m in peers.values()) + "\n", timeout=max(1.0, deadline - time.monotonic())
+            )
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the probe client in {src} did not finish within {timeout:.0f}s") from None
         if client.returncode != 0:
-            raise RuntimeError(f"the probe client in {src} failed ({client.returncode}): {err.strip().splitlines()[-1] if err.strip() else 'no output'}")
+            raise RuntimeError(
+                f"the probe client in {src} failed ({client.returncode}): {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
+            )
         by_peer = {m: d for d, m in peers.items()}
         results: dict[str, list[ProbeResult]] = {dst: [] for dst in dsts}
         for line in out.splitlines():
@@ -357,7 +405,9 @@ async def _stdin_lines() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m swarm.lab.probe", description="payload throughput between two hivemind P2P peers")
+    parser = argparse.ArgumentParser(
+        prog="python -m swarm.lab.probe", description="payload throughput between two hivemind P2P peers"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the probe protocol; prints PROBE-MADDR lines")
     client = sub.add_parser("client", help="measure one or more probe servers; prints JSON lines")
@@ -366,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--rate", default=None, help="shape this side's sends in-process, e.g. 20mbit")
         p.add_argument("--delay", default=None, help="with --rate: one-way delay, e.g. 10ms")
     client.add_argument("--peer", action="append", default=[], help="a probe server's full multiaddr (.../p2p/ID)")
-    client.add_argument("--peers_from_stdin", action="store_true", help="also read peer multiaddrs from stdin, one a line, until an empty line")
+    client.add_argument(
+        "--peers_from_stdin",
+        action="store_true",
+        help="also read peer multiaddrs from stdin, one a line, until an empty line",
+    )
     client.add_argument("--bytes", type=int, default=4_000_000, help="payload bytes per timed transfer")
     client.add_argument("--direction", nargs="+", choices=("up", "down"), default=["up", "down"])
     args = parser.parse_args(argv)

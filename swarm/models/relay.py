@@ -81,12 +81,18 @@ def build_relay(num_stages: int, boundary: str = "resnet18.layer1", num_classes:
     if boundary not in shapes:
         raise ValueError(f"relay: boundary must be one of {', '.join(shapes)}, got {boundary!r}")
     if not isinstance(num_stages, int) or num_stages < 2:
-        raise ValueError(f"relay: needs at least 2 stages (it exists to load the links between them), got {num_stages!r}")
+        raise ValueError(
+            f"relay: needs at least 2 stages (it exists to load the links between them), got {num_stages!r}"
+        )
     tokens = boundary == "gpt2"
     first, width = shapes[boundary]
     if tokens:
         stem, relay, features = _ToTokens(first, width), lambda: _TokensRelay(width), width
     else:
         stem, relay, features = _ToMaps(first, width), lambda: _MapsRelay(first), first
-    stages = [stem] + [relay() for _ in range(num_stages - 2)] + [nn.Sequential(relay(), _Head(features, num_classes, tokens))]
+    stages = (
+        [stem]
+        + [relay() for _ in range(num_stages - 2)]
+        + [nn.Sequential(relay(), _Head(features, num_classes, tokens))]
+    )
     return StagedModel(stages, classification_loss, classification_metrics, [])

@@ -32,10 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default=None, help="e.g. 20mbit, 500kbit, 1gbit")
     p.add_argument("--delay", default=None, help="one-way delay, e.g. 50ms (needs netem)")
     p.add_argument("--ingress", action="store_true", help="also shape what the interface receives (ifb)")
-    p.add_argument("--netem", choices=("auto", "yes", "no"), default="auto", help="auto: try netem when a delay is given, else tbf")
+    p.add_argument(
+        "--netem", choices=("auto", "yes", "no"), default="auto", help="auto: try netem when a delay is given, else tbf"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--clear", action="store_true", help="remove the shaping instead")
-    p.add_argument("--delay-left", default=None, metavar="FILE", help="write the delay not applied (no netem; empty if none) to FILE")
+    p.add_argument(
+        "--delay-left",
+        default=None,
+        metavar="FILE",
+        help="write the delay not applied (no netem; empty if none) to FILE",
+    )
     p = sub.add_parser("identity", help="create a libp2p key file if missing and print its peer id")
     p.add_argument("path")
     p = sub.add_parser("bootstrap-maddr", help="the bootstrap peer's multiaddr from its key file and host name")

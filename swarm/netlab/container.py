@@ -45,10 +45,18 @@ class ShapeResult:
     def describe(self) -> str:
         if self.qdisc is None and not self.delay_s:
             return f"{self.dev}: not shaped"
-        egress = "not rate-limited" if self.qdisc is None else f"{self.qdisc} {format_rate(self.rate_bits) if self.rate_bits else 'no rate limit'}"
+        egress = (
+            "not rate-limited"
+            if self.qdisc is None
+            else f"{self.qdisc} {format_rate(self.rate_bits) if self.rate_bits else 'no rate limit'}"
+        )
         text = f"{self.dev}: egress {egress}"
         if self.delay_s:
-            text += f", delay {format_delay(self.delay_s)}" if self.delay_applied else f", delay {format_delay(self.delay_s)} NOT applied (no netem)"
+            text += (
+                f", delay {format_delay(self.delay_s)}"
+                if self.delay_applied
+                else f", delay {format_delay(self.delay_s)} NOT applied (no netem)"
+            )
         if self.ingress:
             text += f"; ingress tbf {format_rate(self.rate_bits)} via ifb"
         return text
@@ -68,7 +76,16 @@ def _runner(dry_run: bool, out: Callable[[str], None]) -> Callable[[list[str], b
     return run
 
 
-def shape_interface(dev: str, rate: str | int | None = None, delay: str | float | None = None, ingress: bool = False, netem: str = "auto", dry_run: bool = False, out: Callable[[str], None] = print, ifb: str = "ifb0") -> ShapeResult:
+def shape_interface(
+    dev: str,
+    rate: str | int | None = None,
+    delay: str | float | None = None,
+    ingress: bool = False,
+    netem: str = "auto",
+    dry_run: bool = False,
+    out: Callable[[str], None] = print,
+    ifb: str = "ifb0",
+) -> ShapeResult:
     """Shapes `dev`'s egress (and ingress). netem: "auto" tries netem when a delay is asked, "yes", "no"."""
     if netem not in ("auto", "yes", "no"):
         raise ValueError(f"bad netem choice {netem!r}: auto, yes or no")
@@ -84,7 +101,11 @@ def shape_interface(dev: str, rate: str | int | None = None, delay: str | float 
     if use_netem:
         if dry_run and netem == "auto":
             fallback = tc.egress_commands(dev, rate_bits, 0.0, netem=False)
-            out("# netem is tried first; if this kernel lacks it: " + "; ".join(shlex.join(c) for c in fallback) + " (the delay is not applied by tc: --delay-left)")
+            out(
+                "# netem is tried first; if this kernel lacks it: "
+                + "; ".join(shlex.join(c) for c in fallback)
+                + " (the delay is not applied by tc: --delay-left)"
+            )
         ok = run(commands[0], check=netem == "yes")
         executed.append(shlex.join(commands[0]))
         applied_netem = ok
@@ -104,7 +125,9 @@ def shape_interface(dev: str, rate: str | int | None = None, delay: str | float 
     return ShapeResult(dev, kind, rate_bits, delay_s, applied_netem, ingress, tuple(executed))
 
 
-def clear_interface(dev: str, ingress: bool = False, dry_run: bool = False, out: Callable[[str], None] = print, ifb: str = "ifb0") -> None:
+def clear_interface(
+    dev: str, ingress: bool = False, dry_run: bool = False, out: Callable[[str], None] = print, ifb: str = "ifb0"
+) -> None:
     run = _runner(dry_run, out)
     for argv in tc.clear_commands(dev):
         run(argv, check=False)

@@ -74,7 +74,12 @@ class GroupCpu:
 
 
 class CounterSampler:
-    def __init__(self, read_links: Callable[[], dict[str, tuple[int, int]]], read_cpu: Callable[[], dict[str, list[float]]] | None = None, every_s: float = EVERY_S) -> None:
+    def __init__(
+        self,
+        read_links: Callable[[], dict[str, tuple[int, int]]],
+        read_cpu: Callable[[], dict[str, list[float]]] | None = None,
+        every_s: float = EVERY_S,
+    ) -> None:
         self.read_links, self.read_cpu = read_links, read_cpu  # read_cpu: a GroupCpu of the lab's processes
         self.every_s = every_s
         self.samples: list[dict] = []

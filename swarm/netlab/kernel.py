@@ -27,6 +27,7 @@ PREFIX = "hp"
 _SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 _TIMEOUT = 30.0
 
+
 class NetlabError(RuntimeError):
     """Namespaces or shaping cannot be set up here; the message is one line meant for the user."""
 
@@ -85,17 +86,23 @@ class Capabilities:
     def problem(self) -> str | None:
         """Why namespaces with shaping cannot work here (one line), or None."""
         if not self.root:
-            return "network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN): run as root or use in-process shaping"
+            return (
+                "network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN): run as root or use in-process shaping"
+            )
         if not self.ip or not self.tc:
             missing = " and ".join(t for t, path in (("ip", self.ip), ("tc", self.tc)) if not path)
             return f"{missing} not found: install iproute2, or use in-process shaping"
         for feature in ("netns", "veth", "bridge", "tbf"):
             if not getattr(self, feature):
-                return f"the kernel refused {feature}: {self.errors.get(feature, 'unknown error')}; use in-process shaping"
+                return (
+                    f"the kernel refused {feature}: {self.errors.get(feature, 'unknown error')}; use in-process shaping"
+                )
         return None
 
     def summary(self) -> str:
-        flags = " ".join(f"{f}={'yes' if getattr(self, f) else 'no'}" for f in ("netns", "veth", "bridge", "tbf", "netem", "ifb"))
+        flags = " ".join(
+            f"{f}={'yes' if getattr(self, f) else 'no'}" for f in ("netns", "veth", "bridge", "tbf", "netem", "ifb")
+        )
         who = "root" if self.root else f"uid {os.geteuid()}"
         line = f"kernel {self.kernel} ({who}): {flags}"
         if not self.netem and self.root and self.ip and self.tc and self.netns:
@@ -117,7 +124,13 @@ def detect(refresh: bool = False, prefix: str = PREFIX) -> Capabilities:
         if _detected is not None and not refresh:
             return _detected
         ip, tc_path = _which("ip"), _which("tc")
-        caps: dict[str, Any] = {"root": os.geteuid() == 0, "ip": ip, "tc": tc_path, "kernel": os.uname().release, "errors": {}}
+        caps: dict[str, Any] = {
+            "root": os.geteuid() == 0,
+            "ip": ip,
+            "tc": tc_path,
+            "kernel": os.uname().release,
+            "errors": {},
+        }
         if caps["root"] and ip and tc_path:
             _probe_kernel(ip, tc_path, caps, prefix)
         _detected = Capabilities(**caps)
@@ -141,10 +154,29 @@ def _probe_kernel(ip: str, tc_path: str, caps: dict[str, Any], prefix: str) -> N
         caps["veth"] = attempt("veth", ip, "-n", ns, "link", "add", "hpa", "type", "veth", "peer", "name", "hpb")
         caps["bridge"] = attempt("bridge", ip, "-n", ns, "link", "add", "hpbr", "type", "bridge")
         caps["ifb"] = attempt("ifb", ip, "-n", ns, "link", "add", "hpifb", "type", "ifb")
-        caps["netem"] = attempt("netem", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", "rate", "1gbit")
+        caps["netem"] = attempt(
+            "netem", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", "rate", "1gbit"
+        )
         if caps["netem"]:
             _run([tc_path, "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
-        caps["tbf"] = attempt("tbf", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "100000", "limit", "100000")
+        caps["tbf"] = attempt(
+            "tbf",
+            tc_path,
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "100000",
+            "limit",
+            "100000",
+        )
     finally:
         _run([ip, "netns", "del", ns], check=False)
 

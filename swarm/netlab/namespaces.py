@@ -91,8 +91,6 @@ from swarm.netlab.rates import format_delay, format_rate, parse_delay, parse_rat
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]{0,31}")
 
 
-
-
 # ------------------------------------------------------------------------------------------ links
 
 
@@ -161,7 +159,9 @@ def _per_name(kind: str, value: Any, names: Sequence[str], parse) -> dict[str, A
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(names))
         if unknown:
-            raise ValueError(f"{kind} given for unknown link(s) {', '.join(map(str, unknown))}; links are {', '.join(names)}")
+            raise ValueError(
+                f"{kind} given for unknown link(s) {', '.join(map(str, unknown))}; links are {', '.join(names)}"
+            )
         return {n: (None if value.get(n) is None else parse(value[n])) for n in names}
     parsed = None if value is None else parse(value)
     return dict.fromkeys(names, parsed)
@@ -202,13 +202,21 @@ class NetLab:
             raise ValueError(f"bad subnet {subnet!r}: {e}") from None
         hosts = list(network.hosts()) if network.num_addresses <= 65536 else []
         if network.version != 4 or len(hosts) < len(names) + 1:
-            raise ValueError(f"subnet {subnet} is too small for {len(names)} processes (IPv4, one address each plus one spare)")
+            raise ValueError(
+                f"subnet {subnet} is too small for {len(names)} processes (IPv4, one address each plus one spare)"
+            )
         self.names = names
         self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
         self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
         self.network = network
         self.addresses = {name: str(hosts[i + 1]) for i, name in enumerate(names)}  # .1 stays free
-        self.prefix, self.require_delay, self.handle_signals, self.mtu, self.grace = prefix, require_delay, handle_signals, mtu, grace
+        self.prefix, self.require_delay, self.handle_signals, self.mtu, self.grace = (
+            prefix,
+            require_delay,
+            handle_signals,
+            mtu,
+            grace,
+        )
         self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
         self.bridge_ns = f"{self.tag}--bridge"
         self.links: dict[str, Link] = {}
@@ -271,7 +279,9 @@ class NetLab:
             raise RuntimeError("a NetLab starts once")
         self.capabilities = require()
         if self.require_delay and any(self.delays.values()) and not self.capabilities.netem:
-            raise NetlabError("link delays need netem, which this kernel lacks: use in-process delays (swarm.netlab.shaper)")
+            raise NetlabError(
+                "link delays need netem, which this kernel lacks: use in-process delays (swarm.netlab.shaper)"
+            )
         self.stale_removed = cleanup_stale(self.prefix)
         self._state = "up"
         self._install_signals()
@@ -296,7 +306,25 @@ class NetLab:
             ns, port = self.namespace(name), f"v{i}"
             _run([ip, "netns", "add", ns])
             _run([ip, "-n", ns, "link", "set", "lo", "up"])
-            _run([ip, "-n", br, "link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(
+                [
+                    ip,
+                    "-n",
+                    br,
+                    "link",
+                    "add",
+                    port,
+                    "mtu",
+                    str(self.mtu),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    ns,
+                ]
+            )
             _run([ip, "-n", br, "link", "set", port, "master", "br0", "up"])
             _run([ip, "-n", ns, "addr", "add", f"{self.addresses[name]}/{self.network.prefixlen}", "dev", "eth0"])
             _run([ip, "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
@@ -311,8 +339,23 @@ class NetLab:
             _run([_which("tc") or "tc", *argv[1:]])
         kind = tc.qdisc_kind(rate, delay, netem)
         params = tc.tbf_params(rate, self.mtu) if kind == "tbf" and rate else None
-        limit = params.limit_bytes if params else (tc.netem_limit_packets(rate or 10**10, delay, self.mtu) if kind == "netem" else None)
-        return Direction(direction, ns, dev, kind, rate, params.burst_bytes if params else None, limit, delay, tc.delay_applied(delay, netem), tuple(tuple(c) for c in commands))
+        limit = (
+            params.limit_bytes
+            if params
+            else (tc.netem_limit_packets(rate or 10**10, delay, self.mtu) if kind == "netem" else None)
+        )
+        return Direction(
+            direction,
+            ns,
+            dev,
+            kind,
+            rate,
+            params.burst_bytes if params else None,
+            limit,
+            delay,
+            tc.delay_applied(delay, netem),
+            tuple(tuple(c) for c in commands),
+        )
 
     def close(self) -> None:
         """Tears everything down (idempotent; safe from atexit and after a partial start)."""
@@ -368,7 +411,10 @@ class NetLab:
         if self._state != "up":
             raise NetlabError("the lab is not up: no link counters to read")
         ip, tc_tool = _which("ip") or "ip", _which("tc") or "tc"
-        ports = {entry["ifname"].split("@")[0]: entry.get("stats64", {}) for entry in _json(_run([ip, "-n", self.bridge_ns, "-s", "-j", "link", "show"]).stdout)}
+        ports = {
+            entry["ifname"].split("@")[0]: entry.get("stats64", {})
+            for entry in _json(_run([ip, "-n", self.bridge_ns, "-s", "-j", "link", "show"]).stdout)
+        }
         down_qdiscs = _root_qdisc_bytes(_run([tc_tool, "-n", self.bridge_ns, "-s", "-j", "qdisc", "show"]).stdout)
         counts = {}
         for i, name in enumerate(self.names):
@@ -376,7 +422,9 @@ class NetLab:
             stats = ports.get(port, {})  # the port receives what the process sends, and the reverse
             sent, received = int(stats.get("rx", {}).get("bytes", 0)), int(stats.get("tx", {}).get("bytes", 0))
             if link.up.qdisc is not None:
-                sent = _root_qdisc_bytes(_run([tc_tool, "-n", link.netns, "-s", "-j", "qdisc", "show", "dev", "eth0"]).stdout, "eth0").get("eth0", sent)
+                sent = _root_qdisc_bytes(
+                    _run([tc_tool, "-n", link.netns, "-s", "-j", "qdisc", "show", "dev", "eth0"]).stdout, "eth0"
+                ).get("eth0", sent)
             if link.down.qdisc is not None:
                 received = down_qdiscs.get(port, received)
             counts[name] = (sent, received)
@@ -384,7 +432,9 @@ class NetLab:
 
     def summary(self) -> str:
         caps = self.capabilities or detect()
-        lines = [f"netlab {self.tag}: {len(self.names)} namespaces on {self.network} (bridge in {self.bridge_ns}); {caps.summary()}"]
+        lines = [
+            f"netlab {self.tag}: {len(self.names)} namespaces on {self.network} (bridge in {self.bridge_ns}); {caps.summary()}"
+        ]
         lines += [f"  {self.links[n].describe()}" for n in self.names if n in self.links]
         return "\n".join(lines)
 

@@ -43,7 +43,9 @@ def _amount(value, kind: str, units: dict[str, float], forms: str) -> float:
         return float(value)
     text = str(value).strip().lower().replace(" ", "")
     if kind == "rate" and re.fullmatch(r".*(bps|b/s|byte.*)", text):
-        raise ValueError(f"bad rate {value!r}: byte-based units are ambiguous (tc reads 'mbps' as megabytes/s); write bits, e.g. 100mbit")
+        raise ValueError(
+            f"bad rate {value!r}: byte-based units are ambiguous (tc reads 'mbps' as megabytes/s); write bits, e.g. 100mbit"
+        )
     match = re.fullmatch(rf"({_NUMBER})([a-z]*)", text)
     if not match or match.group(3) not in units:
         raise ValueError(f"bad {kind} {value!r}: expected {forms}")

@@ -151,13 +151,27 @@ class TokenBucket:
 
     def stats(self) -> BucketStats:
         with self._lock:
-            return BucketStats(self.rate_bits, self.burst_bytes, self.delay_s, self._bytes, self._calls, self._waited, self._first, self._last_release)
+            return BucketStats(
+                self.rate_bits,
+                self.burst_bytes,
+                self.delay_s,
+                self._bytes,
+                self._calls,
+                self._waited,
+                self._first,
+                self._last_release,
+            )
 
     def __repr__(self) -> str:
         return f"TokenBucket({format_rate(self.rate_bits)}, burst={self.burst_bytes}B, delay={self.delay_s}s)"
 
 
-async def shaped(source: AsyncIterable[T] | AsyncIterator[T], bucket: TokenBucket | None, size: Callable[[T], int] = len, queue_items: int = 1024) -> AsyncIterator[T]:
+async def shaped(
+    source: AsyncIterable[T] | AsyncIterator[T],
+    bucket: TokenBucket | None,
+    size: Callable[[T], int] = len,
+    queue_items: int = 1024,
+) -> AsyncIterator[T]:
     """Yields `source`'s items at the bucket's rate, each `bucket.delay_s` after it left the bucket.
 
     With no delay this is a plain loop (consume, then yield). With a delay, a helper task books the

@@ -52,7 +52,14 @@ def _tc(netns: str | None) -> list[str]:
     return ["tc", "-n", netns] if netns else ["tc"]
 
 
-def egress_commands(dev: str, rate_bits: int | None, delay_s: float = 0.0, netem: bool = False, netns: str | None = None, mtu: int = 1500) -> list[list[str]]:
+def egress_commands(
+    dev: str,
+    rate_bits: int | None,
+    delay_s: float = 0.0,
+    netem: bool = False,
+    netns: str | None = None,
+    mtu: int = 1500,
+) -> list[list[str]]:
     """Commands that make `dev`'s egress `rate_bits` (None: unlimited) with `delay_s` one-way delay.
 
     The delay is only in the commands when `netem` is True (the kernel has it); callers check
@@ -67,7 +74,23 @@ def egress_commands(dev: str, rate_bits: int | None, delay_s: float = 0.0, netem
     if rate_bits is None:
         return []
     p = tbf_params(rate_bits, mtu)
-    return [[*_tc(netns), "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bits}bit", "burst", str(p.burst_bytes), "limit", str(p.limit_bytes)]]
+    return [
+        [
+            *_tc(netns),
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_bits}bit",
+            "burst",
+            str(p.burst_bytes),
+            "limit",
+            str(p.limit_bytes),
+        ]
+    ]
 
 
 def qdisc_kind(rate_bits: int | None, delay_s: float, netem: bool) -> str | None:
@@ -97,6 +120,43 @@ def ingress_commands(dev: str, ifb: str, rate_bits: int, netns: str | None = Non
         [*ip, "link", "add", ifb, "type", "ifb"],
         [*ip, "link", "set", ifb, "up"],
         [*_tc(netns), "qdisc", "replace", "dev", dev, "handle", "ffff:", "ingress"],
-        [*_tc(netns), "filter", "replace", "dev", dev, "parent", "ffff:", "protocol", "all", "prio", "1", "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", ifb],
-        [*_tc(netns), "qdisc", "replace", "dev", ifb, "root", "tbf", "rate", f"{rate_bits}bit", "burst", str(p.burst_bytes), "limit", str(p.limit_bytes)],
+        [
+            *_tc(netns),
+            "filter",
+            "replace",
+            "dev",
+            dev,
+            "parent",
+            "ffff:",
+            "protocol",
+            "all",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "u32",
+            "0",
+            "0",
+            "action",
+            "mirred",
+            "egress",
+            "redirect",
+            "dev",
+            ifb,
+        ],
+        [
+            *_tc(netns),
+            "qdisc",
+            "replace",
+            "dev",
+            ifb,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_bits}bit",
+            "burst",
+            str(p.burst_bytes),
+            "limit",
+            str(p.limit_bytes),
+        ],
     ]

@@ -82,7 +82,14 @@ class Study:
     def quant(self, fw: int, bw: int) -> Row | None:
         return self.find("resnet18", lambda r: (_bits(r.forward), _bits(r.backward)) == (fw, bw))
 
-    def topk(self, ratio: float, model: str = "resnet18", feedback: str | None = None, warmup: bool = False, backward: str | None = None) -> Row | None:
+    def topk(
+        self,
+        ratio: float,
+        model: str = "resnet18",
+        feedback: str | None = None,
+        warmup: bool = False,
+        backward: str | None = None,
+    ) -> Row | None:
         def pred(r: Row) -> bool:
             fw = _topk(r.forward)
             if fw is None or fw[0] != ratio or fw[1] != feedback or bool(r.warmup) != warmup:
@@ -139,7 +146,14 @@ def gradients_more_sensitive(study: Study) -> Finding:
         parts.append(f"fw{c}-bw{d} {bw_heavy.acc_on:.2f} vs fw{a}-bw{b} {fw_heavy.acc_on:.2f} ({_signed(diff)})")
     # holds: the gradient-heavy split is clearly better at least once and never clearly worse
     verdict = "does not hold" if support == 0 else ("holds" if contradict == 0 else "mixed")
-    return _found(title, table, paper, verdict, "; ".join(parts) + f" (the check: better by more than {MARGIN:g} points at least once, never worse by that)", missing)
+    return _found(
+        title,
+        table,
+        paper,
+        verdict,
+        "; ".join(parts) + f" (the check: better by more than {MARGIN:g} points at least once, never worse by that)",
+        missing,
+    )
 
 
 TOPK_LEVELS = (0.5, 0.3, 0.2, 0.1, 0.05, 0.02)
@@ -162,7 +176,9 @@ def strongest_safe_topk(study: Study) -> Finding:
         strongest = k
     drops = ", ".join(f"{label} {_signed(r.acc_on - base.acc_on)}" for label, r in rows)
     ours = f"vs the baseline ({base.acc_on:.2f}): {drops}; "
-    ours += f"strongest level with every larger one within {MARGIN:g} points: {_pct(strongest) if strongest else 'none'}"
+    ours += (
+        f"strongest level with every larger one within {MARGIN:g} points: {_pct(strongest) if strongest else 'none'}"
+    )
     if set(safe) != {k for k in TOPK_LEVELS if strongest and k >= strongest}:
         ours += f" (within the margin at all: {', '.join(_pct(k) for k in safe) or 'none'})"
     verdict = "holds" if strongest == 0.1 else "does not hold"
@@ -182,7 +198,9 @@ def topk_needs_compressed_inference(study: Study) -> Finding:
     gaps = ", ".join(f"{label} {_signed(r.acc_on - r.acc_off)}" for label, r in done)
     support = sum(r.acc_on - r.acc_off > MARGIN for _, r in strong)
     verdict = "holds" if support == len(strong) else ("does not hold" if support == 0 else "mixed")
-    ours = f"accuracy on minus off: {gaps} (the check: every level at or below Top20% gains more than {MARGIN:g} points)"
+    ours = (
+        f"accuracy on minus off: {gaps} (the check: every level at or below Top20% gains more than {MARGIN:g} points)"
+    )
     return _found(title, table, paper, verdict, ours, missing)
 
 
@@ -198,7 +216,9 @@ def _ef_rows(study: Study) -> list[tuple[str, Row | None, float]]:
 def ef_restores_uncompressed_inference(study: Study) -> Finding:
     """Table 3: with EF / EF21 the model works about as well with compression off as on."""
     title, table = "Error feedback makes uncompressed inference work", "Table 3"
-    paper = "|on - off| of EF / EF21 rows 0.08-1.17 points, against 15.98 for plain Top10% (EFmixed is the exception: 29.6)"
+    paper = (
+        "|on - off| of EF / EF21 rows 0.08-1.17 points, against 15.98 for plain Top10% (EFmixed is the exception: 29.6)"
+    )
     rows = _ef_rows(study)
     missing = _missing([(label, r) for label, r, _ in rows])
     done = [(label, r, k) for label, r, k in rows if r and r.finished]
@@ -213,7 +233,9 @@ def ef_restores_uncompressed_inference(study: Study) -> Finding:
         small = abs(gap) <= MARGIN and (plain_gap is None or abs(gap) < abs(plain_gap))
         support += small
         contradict += not small
-        parts.append(f"{label} {_signed(gap)}" + (f" (plain {_pct(k)} {_signed(plain_gap)})" if plain_gap is not None else ""))
+        parts.append(
+            f"{label} {_signed(gap)}" + (f" (plain {_pct(k)} {_signed(plain_gap)})" if plain_gap is not None else "")
+        )
     mixed = study.topk(0.1, feedback="efmixed", warmup=True)
     ours = "on minus off: " + "; ".join(parts)
     if mixed and mixed.finished:
@@ -224,11 +246,17 @@ def ef_restores_uncompressed_inference(study: Study) -> Finding:
 def ef_does_not_beat_topk(study: Study) -> Finding:
     """Table 3 vs 2: EF / EF21 do not raise compressed-inference accuracy over plain TopK."""
     title, table = "Error feedback does not improve on plain TopK", "Table 3"
-    paper = "EF21 + Top10% 91.19 and EF + Top10% (warmup) 89.85 vs plain Top10% 91.87; EF21 + Top5% 89.29 vs Top5% 90.01"
+    paper = (
+        "EF21 + Top10% 91.19 and EF + Top10% (warmup) 89.85 vs plain Top10% 91.87; EF21 + Top5% 89.29 vs Top5% 90.01"
+    )
     rows = _ef_rows(study)
     needed = [(label, r) for label, r, _ in rows] + [("Top10%", study.topk(0.1)), ("Top5%", study.topk(0.05))]
     missing = _missing(needed)
-    done = [(label, r, study.topk(k)) for label, r, k in rows if r and r.finished and study.topk(k) and study.topk(k).finished]
+    done = [
+        (label, r, study.topk(k))
+        for label, r, k in rows
+        if r and r.finished and study.topk(k) and study.topk(k).finished
+    ]
     if not done:
         return _pending(title, table, paper, missing)
     parts, better = [], 0
@@ -261,8 +289,15 @@ def aqsgd_degrades_beyond_30(study: Study) -> Finding:
         support += close == expected_close
         contradict += close != expected_close
         plain = study.topk(k)
-        parts.append(f"{label} {_signed(drop)}" + (f" (plain {_pct(k)} {_signed(plain.acc_on - base.acc_on)})" if plain and plain.finished else ""))
-    ours = f"compressed inference vs the baseline ({base.acc_on:.2f}): " + "; ".join(parts) + f" (the check: within {MARGIN:g} points at Top50/30%, further below at Top20/10%)"
+        parts.append(
+            f"{label} {_signed(drop)}"
+            + (f" (plain {_pct(k)} {_signed(plain.acc_on - base.acc_on)})" if plain and plain.finished else "")
+        )
+    ours = (
+        f"compressed inference vs the baseline ({base.acc_on:.2f}): "
+        + "; ".join(parts)
+        + f" (the check: within {MARGIN:g} points at Top50/30%, further below at Top20/10%)"
+    )
     return _found(title, table, paper, _combine(support, contradict, support + contradict), ours, missing)
 
 

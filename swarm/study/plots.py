@@ -35,15 +35,28 @@ def plot_table(title: str, runs: list[dict], out: Path) -> Path:
         name = run["config"].get("report", {}).get("row") or run["name"]
         steps = run["steps"]
         window = max(1, len(steps) // 50)
-        line = ax_loss.plot([s["step"] for s in steps], smooth([s["loss"] for s in steps], window), label=name, linewidth=0.9)
+        line = ax_loss.plot(
+            [s["step"] for s in steps], smooth([s["loss"] for s in steps], window), label=name, linewidth=0.9
+        )
         color = line[0].get_color()
         key = "perplexity" if run["config"]["data"]["name"] == "wikitext2" else "accuracy"
         evals = [e for e in run["evals"] if key in e.get("uncompressed", {})]
         scale = 100 if key == "accuracy" else 1
-        ax_eval.plot([e["epoch"] for e in evals], [scale * e["uncompressed"][key] for e in evals], color=color, label=f"{name} (off)")
+        ax_eval.plot(
+            [e["epoch"] for e in evals],
+            [scale * e["uncompressed"][key] for e in evals],
+            color=color,
+            label=f"{name} (off)",
+        )
         on = [e for e in evals if key in e.get("compressed", {})]
         if on:
-            ax_eval.plot([e["epoch"] for e in on], [scale * e["compressed"][key] for e in on], linestyle="--", color=color, label=f"{name} (on)")
+            ax_eval.plot(
+                [e["epoch"] for e in on],
+                [scale * e["compressed"][key] for e in on],
+                linestyle="--",
+                color=color,
+                label=f"{name} (on)",
+            )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("training loss (running mean)")
     ax_eval.set_xlabel("epoch")

@@ -41,7 +41,15 @@ def load_run(path: str | Path) -> dict:
 
 def pending_run(cfg) -> dict:
     """A config with no results yet: a row with the paper's figures and nothing measured."""
-    return {"path": None, "name": cfg.name, "config": cfg.model_dump(mode="json"), "steps": [], "evals": [], "summary": None, "state": "pending"}
+    return {
+        "path": None,
+        "name": cfg.name,
+        "config": cfg.model_dump(mode="json"),
+        "steps": [],
+        "evals": [],
+        "summary": None,
+        "state": "pending",
+    }
 
 
 # ---- measured figures --------------------------------------------------------------------------
@@ -135,7 +143,12 @@ def _state(run: dict) -> str:
     return "pending"
 
 
-PAPER_COLUMNS = {"acc_off": "paper (off)", "acc_on": "paper (on)", "eval_loss": "paper: eval loss", "perplexity": "paper: perplexity"}
+PAPER_COLUMNS = {
+    "acc_off": "paper (off)",
+    "acc_on": "paper (on)",
+    "eval_loss": "paper: eval loss",
+    "perplexity": "paper: perplexity",
+}
 
 
 def table(title: str, runs: list[dict], baseline: dict | None = None) -> list[str]:
@@ -151,7 +164,11 @@ def table(title: str, runs: list[dict], baseline: dict | None = None) -> list[st
         head = ["row", "fw / bw", "test acc % (off)", "test acc % (on)"]
     head += [PAPER_COLUMNS.get(k, f"paper: {k}") for k in paper_keys]
     if reference is not None:
-        head += ["(on) − baseline", "paper (on) − baseline"] if not lm else ["loss (on) − baseline", "paper: loss − baseline"]
+        head += (
+            ["(on) − baseline", "paper (on) − baseline"]
+            if not lm
+            else ["loss (on) − baseline", "paper: loss − baseline"]
+        )
     head += ["wire KB / sample", "× smaller", "steps"]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref_bytes = bytes_per_sample(reference) if reference is not None else None
@@ -171,7 +188,10 @@ def table(title: str, runs: list[dict], baseline: dict | None = None) -> list[st
                 ours, base = final(run, "compressed", "loss") if done else None, final(reference, "compressed", "loss")
                 theirs, their_base = paper(run).get("eval_loss"), paper(reference).get("eval_loss")
             else:
-                ours, base = best(run, "compressed", "accuracy") if done else None, best(reference, "compressed", "accuracy")
+                ours, base = (
+                    best(run, "compressed", "accuracy") if done else None,
+                    best(reference, "compressed", "accuracy"),
+                )
                 ours, base = (None if v is None else 100 * v for v in (ours, base))
                 theirs, their_base = paper(run).get("acc_on"), paper(reference).get("acc_on")
             cells.append(_fmt(None if ours is None or base is None else ours - base, "+.2f"))
@@ -194,14 +214,26 @@ def setup_line(run: dict) -> str:
         what = f"ResNet-18 width {options.get('width', 64)}, {model['num_stages']} stages"
     elif model["name"] == "gpt2":
         arch = options.get("config", {})
-        what = "GPT-2 " + (f"{arch.get('n_layer', 12)} layers x {arch.get('n_embd', 768)} wide" if arch else "") + (f" from {options['pretrained']}" if "pretrained" in options else ", trained from scratch")
+        what = (
+            "GPT-2 "
+            + (f"{arch.get('n_layer', 12)} layers x {arch.get('n_embd', 768)} wide" if arch else "")
+            + (f" from {options['pretrained']}" if "pretrained" in options else ", trained from scratch")
+        )
         what += f", {model['num_stages']} stages"
     else:
         what = f"{model['name']}, {model['num_stages']} stages"
     d_opts = data.get("options", {})
-    sizes = ", ".join(f"{k} {v}" for k, v in d_opts.items() if k in ("subset", "test_subset", "block_size", "train_size"))
-    length = f"{train['epochs']:g} epochs" + (f" (at most {train['max_steps']} steps)" if train.get("max_steps") else "")
-    return f"{what}; {data['name']}" + (f" ({sizes})" if sizes else "") + f"; {length}, batch {train['batch_size']}; {opt['name']} lr {opt['lr']:g} {opt['schedule']}; seed {cfg['seed']}"
+    sizes = ", ".join(
+        f"{k} {v}" for k, v in d_opts.items() if k in ("subset", "test_subset", "block_size", "train_size")
+    )
+    length = f"{train['epochs']:g} epochs" + (
+        f" (at most {train['max_steps']} steps)" if train.get("max_steps") else ""
+    )
+    return (
+        f"{what}; {data['name']}"
+        + (f" ({sizes})" if sizes else "")
+        + f"; {length}, batch {train['batch_size']}; {opt['name']} lr {opt['lr']:g} {opt['schedule']}; seed {cfg['seed']}"
+    )
 
 
 def group(runs: list[dict]) -> dict[str, list[dict]]:
@@ -291,19 +323,21 @@ def caveats(runs: list[dict]) -> list[str]:
     if resnet is not None:
         width = resnet["model"].get("options", {}).get("width", 64)
         opts = resnet["data"].get("options", {})
-        train_size = f"a fixed {opts['subset']:,}-image class-balanced CIFAR-10 subset" if opts.get("subset") else "CIFAR-10"
+        train_size = (
+            f"a fixed {opts['subset']:,}-image class-balanced CIFAR-10 subset" if opts.get("subset") else "CIFAR-10"
+        )
         test_size = f"{opts['test_subset']:,}" if opts.get("test_subset") else "10,000"
         lines += [
             f"- **Much smaller than the paper.** ResNet-18 at width {width} (about 1/{(64 / width) ** 2:.0f} of the compute of width 64) on",
             f"  {train_size} for {resnet['train']['epochs']:g} epochs, against width 64 on all 50,000 images for 100 epochs.",
             "  Absolute accuracies are far below the paper's ~93%: compare each row with our own baseline (the",
-            "  \"(on) − baseline\" columns), not with the paper's absolute numbers.",
+            '  "(on) − baseline" columns), not with the paper\'s absolute numbers.',
             f"- **One seed, {test_size} test images.** The paper reports the best of 5 runs (Tables 1-2) or one run (Tables",
             f"  3-4) on 10,000 test images. Differences below ~{MARGIN:g} points here are noise; the findings use that margin.",
             "- **Short training changes what compression does.** The paper explains compressed inference beating",
             "  uncompressed inference by the model adapting to the compressed distribution over 100 epochs; here it",
             f"  has {resnet['train']['epochs']:g}.",
-            "- **Warmup.** \"warmup N%\" trains the first N% of the epochs uncompressed within the same run (the paper",
+            '- **Warmup.** "warmup N%" trains the first N% of the epochs uncompressed within the same run (the paper',
             "  restarted from its baseline's weights after N of 100 epochs: the same share).",
         ]
     gpt2 = next((r["config"] for r in runs if r["config"]["model"]["name"] == "gpt2"), None)
@@ -325,7 +359,9 @@ def caveats(runs: list[dict]) -> list[str]:
             ]
             data = gpt2["data"].get("options", {})
             if data.get("train_file") and data.get("train_file") == data.get("test_file"):
-                lines.append(f"  Only {data['train_file']} exists here: its first {data.get('train_fraction', 0.9):.0%} of rows train, the rest evaluate.")
+                lines.append(
+                    f"  Only {data['train_file']} exists here: its first {data.get('train_fraction', 0.9):.0%} of rows train, the rest evaluate."
+                )
     lines += [
         "- **Bytes are measured, not computed.** Wire KB / sample is what the codecs serialized, including TopK",
         "  indices (bitmap or varint gaps, whichever is smaller), quantization ranges and headers, and it includes",

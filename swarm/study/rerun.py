@@ -28,7 +28,12 @@ class Comparison:
     @property
     def max_accuracy_gap(self) -> float:
         """Largest absolute accuracy difference (fraction) over the common evaluations, both modes."""
-        gaps = [abs(a[m]["accuracy"] - b[m]["accuracy"]) for _, a, b in self.evals for m in ("uncompressed", "compressed") if "accuracy" in a.get(m, {}) and "accuracy" in b.get(m, {})]
+        gaps = [
+            abs(a[m]["accuracy"] - b[m]["accuracy"])
+            for _, a, b in self.evals
+            for m in ("uncompressed", "compressed")
+            if "accuracy" in a.get(m, {}) and "accuracy" in b.get(m, {})
+        ]
         return max(gaps, default=math.nan)
 
 
@@ -47,8 +52,12 @@ def compare(single: dict, swarm: dict) -> Comparison:
     from swarm.study.runner import same_config
 
     if not same_config(swarm["config"], ExperimentConfig.model_validate(single["config"])):
-        differing = sorted(k for k in set(single["config"]) | set(swarm["config"]) if single["config"].get(k) != swarm["config"].get(k))
-        raise ValueError(f"{swarm['path']} is not a re-run of {single['path']}: the configs differ in {', '.join(differing)}")
+        differing = sorted(
+            k for k in set(single["config"]) | set(swarm["config"]) if single["config"].get(k) != swarm["config"].get(k)
+        )
+        raise ValueError(
+            f"{swarm['path']} is not a re-run of {single['path']}: the configs differ in {', '.join(differing)}"
+        )
     mine = {r["step"]: r["loss"] for r in single["steps"]}
     theirs = {r["step"]: r["loss"] for r in swarm["steps"]}
     common = sorted(set(mine) & set(theirs))
@@ -99,9 +108,14 @@ def section(results_dir: str | Path, lab_dir: str | Path) -> list[str]:
     ]
     for c in pairs:
         step, a, b = c.evals[-1] if c.evals else (None, {}, {})
-        acc = [f"{_pct(a.get(m, {}).get('accuracy'))} / {_pct(b.get(m, {}).get('accuracy'))}" for m in ("uncompressed", "compressed")]
+        acc = [
+            f"{_pct(a.get(m, {}).get('accuracy'))} / {_pct(b.get(m, {}).get('accuracy'))}"
+            for m in ("uncompressed", "compressed")
+        ]
         same_bytes = "yes" if c.bytes_single == c.bytes_swarm else "no"
         walls = f"{c.wall_single or 0:.0f} s / {c.wall_swarm or 0:.0f} s"
-        lines.append(f"| {c.name} | {c.steps} | {c.max_loss_rel:.1e} | {step if step is not None else '–'} | {acc[0]} | {acc[1]} | {same_bytes} | {walls} |")
+        lines.append(
+            f"| {c.name} | {c.steps} | {c.max_loss_rel:.1e} | {step if step is not None else '–'} | {acc[0]} | {acc[1]} | {same_bytes} | {walls} |"
+        )
     lines.append("")
     return lines

@@ -109,7 +109,9 @@ def status(entry: Entry) -> Status:
     last = steps[-1] if steps else {}
     config = next((r for r in rows if r["type"] == "config"), None)
     if config is not None and not same_config(config.get("config"), entry.cfg):
-        return Status("stale", len(steps), last.get("epoch", 0.0), note="the config changed since this run; it runs again")
+        return Status(
+            "stale", len(steps), last.get("epoch", 0.0), note="the config changed since this run; it runs again"
+        )
     summary = next((r for r in rows if r["type"] == "summary"), None)
     if summary is not None:
         return Status("finished", summary["steps"], last.get("epoch", 0.0), summary.get("wall_time_s"))
@@ -139,7 +141,9 @@ def _fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def _results_line(path: Path) -> str:
@@ -221,7 +225,9 @@ def _lock(results_dir: Path):
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise StudyLocked(f"{results_dir} is in use by a running study (pid {holder}); wait for it or stop it") from None
+        raise StudyLocked(
+            f"{results_dir} is in use by a running study (pid {holder}); wait for it or stop it"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
@@ -257,7 +263,9 @@ def format_status(entries: list[Entry]) -> list[str]:
     known = sum(n * sum(pace[m]) / len(pace[m]) for m, n in left.items() if m in pace)
     unknown = sum(n for m, n in left.items() if m not in pace)
     if left:
-        line += f"; about {_fmt_time(known)} to go at their pace" + (f", plus {unknown} run(s) of a model not timed yet" if unknown else "")
+        line += f"; about {_fmt_time(known)} to go at their pace" + (
+            f", plus {unknown} run(s) of a model not timed yet" if unknown else ""
+        )
     lines.append(line)
     return lines
 
@@ -287,7 +295,11 @@ def run_study(
     failed = 0
     try:
         todo = [e for e in entries if status(e).state != "finished"]
-        print(f"study {config_dir}: {len(entries)} runs, {len(entries) - len(todo)} finished, {len(todo)} to run; results in {results_dir}", file=out, flush=True)
+        print(
+            f"study {config_dir}: {len(entries)} runs, {len(entries) - len(todo)} finished, {len(todo)} to run; results in {results_dir}",
+            file=out,
+            flush=True,
+        )
         for number, entry in enumerate(todo, 1):
             st = status(entry)
             head = f"[{number}/{len(todo)}] {entry.name}"
@@ -296,24 +308,41 @@ def run_study(
                 failed += 1
                 continue
             _prepare_checkpoints(entry)
-            how = {"partial": f"resuming ({st.note}, {st.steps} steps logged)", "stale": "config changed, starting over"}.get(st.state, "starting")
+            how = {
+                "partial": f"resuming ({st.note}, {st.steps} steps logged)",
+                "stale": "config changed, starting over",
+            }.get(st.state, "starting")
             print(f"{head}: {how}", file=out, flush=True)
             started = time.monotonic()
             try:
                 with _Heartbeat(entry, 0 if progress else heartbeat, out):
-                    run_experiment(entry.cfg, entry.results, progress=progress, checkpoint=Checkpointing(str(entry.checkpoints)))
+                    run_experiment(
+                        entry.cfg, entry.results, progress=progress, checkpoint=Checkpointing(str(entry.checkpoints))
+                    )
             except KeyboardInterrupt:
                 print(f"{head}: interrupted; run the same command again to resume", file=out, flush=True)
                 raise
             except Exception as e:  # one bad run must not stop the night's study
                 failed += 1
-                print(f"{head}: FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); its checkpoints are kept", file=out, flush=True)
+                print(
+                    f"{head}: FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); its checkpoints are kept",
+                    file=out,
+                    flush=True,
+                )
                 traceback.print_exc(file=sys.stderr)
                 continue
             shutil.rmtree(entry.checkpoints, ignore_errors=True)
-            print(f"{head}: done in {_fmt_time(time.monotonic() - started)}; {_results_line(entry.results)}", file=out, flush=True)
+            print(
+                f"{head}: done in {_fmt_time(time.monotonic() - started)}; {_results_line(entry.results)}",
+                file=out,
+                flush=True,
+            )
         done = sum(status(e).state == "finished" for e in entries)
-        print(f"study {config_dir}: {done}/{len(entries)} runs finished" + (f", {failed} failed" if failed else ""), file=out, flush=True)
+        print(
+            f"study {config_dir}: {done}/{len(entries)} runs finished" + (f", {failed} failed" if failed else ""),
+            file=out,
+            flush=True,
+        )
     finally:
         lock.close()
     return failed

@@ -34,13 +34,23 @@ class Schedule:
     def of(cls, cfg: ExperimentConfig, train_size: int, max_steps: int | None = None) -> Schedule:
         per_epoch = train_size // cfg.train.batch_size
         if per_epoch == 0:
-            raise ValueError(f"the training set ({train_size} samples) is smaller than one batch ({cfg.train.batch_size})")
+            raise ValueError(
+                f"the training set ({train_size} samples) is smaller than one batch ({cfg.train.batch_size})"
+            )
         total = max(1, math.ceil(cfg.train.epochs * per_epoch))
         for cap in (cfg.train.max_steps, max_steps):
             if cap is not None:
                 total = min(total, cap)
-        horizon = total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
-        return cls(per_epoch, total, max(1, round(cfg.train.eval_every * per_epoch)), round(cfg.train.warmup_epochs * per_epoch), horizon)
+        horizon = (
+            total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
+        )
+        return cls(
+            per_epoch,
+            total,
+            max(1, round(cfg.train.eval_every * per_epoch)),
+            round(cfg.train.warmup_epochs * per_epoch),
+            horizon,
+        )
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,15 @@ def _skip_batches(loader: DataLoader, count: int):
     return batches
 
 
-def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+def train(
+    cfg: ExperimentConfig,
+    pipeline,
+    data,
+    results: ResultsWriter,
+    max_steps: int | None = None,
+    progress: bool = True,
+    checkpoint: Checkpointing | None = None,
+) -> dict:
     """The training loop; returns the summary row (also written to `results`).
 
     With `checkpoint`, it resumes from the newest complete checkpoint in its directory (the
@@ -118,7 +136,14 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
     train_set, test_set = data
     schedule = Schedule.of(cfg, len(train_set), max_steps)
     if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
-        results.write({"type": "config", "name": cfg.name, "config": cfg.model_dump(mode="json"), "started": datetime.datetime.now(datetime.UTC).isoformat()})
+        results.write(
+            {
+                "type": "config",
+                "name": cfg.name,
+                "config": cfg.model_dump(mode="json"),
+                "started": datetime.datetime.now(datetime.UTC).isoformat(),
+            }
+        )
     generator = torch.Generator().manual_seed(cfg.seed)
     step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
@@ -128,14 +153,22 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
         latest = latest_run(checkpoint.directory)
         if latest is not None:
             state = load_run(latest, pipeline)
-            step, samples, epoch, done_in_epoch, elapsed = state["step"], state["samples"], state["epoch"], state["batch"], state["time_s"]
+            step, samples, epoch, done_in_epoch, elapsed = (
+                state["step"],
+                state["samples"],
+                state["epoch"],
+                state["batch"],
+                state["time_s"],
+            )
             generator.set_state(state["generator"])
             torch.set_rng_state(state["rng"])
             evals = json.loads(state["evals"])
             print(f"resuming from checkpoint {latest} at step {step}", file=sys.stderr)
     started = time.perf_counter() - elapsed
     bytes_before: dict[str, int] = pipeline.link_bytes() if step else {}
-    bar = tqdm(total=schedule.total_steps, initial=step, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=schedule.total_steps, initial=step, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True
+    )
 
     def run_eval() -> None:
         row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
@@ -149,25 +182,57 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
     def save_checkpoint(epoch_start: torch.Tensor) -> None:
         from swarm.engine.checkpoint import save_run
 
-        position = {"epoch": epoch, "batch": done_in_epoch, "generator": epoch_start, "rng": torch.get_rng_state(), "samples": samples, "evals": json.dumps(evals), "time_s": time.perf_counter() - started}
+        position = {
+            "epoch": epoch,
+            "batch": done_in_epoch,
+            "generator": epoch_start,
+            "rng": torch.get_rng_state(),
+            "samples": samples,
+            "evals": json.dumps(evals),
+            "time_s": time.perf_counter() - started,
+        }
         save_run(checkpoint.directory, step, pipeline, position, checkpoint.keep)
 
     while step < schedule.total_steps:
         if hasattr(train_set, "set_epoch"):
             train_set.set_epoch(epoch)
         epoch_start = generator.get_state()  # what replays this epoch's order on resume
-        loader = DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True, generator=generator, collate_fn=collate)
+        loader = DataLoader(
+            train_set,
+            batch_size=cfg.train.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=generator,
+            collate_fn=collate,
+        )
         for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
             done_in_epoch += 1
             exact = step < schedule.warmup_steps
             pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
-            losses = [metrics["loss"] * batch.weight for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)]
+            losses = [
+                metrics["loss"] * batch.weight
+                for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)
+            ]
             lr = pipeline.step()
             step += 1
             samples += ids.numel()
             now = pipeline.link_bytes()
             notes = pipeline.step_notes() if hasattr(pipeline, "step_notes") else {}  # a swarm's adaptive codecs
-            results.write({"type": "step", "step": step, "epoch": step / schedule.steps_per_epoch, "loss": sum(losses), "lr": lr, "samples": samples, "exact": exact, "bytes": _delta(now, bytes_before), "time_s": time.perf_counter() - started, "at": time.time(), **notes})
+            results.write(
+                {
+                    "type": "step",
+                    "step": step,
+                    "epoch": step / schedule.steps_per_epoch,
+                    "loss": sum(losses),
+                    "lr": lr,
+                    "samples": samples,
+                    "exact": exact,
+                    "bytes": _delta(now, bytes_before),
+                    "time_s": time.perf_counter() - started,
+                    "at": time.time(),
+                    **notes,
+                }
+            )
             bytes_before = now
             bar.update(1)
             bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
@@ -193,7 +258,11 @@ def train(cfg: ExperimentConfig, pipeline, data, results: ResultsWriter, max_ste
         "state_bytes": pipeline.state_bytes(),
         "final": evals[-1] if evals else None,
         "best": {
-            mode: max((e[mode] for e in evals if mode in e), key=lambda m: m.get("accuracy", -m.get("loss", 0.0)), default=None)
+            mode: max(
+                (e[mode] for e in evals if mode in e),
+                key=lambda m: m.get("accuracy", -m.get("loss", 0.0)),
+                default=None,
+            )
             for mode in ("uncompressed", "compressed")
         },
         **(pipeline.summary_notes() if hasattr(pipeline, "summary_notes") else {}),
@@ -236,12 +305,20 @@ def open_results(results_path, checkpoint: Checkpointing | None = None, writer=R
     return results
 
 
-def run_experiment(cfg: ExperimentConfig, results_path=None, max_steps: int | None = None, progress: bool = True, checkpoint: Checkpointing | None = None) -> dict:
+def run_experiment(
+    cfg: ExperimentConfig,
+    results_path=None,
+    max_steps: int | None = None,
+    progress: bool = True,
+    checkpoint: Checkpointing | None = None,
+) -> dict:
     """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
     from swarm.engine.build import build_local_pipeline
 
     if cfg.compression.adaptive is not None:
-        raise ValueError("compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure")
+        raise ValueError(
+            "compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure"
+        )
     data = build_data(cfg)
     schedule = Schedule.of(cfg, len(data[0]), max_steps)
     pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))

@@ -90,7 +90,9 @@ class LocalPipeline:
         from swarm.engine.checkpoint import load_stage
         from swarm.transport.hivemind.trainer.adaptive import checkpoint_codecs
 
-        checkpoint_codecs(directory, adaptive=False)  # refuses an adaptive swarm's checkpoint: one process has fixed codecs
+        checkpoint_codecs(
+            directory, adaptive=False
+        )  # refuses an adaptive swarm's checkpoint: one process has fixed codecs
         steps = {load_stage(r, f"{directory}/stage{r.index}.pt") for r in self.runtimes}
         if len(steps) != 1:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")

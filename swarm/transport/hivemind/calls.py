@@ -122,7 +122,12 @@ class StreamPool:
     longer, and a reused stream the servicer had just closed would fail a micro-batch)."""
 
     def __init__(self, p2p: P2P, egress=None, keep_s: float = KEEP_IDLE_S, clock=time.monotonic) -> None:
-        self.p2p, self.egress, self.keep_s, self.clock = p2p, egress, keep_s, clock  # egress: the node's in-process shaping
+        self.p2p, self.egress, self.keep_s, self.clock = (
+            p2p,
+            egress,
+            keep_s,
+            clock,
+        )  # egress: the node's in-process shaping
         self._idle: dict[str, list[tuple[_Stream, float]]] = {}
         self.opened = 0
 
@@ -187,7 +192,15 @@ class MicroBatchCall:
     """One micro-batch exchange with a downstream stage peer (or stage 0, from the trainer), on a
     stream from `streams`; `finish` returns that stream once the reply has been read."""
 
-    def __init__(self, streams: StreamPool, peer_id: str, head: pb.MicroBatchHead, payload: bytes, sending: Sending | None = None, flow=None) -> None:
+    def __init__(
+        self,
+        streams: StreamPool,
+        peer_id: str,
+        head: pb.MicroBatchHead,
+        payload: bytes,
+        sending: Sending | None = None,
+        flow=None,
+    ) -> None:
         self.streams, self.peer_id = streams, str(peer_id)
         self.sending, self.flow = sending, flow
         self.head, self.payload = head, payload
@@ -240,18 +253,22 @@ class MicroBatchCall:
         if stream is None:
             return
         try:
+
             async def finish():
                 await stream.end()
                 if self._replies is not None:
                     async for _ in self._replies:  # until the replier closes the stream
                         pass
+
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(finish(), timeout)
         finally:
             stream.close()
 
 
-async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, timeout: float, egress=None) -> tuple[pb.StepResult, bytes]:
+async def call_step(
+    p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, timeout: float, egress=None
+) -> tuple[pb.StepResult, bytes]:
     async def run():
         stream = await _Stream.open(p2p, peer_id, "rpc_step", egress)
         try:
@@ -268,7 +285,9 @@ async def call_step(p2p: P2P, peer_id: str, head: pb.StepHead, payload: bytes, t
 
 
 async def call_setup(p2p: P2P, peer_id: str, request: pb.SetupRequest, timeout: float) -> pb.SetupReply:
-    reply = await _bounded(p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_setup"), request, pb.SetupReply), peer_id, timeout)
+    reply = await _bounded(
+        p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_setup"), request, pb.SetupReply), peer_id, timeout
+    )
     if reply.error:
         raise RemoteError(reply.error)
     return reply
@@ -276,7 +295,9 @@ async def call_setup(p2p: P2P, peer_id: str, request: pb.SetupRequest, timeout: 
 
 async def call_info(p2p: P2P, peer_id: str, run_id: str = "", timeout: float = 10.0) -> pb.InfoReply:
     request = pb.InfoRequest(protocol_version=PROTOCOL_VERSION, run_id=run_id)
-    reply = await _bounded(p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_info"), request, pb.InfoReply), peer_id, timeout)
+    reply = await _bounded(
+        p2p.call_protobuf_handler(_peer(peer_id), handle_name("rpc_info"), request, pb.InfoReply), peer_id, timeout
+    )
     if reply.error:
         raise RemoteError(reply.error)
     return reply

@@ -46,7 +46,9 @@ def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
         raise ProtocolError(f"{what}: {numel} elements exceed the limit {MAX_ELEMENTS}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(raw.data) != numel * itemsize:
-        raise ProtocolError(f"{what}: {len(raw.data)} bytes for shape {shape} of {raw.dtype} (expected {numel * itemsize})")
+        raise ProtocolError(
+            f"{what}: {len(raw.data)} bytes for shape {shape} of {raw.dtype} (expected {numel * itemsize})"
+        )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.from_numpy(np.frombuffer(bytearray(raw.data), dtype=np.uint8))

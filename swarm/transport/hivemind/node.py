@@ -75,14 +75,18 @@ class NodeOptions:
     startup_timeout: float = 30.0
     shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
     shape_delay: str | None = None  # one-way delay added to every message this peer sends
-    uplink: str | None = None  # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
+    uplink: str | None = (
+        None  # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
+    )
     downlink: str | None = None
     daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core
     extra: dict = field(default_factory=dict)
 
 
 class SwarmNode:
-    def __init__(self, p2p: P2P, dht: DHTNode, egress=None, uplink_bits: int | None = None, downlink_bits: int | None = None) -> None:
+    def __init__(
+        self, p2p: P2P, dht: DHTNode, egress=None, uplink_bits: int | None = None, downlink_bits: int | None = None
+    ) -> None:
         self.p2p = p2p
         self.dht = dht
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None

@@ -76,11 +76,17 @@ class Turnstile:
         async with self._changed:
             try:
                 if epoch != self.epoch and seq > 0:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self._stale(epoch) or self.epoch == epoch), min(grace, timeout))
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self._stale(epoch) or self.epoch == epoch), min(grace, timeout)
+                    )
                 left = max(timeout - (time.monotonic() - started), 0.0)
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._stale(epoch) or self._my_turn(epoch, seq)), left)
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._stale(epoch) or self._my_turn(epoch, seq)), left
+                )
             except TimeoutError:
-                raise LinkReset(f"message {seq} of link epoch {epoch} found no turn (this end expects message {self.next} of epoch {self.epoch})") from None
+                raise LinkReset(
+                    f"message {seq} of link epoch {epoch} found no turn (this end expects message {self.next} of epoch {self.epoch})"
+                ) from None
             if self._stale(epoch):
                 raise LinkReset(f"message from link epoch {epoch}, which was reset (now epoch {self.epoch})")
             fresh = epoch != self.epoch
@@ -112,7 +118,9 @@ class Ordinals:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.done_below == ticket), timeout)
             except TimeoutError:
-                raise TimeoutError(f"backward {ticket} waited {timeout:.1f}s for earlier micro-batches ({self.done_below} is not done)") from None
+                raise TimeoutError(
+                    f"backward {ticket} waited {timeout:.1f}s for earlier micro-batches ({self.done_below} is not done)"
+                ) from None
         try:
             yield
         finally:

@@ -162,7 +162,9 @@ class FlowPacer:
         return flow
 
 
-async def send_paced(parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False) -> None:
+async def send_paced(
+    parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False
+) -> None:
     """Writes one protobuf message, serialized in `parts` (chunks.frame_parts), to a hivemind stream
     as `P2P.send_protobuf` does, in pieces paced by `flow` and by `egress` (in-process shaping of all
     this peer sends: its one-way delay before a payload's `first` message, then its rate). The

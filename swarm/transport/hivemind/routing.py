@@ -42,7 +42,9 @@ class Bans:
 class Router:
     """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand."""
 
-    def __init__(self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None, keep_s: float = 60.0) -> None:
+    def __init__(
+        self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None, keep_s: float = 60.0
+    ) -> None:
         self.node = node
         self.run_id = run_id
         self.refresh_s = refresh_s
@@ -67,12 +69,21 @@ class Router:
             self._cache[stage] = (now, records)
         return self._cache[stage][1]
 
-    async def choose(self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None) -> StageRecord:
+    async def choose(
+        self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None
+    ) -> StageRecord:
         """The best ready peer for `stage` (set up by `session`, when given): `sticky` if it is still
         usable, else by throughput/(queue+1)."""
         for refresh in (False, True):
             records = await self.peers(stage, refresh)
-            candidates = [r for r in records if r.peer_id not in exclude and not self.bans.banned(r.peer_id) and r.ready and session in (None, r.session)]
+            candidates = [
+                r
+                for r in records
+                if r.peer_id not in exclude
+                and not self.bans.banned(r.peer_id)
+                and r.ready
+                and session in (None, r.session)
+            ]
             if candidates:
                 break
         else:

@@ -31,7 +31,9 @@ class PeerRow:
     processed: int = 0
     steps: int = 0
     state_bytes: int = 0
-    links: list[dict] = field(default_factory=list)  # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
+    links: list[dict] = field(
+        default_factory=list
+    )  # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
     rtt_ms: float | None = None  # of the status call itself
     error: str = ""
 
@@ -46,7 +48,19 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10
         while stage < max(num_stages, 1):
             for record in await discover(node, run, stage):
                 num_stages = max(num_stages, record.num_stages)
-                rows.append(PeerRow(run, stage, record.num_stages, record.peer_id, record.addrs, record.throughput, record.queue, record.ready, max(0.0, get_dht_time() - record.updated)))
+                rows.append(
+                    PeerRow(
+                        run,
+                        stage,
+                        record.num_stages,
+                        record.peer_id,
+                        record.addrs,
+                        record.throughput,
+                        record.queue,
+                        record.ready,
+                        max(0.0, get_dht_time() - record.updated),
+                    )
+                )
             stage += 1
 
     async def detail(row: PeerRow) -> None:
@@ -62,8 +76,20 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10
             if status.stage != row.stage:
                 continue
             row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
-            row.links = [{"neighbour": link.neighbour, "boundary": link.boundary, "upstream": link.upstream, "sent": dict(link.sent), "received": dict(link.received), "raw": dict(link.raw),
-                          "busy_s": link.busy_s, "busy_bytes": link.busy_bytes, "codecs": f"{link.forward_codec}|{link.backward_codec}" if link.forward_codec else ""} for link in status.links]
+            row.links = [
+                {
+                    "neighbour": link.neighbour,
+                    "boundary": link.boundary,
+                    "upstream": link.upstream,
+                    "sent": dict(link.sent),
+                    "received": dict(link.received),
+                    "raw": dict(link.raw),
+                    "busy_s": link.busy_s,
+                    "busy_bytes": link.busy_bytes,
+                    "codecs": f"{link.forward_codec}|{link.backward_codec}" if link.forward_codec else "",
+                }
+                for link in status.links
+            ]
 
     await asyncio.gather(*(detail(row) for row in rows))
     return rows
@@ -80,7 +106,20 @@ def _size(n: float) -> str:
 def format_table(rows: list[PeerRow]) -> str:
     if not rows:
         return "no stage peers found (is a run going, and are --initial_peers right?)"
-    header = ["run", "stage", "peer", "address", "state", "rtt", "samples/s", "queue", "micro-batches", "steps", "link bytes out/in (compression)", "last seen"]
+    header = [
+        "run",
+        "stage",
+        "peer",
+        "address",
+        "state",
+        "rtt",
+        "samples/s",
+        "queue",
+        "micro-batches",
+        "steps",
+        "link bytes out/in (compression)",
+        "last seen",
+    ]
     table = [header]
     for row in sorted(rows, key=lambda r: (r.run_id, r.stage, r.peer_id)):
         links = []
@@ -89,12 +128,31 @@ def format_table(rows: list[PeerRow]) -> str:
             side = "down" if link["upstream"] else "up"
             raw = sum(link.get("raw", {}).values())
             ratio = f" (x{raw / sent:.1f})" if sent and raw else ""
-            rate = f" in at {format_rate(link['busy_bytes'] * 8 / link['busy_s'])}" if link.get("busy_s") else ""  # while arriving
+            rate = (
+                f" in at {format_rate(link['busy_bytes'] * 8 / link['busy_s'])}" if link.get("busy_s") else ""
+            )  # while arriving
             codecs = f" [{link['codecs']}]" if link.get("codecs") else ""
-            links.append(f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}")
+            links.append(
+                f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}"
+            )
         state = ("ready" if row.ready else "waiting") if row.reachable else f"unreachable ({row.error[:40]})"
         address = row.addrs[0] if row.addrs else "-"
         rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
-        table.append([row.run_id, f"{row.stage}/{row.num_stages}", row.peer_id[-8:], address, state, rtt, f"{row.throughput:.1f}", str(row.queue), str(row.processed), str(row.steps), "; ".join(links) or "-", f"{row.last_seen_s:.0f}s ago"])
+        table.append(
+            [
+                row.run_id,
+                f"{row.stage}/{row.num_stages}",
+                row.peer_id[-8:],
+                address,
+                state,
+                rtt,
+                f"{row.throughput:.1f}",
+                str(row.queue),
+                str(row.processed),
+                str(row.steps),
+                "; ".join(links) or "-",
+                f"{row.last_seen_s:.0f}s ago",
+            ]
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in table)

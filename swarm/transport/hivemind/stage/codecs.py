@@ -19,7 +19,9 @@ from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig, LinkConfig, LinkOverride
 
 
-def switched_config(cfg: ExperimentConfig, stage: int, codecs: Iterable[pb.BoundaryCodecs]) -> tuple[ExperimentConfig, list[int]]:
+def switched_config(
+    cfg: ExperimentConfig, stage: int, codecs: Iterable[pb.BoundaryCodecs]
+) -> tuple[ExperimentConfig, list[int]]:
     """`cfg` with `codecs` on `stage`'s boundaries, and the boundaries whose codecs change.
 
     Checked before the step applies, so a bad spec fails the round without a half-done switch."""

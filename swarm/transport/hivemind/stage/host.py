@@ -58,7 +58,9 @@ _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: 
 
 def config_digest(cfg: ExperimentConfig) -> str:
     """What a stage's computation depends on; trainer and stage must agree on it."""
-    data = cfg.model_dump(mode="json", include={"seed", "model", "optimizer", "compression"}, exclude={"compression": {"store_dir"}})  # where a peer keeps its rows is its own business
+    data = cfg.model_dump(
+        mode="json", include={"seed", "model", "optimizer", "compression"}, exclude={"compression": {"store_dir"}}
+    )  # where a peer keeps its rows is its own business
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -73,9 +75,19 @@ class Outcome:
 
 
 class HostedStage:
-    def __init__(self, node: SwarmNode, run_id: str, cfg: ExperimentConfig, stage: int, device: str | None = None, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        node: SwarmNode,
+        run_id: str,
+        cfg: ExperimentConfig,
+        stage: int,
+        device: str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         if not 0 <= stage < cfg.model.num_stages:
-            raise ValueError(f"stage {stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})")
+            raise ValueError(
+                f"stage {stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
+            )
         self.node, self.run_id, self.stage = node, run_id, stage
         self.cfg = cfg if device is None else cfg.model_copy(update={"device": device})
         self._configured = self.cfg  # what a new trainer session starts from (adaptive codecs change self.cfg)
@@ -97,9 +109,15 @@ class HostedStage:
         self._spare: dict[bool, LinkEnd | None] = {}
         self._ends_made = 0
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
-        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)  # upstream peer -> how fast its activations arrive
-        self.replies: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)  # downstream peer -> how fast its gradients arrive
-        self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}  # (neighbour, upstream) -> boundary, bytes, raw of replaced ends
+        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(
+            LinkMeter
+        )  # upstream peer -> how fast its activations arrive
+        self.replies: defaultdict[str, LinkMeter] = defaultdict(
+            LinkMeter
+        )  # downstream peer -> how fast its gradients arrive
+        self.retired: dict[
+            tuple[str, bool], tuple[int, Counter, Counter]
+        ] = {}  # (neighbour, upstream) -> boundary, bytes, raw of replaced ends
         self.downstream: str | None = None
         self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
         self.throughput = 0.0
@@ -130,7 +148,16 @@ class HostedStage:
             staged = build_staged_model(self.cfg)
             runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, capacity, hold_grads=True)
         self._spare = {False: runtime.inbound, True: runtime.outbound}
-        for table in (self.ends_in, self.ends_out, self.out_links, self.turnstiles, self.received, self.arrivals, self.replies, self.retired):
+        for table in (
+            self.ends_in,
+            self.ends_out,
+            self.out_links,
+            self.turnstiles,
+            self.received,
+            self.arrivals,
+            self.replies,
+            self.retired,
+        ):
             table.clear()
         self.ordinals = Ordinals()
         self.tied = list(staged.tied)
@@ -140,7 +167,9 @@ class HostedStage:
     async def setup(self, request: pb.SetupRequest) -> pb.SetupReply:
         """A trainer (re)starts the run: a new session builds the stage afresh."""
         if request.config_digest != self.digest:
-            raise RemoteError(f"config mismatch on stage {self.stage}: this peer has {self.digest}, the trainer {request.config_digest} (start both with the same config and --set)")
+            raise RemoteError(
+                f"config mismatch on stage {self.stage}: this peer has {self.digest}, the trainer {request.config_digest} (start both with the same config and --set)"
+            )
         session = (request.session, int(request.lr_horizon), int(request.capacity))
         if self.session != session or self.runtime is None:
             self.cfg = self._configured
@@ -148,15 +177,31 @@ class HostedStage:
             self.session = session
             self.steps = 0
             self._applied = None
-        tied = [pb.TiedParam(first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]) for t in self.tied]
+        tied = [
+            pb.TiedParam(
+                first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]
+            )
+            for t in self.tied
+        ]
         return pb.SetupReply(peer_id=self.node.peer_id, tied=tied)
 
     def record(self, addrs: list[str]) -> StageRecord:
         link = self.cfg.compression.link(self.stage - 1) if self.stage > 0 else None
         codecs = {"forward": link.forward, "backward": link.backward} if link else {}
         session = self.session[0] if self.session else ""
-        return StageRecord(self.node.peer_id, self.stage, self.num_stages, addrs, self.throughput, self.queue, codecs, PROTOCOL_VERSION, ready=self.runtime is not None, session=session,
-                           download_share=self.pacer.download_share)
+        return StageRecord(
+            self.node.peer_id,
+            self.stage,
+            self.num_stages,
+            addrs,
+            self.throughput,
+            self.queue,
+            codecs,
+            PROTOCOL_VERSION,
+            ready=self.runtime is not None,
+            session=session,
+            download_share=self.pacer.download_share,
+        )
 
     # ---- link ends per neighbour ---------------------------------------------------------
 
@@ -175,7 +220,9 @@ class HostedStage:
         store = self.cfg.compression.store_dir
         self._ends_made += 1
         store = None if store is None else f"{store}/stage{self.stage}-{label}-{self._ends_made}"
-        return LinkEnd(boundary, upstream, link.forward, link.backward, store, self.cfg.compression.store_capacity or self.capacity)
+        return LinkEnd(
+            boundary, upstream, link.forward, link.backward, store, self.cfg.compression.store_capacity or self.capacity
+        )
 
     def _end_in(self, sender: str, fresh: bool) -> LinkEnd:
         end = self.ends_in.get(sender)
@@ -219,7 +266,9 @@ class HostedStage:
             self.compute.stop(started, batch.size)
         return message
 
-    def _backward(self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd) -> Message:
+    def _backward(
+        self, batch: MicroBatch, payload: bytes, metrics: dict, inbound: LinkEnd | None, outbound: LinkEnd
+    ) -> Message:
         started = self.compute.start()
         self.runtime.inbound, self.runtime.outbound = inbound, outbound
         message = self.runtime.backward(batch, payload, metrics)
@@ -248,11 +297,16 @@ class HostedStage:
     async def micro_batch(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
         """Forward here, then downstream and backward here; the reply for `sender`."""
         if self.runtime is None:
-            raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet (the trainer sets stages up when it starts)", pb.NOT_READY)
+            raise RemoteError(
+                f"stage {self.stage} of run {self.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
+                pb.NOT_READY,
+            )
         if head.kind != pb.FORWARD:
             raise ProtocolError(f"rpc_forward expects a FORWARD head, got kind {head.kind}")
         batch = meta_to_batch(head.batch)
-        deadline = time.monotonic() + (head.budget_s or self.timeout) - 0.5  # from arrival: the sender's clock runs meanwhile
+        deadline = (
+            time.monotonic() + (head.budget_s or self.timeout) - 0.5
+        )  # from arrival: the sender's clock runs meanwhile
         runtime = self.runtime
         self.queue += 1
         self.peak_queue = max(self.peak_queue, self.queue)
@@ -267,12 +321,16 @@ class HostedStage:
         self.processed += 1
         return outcome
 
-    async def _chain(self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str, deadline: float) -> Outcome:
+    async def _chain(
+        self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str, deadline: float
+    ) -> Outcome:
         started = time.perf_counter()
         ticket = None
         try:
             gate = self.turnstiles.setdefault(sender, Turnstile())
-            async with gate.admit(head.epoch, head.seq, max(deadline - time.monotonic(), 0.1), self.link_grace) as fresh:
+            async with gate.admit(
+                head.epoch, head.seq, max(deadline - time.monotonic(), 0.1), self.link_grace
+            ) as fresh:
                 if self.first:
                     inputs = pb.RawTensor()
                     inputs.ParseFromString(payload)
@@ -281,7 +339,11 @@ class HostedStage:
                     data, inbound = payload, self._end_in(sender, fresh)
                     self.upstream = sender
                     self.received[(sender, "forward", batch.mode.value)] += len(payload)
-                target = None if self.last else await self.router.choose(self.stage + 1, sticky=self.downstream, session=self.session[0])
+                target = (
+                    None
+                    if self.last
+                    else await self.router.choose(self.stage + 1, sticky=self.downstream, session=self.session[0])
+                )
                 if target is not None:
                     self.downstream = target.peer_id  # the micro-batches behind this one follow it
                 outbound = None if target is None else self._end_out(target.peer_id)
@@ -302,7 +364,18 @@ class HostedStage:
             if ticket is not None:
                 await self.ordinals.finish(ticket)
 
-    async def _downstream(self, head, batch: MicroBatch, message: Message, inbound, record: StageRecord, sent: tuple[int, int], ticket, started: float, deadline: float) -> Outcome:
+    async def _downstream(
+        self,
+        head,
+        batch: MicroBatch,
+        message: Message,
+        inbound,
+        record: StageRecord,
+        sent: tuple[int, int],
+        ticket,
+        started: float,
+        deadline: float,
+    ) -> Outcome:
         """Sends our activations on (retrying on a reset link or another peer) and runs our backward."""
         elapsed = time.perf_counter() - started
         tried: set[str] = set()
@@ -310,7 +383,15 @@ class HostedStage:
         for attempt in range(MAX_ATTEMPTS):
             tried.add(target)
             self.pacer.heard(target, record.download_share, fallback=True)
-            call = MeteredCall(self.node.streams, target, self._head(batch, target, sent, deadline - time.monotonic()), message.payload, self.sending, self.pacer.flow(target), meter=self.replies[target])
+            call = MeteredCall(
+                self.node.streams,
+                target,
+                self._head(batch, target, sent, deadline - time.monotonic()),
+                message.payload,
+                self.sending,
+                self.pacer.flow(target),
+                meter=self.replies[target],
+            )
             try:
                 result, reply = await self._reply(call, max(deadline - time.monotonic(), 0.1))
                 self.pacer.heard(target, result.share_bits)
@@ -329,7 +410,13 @@ class HostedStage:
                         target = record.peer_id
                     except NoPeerError:
                         raise e from None
-                log.warning("micro-batch %s: stage %d peer failed (%s); retrying on %s", batch.key, self.stage + 1, e, target[-8:])
+                log.warning(
+                    "micro-batch %s: stage %d peer failed (%s); retrying on %s",
+                    batch.key,
+                    self.stage + 1,
+                    e,
+                    target[-8:],
+                )
                 outbound = self._end_out(target)
                 sent = self.out_links[target].take()
                 message = await self._compute(self._resend, batch, outbound, message)
@@ -340,15 +427,21 @@ class HostedStage:
             self._measure(batch, elapsed)
             return Outcome(Kind.DONE, b"", dict(result.metrics), route)
         if result.kind != pb.BACKWARD or ticket is None:
-            raise ProtocolError(f"stage {self.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch")
+            raise ProtocolError(
+                f"stage {self.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
+            )
         self.received[(target, "backward", batch.mode.value)] += len(reply)
         async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), 0.1)):
             link, outbound = self.out_links[target], self.ends_out.get(target)
             if outbound is None or link.epoch != sent[0]:
-                raise LinkReset(f"the link to stage {self.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it")
+                raise LinkReset(
+                    f"the link to stage {self.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
+                )
             started = time.perf_counter()
             try:
-                back: Message = await self._compute(self._backward, batch, reply, dict(result.metrics), inbound, outbound)
+                back: Message = await self._compute(
+                    self._backward, batch, reply, dict(result.metrics), inbound, outbound
+                )
             except BaseException:
                 self._drop_out(target)
                 raise
@@ -387,7 +480,9 @@ class HostedStage:
         """Rounds are idempotent: accumulating is repeatable, a retried apply returns the same reply."""
         if head.apply and self._applied is not None and self._applied[0] == head.step:
             return self._applied[1], b""
-        switch = switched_config(self.cfg, self.stage, head.codecs) if head.apply and head.codecs else None  # adaptive compression
+        switch = (
+            switched_config(self.cfg, self.stage, head.codecs) if head.apply and head.codecs else None
+        )  # adaptive compression
         if head.save:
             return pb.StepResult(step=head.step), self._save(head.step)
         if head.load:  # with the codecs the checkpoint's links ran (adaptive compression), else the config's
@@ -402,7 +497,9 @@ class HostedStage:
         for name, grad in payload_to_tensors(head.set_grads, payload).items():
             param = self._param(name)
             if tuple(grad.shape) != tuple(param.shape):
-                raise ProtocolError(f"gradient for {name!r} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}")
+                raise ProtocolError(
+                    f"gradient for {name!r} has shape {tuple(grad.shape)}, the parameter {tuple(param.shape)}"
+                )
             param.grad = grad.to(param.device, param.dtype).clone()
         names = [name for name, _ in runtime.module.named_parameters()] if head.all_grads else head.get_grads
         grads = {}

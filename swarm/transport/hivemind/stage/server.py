@@ -50,7 +50,9 @@ def one_line(e: BaseException) -> str:
 
 def _check_version(version: int) -> None:
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (this peer speaks version {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"protocol version {version} is not supported (this peer speaks version {PROTOCOL_VERSION})"
+        )
 
 
 def _code(e: BaseException) -> int:
@@ -80,9 +82,11 @@ async def _linger(requests, timeout: float = 10.0) -> None:
     the whole reply, so waiting for that costs nothing.
     """
     try:
+
         async def drain():
             async for _ in requests:
                 pass
+
         await asyncio.wait_for(drain(), timeout)
     except Exception:
         pass
@@ -125,7 +129,13 @@ class Requests:
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, node: SwarmNode, read_timeout: float = 60.0, idle_timeout: float = IDLE_S, max_payload: int = MAX_MICRO_BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        node: SwarmNode,
+        read_timeout: float = 60.0,
+        idle_timeout: float = IDLE_S,
+        max_payload: int = MAX_MICRO_BATCH_BYTES,
+    ) -> None:
         self.node = node
         self.max_payload = max_payload  # bytes of one micro-batch's payload
         self.hosted: dict[tuple[str, int], HostedStage] = {}
@@ -203,14 +213,21 @@ class StageServicer(ServicerBase):
         pacer.heard(sender, head.reply_share_bits)
         pacer.arrived(sender, len(payload))
         async with hosted.sending.to(sender):
-            result = pb.ResultHead(kind=_KINDS[outcome.kind], metrics=outcome.metrics, route=outcome.route, share_bits=pacer.offer(sender, hosted.awaiting > 0))
+            result = pb.ResultHead(
+                kind=_KINDS[outcome.kind],
+                metrics=outcome.metrics,
+                route=outcome.route,
+                share_bits=pacer.offer(sender, hosted.awaiting > 0),
+            )
             flow = pacer.flow(sender)
             with carrying(flow, len(outcome.payload)):
                 for i, parts in enumerate(frame_parts(pb.StageReply, "result", result, outcome.payload)):
                     await send_paced(parts, writer, flow, self.node.egress, first=i == 0)
         return True
 
-    async def rpc_step(self, requests: AsyncIterator[pb.StageRequest], context: P2PContext) -> AsyncIterator[pb.StageReply]:
+    async def rpc_step(
+        self, requests: AsyncIterator[pb.StageRequest], context: P2PContext
+    ) -> AsyncIterator[pb.StageReply]:
         """One round of the synchronous step: tied gradients, norm, scale, apply."""
         try:
             head, payload = await read_frame(requests, "step", idle_timeout=self.read_timeout)

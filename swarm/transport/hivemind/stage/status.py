@@ -10,7 +10,19 @@ from protocols import stage_pb2 as pb
 
 
 def stage_status(hosted) -> pb.StageStatus:
-    out = pb.StageStatus(run_id=hosted.run_id, stage=hosted.stage, num_stages=hosted.num_stages, ready=hosted.runtime is not None, throughput=hosted.throughput, queue=hosted.queue, processed=hosted.processed, steps=hosted.steps, compute_s=hosted.compute.seconds, compute_cpu_s=hosted.compute.cpu_seconds, samples=hosted.compute.samples)
+    out = pb.StageStatus(
+        run_id=hosted.run_id,
+        stage=hosted.stage,
+        num_stages=hosted.num_stages,
+        ready=hosted.runtime is not None,
+        throughput=hosted.throughput,
+        queue=hosted.queue,
+        processed=hosted.processed,
+        steps=hosted.steps,
+        compute_s=hosted.compute.seconds,
+        compute_cpu_s=hosted.compute.cpu_seconds,
+        samples=hosted.compute.samples,
+    )
     if hosted.stage > 0:
         link = hosted.cfg.compression.link(hosted.stage - 1)
         out.forward_codec, out.backward_codec = link.forward, link.backward
@@ -21,7 +33,9 @@ def stage_status(hosted) -> pb.StageStatus:
         neighbours = dict.fromkeys([*ends, *(n for n, up in hosted.retired if up == upstream)])
         for neighbour in neighbours:
             end = ends.get(neighbour)
-            boundary, sent, raw = hosted.retired.get((neighbour, upstream), (end.boundary if end else 0, Counter(), Counter()))
+            boundary, sent, raw = hosted.retired.get(
+                (neighbour, upstream), (end.boundary if end else 0, Counter(), Counter())
+            )
             if end is not None:
                 sent, raw = sent + end.bytes, raw + end.raw
             link = out.links.add(neighbour=neighbour, boundary=boundary, upstream=upstream)

@@ -49,12 +49,16 @@ def checkpoint_codecs(directory, adaptive: bool = True) -> dict | None:
     if not path.is_file():
         return None
     if not adaptive:
-        raise ValueError(f"checkpoint {directory} was saved by a swarm with compression.adaptive (its links ran other codecs); resume it with that config through peers.trainer or swarm lab")
+        raise ValueError(
+            f"checkpoint {directory} was saved by a swarm with compression.adaptive (its links ran other codecs); resume it with that config through peers.trainer or swarm lab"
+        )
     try:
         saved = json.loads(path.read_text())
         codecs = {int(b): (str(fw), str(bw)) for b, (fw, bw) in saved["codecs"].items()}
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {directory}: unreadable {CHECKPOINT_FILE} ({str(e).splitlines()[0][:120]})") from None
+        raise ValueError(
+            f"checkpoint {directory}: unreadable {CHECKPOINT_FILE} ({str(e).splitlines()[0][:120]})"
+        ) from None
     return {"codecs": codecs, "history": list(saved.get("history", []))}
 
 
@@ -97,7 +101,12 @@ class _Totals:
         if other is None:
             return self
         # a peer that left takes its counters along: no window is negative
-        return _Totals(*({k: max(v - getattr(other, name).get(k, 0.0), 0.0) for k, v in getattr(self, name).items()} for name in _FIELDS))
+        return _Totals(
+            *(
+                {k: max(v - getattr(other, name).get(k, 0.0), 0.0) for k, v in getattr(self, name).items()}
+                for name in _FIELDS
+            )
+        )
 
 
 _FIELDS = ("busy_bytes", "busy_s", "back_bytes", "back_s", "raw", "compute_s", "samples")
@@ -116,7 +125,9 @@ class AdaptiveCodecs:
         self.ran = self.current()  # the codecs the latest step ran with
         self.history: list[dict] = []  # every change: decided after `step`, in force `from_step` on
         self._previous: _Totals | None = None
-        self._sums: dict[str, dict[int, float]] = {name: defaultdict(float) for name in ("busy_bytes", "busy_s", "back_bytes", "back_s")}  # decayed (see module doc)
+        self._sums: dict[str, dict[int, float]] = {
+            name: defaultdict(float) for name in ("busy_bytes", "busy_s", "back_bytes", "back_s")
+        }  # decayed (see module doc)
 
     def due(self, step: int) -> bool:
         """`step` counts finished optimizer steps, this one included."""
@@ -135,7 +146,11 @@ class AdaptiveCodecs:
         if any(window.samples.get(s, 0) <= 0 for s in range(len(self.boundaries) + 1)):
             return {}  # no training went through every stage in this window
         per_sample = [window.compute_s[s] / window.samples[s] for s in range(len(self.boundaries) + 1)]
-        targets = neighbour_targets(per_sample) if self.settings.target_ms is None else dict.fromkeys(self.boundaries, self.settings.target_ms / 1000)
+        targets = (
+            neighbour_targets(per_sample)
+            if self.settings.target_ms is None
+            else dict.fromkeys(self.boundaries, self.settings.target_ms / 1000)
+        )
         for name, sums in self._sums.items():
             for b in self.boundaries:
                 sums[b] = DECAY * sums[b] + getattr(window, name).get(b, 0.0)
@@ -150,11 +165,21 @@ class AdaptiveCodecs:
             if codecs != self.codecs[b]:
                 changes[b] = codecs
                 self.codecs[b] = codecs
-                self.history.append({"step": step, "from_step": step + 1, "boundary": b, "forward": codecs[0], "backward": codecs[1], "why": decision.describe()})
+                self.history.append(
+                    {
+                        "step": step,
+                        "from_step": step + 1,
+                        "boundary": b,
+                        "forward": codecs[0],
+                        "backward": codecs[1],
+                        "why": decision.describe(),
+                    }
+                )
         return changes
 
     def bandwidth(self, boundary: int) -> tuple[float, float]:
         """(forward, backward) bits/s measured so far; inf where nothing was timed."""
+
         def rate(nbytes: str, seconds: str) -> float:
             busy = self._sums[seconds][boundary]
             return self._sums[nbytes][boundary] * 8 / busy if busy > 0 else math.inf
@@ -172,7 +197,10 @@ class AdaptiveCodecs:
             elements = max(1, round(window.raw.get(b, 0) / 4 / window.samples[b]))
             candidates[b] = topk_candidates(elements) if self.settings.ladder == "topk" else quant_candidates(elements)
         controller = AdaptiveCompression(candidates, hysteresis=self.settings.hysteresis)
-        for b, options in candidates.items():  # start from the codecs in force (a resumed run's too), so the hysteresis holds
+        for (
+            b,
+            options,
+        ) in candidates.items():  # start from the codecs in force (a resumed run's too), so the hysteresis holds
             in_force = [i for i, option in enumerate(options) if ladder_codecs(option.spec) == tuple(self.codecs[b])]
             if in_force:
                 controller.current[b] = in_force[0]
@@ -180,7 +208,9 @@ class AdaptiveCodecs:
 
     def saved(self) -> str:
         """The codecs in force and the changes so far, as a checkpoint keeps them (JSON)."""
-        return json.dumps({"codecs": {str(b): list(c) for b, c in self.codecs.items()}, "history": self.history}, indent=1)
+        return json.dumps(
+            {"codecs": {str(b): list(c) for b, c in self.codecs.items()}, "history": self.history}, indent=1
+        )
 
     def restore(self, saved: dict) -> None:
         """Resumes from `checkpoint_codecs`: its codecs are in force, and the next decision moves
@@ -188,7 +218,9 @@ class AdaptiveCodecs:
         swarm's links may not be the saved run's)."""
         unknown = sorted(set(saved["codecs"]) - set(self.boundaries))
         if unknown:
-            raise ValueError(f"the checkpoint has codecs for boundaries {unknown}; this run has boundaries 0..{len(self.boundaries) - 1}")
+            raise ValueError(
+                f"the checkpoint has codecs for boundaries {unknown}; this run has boundaries 0..{len(self.boundaries) - 1}"
+            )
         self.codecs.update(saved["codecs"])
         self.history = list(saved["history"])
         self.ran = self.current()

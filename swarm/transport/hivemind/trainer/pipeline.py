@@ -49,7 +49,16 @@ log = logging.getLogger(__name__)
 
 
 class SwarmPipeline:
-    def __init__(self, node: SwarmNode, loop, cfg: ExperimentConfig, run_id: str, timeout: float = 120.0, attempts: int = 3, in_flight: int | None = None) -> None:
+    def __init__(
+        self,
+        node: SwarmNode,
+        loop,
+        cfg: ExperimentConfig,
+        run_id: str,
+        timeout: float = 120.0,
+        attempts: int = 3,
+        in_flight: int | None = None,
+    ) -> None:
         self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
         self.num_stages = cfg.model.num_stages
         self.timeout, self.attempts = timeout, attempts
@@ -67,8 +76,12 @@ class SwarmPipeline:
         self.sending = Sending()
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
-        self._step_statuses: list[pb.StageStatus] | None = None  # read by this step's adaptive decision, valid until more micro-batches run
-        self._counted: list[pb.StageStatus] | None = None  # what link_bytes last read: its stages' compute goes in the step's row
+        self._step_statuses: list[pb.StageStatus] | None = (
+            None  # read by this step's adaptive decision, valid until more micro-batches run
+        )
+        self._counted: list[pb.StageStatus] | None = (
+            None  # what link_bytes last read: its stages' compute goes in the step's row
+        )
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -84,19 +97,34 @@ class SwarmPipeline:
             if not missing:
                 break
             if time.monotonic() > deadline:
-                raise NoPeerError(f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})")
+                raise NoPeerError(
+                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})"
+                )
             await asyncio.sleep(0.5)
-        request = dict(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, config_digest=config_digest(self.cfg), lr_horizon=lr_horizon, capacity=capacity or 0, session=self.session)
+        request = dict(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=self.run_id,
+            config_digest=config_digest(self.cfg),
+            lr_horizon=lr_horizon,
+            capacity=capacity or 0,
+            session=self.session,
+        )
 
         async def one(stage: int, peer_id: str):
-            return stage, peer_id, await call_setup(self.node.p2p, peer_id, pb.SetupRequest(stage=stage, **request), self.timeout)
+            return (
+                stage,
+                peer_id,
+                await call_setup(self.node.p2p, peer_id, pb.SetupRequest(stage=stage, **request), self.timeout),
+            )
 
         replies = await asyncio.gather(*(one(s, r.peer_id) for s, records in found.items() for r in records))
         self.members = defaultdict(list)
         for stage, peer_id, reply in replies:
             self.members[stage].append(peer_id)
             if reply.tied and not self.tied:
-                self.tied = [TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied]
+                self.tied = [
+                    TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied
+                ]
         return dict(self.members)
 
     # ---- micro-batches -----------------------------------------------------------------------
@@ -130,7 +158,17 @@ class SwarmPipeline:
         tried: set[str] = set()
         for attempt in range(self.attempts):
             tried.add(entry)
-            head = pb.MicroBatchHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=0, sender=self.node.peer_id, kind=pb.FORWARD, batch=batch_to_meta(batch), budget_s=self.timeout, epoch=sent[0], seq=sent[1])
+            head = pb.MicroBatchHead(
+                protocol_version=PROTOCOL_VERSION,
+                run_id=self.run_id,
+                stage=0,
+                sender=self.node.peer_id,
+                kind=pb.FORWARD,
+                batch=batch_to_meta(batch),
+                budget_s=self.timeout,
+                epoch=sent[0],
+                seq=sent[1],
+            )
             self.pacer.heard(entry, record.download_share, fallback=True)
             call = MicroBatchCall(self.node.streams, entry, head, payload, self.sending, self.pacer.flow(entry))
             try:
@@ -156,7 +194,9 @@ class SwarmPipeline:
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
         if len(result.route) != self.num_stages:
-            raise RuntimeError(f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {self.num_stages}")
+            raise RuntimeError(
+                f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {self.num_stages}"
+            )
         if batch.mode is Mode.TRAIN:
             self._routes[batch.index] = list(result.route)
             self._sent[batch.index] = (batch, payload)
@@ -169,7 +209,9 @@ class SwarmPipeline:
 
     async def _round(self, stage: int, peer_id: str, payload: bytes = b"", **fields) -> tuple[pb.StepResult, bytes]:
         """One step round; rounds are idempotent on the peer, so a lost reply is simply retried."""
-        head = pb.StepHead(protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage, step=self._step, **fields)
+        head = pb.StepHead(
+            protocol_version=PROTOCOL_VERSION, run_id=self.run_id, stage=stage, step=self._step, **fields
+        )
         for attempt in range(self.attempts):
             try:
                 return await call_step(self.node.p2p, peer_id, head, payload, self.timeout, self.node.egress)
@@ -188,7 +230,14 @@ class SwarmPipeline:
 
     async def _accumulate_on(self, stage: int, peer: str, indices: list[int], wanted: list[str]):
         replicated = len(self.members[stage]) > 1
-        return await self._round(stage, peer, accumulate=True, micro_batches=sorted(indices), all_grads=replicated, get_grads=[] if replicated else wanted)
+        return await self._round(
+            stage,
+            peer,
+            accumulate=True,
+            micro_batches=sorted(indices),
+            all_grads=replicated,
+            get_grads=[] if replicated else wanted,
+        )
 
     async def _accumulate(self) -> dict[int, dict[str, torch.Tensor]]:
         """First round: every peer sums the gradients of its finished micro-batches; returns, per
@@ -205,7 +254,10 @@ class SwarmPipeline:
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
             peers = self._peers()
-            replies = await asyncio.gather(*(self._accumulate_on(s, p, counted.get((s, p), []), wanted.get(s, [])) for s, p in peers), return_exceptions=True)
+            replies = await asyncio.gather(
+                *(self._accumulate_on(s, p, counted.get((s, p), []), wanted.get(s, [])) for s, p in peers),
+                return_exceptions=True,
+            )
             lost = [(s, p, r) for (s, p), r in zip(peers, replies, strict=True) if isinstance(r, TransportError)]
             for reply in replies:
                 if isinstance(reply, BaseException) and not isinstance(reply, TransportError):
@@ -218,7 +270,13 @@ class SwarmPipeline:
                     raise error
                 self.members[stage].remove(peer)
                 self.router.failed(peer)
-                log.warning("stage %d peer %s left the run (%s); re-running its micro-batches %s", stage, peer[-8:], error, rerun)
+                log.warning(
+                    "stage %d peer %s left the run (%s); re-running its micro-batches %s",
+                    stage,
+                    peer[-8:],
+                    error,
+                    rerun,
+                )
             if rerun:
                 await self._run_many([self._sent[i] for i in rerun])
         else:
@@ -233,18 +291,23 @@ class SwarmPipeline:
     async def _step_all(self) -> float:
         """Accumulate, combine, clip and step every stage peer, in `LocalPipeline.step`'s order of operations."""
         combined = await self._accumulate()
-        set_grads: dict[int, dict[str, torch.Tensor]] = {s: dict(g) for s, g in combined.items() if len(self.members[s]) > 1}
+        set_grads: dict[int, dict[str, torch.Tensor]] = {
+            s: dict(g) for s, g in combined.items() if len(self.members[s]) > 1
+        }
         tied_squares: list[float] = []
         for pair in self.tied:
             first, second = (combined.get(stage, {}).get(name) for stage, name in (pair.first, pair.second))
             if first is None and second is None:
                 continue
-            total = (first if first is not None else torch.zeros_like(second)) + (second if second is not None else torch.zeros_like(first))
+            total = (first if first is not None else torch.zeros_like(second)) + (
+                second if second is not None else torch.zeros_like(first)
+            )
             for stage, name in (pair.first, pair.second):
                 set_grads.setdefault(stage, {})[name] = total
             tied_squares.append(float(total.detach().float().pow(2).sum()))
         squares = 0.0
         if set_grads or self.grad_clip is not None:
+
             async def second(stage: int, peer: str):
                 slots, data = tensors_to_payload(set_grads.get(stage, {}))
                 want_norm = self.grad_clip is not None and peer == self.members[stage][0]  # replicas hold the same sum
@@ -260,7 +323,9 @@ class SwarmPipeline:
             if norm > self.grad_clip:
                 scale = self.grad_clip / (norm + 1e-6)
         codecs = await self._adapt()
-        replies = await asyncio.gather(*(self._round(s, p, scale=scale, apply=True, codecs=codecs) for s, p in self._peers()))
+        replies = await asyncio.gather(
+            *(self._round(s, p, scale=scale, apply=True, codecs=codecs) for s, p in self._peers())
+        )
         self._step += 1
         self._routes.clear()
         self._sent.clear()
@@ -305,8 +370,13 @@ class SwarmPipeline:
         return self.loop.run(self._statuses())
 
     async def _statuses(self) -> list[pb.StageStatus]:
-        replies = await asyncio.gather(*(call_info(self.node.p2p, peer, self.run_id, self.timeout) for _, peer in self._peers()), return_exceptions=True)
-        return [status for reply in replies if not isinstance(reply, BaseException) for status in reply.stages]  # a peer that left counts no more
+        replies = await asyncio.gather(
+            *(call_info(self.node.p2p, peer, self.run_id, self.timeout) for _, peer in self._peers()),
+            return_exceptions=True,
+        )
+        return [
+            status for reply in replies if not isinstance(reply, BaseException) for status in reply.stages
+        ]  # a peer that left counts no more
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts)."""
@@ -355,8 +425,17 @@ class SwarmPipeline:
                 raise FileNotFoundError(f"checkpoint {directory} has no {path.name}")
             blobs[stage] = path.read_bytes()
         saved = checkpoint_codecs(directory, adaptive=self.adaptive is not None)
-        codecs = [] if saved is None else [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(saved["codecs"].items())]
-        replies = await asyncio.gather(*(self._round(s, p, blobs[s], load=True, codecs=codecs) for s, p in self._peers()))
+        codecs = (
+            []
+            if saved is None
+            else [
+                pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw)
+                for b, (fw, bw) in sorted(saved["codecs"].items())
+            ]
+        )
+        replies = await asyncio.gather(
+            *(self._round(s, p, blobs[s], load=True, codecs=codecs) for s, p in self._peers())
+        )
         steps = {int(result.step) for result, _ in replies}
         if len(steps) != 1:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
@@ -371,4 +450,9 @@ class SwarmPipeline:
 
 def _compute_row(status: pb.StageStatus) -> dict:
     """A stage peer's training compute so far: seconds, its computing thread's CPU seconds, samples."""
-    return {"stage": status.stage, "compute_s": status.compute_s, "compute_cpu_s": status.compute_cpu_s, "samples": status.samples}
+    return {
+        "stage": status.stage,
+        "compute_s": status.compute_s,
+        "compute_cpu_s": status.compute_cpu_s,
+        "samples": status.samples,
+    }
