@@ -8,8 +8,11 @@ import logging
 import signal
 import sys
 
+import torch
+
 from swarm.transport.hivemind import loop
 from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions
+from swarm.transport.hivemind.settings import Settings
 
 
 def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:
@@ -59,7 +62,7 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
         "--daemon_threads",
         type=int,
         default=DAEMON_THREADS,
-        help=f"threads running this peer's p2p daemon's Go code (its GOMAXPROCS, overriding the environment's; default {DAEMON_THREADS}: ~2.7 Gbit/s measured; 0: Go's default, one per core)",
+        help=f"threads running this peer's p2p daemon's Go code (its GOMAXPROCS, overriding the environment's; default {DAEMON_THREADS}, far more than a home link needs; 0: Go's default, one per core)",
     )
 
 
@@ -78,13 +81,12 @@ def apply_threads(threads: int | None) -> str | None:
         return None
     if threads < 1:
         return f"--threads must be a positive integer, got {threads}"
-    import torch
 
     torch.set_num_threads(threads)
     return None
 
 
-def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOptions:
+def node_options(args: argparse.Namespace, client_mode: bool = False, settings: Settings | None = None) -> NodeOptions:
     return NodeOptions(
         initial_peers=list(args.initial_peers),
         host_maddrs=list(args.host_maddrs),
@@ -99,7 +101,13 @@ def node_options(args: argparse.Namespace, client_mode: bool = False) -> NodeOpt
         uplink=args.uplink,
         downlink=args.downlink,
         daemon_threads=args.daemon_threads,
+        settings=settings or Settings(),
     )
+
+
+def settings_from(**changes) -> Settings:
+    """The transport's settings with the command line's changes; ValueError: a one-line error."""
+    return Settings().but(**changes)
 
 
 def setup_logging() -> None:

@@ -20,13 +20,14 @@ from peers._common import (
     node_options,
     run_until_stopped,
     say,
+    settings_from,
     setup_logging,
     until_stopped,
 )
 from swarm.config import ConfigError, load_config
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.stage.server import StageServer
 
 log = logging.getLogger("peers.stage")
 
@@ -68,16 +69,20 @@ async def serve(args: argparse.Namespace) -> int:
         )
     run_id = args.run_id or cfg.name
     try:
-        node = await SwarmNode.create(node_options(args))
+        settings = settings_from(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
+    except ValueError as e:
+        return fail(f"--timeout / --max_payload_mb: {e}")
+    try:
+        node = await SwarmNode.create(node_options(args, settings=settings))
     except RuntimeError as e:
         return fail(str(e))
-    servicer = StageServicer(node, max_payload=int(args.max_payload_mb * 2**20))
+    server = StageServer(node)
     try:
         try:
-            hosted = servicer.host(HostedStage(node, run_id, cfg, args.stage, timeout=args.timeout))
+            hosted = server.host(HostedStage(node, run_id, cfg, args.stage))
         except ValueError as e:
             return fail(str(e))
-        await servicer.start()
+        await server.start()
         say(f"stage {args.stage}/{cfg.model.num_stages} of run {run_id!r} serving as {node.peer_id}")
         for maddr in await node.maddrs():
             say(f"  listening on {maddr}")
@@ -85,7 +90,7 @@ async def serve(args: argparse.Namespace) -> int:
         await until_stopped()
         reporter.cancel()
     finally:
-        await servicer.stop()
+        await server.stop()
         await node.shutdown()
     return 0
 

@@ -10,7 +10,16 @@ import argparse
 import signal
 import sys
 
-from peers._common import add_network_args, add_threads_arg, apply_threads, fail, node_options, say, setup_logging
+from peers._common import (
+    add_network_args,
+    add_threads_arg,
+    apply_threads,
+    fail,
+    node_options,
+    say,
+    settings_from,
+    setup_logging,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     signal.signal(signal.SIGTERM, _interrupt)
+    # imported only now: torch and hivemind take seconds to import, and a SIGTERM meanwhile (a lab
+    # stopping its peers) must already end the trainer cleanly
     from swarm.config import ConfigError, load_config
-    from swarm.training.loop import Checkpointing, Schedule, build_data, describe, open_results, train
+    from swarm.training.checkpoints import Checkpointing
+    from swarm.training.experiment import build_data, describe, open_results
+    from swarm.training.loop import Schedule, train
     from swarm.training.results import ResultsWriter
     from swarm.transport.hivemind.loop import LoopThread
     from swarm.transport.hivemind.node import SwarmNode
@@ -84,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
+    try:
+        settings = settings_from(call_timeout_s=args.timeout, setup_wait_s=args.wait)
+    except ValueError as e:
+        return fail(f"--timeout / --wait: {e}")
     loop = LoopThread("trainer-loop")
     try:
-        node = loop.run(SwarmNode.create(node_options(args, client_mode=True)))
+        node = loop.run(SwarmNode.create(node_options(args, client_mode=True, settings=settings)))
     except RuntimeError as e:
         loop.stop()
         return fail(str(e))
@@ -94,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
-        pipeline = SwarmPipeline(node, loop, cfg, run_id, timeout=args.timeout)
-        members = pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=args.wait)
+        pipeline = SwarmPipeline(node, loop, cfg, run_id)
+        members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})

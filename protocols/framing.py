@@ -7,20 +7,16 @@ end short without an error; so every payload is verified here before anyone deco
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NamedTuple
 
 from protocols import fields
 from protocols import stage_pb2 as pb
 from protocols.checksum import crc32
+from protocols.errors import ProtocolError
 
 CHUNK_BYTES = 1 << 20  # well under hivemind's 2 MiB unary guidance and 4 MiB message cap
 MAX_PAYLOAD_BYTES = 1 << 34  # stage checkpoints and gradients of big stages
-MAX_MICRO_BATCH_BYTES = 1 << 30  # one boundary's activations or gradients (peers.stage --max_payload_mb)
-
-
-class ProtocolError(ValueError):
-    """A message that breaks the stage protocol (truncated, corrupted, out of order, wrong kind)."""
 
 
 class Assembler:
@@ -86,35 +82,46 @@ async def _each(messages: AsyncIterator, idle_timeout: float | None):
             raise ProtocolError(f"no message for {idle_timeout:.0f}s in the middle of a payload") from None
 
 
+class Frame(NamedTuple):
+    """One request or reply: the name of its head (the oneof field), the head, the verified payload."""
+
+    kind: str
+    head: object
+    payload: bytes
+
+
 async def read_frame(
     messages: AsyncIterator,
     head_field: str | None = None,
-    max_bytes: int = MAX_PAYLOAD_BYTES,
+    max_bytes: int | Callable[[str], int] = MAX_PAYLOAD_BYTES,
     idle_timeout: float | None = None,
-):
-    """(head, payload) of one framed message sequence (protobuf messages, or `Received` ones):
-    the head rides on the first message.
+) -> Frame:
+    """One framed message sequence (protobuf messages, or `Received` ones): the head rides on the
+    first message, the payload's chunks follow.
 
-    Returns the first message's oneof head (checked against `head_field` when given; an
-    `error` head is returned as is) and the verified payload (at most `max_bytes`).
+    The head is checked against `head_field` when given (an `error` head is returned as is, with
+    no payload); the payload may be at most `max_bytes`, or `max_bytes(kind)` for the head's kind.
     """
     first = None
-    assembler = Assembler(max_bytes)
+    assembler = None
     async for item in _each(messages, idle_timeout):
         message, data = Received.of(item)
         if first is None:
             first = message
-            which = message.WhichOneof("head")
-            if which == "error":
-                return message.error, b""
-            if head_field is not None and which != head_field:
-                raise ProtocolError(f"expected a {head_field} head, got {which or 'none'}")
+            kind = message.WhichOneof("head")
+            if kind == "error":
+                return Frame(kind, message.error, b"")
+            if head_field is not None and kind != head_field:
+                raise ProtocolError(f"expected a {head_field} head, got {kind or 'none'}")
+            if kind is None:
+                raise ProtocolError("the first message has no head")
+            assembler = Assembler(max_bytes(kind) if callable(max_bytes) else max_bytes)
         elif message.WhichOneof("head") is not None:
             raise ProtocolError("a head arrived in the middle of a payload")
         if not message.HasField("chunk"):
             raise ProtocolError("message without a payload chunk")
         if assembler.add(message.chunk, data):
-            return getattr(first, first.WhichOneof("head")), assembler.payload()
+            return Frame(kind, getattr(first, kind), assembler.payload())
     if first is None:
         raise ProtocolError("the stream ended before any message")
     assembler.payload()  # raises: truncated

@@ -109,8 +109,8 @@ _CHECKSUM_TAG = bytes([(15 << 3) | 5])  # field 15, wire type fixed32: the last 
 #
 # The payload is assembled by hand from segments, with a single copy of each buffer (the final
 # join, protocols.fields): building it with protobuf copied every buffer three more times (the
-# tensor's bytes, the field assignment, the serialization): 0.8 against 0.28 ms for a 2 MiB
-# activation. tests/test_wire.py re-serializes every kind of payload to the same bytes.
+# tensor's bytes, the field assignment, the serialization; docs/bench, "Network CPU per byte").
+# tests/test_wire.py re-serializes every kind of payload to the same bytes.
 
 
 def _buffer_field(number: int, data: memoryview, check: _BufferBytes) -> list:

@@ -13,15 +13,18 @@ from pathlib import Path
 import pytest
 
 from swarm.config import load_config
-from swarm.training.loop import Schedule, build_data, run_experiment, train
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.loop import LoopThread
 from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 HOSTS = 5
+SETTINGS = Settings(call_timeout_s=30, read_timeout_s=10)  # a test's peers give up sooner than a swarm's
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
 
 
@@ -31,51 +34,56 @@ def p2pd_count() -> int:
 
 
 class Swarm:
-    """A bootstrap peer, HOSTS stage hosts (each a P2P daemon + DHT node + servicer) and a trainer."""
+    """A bootstrap peer, HOSTS stage hosts (each a P2P daemon + DHT node + stage server) and a trainer."""
 
     def __init__(self) -> None:
         self.loop = LoopThread("test-swarm")
         self.boot = self.loop.run(SwarmNode.create())
         self.maddrs = self.loop.run(self.boot.maddrs())
-        self.hosts: list[tuple[SwarmNode, StageServicer]] = []
+        self.hosts: list[tuple[SwarmNode, StageServer]] = []
         for _ in range(HOSTS):
-            node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs)))
-            servicer = StageServicer(node, read_timeout=10)
-            self.loop.run(servicer.start())
-            self.hosts.append((node, servicer))
-        self.trainer = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs, client_mode=True)))
+            node = self.loop.run(SwarmNode.create(self.options()))
+            server = StageServer(node)
+            self.loop.run(server.start())
+            self.hosts.append((node, server))
+        self.trainer = self.loop.run(SwarmNode.create(self.options(client_mode=True)))
+
+    def options(self, **fields) -> NodeOptions:
+        """A peer of this swarm: it joins through the bootstrap, with the tests' settings."""
+        return NodeOptions(initial_peers=self.maddrs, **{"settings": SETTINGS, **fields})
 
     def host(self, cfg, run_id: str, placement: list[tuple[int, int]]) -> list[HostedStage]:
         """Hosts stage s on host h for every (s, h) and announces at once."""
         hosted = []
         for stage, index in placement:
-            node, servicer = self.hosts[index]
-            hosted.append(servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30)))
+            node, server = self.hosts[index]
+            hosted.append(server.host(HostedStage(node, run_id, cfg, stage)))
         for _, index in placement:
             self.loop.run(self.hosts[index][1].announcer.announce_now())
         return hosted
 
-    def mortal_host(self, shape_rate: str | None = None) -> tuple[SwarmNode, StageServicer]:
+    def mortal_host(self, shape_rate: str | None = None) -> tuple[SwarmNode, StageServer]:
         """A host of its own, for a test to kill or shape (not one of the shared HOSTS)."""
-        node = self.loop.run(SwarmNode.create(NodeOptions(initial_peers=self.maddrs, shape_rate=shape_rate)))
-        servicer = StageServicer(node)
-        self.loop.run(servicer.start())
-        return node, servicer
+        node = self.loop.run(SwarmNode.create(self.options(shape_rate=shape_rate)))
+        server = StageServer(node)
+        self.loop.run(server.start())
+        return node, server
 
     def unhost(self, run_id: str) -> None:
-        for _, servicer in self.hosts:
-            for key in [k for k in servicer.hosted if k[0] == run_id]:
-                self.loop.run(servicer.unhost(*key))
+        """The shared hosts stop hosting `run_id`'s stages (the next test's run starts clean)."""
+        for _, server in self.hosts:
+            for key in [k for k in server.hosted if k[0] == run_id]:
+                server.hosted.pop(key).close()
 
     def pipeline(self, cfg, run_id: str, steps: int, data) -> SwarmPipeline:
-        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id, timeout=30)
+        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id)
         schedule = Schedule.of(cfg, len(data[0]), steps)
         pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=20)
         return pipeline
 
     def close(self) -> None:
-        for node, servicer in self.hosts:
-            self.loop.run(servicer.stop())
+        for node, server in self.hosts:
+            self.loop.run(server.stop())
             self.loop.run(node.shutdown())
         self.loop.run(self.trainer.shutdown())
         self.loop.run(self.boot.shutdown())

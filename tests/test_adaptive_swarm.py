@@ -16,7 +16,9 @@ from _swarm_env import SMOKE
 from protocols import stage_pb2 as pb
 from protocols.framing import ProtocolError, frame, parse_message
 from swarm.config import ConfigError, load_config
-from swarm.training.loop import Checkpointing, build_data, run_experiment, train
+from swarm.training.checkpoints import Checkpointing
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
 from swarm.transport.hivemind.stage.codecs import switched_config
@@ -63,9 +65,9 @@ def shaped_run(
     controller, swarm warnings, the hosted stages of `placement`); `finish(run_id, data, hosted)`
     runs before the stages go."""
     run_id = uuid.uuid4().hex[:8]
-    node, servicer = swarm.mortal_host(shape_rate=rate)
-    servicer.host(HostedStage(node, run_id, cfg, 0, timeout=30))
-    swarm.loop.run(servicer.announcer.announce_now())
+    node, server = swarm.mortal_host(shape_rate=rate)
+    server.host(HostedStage(node, run_id, cfg, 0))
+    swarm.loop.run(server.announcer.announce_now())
     hosted = swarm.host(cfg, run_id, list(placement))
     warnings: list[logging.LogRecord] = []
     catcher = logging.Handler(logging.WARNING)
@@ -82,7 +84,7 @@ def shaped_run(
     finally:
         logging.getLogger("swarm").removeHandler(catcher)
         swarm.unhost(run_id)
-        swarm.loop.run(servicer.stop())
+        swarm.loop.run(server.stop())
         swarm.loop.run(node.shutdown())
     return results.rows, summary, statuses, pipeline.adaptive, warnings, hosted
 
@@ -153,13 +155,14 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
     import swarm.transport.hivemind.trainer.pipeline as pipeline_module
 
     asked = []  # status calls, as the trainer makes them
-    real_call_info = pipeline_module.call_info
+    real_call = pipeline_module.call
 
-    async def counted_call_info(*args, **kwargs):
-        asked.append(args[1])
-        return await real_call_info(*args, **kwargs)
+    async def counted_call(streams, peer_id, kind, *args, **kwargs):
+        if kind == "info":
+            asked.append(peer_id)
+        return await real_call(streams, peer_id, kind, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module, "call_info", counted_call_info)
+    monkeypatch.setattr(pipeline_module, "call", counted_call)
     asked_by_step = []
 
     def drop(step: int, egress) -> None:
@@ -220,14 +223,14 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
 
 
 def test_an_adaptive_checkpoint_is_refused_without_adaptive_compression(tmp_path):
-    from swarm.transport.hivemind.trainer.adaptive import CHECKPOINT_FILE, checkpoint_codecs
+    from swarm.engine.checkpoint import CODECS_FILE, checkpoint_codecs
     from swarm.transport.local import LocalPipeline
 
-    (tmp_path / CHECKPOINT_FILE).write_text('{"codecs": {"0": ["quant:4", "quant:4"]}, "history": []}')
+    (tmp_path / CODECS_FILE).write_text('{"codecs": {"0": ["quant:4", "quant:4"]}, "history": []}')
     assert checkpoint_codecs(tmp_path) == {"codecs": {0: ("quant:4", "quant:4")}, "history": []}
     with pytest.raises(ValueError, match="saved by a swarm with compression.adaptive"):
         LocalPipeline.load_checkpoint(None, tmp_path)
-    (tmp_path / CHECKPOINT_FILE).write_text("{not json")
+    (tmp_path / CODECS_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="unreadable adaptive.json"):
         checkpoint_codecs(tmp_path)
     assert checkpoint_codecs(tmp_path / "elsewhere") is None
@@ -277,7 +280,7 @@ async def _drain(messages):
 def test_replies_are_timed_from_their_first_chunk_to_their_last():
     async def replies():
         for payload in (bytes(2_500_000), bytes((1 << 20) + 5), b"small"):  # three chunks, two, one
-            for message in frame(pb.StageReply, "result", pb.ResultHead(kind=pb.BACKWARD), payload):
+            for message in frame(pb.StageReply, "micro_batch", pb.ResultHead(kind=pb.BACKWARD), payload):
                 yield message
 
     async def received():  # as a stream gives them: the chunks' data apart, as views

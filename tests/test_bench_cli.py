@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from swarm.bench.codecs import CODECS
+
 REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
 
 
@@ -27,8 +29,6 @@ def test_json_rows_have_the_documented_keys(rows):
 
 
 def test_every_codec_and_reference_is_measured_on_every_tensor(rows):
-    from swarm.bench.codecs import CODECS
-
     tensors = {r["tensor"] for r in rows}
     assert len(tensors) == 4
     for tensor in tensors:

@@ -10,10 +10,12 @@ import torch
 from swarm.compression import parse
 from swarm.compression.state import GlobalState, SampleStore
 from swarm.config import load_config
-from swarm.engine.build import build_local_pipeline
-from swarm.engine.checkpoint import latest_run, load_stage, save_stage
-from swarm.training.loop import Checkpointing, Schedule, build_data, run_experiment, train
+from swarm.engine.checkpoint import load_stage, save_stage
+from swarm.training.checkpoints import Checkpointing, latest_run
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.local import build_local_pipeline
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -84,17 +86,20 @@ def test_stage_file_round_trips_and_checks_the_link(tmp_path):
     cfg = load_config(SMOKE, ["compression.forward=topk:0.2+ef21"])
     pipeline, _ = build_local_pipeline(cfg, total_steps=10)
     runtime = pipeline.runtimes[1]
-    save_stage(runtime, tmp_path / "s1.pt", 7)
+    save_stage(runtime, pipeline.ends[1], tmp_path / "s1.pt", 7)
     assert not list(tmp_path.glob(".*tmp"))  # the temporary file was renamed into place
     other, _ = build_local_pipeline(load_config(SMOKE, ["compression.forward=topk:0.2+ef21", "seed=1"]), total_steps=10)
-    assert load_stage(other.runtimes[1], tmp_path / "s1.pt") == 7
+    assert load_stage(other.runtimes[1], other.ends[1], tmp_path / "s1.pt") == 7
     for a, b in zip(runtime.module.parameters(), other.runtimes[1].module.parameters(), strict=True):
         assert torch.equal(a, b)
     changed, _ = build_local_pipeline(load_config(SMOKE, ["compression.forward=topk:0.2"]), total_steps=10)
+    before = [p.clone() for p in changed.runtimes[1].module.parameters()]
     with pytest.raises(ValueError, match="specs"):
-        load_stage(changed.runtimes[1], tmp_path / "s1.pt")
+        load_stage(changed.runtimes[1], changed.ends[1], tmp_path / "s1.pt")
+    for a, b in zip(before, changed.runtimes[1].module.parameters(), strict=True):  # refused before loading anything
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="stage 1/4"):
-        load_stage(changed.runtimes[2], tmp_path / "s1.pt")
+        load_stage(changed.runtimes[2], changed.ends[2], tmp_path / "s1.pt")
 
 
 class _Crash(RuntimeError):

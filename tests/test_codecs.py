@@ -95,22 +95,29 @@ def test_reuse_roundtrip_through_bytes(inner, dtype, case):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS.get)
 def test_sender_receiver_roundtrip(spec, dtype):
     parsed = parse(spec)
+    sender, receiver = parsed.sender(), parsed.receiver()
     x = make((3, 4, 5), dtype, "transposed")
-    out = parsed.sender().send(x)
-    inc = parsed.receiver().receive(out.payload)
+    out = sender.send(x)
+    inc = receiver.receive(out.payload)
     expected = parsed.codec.decode(wire.decode(out.payload))
     assert inc.tensor.dtype == dtype and inc.tensor.shape == x.shape
     assert torch.equal(inc.tensor, expected)
-    # commit of a stateless link is allowed and a no-op
+    # committing a stateless link is allowed and moves no state: the same input, the same bytes
     out.commit()
     inc.commit()
+    again = sender.send(x)
+    assert again.payload == out.payload
+    assert torch.equal(receiver.receive(again.payload).tensor, inc.tensor)
+    assert sender.state_bytes == receiver.state_bytes == 0
 
 
 def test_decode_to_device_cpu():
     x = make((3, 8))
     for codec in CODECS.values():
         enc = through_wire(codec.encode(x))
-        assert codec.decode(enc, device="cpu").device.type == "cpu"
+        out = codec.decode(enc, device="cpu")
+        assert out.device.type == "cpu"
+        assert torch.equal(out, codec.decode(enc)), codec
 
 
 def test_codec_rejects_payload_of_wrong_kind():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.config import load_config
+from swarm.config import ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -33,8 +33,6 @@ def test_paper_tables_are_covered():
 
 
 def test_boundary_overrides_merge_with_the_defaults():
-    from swarm.config import ConfigError
-
     cfg = load_config(
         None,
         [

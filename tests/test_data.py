@@ -8,10 +8,22 @@ import torch
 import torchvision.transforms.functional as TF
 from _util import write_tiny_tokenizer
 from PIL import Image
+from sklearn.datasets import load_digits
+from torch.utils.data import DataLoader
+from transformers import GPT2TokenizerFast
 
-from swarm.data import balanced_subset, build_datasets, collate, group_texts, make_loader
+from swarm.data import balanced_subset, build_datasets, collate, group_texts
 from swarm.data.augment import CIFAR10_MEAN, CIFAR10_STD
 from swarm.data.wikitext import split_rows
+
+
+def loader(dataset, batch_size: int, seed: int | None = None, epoch: int = 0) -> DataLoader:
+    """Batches as the training loop makes them: the dataset set to `epoch`, swarm.data.collate, and
+    with a `seed`, shuffled by a generator seeded with it."""
+    dataset.set_epoch(epoch)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=seed is not None, generator=generator, collate_fn=collate)
+
 
 # ---- digits -----------------------------------------------------------------------------------
 
@@ -35,8 +47,6 @@ def test_digits_items_and_split(digits):
 
 
 def test_digits_ids_are_stable_and_match_sklearn(digits):
-    from sklearn.datasets import load_digits
-
     train, _ = digits
     again, _ = build_datasets("digits")
     assert torch.equal(train.ids, again.ids)
@@ -56,23 +66,23 @@ def test_digits_upscale_and_subset():
     assert len(train) == 100 and np.bincount(labels).tolist() == [10] * 10
 
 
-def test_loader_batches_ids_inputs_targets(digits):
+def test_collate_batches_ids_inputs_targets(digits):
+    """Every row of a batch is the dataset's item of that id, whatever order the loader draws."""
     train, _ = digits
-    ids, x, y = next(iter(make_loader(train, 16, shuffle=True, seed=3, epoch=2)))
+    ids, x, y = next(iter(loader(train, 16, seed=3, epoch=2)))
     assert ids.dtype == torch.long and ids.shape == (16,)
     assert x.shape == (16, 1, 8, 8) and y.dtype == torch.long and y.shape == (16,)
     index = {int(i): k for k, i in enumerate(train.ids)}
     for sample_id, xi, yi in zip(ids.tolist(), x, y.tolist(), strict=True):
         _, x_ref, y_ref = train[index[sample_id]]
         assert torch.equal(xi, x_ref) and yi == y_ref
-    ids2, _, _ = next(iter(make_loader(train, 16, shuffle=True, seed=3, epoch=2)))
-    ids3, _, _ = next(iter(make_loader(train, 16, shuffle=True, seed=3, epoch=3)))
-    assert torch.equal(ids, ids2) and not torch.equal(ids, ids3)
 
 
 def test_collate_tensor_targets():
-    ids, x, y = collate([(4, torch.zeros(3), torch.arange(3)), (9, torch.ones(3), torch.arange(3))])
-    assert ids.tolist() == [4, 9] and x.shape == (2, 3) and y.shape == (2, 3)
+    ids, x, y = collate([(4, torch.zeros(3), torch.arange(3)), (9, torch.ones(3), torch.arange(3) + 1)])
+    assert ids.dtype == torch.long and ids.tolist() == [4, 9]
+    assert torch.equal(x, torch.stack([torch.zeros(3), torch.ones(3)]))
+    assert torch.equal(y, torch.stack([torch.arange(3), torch.arange(3) + 1]))
 
 
 # ---- CIFAR-10 from an ImageFolder ----------------------------------------------------------------
@@ -135,7 +145,7 @@ def test_cifar_augmentation_is_reproducible(image_folder):
     assert sum(not torch.equal(a, b) for a, b in zip(first, epoch1, strict=True)) >= len(train) // 2
     other, _ = build_datasets("cifar10", data_dir=str(image_folder), seed=8)
     assert sum(not torch.equal(a, other[i][1]) for i, a in enumerate(first)) >= len(train) // 2
-    batches = [next(iter(make_loader(ds, 12, shuffle=True, seed=1, epoch=4))) for ds in (train, again)]
+    batches = [next(iter(loader(ds, 12, seed=1, epoch=4))) for ds in (train, again)]
     assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1])
     plain, test = build_datasets("cifar10", data_dir=str(image_folder), augment=False)
     unaugmented = TF.normalize(
@@ -212,8 +222,6 @@ def wiki_dir(tmp_path_factory):
 
 
 def test_wikitext_blocks_from_local_files(wiki_dir, tokenizer_dir):
-    from transformers import GPT2TokenizerFast
-
     tok = GPT2TokenizerFast.from_pretrained(str(tokenizer_dir))
     train, test = build_datasets("wikitext2", data_dir=str(wiki_dir), tokenizer=str(tokenizer_dir), block_size=8)
     rows = [line if line.strip() else "" for line in TRAIN_TEXT.splitlines(keepends=True)]
@@ -230,7 +238,7 @@ def test_wikitext_blocks_from_local_files(wiki_dir, tokenizer_dir):
     assert test.ids.tolist() == list(range(len(train), len(train) + len(test)))
     valid_tokens = tok([r if r.strip() else "" for r in VALID_TEXT.splitlines(keepends=True)])["input_ids"]
     assert len(test) == sum(map(len, valid_tokens)) // 8
-    ids, x, y = next(iter(make_loader(train, 2)))
+    ids, x, y = next(iter(loader(train, 2)))
     assert ids.tolist() == [0, 1] and x.shape == (2, 8) and torch.equal(x, y)
     # a tokenizer object works as well as a directory
     again, _ = build_datasets("wikitext2", data_dir=str(wiki_dir), tokenizer=tok, block_size=8)
@@ -251,7 +259,14 @@ def test_wikitext_single_file_split(wiki_dir, tokenizer_dir):
         test_file="wiki.train.raw",
         train_fraction=0.5,
     )
-    assert len(train) > 0 and len(test) > 0
+    tok = GPT2TokenizerFast.from_pretrained(str(tokenizer_dir))
+    head, tail = split_rows(rows, 0.5)  # train: the rows before the cut, test: the rest
+
+    def blocks(part: list[str]) -> list[list[int]]:
+        return group_texts([tok(row)["input_ids"] for row in part], 4)
+
+    assert train.blocks.tolist() == blocks(head) and len(train) > 0
+    assert test.blocks.tolist() == blocks(tail) and len(test) > 0
     assert not set(train.ids.tolist()) & set(test.ids.tolist())
 
 

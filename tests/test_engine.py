@@ -10,9 +10,9 @@ import torch
 
 from swarm.compression import parse
 from swarm.config import load_config
-from swarm.engine.build import build_local_pipeline
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.training.loop import run_experiment
+from swarm.training.experiment import run_experiment
+from swarm.transport.local import build_local_pipeline
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -29,7 +29,7 @@ def a_batch(cfg, size: int = 8):
 
 
 def run_one(pipeline, ids, x, y, mode=Mode.TRAIN, exact=False, step=0, index=0):
-    return pipeline.run(MicroBatch(step, index, ids, y, mode, 1.0, exact), x)
+    return pipeline.run_many([(MicroBatch(step, index, ids, y, mode, 1.0, exact), x)])[0]
 
 
 def stage_grads(staged):
@@ -114,8 +114,8 @@ def test_warmup_sends_exact_values_and_fills_aqsgd_buffers():
     ids, x, y = a_batch(cfg, 8)
     run_one(pipeline, ids, x, y, exact=True)
     warm = pipeline.link_bytes()["boundary0.forward.train"]
-    sender = pipeline.runtimes[0].outbound.sender
-    receiver = pipeline.runtimes[1].inbound.receiver
+    sender = pipeline.ends[0].outbound.sender
+    receiver = pipeline.ends[1].inbound.receiver
     state, versions = sender.table.load((8, *pipeline.runtimes[0].module(x).shape[1:]), ids.tolist(), "cpu")
     assert versions == (1,) * 8
     with torch.no_grad():

@@ -8,7 +8,9 @@ import uuid
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
+from swarm.data import build_datasets, collate
 from swarm.models import (
     StagedModel,
     TiedPair,
@@ -367,22 +369,21 @@ def test_digits_cnn_boundaries():
 
 
 def test_digits_cnn_learns_digits():
-    from swarm.data import build_datasets, make_loader
-
     train, test = build_datasets("digits")
     torch.manual_seed(0)
     staged = build_model("digits_cnn", 2)
     opt = torch.optim.SGD(staged_params(staged), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    for epoch in range(3):
+    order = torch.Generator().manual_seed(0)
+    for _ in range(5):  # not 3: after 3 epochs some shuffle orders end just below the bar
         staged.train()
-        for _ids, x, y in make_loader(train, 100, shuffle=True, seed=0, epoch=epoch):
+        for _ids, x, y in DataLoader(train, 100, shuffle=True, generator=order, collate_fn=collate):
             opt.zero_grad()
             staged.loss(staged(x), y).backward()
             opt.step()
     staged.eval()
     totals: dict[str, float] = {}
     with torch.no_grad():
-        for _ids, x, y in make_loader(test, 300):
+        for _ids, x, y in DataLoader(test, 300, collate_fn=collate):
             for k, v in staged.metrics(staged(x), y).items():
                 totals[k] = totals.get(k, 0.0) + v
     assert totals["count"] == len(test)
@@ -432,7 +433,7 @@ def test_custom_model_tuple_gets_default_metrics(custom_module):
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     out = staged(x)
     m = staged.metrics(out, y)
-    assert m["count"] == 4 and 0 <= m["correct"] <= 4
+    assert m["count"] == 4 and m["correct"] == float((out.argmax(dim=-1) == y).sum())
     assert m["loss_sum"] == pytest.approx(4 * float(staged.loss(out.detach(), y)), rel=1e-5)
 
 
@@ -465,8 +466,6 @@ def test_custom_model_errors(custom_module, target, options, message):
     [("resnet18.layer1", (64, 32, 32)), ("resnet18.layer2", (128, 16, 16)), ("gpt2", (1024, 768))],
 )
 def test_relay_carries_real_boundary_sizes_through_every_stage(boundary, shape):
-    from swarm.models import build_model
-
     model = build_model("relay", 4, boundary=boundary)
     x = torch.randn(2, 3, 32, 32)
     for stage in model.stages[:-1]:

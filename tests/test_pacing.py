@@ -12,10 +12,10 @@ from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from protocols.framing import frame, frame_parts
-from swarm.training.loop import Schedule, build_data, train
+from swarm.training.experiment import build_data
+from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.announce import StageRecord
-from swarm.transport.hivemind.calls import _Stream
 from swarm.transport.hivemind.meta import tensor_to_raw
 from swarm.transport.hivemind.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.pacing import (
@@ -28,7 +28,8 @@ from swarm.transport.hivemind.pacing import (
     stage_flows,
 )
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.stage.server import StageServer
+from swarm.transport.hivemind.streams import PeerStream
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 
@@ -126,11 +127,11 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     """A payload framed in parts (a small prefix, then a view of the payload per chunk) and written
     in paced pieces reads back as the same protobuf messages as written unpaced; the bucket booked
     every byte, the prefixes with the piece after them."""
-    node, servicer = swarm.hosts[0]
+    node, server = swarm.hosts[0]
     received = []
 
     async def handler(info, reader, writer):
-        async for message, data in _Stream(reader, writer).replies():
+        async for message, data in PeerStream(reader, writer).replies():
             if data is not None:  # the chunk's data, received apart
                 message.chunk.data = bytes(data)
             received.append(message)
@@ -139,7 +140,7 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     pacer = FlowPacer(None, None, flows=1)
     payload = bytes(range(256)) * (5 * PIECE_BYTES // 256 + 7)  # two chunks, the first of 4 pieces
     head = pb.ResultHead(kind=pb.BACKWARD, route=["a", "b"])
-    framed = list(frame_parts(pb.StageReply, "result", head, payload))
+    framed = list(frame_parts(pb.StageReply, "micro_batch", head, payload))
 
     async def send():
         await node.p2p.add_binary_stream_handler(name, handler)
@@ -162,9 +163,9 @@ def test_paced_messages_arrive_whole_on_a_hivemind_stream(swarm):
     stats = swarm.loop.run(send())
     assert len(framed) == 2 and all(len(parts) == 2 for parts in framed)
     assert [m.SerializeToString() for m in received] == [
-        m.SerializeToString() for m in frame(pb.StageReply, "result", head, payload)
+        m.SerializeToString() for m in frame(pb.StageReply, "micro_batch", head, payload)
     ] * 2
-    assert received[0].result == head and b"".join(m.chunk.data for m in received[:2]) == payload
+    assert received[0].micro_batch == head and b"".join(m.chunk.data for m in received[:2]) == payload
     sizes = [sum(len(p) for p in parts) for parts in framed]
     assert stats.bytes == sum(sizes) and stats.calls == sum(-(-len(data) // PIECE_BYTES) for _, data in framed)
 
@@ -176,19 +177,14 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
     run_id = uuid.uuid4().hex[:8]
     peers = []
     for _ in range(3):
-        node = swarm.loop.run(
-            SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, uplink="400mbit", downlink="400mbit"))
-        )
-        servicer = StageServicer(node)
-        swarm.loop.run(servicer.start())
-        peers.append((node, servicer))
+        node = swarm.loop.run(SwarmNode.create(swarm.options(uplink="400mbit", downlink="400mbit")))
+        server = StageServer(node)
+        swarm.loop.run(server.start())
+        peers.append((node, server))
     try:
-        hosted = [
-            servicer.host(HostedStage(node, run_id, cfg, stage, timeout=30))
-            for stage, (node, servicer) in enumerate(peers)
-        ]
-        for _, servicer in peers:
-            swarm.loop.run(servicer.announcer.announce_now())
+        hosted = [server.host(HostedStage(node, run_id, cfg, stage)) for stage, (node, server) in enumerate(peers)]
+        for _, server in peers:
+            swarm.loop.run(server.announcer.announce_now())
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 3, data)
         results = ResultsWriter(None)
@@ -213,14 +209,14 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
         assert (
             hosted[0].pacer._offered[ids[1]] == hosted[1].pacer._offered[ids[0]] == pytest.approx(400e6 * PAYLOAD_SHARE)
         )
-        forward = hosted[1].received[(ids[0], "forward", "train")]
+        forward = hosted[1].links.received[(ids[0], "forward", "train")]
         assert (
             flows[(0, ids[1])].bucket.stats().bytes >= forward
         )  # every activation byte to stage 1 went through its flow
         assert_same_run(results.rows, swarm_rows(swarm, cfg, steps=3))
     finally:
-        for node, servicer in peers:
-            swarm.loop.run(servicer.stop())
+        for node, server in peers:
+            swarm.loop.run(server.stop())
             swarm.loop.run(node.shutdown())
 
 
@@ -229,13 +225,11 @@ def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swar
     peers here declare nothing, so no offer lowers it); every input byte is booked."""
     cfg = smoke("model.num_stages=2")
     run_id = uuid.uuid4().hex[:8]
-    trainer = swarm.loop.run(
-        SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, client_mode=True, uplink="300mbit"))
-    )
+    trainer = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True, uplink="300mbit")))
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1)])
     try:
         data = build_data(cfg)
-        pipeline = SwarmPipeline(trainer, swarm.loop, cfg, run_id, timeout=30)
+        pipeline = SwarmPipeline(trainer, swarm.loop, cfg, run_id)
         pipeline.setup(Schedule.of(cfg, len(data[0]), 1).lr_horizon, len(data[0]), wait_s=20)
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)

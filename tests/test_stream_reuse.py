@@ -1,4 +1,4 @@
-"""Micro-batch streams are kept per neighbour and reused (calls.StreamPool, servicer.Requests):
+"""Streams are kept per neighbour and reused (streams.StreamPool, streams.Requests):
 what a reused stream carries, when one is not reused, and that runs stay exact."""
 
 from __future__ import annotations
@@ -13,32 +13,26 @@ from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.training.loop import build_data
-from swarm.transport.hivemind import PROTOCOL_VERSION
-from swarm.transport.hivemind.calls import MicroBatchCall, RemoteError, StreamPool
-from swarm.transport.hivemind.meta import batch_to_meta, tensor_to_raw
-from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.training.experiment import build_data
+from swarm.transport.hivemind.calls import Exchange
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.stage.server import StageServer
+from swarm.transport.hivemind.streams import StreamPool
 
 
-def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data, seq: int) -> MicroBatchCall:
+def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data, seq: int) -> Exchange:
     """An eval micro-batch for a one-stage run: stage 0 answers DONE with its metrics."""
     x = torch.stack([data[1][i][1] for i in range(4)])
     y = torch.tensor([data[1][i][2] for i in range(4)])
     batch = MicroBatch(0, seq, torch.arange(4), y, mode=Mode.EVAL)
     head = pb.MicroBatchHead(
-        protocol_version=PROTOCOL_VERSION,
-        run_id=run_id,
-        stage=0,
-        sender=sender,
-        kind=pb.FORWARD,
-        batch=batch_to_meta(batch),
-        budget_s=10,
-        epoch=0,
-        seq=seq,
+        to=address(run_id, 0), sender=sender, batch=batch_to_meta(batch), budget_s=10, epoch=0, seq=seq
     )
-    return MicroBatchCall(streams, peer, head, tensor_to_raw(x).SerializeToString())
+    return Exchange(streams, peer, "micro_batch", head, tensor_to_raw(x).SerializeToString())
 
 
 def test_a_run_opens_about_one_stream_per_micro_batch_in_flight_and_stays_exact(swarm, tmp_path):
@@ -47,35 +41,34 @@ def test_a_run_opens_about_one_stream_per_micro_batch_in_flight_and_stays_exact(
     cfg = smoke("train.in_flight=8", "train.micro_batches=8")
     nodes = [node for node, _ in swarm.hosts[:4]]  # swarm_rows hosts stage s on host s
     callers = [swarm.trainer.streams, *(node.streams for node in nodes[:3])]
-    before = [pool.opened for pool in callers]
+    downstream = [node.peer_id for node in nodes]
+    links = list(zip(callers, downstream, strict=True))
+    before = [pool.opened[peer] for pool, peer in links]
     rows = swarm_rows(swarm, cfg, steps=5)
-    opened = [pool.opened - b for pool, b in zip(callers, before, strict=True)]
+    opened = [pool.opened[peer] - b for (pool, peer), b in zip(links, before, strict=True)]
     micro_batches = sum(1 for r in rows if r["type"] == "step") * cfg.train.micro_batches
     assert micro_batches == 40
     assert all(1 <= n <= cfg.train.in_flight for n in opened), opened
-    downstream = [node.peer_id for node in nodes]
-    assert [
-        pool.idle(peer) for pool, peer in zip(callers, downstream, strict=True)
-    ] == opened  # every stream came back after its last reply
+    assert [pool.idle(peer) for pool, peer in links] == opened  # every stream came back after its last reply
     assert_same_run(rows, local_rows(cfg, tmp_path))
 
 
-def test_streams_the_servicer_closed_or_kept_too_long_are_replaced(swarm):
-    """A servicer closes streams idle for its `idle_timeout`; the caller notices and opens a new one
+def test_streams_the_server_closed_or_kept_too_long_are_replaced(swarm):
+    """A server closes streams idle for its `server_idle_s`; the caller notices and opens a new one
     rather than failing a micro-batch. A stream idle for the pool's `keep_s` is not reused either."""
     cfg = smoke("model.num_stages=1")
     run_id = uuid.uuid4().hex[:8]
-    node = swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs)))
-    servicer = StageServicer(node, idle_timeout=0.5)
-    swarm.loop.run(servicer.start(announce=False))
+    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings(server_idle_s=0.5))))
+    server = StageServer(node)
+    swarm.loop.run(server.start(announce=False))
     clock = [100.0]
     streams = StreamPool(swarm.trainer.p2p, keep_s=10.0, clock=lambda: clock[0])
     try:
-        servicer.host(HostedStage(node, run_id, cfg, 0, timeout=30))
+        server.host(HostedStage(node, run_id, cfg, 0))
         swarm.loop.run(
-            servicer.hosted[(run_id, 0)].setup(
+            server.hosted[(run_id, 0)].setup(
                 pb.SetupRequest(
-                    config_digest=servicer.hosted[(run_id, 0)].digest, session="s", lr_horizon=10, capacity=400
+                    config_digest=server.hosted[(run_id, 0)].digest, session="s", lr_horizon=10, capacity=400
                 )
             )
         )
@@ -83,21 +76,23 @@ def test_streams_the_servicer_closed_or_kept_too_long_are_replaced(swarm):
 
         def one(seq: int) -> pb.ResultHead:
             call = _stage0_call(streams, node.peer_id, run_id, swarm.trainer.peer_id, data, seq)
-            result, _ = swarm.loop.run(call.reply(20))
+            frame = swarm.loop.run(call.reply(20))
             call.finish()
-            return result
+            return frame.head
 
         assert one(0).kind == pb.DONE and one(1).kind == pb.DONE
-        assert streams.opened == 1 and streams.idle(node.peer_id) == 1  # the second micro-batch rode the first's stream
-        time.sleep(1.5)  # past the servicer's idle timeout: it closed its end
+        assert (
+            streams.opened[node.peer_id] == 1 and streams.idle(node.peer_id) == 1
+        )  # the second micro-batch rode the first's stream
+        time.sleep(1.5)  # past the server's idle timeout: it closed its end
         assert one(2).kind == pb.DONE
-        assert streams.opened == 2
+        assert streams.opened[node.peer_id] == 2
         clock[0] += 11.0  # kept past keep_s on our side
         assert one(3).kind == pb.DONE
-        assert streams.opened == 3 and streams.idle(node.peer_id) == 1
+        assert streams.opened[node.peer_id] == 3 and streams.idle(node.peer_id) == 1
     finally:
         streams.close()
-        swarm.loop.run(servicer.stop())
+        swarm.loop.run(server.stop())
         swarm.loop.run(node.shutdown())
 
 
@@ -144,20 +139,22 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
         with pytest.raises(RemoteError, match="does not host stage 0 of run 'no-such-run'"):
             swarm.loop.run(bad.reply(20))
         bad.finish()
-        assert streams.idle(peer) == 0 and streams.opened == 1  # the bad call took the pooled stream and closed it
+        assert (
+            streams.idle(peer) == 0 and streams.opened[peer] == 1
+        )  # the bad call took the pooled stream and closed it
         again = _stage0_call(
             streams, peer, run_id, swarm.trainer.peer_id, data, 1
         )  # the refused one never reached the stage
-        result, _ = swarm.loop.run(again.reply(20))
+        result = swarm.loop.run(again.reply(20)).head
         again.finish()
-        assert result.kind == pb.DONE and streams.opened == 2 and streams.idle(peer) == 1
+        assert result.kind == pb.DONE and streams.opened[peer] == 2 and streams.idle(peer) == 1
     finally:
         streams.close()
         swarm.unhost(run_id)
 
 
 def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_marker(swarm):
-    """The servicer serves requests one after another on a stream until the caller's end marker."""
+    """The server serves requests one after another on a stream until the caller's end marker."""
     cfg = smoke("model.num_stages=1")
     run_id = uuid.uuid4().hex[:8]
     (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
@@ -169,15 +166,15 @@ def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_
         data = build_data(cfg)
         for seq in range(3):
             call = _stage0_call(streams, hosted.node.peer_id, run_id, swarm.trainer.peer_id, data, seq)
-            result, _ = swarm.loop.run(call.reply(20))
+            result = swarm.loop.run(call.reply(20)).head
             call.finish()
             assert result.kind == pb.DONE and result.metrics["count"] == 4
-        assert streams.opened == 1
+        assert streams.opened[hosted.node.peer_id] == 1
         ((stream, _),) = streams._idle[hosted.node.peer_id]
 
         async def end_and_wait():
             await P2P.send_protobuf(P2P.END_OF_STREAM, stream.writer)
-            return await stream.reader.read()  # the servicer closes its end: EOF, nothing else
+            return await stream.reader.read()  # the server closes its end: EOF, nothing else
 
         assert swarm.loop.run(end_and_wait()) == b""
         assert stream.closed

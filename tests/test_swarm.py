@@ -24,16 +24,20 @@ from google.protobuf.message import DecodeError
 from protocols import stage_pb2 as pb
 from protocols.framing import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, parse_message, read_frame
 from swarm.config import load_config
+from swarm.engine.build import config_digest
 from swarm.engine.microbatch import MicroBatch
-from swarm.training.loop import Schedule, build_data, train
+from swarm.training.experiment import build_data
+from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind import PROTOCOL_VERSION, loop
 from swarm.transport.hivemind.announce import discover
-from swarm.transport.hivemind.calls import RemoteError, _Stream, call_info, call_setup, handle_name
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
 from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions, SwarmNode
-from swarm.transport.hivemind.stage.host import HostedStage, config_digest
-from swarm.transport.hivemind.stage.server import StageServicer
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServer
+from swarm.transport.hivemind.streams import PeerStream
 from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
@@ -152,9 +156,10 @@ def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
     """frame_parts writes each message as protobuf would (chunk fields filled, then serialized), the
     data a view of the payload, for heads with and without fields and payloads of 0 to 4 chunks."""
     heads = [
-        (pb.StageRequest, "micro_batch", pb.MicroBatchHead(run_id="r", stage=2, budget_s=3.5)),
-        (pb.StageReply, "result", pb.ResultHead()),
-        (pb.StageRequest, "step", pb.StepHead()),
+        (pb.StageRequest, "micro_batch", pb.MicroBatchHead(to=pb.Address(run_id="r", stage=2), budget_s=3.5)),
+        (pb.StageReply, "micro_batch", pb.ResultHead()),
+        (pb.StageRequest, "gather", pb.GatherRequest()),
+        (pb.StageReply, "error", pb.ErrorReply(message="no")),
     ]
     for size in (0, 1, 300, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES + 17):
         payload = os.urandom(size)
@@ -183,7 +188,7 @@ def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf
     received); a message laid out otherwise (chunk first, a field after it, the chunk twice) is
     parsed whole, and garbage fails as protobuf fails."""
     payload = os.urandom(CHUNK_BYTES + 300)
-    head = pb.MicroBatchHead(run_id="r", stage=1)
+    head = pb.MicroBatchHead(to=pb.Address(run_id="r", stage=1))
     for parts in frame_parts(pb.StageRequest, "micro_batch", head, payload):
         data = b"".join(parts)
         message, view = parse_message(pb.StageRequest, data)
@@ -194,16 +199,19 @@ def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf
     whole = pb.StageRequest(micro_batch=head, chunk=pb.Chunk(index=0, count=1, total_length=3, crc32=7, data=b"abc"))
     chunk_first = whole.chunk.SerializeToString()
     chunk_first = (
-        b"\x22" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
+        b"\x7a" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
     )
     twice = whole.SerializeToString() + pb.StageRequest(chunk=pb.Chunk(data=b"xyz")).SerializeToString()
-    trailing = whole.SerializeToString() + pb.StageRequest(micro_batch=pb.MicroBatchHead(stage=9)).SerializeToString()
+    trailing = (
+        whole.SerializeToString()
+        + pb.StageRequest(micro_batch=pb.MicroBatchHead(to=pb.Address(stage=9))).SerializeToString()
+    )
     for data in (chunk_first, twice, trailing):
         message, view = parse_message(pb.StageRequest, data)
         assert view is None and message == pb.StageRequest.FromString(data)
     assert (
         parse_message(pb.StageRequest, twice).message.chunk.data == b"xyz"
-        and parse_message(pb.StageRequest, trailing).message.micro_batch.stage == 9
+        and parse_message(pb.StageRequest, trailing).message.micro_batch.to.stage == 9
     )
     for garbage in (whole.SerializeToString()[:-1], b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0f"):
         with pytest.raises(DecodeError):
@@ -255,12 +263,14 @@ def test_raw_tensors_and_batch_meta_round_trip_and_validate():
         meta_to_batch(meta)
 
 
-async def _raw_call(p2p, peer_id: str, messages, method: str = "rpc_forward"):
-    stream = await _Stream.open(p2p, peer_id, method)
+async def _raw_call(p2p, peer_id: str, messages):
+    """The reply to these request messages, sent as they are (a well-behaved caller frames them)."""
+    stream = await PeerStream.open(p2p, peer_id)
     try:
         await stream.send([(message.SerializeToString(),) for message in messages])
         await stream.end()
-        return await asyncio.wait_for(read_frame(stream.replies()), 20)
+        frame = await asyncio.wait_for(read_frame(stream.replies()), 20)
+        return frame.head, frame.payload
     finally:
         stream.close()
 
@@ -281,11 +291,8 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         )
         batch = MicroBatch(0, 0, ids, y)
         head = pb.MicroBatchHead(
-            protocol_version=PROTOCOL_VERSION,
-            run_id=run_id,
-            stage=0,
+            to=pb.Address(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0),
             sender=swarm.trainer.peer_id,
-            kind=pb.FORWARD,
             batch=batch_to_meta(batch),
             budget_s=10,
         )
@@ -323,13 +330,13 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
 
         future = pb.MicroBatchHead()
         future.CopyFrom(head)
-        future.protocol_version = 99
+        future.to.protocol_version = 99
         error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", future, payload)))
         assert "protocol version 99 is not supported" in error.message
 
         elsewhere = pb.MicroBatchHead()
         elsewhere.CopyFrom(head)
-        elsewhere.stage = 5
+        elsewhere.to.stage = 5
         error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", elsewhere, payload)))
         assert "does not host stage 5" in error.message
 
@@ -339,31 +346,27 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", bad_targets, payload)))
         assert "targets" in error.message
 
+        headless = [pb.StageRequest(chunk=good[0].chunk)]  # a request of no kind this peer knows
+        error, _ = swarm.loop.run(_raw_call(p2p, peer, headless))
+        assert isinstance(error, pb.ErrorReply) and error.message == "the first message has no head"
+
         with pytest.raises(Exception):  # noqa: B017 (hivemind reports an unknown protocol in several ways)
             swarm.loop.run(
-                asyncio.wait_for(
-                    p2p.call_protobuf_handler(
-                        hosted.node.p2p.peer_id, handle_name("rpc_bogus"), pb.InfoRequest(), pb.InfoReply
-                    ),
-                    10,
-                )
+                asyncio.wait_for(p2p.call_binary_stream_handler(hosted.node.p2p.peer_id, "hivepipe.bogus"), 10)
             )
-        reply = swarm.loop.run(call_info(p2p, peer, "", 10))
-        assert reply.peer_id == peer
-        old = swarm.loop.run(
-            p2p.call_protobuf_handler(
-                hosted.node.p2p.peer_id, handle_name("rpc_info"), pb.InfoRequest(protocol_version=0), pb.InfoReply
-            )
-        )
-        assert "protocol version 0" in old.error
+        streams = swarm.trainer.streams
+        current = pb.Address(protocol_version=PROTOCOL_VERSION)
+        reply = swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=current), timeout=10)).head
+        assert reply.peer_id == peer and [s.run_id for s in reply.stages] == [run_id]
+        with pytest.raises(RemoteError, match="protocol version 0 is not supported"):
+            swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=pb.Address(protocol_version=0)), timeout=10))
         with pytest.raises(RemoteError, match="config mismatch"):
-            request = pb.SetupRequest(
-                protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0, config_digest="0" * 16, lr_horizon=2
-            )
-            swarm.loop.run(call_setup(p2p, peer, request, 10))
+            to = pb.Address(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0)
+            request = pb.SetupRequest(to=to, config_digest="0" * 16, lr_horizon=2)
+            swarm.loop.run(call(streams, peer, "setup", request, timeout=10))
 
         # the peer kept serving: a good micro-batch still trains
-        metrics = pipeline.run(batch, x)
+        metrics = pipeline.run_many([(batch, x)])[0]
         assert metrics["count"] == 4 and torch.isfinite(torch.tensor(metrics["loss"]))
         assert hosted.processed == 1
     finally:
@@ -526,21 +529,17 @@ def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):
     cfg = smoke("model.num_stages=2")
     run_id = uuid.uuid4().hex[:8]
     shaped = [
-        swarm.loop.run(
-            SwarmNode.create(
-                NodeOptions(initial_peers=swarm.maddrs, shape_rate="200mbit", shape_delay="1ms", client_mode=client)
-            )
-        )
+        swarm.loop.run(SwarmNode.create(swarm.options(shape_rate="200mbit", shape_delay="1ms", client_mode=client)))
         for client in (False, False, True)
     ]
-    servicers = [StageServicer(node) for node in shaped[:2]]
+    servers = [StageServer(node) for node in shaped[:2]]
     try:
-        for stage, servicer in enumerate(servicers):
-            swarm.loop.run(servicer.start())
-            servicer.host(HostedStage(servicer.node, run_id, cfg, stage, timeout=30))
-            swarm.loop.run(servicer.announcer.announce_now())
+        for stage, server in enumerate(servers):
+            swarm.loop.run(server.start())
+            server.host(HostedStage(server.node, run_id, cfg, stage))
+            swarm.loop.run(server.announcer.announce_now())
         data = build_data(cfg)
-        pipeline = SwarmPipeline(shaped[2], swarm.loop, cfg, run_id, timeout=30)
+        pipeline = SwarmPipeline(shaped[2], swarm.loop, cfg, run_id)
         pipeline.setup(Schedule.of(cfg, len(data[0]), 2).lr_horizon, len(data[0]), wait_s=20)
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)
@@ -552,7 +551,7 @@ def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):
         assert stage0.bytes > sent["boundary0.forward.train"]  # activations out (and replies to the trainer)
         assert stage1.bytes > sent["boundary0.backward.train"]  # gradients back, as replies
     finally:
-        for servicer in servicers:
-            swarm.loop.run(servicer.stop())
+        for server in servers:
+            swarm.loop.run(server.stop())
         for node in shaped:
             swarm.loop.run(node.shutdown())

@@ -9,7 +9,8 @@ import pytest
 import torch
 from _swarm_env import assert_same_run, local_rows, smoke, split_batches
 
-from swarm.training.loop import Schedule, build_data, run_experiment, train
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.stage.host import HostedStage
 
@@ -18,26 +19,26 @@ def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
     """Stage 1 has two peers; the one serving dies mid-run; stage 0 retries on the other."""
     cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2+ef21", "compression.backward=topk:reuse")
     run_id = uuid.uuid4().hex[:8]
-    victim, victim_servicer = swarm.mortal_host()
+    victim, victim_server = swarm.mortal_host()
     try:
         hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
         backup = hosted[1]
-        doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
-        swarm.loop.run(victim_servicer.announcer.announce_now())
+        doomed = victim_server.host(HostedStage(victim, run_id, cfg, 1))
+        swarm.loop.run(victim_server.announcer.announce_now())
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 4, data)
         assert len(pipeline.members[1]) == 2
-        hosted[0].downstream = victim.peer_id  # make the victim the peer in use
+        hosted[0].handoff.sticky = victim.peer_id  # make the victim the peer in use
         schedule = split_batches(cfg, data)
         for batch, x in schedule[0]:
-            pipeline.run(batch, x)
+            pipeline.run_many([(batch, x)])[0]
         pipeline.step()
         assert doomed.processed == cfg.train.micro_batches and backup.processed == 0
-        swarm.loop.run(victim_servicer.stop())
+        swarm.loop.run(victim_server.stop())
         swarm.loop.run(victim.shutdown())
         losses = []
         for step in schedule[1:3]:
-            losses += [pipeline.run(batch, x)["loss"] for batch, x in step]
+            losses += [pipeline.run_many([(batch, x)])[0]["loss"] for batch, x in step]
             pipeline.step()
         assert backup.processed == 2 * cfg.train.micro_batches
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -48,7 +49,7 @@ def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
 
 
 def _reference(cfg, data, steps: int = 3):
-    from swarm.engine.build import build_local_pipeline
+    from swarm.transport.local import build_local_pipeline
 
     return build_local_pipeline(cfg, Schedule.of(cfg, len(data[0]), steps).lr_horizon, capacity=len(data[0]))[0]
 
@@ -94,8 +95,8 @@ def test_replicas_of_a_stage_stay_identical_when_micro_batches_split_between_the
             ours = []
             for i, (batch, x) in enumerate(items):
                 _only(hosted[0].router, ids[i % 2], ids)
-                hosted[0].downstream = None
-                ours.append(pipeline.run(batch, x)["loss"])
+                hosted[0].handoff.sticky = None
+                ours.append(pipeline.run_many([(batch, x)])[0]["loss"])
             assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
             assert pipeline.step() == pytest.approx(local.step())
         assert all(h.processed == 6 for h in replicas)
@@ -117,11 +118,11 @@ def test_a_peer_that_dies_holding_a_steps_gradients_has_them_recomputed(swarm):
     step: the trainer re-runs those micro-batches on the other peer, and training stays exact."""
     cfg = smoke("model.num_stages=3", "compression.forward=none", "compression.backward=none")
     run_id = uuid.uuid4().hex[:8]
-    victim, victim_servicer = swarm.mortal_host()
+    victim, victim_server = swarm.mortal_host()
     try:
         hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        doomed = victim_servicer.host(HostedStage(victim, run_id, cfg, 1, timeout=30))
-        swarm.loop.run(victim_servicer.announcer.announce_now())
+        doomed = victim_server.host(HostedStage(victim, run_id, cfg, 1))
+        swarm.loop.run(victim_server.announcer.announce_now())
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 3, data)
         local = _reference(cfg, data)
@@ -133,7 +134,7 @@ def test_a_peer_that_dies_holding_a_steps_gradients_has_them_recomputed(swarm):
             assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
             if n == 1:
                 assert doomed.processed == 2 * len(items) and hosted[1].processed == 0
-                swarm.loop.run(victim_servicer.stop())
+                swarm.loop.run(victim_server.stop())
                 swarm.loop.run(victim.shutdown())
                 hosted[0].router.bans.until.clear()
             assert pipeline.step() == pytest.approx(local.step())
@@ -156,23 +157,23 @@ def test_a_link_whose_receiver_lost_its_state_restarts_on_both_ends(swarm):
         receiver = hosted[1].node.peer_id
         pipeline.run_many(steps[0])
         pipeline.step()
-        epoch = hosted[0].out_links[receiver].epoch
+        epoch = hosted[0].links.numbering.epoch(receiver)
 
         hosted[1].link_grace = 0.5  # as if stage 1 restarted: it knows nothing of the link
-        hosted[1].turnstiles.clear()
-        hosted[1].ends_in.clear()
+        hosted[1].links.turnstiles.clear()
+        hosted[1].links.ends_in.clear()
         losses = [m["loss"] for m in pipeline.run_many(steps[1])]
         pipeline.step()
         assert all(torch.isfinite(torch.tensor(losses)))
-        assert hosted[0].out_links[receiver].epoch > epoch
-        epoch = hosted[0].out_links[receiver].epoch
+        assert hosted[0].links.numbering.epoch(receiver) > epoch
+        epoch = hosted[0].links.numbering.epoch(receiver)
 
-        table = hosted[1].ends_in[hosted[0].node.peer_id].receiver.table  # its mirrored state moves on alone
+        table = hosted[1].links.ends_in[hosted[0].node.peer_id].receiver.table  # its mirrored state moves on alone
         table._buffers = {shape: (buf, version + 7) for shape, (buf, version) in table._buffers.items()}
         losses = [m["loss"] for m in pipeline.run_many(steps[2])]
         pipeline.step()
         assert all(torch.isfinite(torch.tensor(losses)))
-        assert hosted[0].out_links[receiver].epoch > epoch
+        assert hosted[0].links.numbering.epoch(receiver) > epoch
     finally:
         swarm.unhost(run_id)
 
@@ -183,7 +184,7 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
     files: both repeat the uninterrupted run, error-feedback state included."""
     import shutil
 
-    from swarm.training.loop import Checkpointing
+    from swarm.training.checkpoints import Checkpointing
 
     cfg = smoke(
         "model.num_stages=3",

@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
 from swarm.bench.throughput import (
     MAX_STEPS,
-    ThroughputRow,
     backward_spec,
     codec_overrides,
-    cpu_breakdown,
     describe_setup,
     expected_samples_per_s,
-    format_rows,
-    measure_run,
-    plot,
-    speedups,
     steps_for,
-    target_lines,
-    to_json,
 )
-from swarm.lab.launch import parse_rates
+from swarm.bench.throughput_figures import ThroughputRow, measure_run
+from swarm.bench.throughput_table import cpu_breakdown, format_rows, plot, speedups, target_lines, to_json
+from swarm.lab.bandwidth import parse_rates
 from swarm.netlab.counters import CounterSampler, window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
@@ -201,8 +196,6 @@ def test_meter_window_interpolates_between_samples_and_refuses_an_uncovered_wind
 
 
 def test_the_meter_stamps_a_sample_while_it_reads_and_keeps_the_cpu_readings():
-    import time
-
     readings = iter([{"a": [1.0, 0.5]}, {"a": [1.5, 0.5], "b": [0.2, 0.1]}])
     sampler = CounterSampler(dict, lambda: next(readings))
     before = time.time()

@@ -1,1 +1,9 @@
-"""Benchmarks that print figures (never timed assertions)."""
+"""Benchmarks that print figures (never timed assertions).
+
+codecs, tensors       `bench codecs`: bits, error and speed of every codec on realistic tensors
+streams               `bench streams`: a new hivemind stream per exchange against one kept open
+throughput            `bench throughput`: samples/s of a shaped swarm per codec and bandwidth
+throughput_figures    one point's row: what it achieved and what bounded it
+throughput_table      the rows as a table, speed-ups, target lines, a plot and JSON
+bounds, fluid         the link and compute bounds; what the schedule allows on ideal links
+"""

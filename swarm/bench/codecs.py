@@ -15,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from tqdm import tqdm
 
 from swarm.bench.tensors import activation_gradient, benchmark_tensors
 from swarm.compression import parse
@@ -119,9 +122,6 @@ def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
 
 
 def hivemind_float16_probe(name: str, x: torch.Tensor) -> Probe:
-    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-    from hivemind.proto import runtime_pb2
-
     return Probe(
         "hivemind:float16",
         name,
@@ -172,8 +172,6 @@ def store_probe(name: str, x: torch.Tensor, fmt: str) -> Probe:
 
 def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]:
     """Measure every probe of a tensor in rounds, so load changes hit all rows alike."""
-    from tqdm import tqdm
-
     tensors = benchmark_tensors(scale)
     rows = []
     bar = tqdm(total=len(tensors) * (repeat + 1), desc="bench codecs", unit="round", disable=not progress, leave=False)

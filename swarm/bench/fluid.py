@@ -14,7 +14,7 @@ schedule.
     model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
                       forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,
                       compute_s=[0.01] * 4, rate_bits=100e6)
-    result = simulate(model)     # .step_s, .busy (fraction of the step each link carried data)
+    simulate(model).step_s       # seconds of one step
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class StepModel:
     stages: int
     micro_batches: int
     in_flight: int
-    sending: int  # payloads in transfer at once per neighbour (swarm.transport.hivemind.calls.SENDING)
+    sending: int  # payloads in transfer at once per neighbour (the transport settings' sending_per_neighbour)
     forward_bytes: Sequence[float]  # per micro-batch, boundary j = stage j -> j + 1
     backward_bytes: Sequence[float]
     compute_s: Sequence[float]  # per micro-batch and stage, forward or backward (each)
@@ -60,7 +60,6 @@ class StepModel:
 @dataclass(frozen=True)
 class FluidResult:
     step_s: float
-    busy: dict[str, float]  # "stage1 up" -> fraction of the step at full rate
 
 
 def max_min_rates(
@@ -99,7 +98,6 @@ class _Step:
         self.free_at: dict[int, float] = defaultdict(float)
         self.back_ready: dict[int, set[int]] = defaultdict(set)
         self.back_next: dict[int, int] = defaultdict(int)
-        self.busy: dict[str, float] = defaultdict(float)
         self.admitted = self.done = 0
 
     def later(self, when: float, callback) -> None:
@@ -173,10 +171,8 @@ class _Step:
             dt = max(min(until_transfer, until_event), 0.0)
             if dt == float("inf"):
                 raise RuntimeError("the fluid model stalled (nothing in transfer, nothing scheduled)")
-            for transfer, rate, links in zip(self.transfers, rates, flows, strict=True):
+            for transfer, rate in zip(self.transfers, rates, strict=True):
                 transfer[0] -= rate * dt
-                for link in links:
-                    self.busy[link] += rate * dt / self.capacity
             self.t += dt
             arrived = [t for t in self.transfers if t[0] <= _EPS * self.capacity]
             self.transfers = [t for t in self.transfers if t[0] > _EPS * self.capacity]
@@ -186,9 +182,7 @@ class _Step:
             while self.events and self.events[0][0] <= self.t + _EPS:
                 heapq.heappop(self.events)[2]()
             self.start_waiting()
-        return FluidResult(
-            self.t, {link: seconds / self.t for link, seconds in sorted(self.busy.items()) if self.t > 0}
-        )
+        return FluidResult(self.t)
 
 
 def simulate(model: StepModel) -> FluidResult:

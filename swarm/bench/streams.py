@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
+from swarm.netlab.counters import proc_stats
 from swarm.transport.hivemind import loop
 from swarm.transport.hivemind.node import start_daemon
 
@@ -38,8 +39,6 @@ def tree_cpu_s() -> float:
     """CPU seconds of this process and its direct children so far, to the nanosecond: the sum of
     their threads' run times from /proc/<pid>/task/<tid>/schedstat (/proc/<pid>/stat counts 10 ms
     ticks, too coarse for a few short exchanges). Threads that ended are not counted."""
-    from swarm.netlab.counters import proc_stats
-
     me, nanoseconds = os.getpid(), 0
     for pid, _, fields in proc_stats():
         if pid != me and int(fields[1]) != me:

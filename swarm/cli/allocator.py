@@ -1,8 +1,8 @@
 """Keep freed large blocks in the process heap (glibc), so per-micro-batch tensors reuse memory.
 
 By default glibc returns every block above 128 KiB to the kernel when it is freed; the next
-tensor of the same size then pays page faults and zeroing again, which on CPU costs as much as
-a codec pass and makes timings erratic. Raising the mmap and trim thresholds keeps those pages.
+tensor of the same size then pays page faults and zeroing again, which slows every micro-batch
+and makes timings erratic. Raising the mmap and trim thresholds keeps those pages.
 A no-op on other C libraries.
 """
 

@@ -1,4 +1,8 @@
-"""`python -m swarm ...`: benchmarks, single-process runs, local swarms (lab), and reports."""
+"""`python -m swarm ...`: benchmarks, single-process runs, local swarms (lab), and reports.
+
+Each subcommand imports what it runs inside its own function, on purpose: `python -m swarm --help`
+and a mistyped argument answer at once, without loading torch, hivemind or matplotlib.
+"""
 
 from __future__ import annotations
 
@@ -178,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     from swarm.config import ConfigError, load_config
-    from swarm.training.loop import Checkpointing, describe, run_experiment
+    from swarm.training.checkpoints import Checkpointing
+    from swarm.training.experiment import describe, run_experiment
 
     overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
     try:
@@ -266,7 +271,9 @@ def bench_streams(args: argparse.Namespace) -> int:
 
 
 def bench_throughput(args: argparse.Namespace) -> int:
-    from swarm.bench import throughput
+    from swarm.bench import throughput, throughput_table
+    from swarm.compression import parse
+    from swarm.rates import parse_rate
 
     def log(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -274,9 +281,6 @@ def bench_throughput(args: argparse.Namespace) -> int:
     bandwidths = [b.strip() for b in args.bandwidth.split(",") if b.strip()]
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     try:
-        from swarm.compression import parse
-        from swarm.netlab.rates import parse_rate
-
         for rate in bandwidths:
             parse_rate(rate)
         for codec in codecs:
@@ -303,21 +307,46 @@ def bench_throughput(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     if args.json:
-        print(throughput.to_json(rows))
+        print(throughput_table.to_json(rows))
     else:
-        print(throughput.format_rows(rows))
-    for (codec, mbit), factor in throughput.speedups(rows).items():
+        print(throughput_table.format_rows(rows))
+    for (codec, mbit), factor in throughput_table.speedups(rows).items():
         log(f"{codec} at {mbit:g} Mbit/s: {factor:.1f}x the samples/s of none")
-    for line in throughput.target_lines(rows):
+    for line in throughput_table.target_lines(rows):
         log(line)
     if args.plot:
-        throughput.plot(
+        throughput_table.plot(
             rows,
             args.plot,
             f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].shaping if rows else '-'}",
         )
         log(f"plot written to {args.plot}")
     return 0
+
+
+def lab_command(args: argparse.Namespace) -> int:
+    from swarm.lab.launch import run_lab
+
+    if args.checkpoint_every and not args.checkpoint_dir:
+        print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
+        return 2
+    checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
+        ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
+    )
+    return run_lab(
+        args.config,
+        args.stages,
+        args.results,
+        args.steps,
+        args.overrides,
+        args.device,
+        checkpointing,
+        bandwidth=args.bandwidth,
+        delay=args.delay,
+        shaping=args.shaping,
+        probe=not args.no_probe,
+        pacing=not args.no_pacing,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,28 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "study":
         return study_command(args)
     if args.command == "lab":
-        from swarm.lab.launch import run_lab
-
-        if args.checkpoint_every and not args.checkpoint_dir:
-            print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
-            return 2
-        checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
-            ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
-        )
-        return run_lab(
-            args.config,
-            args.stages,
-            args.results,
-            args.steps,
-            args.overrides,
-            args.device,
-            checkpointing,
-            bandwidth=args.bandwidth,
-            delay=args.delay,
-            shaping=args.shaping,
-            probe=not args.no_probe,
-            pacing=not args.no_pacing,
-        )
+        return lab_command(args)
     return 2
 
 

@@ -12,8 +12,9 @@ near a threshold does not flap: the controller moves to a stronger setting as so
 one no longer fits (the link would throttle the pipeline), but back to a milder one only when
 that one fits with `hysteresis` to spare (link time <= (1 - hysteresis) * target).
 
-Link time per sample of a candidate at B bits/s follows swarm.bench.bounds: full duplex (the
-default) is max(forward, backward) * 8 / B, `shared=True` is (forward + backward) * 8 / B. A
+Link time per sample of a candidate at B bits/s: full duplex (the default) is
+max(forward, backward) * 8 / B, `shared=True` (both directions on one medium) is
+(forward + backward) * 8 / B. A
 bandwidth may also be a (forward, backward) pair of bits/s, for links measured per direction:
 then each direction's bytes go at its own rate (max, or sum when shared, of the two times).
 
@@ -36,7 +37,7 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from swarm.netlab.rates import format_rate
+from swarm.rates import format_rate
 
 Bandwidth = float | tuple[float, float]  # bits/s, or (forward, backward) bits/s
 

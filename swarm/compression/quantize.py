@@ -61,7 +61,7 @@ def quantize(
     if stochastic:  # trunc(q + u) instead of trunc(q + 1/2): unbiased
         noise = torch.rand(scaled.shape, generator=generator, device=scaled.device).sub_(0.5)
         scaled.add_(noise).clamp_(0, levels)
-    # numpy's float -> uint8 cast is ~4x faster than torch's
+    # the float -> uint8 cast through numpy: a plain single-threaded loop, where torch's CPU cast is slow
     codes = torch.from_numpy(scaled.numpy().astype(np.uint8)) if _on_numpy(scaled) else scaled.to(torch.uint8)
     return QuantPart(bits, granularity, codes.reshape(-1), lows, steps)
 
@@ -71,13 +71,13 @@ def _ranges(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _on_numpy(rows):
         x = rows.numpy()
         return torch.from_numpy(x.min(axis=1)), torch.from_numpy(x.max(axis=1))
-    # amin and amax separately: torch.aminmax over a dim is ~30x slower on CPU (torch 2.14)
+    # amin and amax separately: torch.aminmax over a dim has a slow CPU kernel
     return rows.amin(dim=1).float(), rows.amax(dim=1).float()
 
 
 def _on_numpy(t: torch.Tensor) -> bool:
     """CPU math goes through numpy: single-threaded, it does not stall while other processes hold
-    the cores as torch's thread pool does (milliseconds per op), and it is as fast or faster."""
+    the cores as torch's thread pool does (every op waits for its threads), and it is as fast or faster."""
     return t.device.type == "cpu" and t.dtype in (torch.float32, torch.uint8)
 
 

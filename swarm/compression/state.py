@@ -83,10 +83,6 @@ class RowFormat:
         )
         return dequantize(part, (raw.shape[0], self.numel), torch.float32, raw.device)
 
-    def roundtrip(self, rows: torch.Tensor) -> torch.Tensor:
-        """What reading back a stored row gives (both ends must continue from this)."""
-        return self.decode(self.encode(rows))
-
 
 class GlobalState:
     """One buffer per tensor shape (the paper's 'global error buffer'), kept in fp32."""

@@ -5,7 +5,7 @@ positions into the whole tensor: values are read with index_select and written b
 zeros, and the wire codes the positions.
 
 On CPU, long float32 rows (the activations TopK is for) are selected with numpy, one row at a
-time, several times faster than torch.topk, which selects (value, index) pairs: the k-th
+time, which does less work than torch.topk (that selects and moves (value, index) pairs): the k-th
 largest magnitude of a fixed random sample gives a value that, with high probability, a little
 more than k of the row reach; flatnonzero of one comparison gives those candidates as sorted
 positions, and numpy's introselect (np.partition) of their magnitudes the exact threshold. If
@@ -130,7 +130,7 @@ def scatter(
     values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device=None
 ) -> torch.Tensor:
     if dtype in _NUMPY_DTYPES and (device is None or torch.device(device).type == "cpu"):
-        # numpy: torch.zeros and index_copy_ stall for milliseconds while other processes hold the cores
+        # numpy: torch.zeros and index_copy_ stall on their thread pool while other processes hold the cores
         out = np.zeros(math.prod(shape), dtype=_NUMPY_DTYPES[dtype])
         out[positions.cpu().numpy()] = values.to(dtype).cpu().numpy()
         return torch.from_numpy(out).view(shape)

@@ -1,7 +1,7 @@
 """Data: datasets of (sample_id, input, target) with stable ids, reproducible augmentation,
 and a collate that makes batches (ids, inputs, targets)."""
 
-from swarm.data.base import SampleDataset, balanced_subset, collate, make_loader, mix_seed
+from swarm.data.base import SampleDataset, balanced_subset, collate, mix_seed
 from swarm.data.cifar import CifarDataset
 from swarm.data.digits import DigitsDataset
 from swarm.data.registry import DATASETS, build_datasets, dataset_options
@@ -19,6 +19,5 @@ __all__ = [
     "dataset_options",
     "group_texts",
     "load_tokenizer",
-    "make_loader",
     "mix_seed",
 ]

@@ -1,4 +1,4 @@
-"""Datasets whose samples carry stable integer ids, and the loader that batches them.
+"""Datasets whose samples carry stable integer ids, and the collate that batches them.
 
 Every item is `(sample_id, input, target)`. Ids are fixed by the data and the dataset options
 (never by shuffling or subsetting) and are unique across a dataset's train and test splits, so
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 
 def mix_seed(*parts: int) -> int:
@@ -68,31 +68,6 @@ def collate(items):
     if isinstance(targets[0], torch.Tensor):
         return ids, inputs, torch.stack(targets)
     return ids, inputs, torch.tensor(targets, dtype=torch.long if isinstance(targets[0], int) else None)
-
-
-def make_loader(
-    dataset: Dataset,
-    batch_size: int,
-    shuffle: bool = False,
-    seed: int = 0,
-    epoch: int = 0,
-    drop_last: bool = False,
-    num_workers: int = 0,
-) -> DataLoader:
-    """A DataLoader of (ids, inputs, targets) whose order and augmentation depend only on (seed, epoch)."""
-    if hasattr(dataset, "set_epoch"):
-        dataset.set_epoch(epoch)
-    generator = torch.Generator()
-    generator.manual_seed(mix_seed(seed, epoch, 0x5EED))
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        collate_fn=collate,
-        generator=generator,
-    )
 
 
 def require_dir(name: str, path: str | Path, what: str = "data_dir") -> Path:

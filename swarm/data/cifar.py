@@ -48,6 +48,8 @@ class CifarDataset(SampleDataset):
 
 
 def _image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
+    # torchvision is imported when CIFAR-10 is built: swarm.data's registry imports every dataset
+    # module, and runs on the other datasets need not load it.
     from torchvision.datasets import ImageFolder
 
     try:
@@ -59,7 +61,7 @@ def _image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
 
 
 def _torchvision(root: str, train: bool) -> tuple[np.ndarray, list[int], list[str]]:
-    from torchvision.datasets import CIFAR10
+    from torchvision.datasets import CIFAR10  # as in _image_folder: only CIFAR-10 runs load torchvision
 
     try:
         data = CIFAR10(root=str(Path(root).expanduser()), train=train, download=True)

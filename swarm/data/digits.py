@@ -35,6 +35,7 @@ def build_digits(
     subset: int | None = None,
 ) -> tuple[DigitsDataset, DigitsDataset]:
     """(train, test); `subset` keeps a seeded class-balanced part of the train split."""
+    # scikit-learn is a large import that only this dataset needs: loaded when the digits are built.
     from sklearn.datasets import load_digits
 
     if data_dir is not None:

@@ -83,6 +83,7 @@ def load_tokenizer(tokenizer):
     """A tokenizer object as it is, or GPT-2's tokenizer from a hub name / local directory."""
     if not isinstance(tokenizer, (str, Path)):
         return tokenizer
+    # transformers' tokenizers load only when a tokenizer is named: runs on other datasets skip them.
     from transformers import GPT2TokenizerFast
 
     try:
@@ -105,6 +106,8 @@ def tokenize_rows(tokenizer, rows: list[str]) -> list[list[int]]:
 
 def _hub_rows(test_split: str) -> tuple[list[str], list[str]]:
     try:
+        # Hugging Face datasets is a heavy import used only for the Hub's copy; inside the try, a
+        # broken install is reported in the same one line as being offline.
         from datasets import load_dataset
 
         data = load_dataset("wikitext", "wikitext-2-raw-v1")

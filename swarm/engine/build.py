@@ -1,45 +1,55 @@
-"""Wire a config into stage runtimes: model split, optimizers, schedules and link ends."""
+"""Wire a config into stage runtimes and link ends: model split, optimizers, schedules, codecs."""
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import torch
 
 from swarm.config import ExperimentConfig
-from swarm.engine.linkend import LinkEnd
+from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.optim import make_optimizer, make_scheduler
 from swarm.engine.stage import StageRuntime
+from swarm.models import StagedModel, build_model
 
 
-def build_staged_model(cfg: ExperimentConfig):
-    from swarm.models import build_model
-
+def build_staged_model(cfg: ExperimentConfig) -> StagedModel:
     torch.manual_seed(cfg.seed)  # the same weights whatever the transport or the number of processes
-    return build_model(cfg.model.name, cfg.model.num_stages, **cfg.model.options)
+    staged = build_model(cfg.model.name, cfg.model.num_stages, **cfg.model.options)
+    if len(staged.stages) != cfg.model.num_stages:
+        raise ValueError(
+            f"model {cfg.model.name} built {len(staged.stages)} stages, config asks for {cfg.model.num_stages}"
+        )
+    return staged
 
 
-def link_ends(cfg: ExperimentConfig, index: int, capacity: int | None = None) -> tuple[LinkEnd | None, LinkEnd | None]:
-    """The inbound (boundary index-1) and outbound (boundary index) halves of stage `index`."""
+def link_end(
+    cfg: ExperimentConfig, boundary: int, upstream: bool, capacity: int | None = None, store_dir: str | None = None
+) -> LinkEnd:
+    """One stage's half of `boundary` with the config's codecs; `upstream`: the half that sends
+    activations. AQ-SGD rows go under `store_dir` (default: the config's store_dir)."""
     comp = cfg.compression
-    capacity = comp.store_capacity or capacity
-    inbound = outbound = None
-    if index > 0:
-        link = comp.link(index - 1)
-        inbound = LinkEnd(index - 1, False, link.forward, link.backward, comp.store_dir, capacity)
-    if index < cfg.model.num_stages - 1:
-        link = comp.link(index)
-        outbound = LinkEnd(index, True, link.forward, link.backward, comp.store_dir, capacity)
-    return inbound, outbound
+    link = comp.link(boundary)
+    store = store_dir if store_dir is not None else comp.store_dir
+    return LinkEnd(boundary, upstream, link.forward, link.backward, store, comp.store_capacity or capacity)
+
+
+def link_ends(cfg: ExperimentConfig, index: int, capacity: int | None = None) -> LinkEnds:
+    """The inbound (boundary index-1) and outbound (boundary index) halves of stage `index`."""
+    inbound = link_end(cfg, index - 1, False, capacity) if index > 0 else None
+    outbound = link_end(cfg, index, True, capacity) if index < cfg.model.num_stages - 1 else None
+    return LinkEnds(inbound, outbound)
 
 
 def build_runtime(
-    cfg: ExperimentConfig, staged, index: int, total_steps: int, capacity: int | None = None, hold_grads: bool = False
+    cfg: ExperimentConfig, staged: StagedModel, index: int, total_steps: int, hold_grads: bool = False
 ) -> StageRuntime:
     device = torch.device(cfg.device)
     module = staged.stages[index].to(device)
     optimizer = make_optimizer(cfg.optimizer, module)
     scheduler = make_scheduler(cfg.optimizer, optimizer, total_steps)
     last = index == cfg.model.num_stages - 1
-    inbound, outbound = link_ends(cfg, index, capacity)
     return StageRuntime(
         index,
         cfg.model.num_stages,
@@ -48,20 +58,15 @@ def build_runtime(
         scheduler,
         staged.loss if last else None,
         staged.metrics if last else None,
-        inbound,
-        outbound,
         device,
         hold_grads,
     )
 
 
-def build_local_pipeline(cfg: ExperimentConfig, total_steps: int, capacity: int | None = None):
-    from swarm.transport.local import LocalPipeline
-
-    staged = build_staged_model(cfg)
-    if len(staged.stages) != cfg.model.num_stages:
-        raise ValueError(
-            f"model {cfg.model.name} built {len(staged.stages)} stages, config asks for {cfg.model.num_stages}"
-        )
-    runtimes = [build_runtime(cfg, staged, i, total_steps, capacity) for i in range(cfg.model.num_stages)]
-    return LocalPipeline(runtimes, staged.tied, cfg.optimizer.grad_clip), staged
+def config_digest(cfg: ExperimentConfig) -> str:
+    """What a stage's computation depends on (seed, model, optimizer, compression): the trainer and
+    every stage peer must agree on it. Where a peer keeps its AQ-SGD rows is its own business."""
+    data = cfg.model_dump(
+        mode="json", include={"seed", "model", "optimizer", "compression"}, exclude={"compression": {"store_dir"}}
+    )
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

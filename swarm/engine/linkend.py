@@ -9,6 +9,7 @@ gradients need, and byte counters.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -98,11 +99,15 @@ class LinkEnd:
             "raw": [[mode, direction, int(n)] for (mode, direction), n in self.raw.items()],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError if `state` is not of a link end like this one (boundary, side, codecs)."""
         mine = (self.boundary, self.upstream, [self.forward_spec.text, self.backward_spec.text])
         theirs = (state["boundary"], state["upstream"], list(state["specs"]))
         if mine != theirs:
             raise ValueError(f"checkpoint is for link end (boundary, upstream, specs) {theirs}, this one is {mine}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.sender.load_state_dict(state["sender"])
         self.receiver.load_state_dict(state["receiver"])
         self.selections.clear()
@@ -112,3 +117,16 @@ class LinkEnd:
     @property
     def state_bytes(self) -> int:
         return self.sender.state_bytes + self.receiver.state_bytes
+
+
+class LinkEnds(NamedTuple):
+    """The link ends a stage computes with: `inbound` on the boundary before it (activations in,
+    gradients out; None for stage 0), `outbound` on the one after it (None for the last stage).
+    The transport picks them per call: one pair for good in one process, the ends of the
+    neighbour peers of this micro-batch in a swarm."""
+
+    inbound: LinkEnd | None
+    outbound: LinkEnd | None
+
+    def state_bytes(self) -> int:
+        return sum(end.state_bytes for end in self if end is not None)

@@ -1,6 +1,7 @@
-"""A stage runtime: one stage's module, optimizer and link ends, driven by messages.
+"""A stage runtime: one stage's module and optimizer, driven by messages.
 
-`forward` and `backward` each take one incoming message and return the next one; they never
+`forward` and `backward` each take one incoming message and the link ends to decode and encode
+it with (`LinkEnds`, chosen by the transport per call), and return the next message; they never
 deliver anything themselves, so the same runtime serves the in-process transport and the
 hivemind one. Receiver-side compression state commits when the stage has processed a message;
 sender-side state commits through `Message.delivered` once the transport has delivered it.
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from swarm.engine.linkend import LinkEnd
+from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 
 
@@ -31,8 +32,6 @@ class StageRuntime:
         scheduler,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None,
-        inbound: LinkEnd | None,
-        outbound: LinkEnd | None,
         device: torch.device | str = "cpu",
         hold_grads: bool = False,
     ) -> None:
@@ -43,8 +42,6 @@ class StageRuntime:
         self.scheduler = scheduler
         self.loss_fn = loss_fn
         self.metrics_fn = metrics_fn
-        self.inbound = inbound  # boundary index - 1: we receive activations, send gradients
-        self.outbound = outbound  # boundary index: we send activations, receive gradients
         self.device = torch.device(device)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hold_grads = hold_grads
@@ -60,11 +57,11 @@ class StageRuntime:
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def _input(self, batch: MicroBatch, payload) -> tuple[torch.Tensor, Callable[[], None]]:
+    def _input(self, batch: MicroBatch, payload, ends: LinkEnds) -> tuple[torch.Tensor, Callable[[], None]]:
         if self.first:
             x, commit = payload.to(self.device), lambda: None
         else:
-            incoming = self.inbound.receive(batch, payload, self.device)
+            incoming = ends.inbound.receive(batch, payload, self.device)
             x, commit = incoming.tensor, incoming.commit
         if x.dim() == 0 or x.shape[0] != batch.size or batch.targets.shape[:1] != (batch.size,):
             raise ValueError(
@@ -72,9 +69,9 @@ class StageRuntime:
             )
         return x, commit
 
-    def forward(self, batch: MicroBatch, payload) -> Message:
+    def forward(self, batch: MicroBatch, payload, ends: LinkEnds) -> Message:
         """Stage 0 gets the input tensor, later stages the payload bytes of their boundary."""
-        x, commit_received = self._input(batch, payload)
+        x, commit_received = self._input(batch, payload, ends)
         training = batch.mode is Mode.TRAIN
         self.module.train(training)
         if training and not self.first:
@@ -82,16 +79,16 @@ class StageRuntime:
         with torch.set_grad_enabled(training):
             y = self.module(x)
         if self.last:
-            message = self._finish(batch, x, y)
+            message = self._finish(batch, x, y, ends)
         else:
             if training:
                 self._saved[batch.key] = (x, y)
-            out = self.outbound.send(batch, y.detach())
+            out = ends.outbound.send(batch, y.detach())
             message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
         commit_received()
         return message
 
-    def _finish(self, batch: MicroBatch, x: torch.Tensor, logits: torch.Tensor) -> Message:
+    def _finish(self, batch: MicroBatch, x: torch.Tensor, logits: torch.Tensor, ends: LinkEnds) -> Message:
         targets = batch.targets.to(self.device)
         with torch.no_grad():
             metrics = dict(self.metrics_fn(logits.detach(), targets)) if self.metrics_fn else {}
@@ -100,7 +97,7 @@ class StageRuntime:
         loss = self.loss_fn(logits, targets)
         metrics["loss"] = float(loss.detach())
         x_grad = self._backprop(batch, loss * batch.weight, None, x)
-        return self._gradient_message(batch, x, x_grad, metrics)
+        return self._gradient_message(batch, x, x_grad, ends, metrics)
 
     # ---- backward --------------------------------------------------------------------------
 
@@ -132,33 +129,50 @@ class StageRuntime:
                 p.grad = g.clone() if p.grad is None else p.grad.add_(g)
 
     def _gradient_message(
-        self, batch: MicroBatch, x: torch.Tensor, x_grad: torch.Tensor | None, metrics: dict | None = None
+        self,
+        batch: MicroBatch,
+        x: torch.Tensor,
+        x_grad: torch.Tensor | None,
+        ends: LinkEnds,
+        metrics: dict | None = None,
     ) -> Message:
         """Where the gradient goes next; `metrics` (the loss) ride along to stage 0."""
         if self.first:
             return Message(Kind.DONE, -1, batch, metrics=metrics or {})
         grad = x_grad if x_grad is not None else torch.zeros_like(x)
-        out = self.inbound.send(batch, grad)
+        out = ends.inbound.send(batch, grad)
         return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
 
-    def backward(self, batch: MicroBatch, payload: bytes, metrics: dict | None = None) -> Message:
+    def backward(self, batch: MicroBatch, payload: bytes, metrics: dict | None, ends: LinkEnds) -> Message:
         saved = self._saved.pop(batch.key, None)
         if saved is None:
             raise KeyError(f"stage {self.index} has no forward state for micro-batch {batch.key}")
         x, y = saved
-        incoming = self.outbound.receive(batch, payload, self.device)
+        incoming = ends.outbound.receive(batch, payload, self.device)
         x_grad = self._backprop(batch, y, incoming.tensor.to(y.dtype), x)
-        message = self._gradient_message(batch, x, x_grad, metrics)
+        message = self._gradient_message(batch, x, x_grad, ends, metrics)
         incoming.commit()
         return message
 
-    def drop(self, batch: MicroBatch) -> None:
+    def activations(self, batch: MicroBatch) -> torch.Tensor:
+        """The output a training micro-batch's forward sent on (to encode it again for another link)."""
+        saved = self._saved.get(batch.key)
+        if saved is None:
+            raise KeyError(f"stage {self.index} holds no activations of micro-batch {batch.key}")
+        return saved[1].detach()
+
+    def drop(self, batch: MicroBatch, ends: LinkEnds) -> None:
         """Forget a micro-batch that failed somewhere in the pipeline."""
         self._saved.pop(batch.key, None)
         self.held.pop(batch.key, None)
-        for end in (self.inbound, self.outbound):
+        for end in ends:
             if end is not None:
                 end.forget(batch)
+
+    def clear(self) -> None:
+        """Forget every micro-batch in flight and every held gradient (a checkpoint was loaded)."""
+        self._saved.clear()
+        self.held.clear()
 
     # ---- optimizer -------------------------------------------------------------------------
 
@@ -168,6 +182,34 @@ class StageRuntime:
             if p.grad is not None:
                 total += float(p.grad.detach().float().pow(2).sum())
         return total
+
+    def gradients(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The gradients of the parameters `names` (all when None); parameters without one are left out."""
+        if names is None:
+            names = [name for name, _ in self.module.named_parameters()]
+        grads = {}
+        for name in names:
+            grad = self.parameter(name).grad
+            if grad is not None:
+                grads[name] = grad.detach()
+        return grads
+
+    def set_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Replaces these parameters' gradients (copies); checks every name and shape first."""
+        params = {name: self.parameter(name) for name in grads}
+        for name, grad in grads.items():
+            if tuple(grad.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"gradient for {name!r} has shape {tuple(grad.shape)}, the parameter {tuple(params[name].shape)}"
+                )
+        for name, grad in grads.items():
+            params[name].grad = grad.to(params[name].device, params[name].dtype, copy=True)
+
+    def parameter(self, name: str) -> torch.nn.Parameter:
+        try:
+            return self.module.get_parameter(name)
+        except AttributeError:
+            raise KeyError(f"stage {self.index} has no parameter {name!r}") from None
 
     def scale_grads(self, factor: float) -> None:
         for p in self.module.parameters():
@@ -187,6 +229,3 @@ class StageRuntime:
     @property
     def pending(self) -> int:
         return len(self._saved)
-
-    def state_bytes(self) -> int:
-        return sum(end.state_bytes for end in (self.inbound, self.outbound) if end is not None)

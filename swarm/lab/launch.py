@@ -13,13 +13,14 @@ Either way each stage peer and the trainer is told its link rate (--uplink / --d
 paces every neighbour flow at its share (swarm.transport.hivemind.pacing), unless `pacing` is off.
 
 The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
-their number (at least one). Left at torch's default, every process runs a thread per core, and
-on 2 cores the 5 processes' threads competed for the cores: up to 4x fewer samples/s
-(docs/bench/README.md).
+their number (at least one). Left at torch's default, every process would run a thread per core,
+and the processes' threads would compete for the same cores (docs/bench/README.md says what that
+cost).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -31,58 +32,17 @@ import threading
 import time
 from pathlib import Path
 
+from swarm.config import ConfigError, load_config
+from swarm.lab.bandwidth import parse_rates
+from swarm.lab.probe import probe_in_process
+from swarm.lab.probe_namespaces import probe_netlab
 from swarm.netlab.counters import CounterSampler, GroupCpu
+from swarm.netlab.namespaces import NetLab, NetlabError
+from swarm.netlab.shaper import TokenBucket
+from swarm.rates import parse_delay, parse_rate
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
-
-
-def _rate_file(path: Path) -> dict[str, str]:
-    """A YAML (or JSON) file of {process: rate}, or a one-line error naming it."""
-    import yaml
-
-    try:
-        table = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.MarkedYAMLError as e:
-        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
-        raise ValueError(f"--bandwidth file {path} is not readable YAML: {e.problem or e.context}{where}") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"--bandwidth file {path} is not readable YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"--bandwidth file {path} must map process names to rates")
-    return {str(k): str(v) for k, v in table.items()}
-
-
-def parse_rates(text: str | None, names: list[str]) -> dict[str, str] | None:
-    """`--bandwidth`: one rate ('100mbit'), per process ('stage1=20mbit,*=100mbit') or a YAML file
-    of {process: rate}; processes: bootstrap, stage0.., trainer. Every rate is checked here."""
-    from swarm.netlab.rates import parse_rate
-
-    if text is None:
-        return None
-    if Path(text).is_file():
-        table = _rate_file(Path(text))
-    elif text.endswith((".yaml", ".yml", ".json")) or "/" in text:  # no rate looks like a path
-        raise ValueError(f"--bandwidth file {text} does not exist")
-    elif "=" in text:
-        table = {}
-        for item in text.split(","):
-            name, _, rate = item.partition("=")
-            if not rate:
-                raise ValueError(f"--bandwidth item {item!r}: write NAME=RATE")
-            table[name.strip()] = rate.strip()
-    else:
-        table = {"*": text}
-    unknown = sorted(set(table) - {*names, "*"})
-    if unknown:
-        raise ValueError(
-            f"--bandwidth names unknown process(es) {', '.join(unknown)} (processes: {', '.join(names)}, or * for the rest)"
-        )
-    rates = {name: table.get(name, table.get("*")) for name in names}
-    for rate in rates.values():
-        if rate is not None:
-            parse_rate(rate)
-    return {name: rate for name, rate in rates.items() if rate is not None}
 
 
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
@@ -120,9 +80,7 @@ class Lab:
         self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
         self.rates = parse_rates(bandwidth, self.names)  # ValueError: one line
         if delay is not None:
-            from swarm.netlab.rates import parse_delay
-
-            parse_delay(delay)
+            parse_delay(delay)  # ValueError: one line
         if shaping is not None and shaping not in SHAPINGS:
             raise ValueError(f"--shaping must be one of {', '.join(SHAPINGS)}, got {shaping!r}")
         self.delay = delay
@@ -214,8 +172,6 @@ class Lab:
         raise RuntimeError(f"the bootstrap peer printed no address within {self.startup_timeout:.0f}s")
 
     def run(self) -> int:
-        from swarm.config import ConfigError, load_config
-
         try:
             cfg = load_config(self.config, self.overrides)
         except ConfigError as e:
@@ -227,8 +183,6 @@ class Lab:
                 if self.probe:
                     self._probe_inprocess()
             return self._run_swarm(cfg)
-        from swarm.netlab.namespaces import NetLab, NetlabError
-
         try:
             with NetLab(self.names, self.rates, self.delay) as net:
                 self.net = net
@@ -251,8 +205,6 @@ class Lab:
 
     def _probe_bytes(self) -> int:
         """About half a second's worth on the slowest link."""
-        from swarm.netlab.rates import parse_rate
-
         slowest = min((parse_rate(r) for r in (self.rates or {}).values()), default=10**9)
         return int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))
 
@@ -264,8 +216,6 @@ class Lab:
     def _probe(self) -> None:
         """Measures the trainer's link to every other process (both directions) before the run:
         between them, those paths cross every access link."""
-        from swarm.lab.probe import probe_netlab
-
         nbytes, others = self._probe_bytes(), self.names[:-1]
         try:
             results = probe_netlab(self.net, "trainer", others, nbytes)
@@ -277,14 +227,9 @@ class Lab:
     def _probe_inprocess(self) -> None:
         """The same probe through the shapers the peers will use: two loopback peers in this process,
         each pacing its sends as the trainer and one stage will (up: the trainer's, down: the stage's)."""
-        import asyncio
 
-        from swarm.lab.probe import probe_in_process
-        from swarm.netlab.shaper import TokenBucket
-
-        def bucket(
-            name: str,
-        ) -> TokenBucket:  # the rate of the peer's --shape_rate (the probe measures throughput, not delay)
+        def bucket(name: str) -> TokenBucket:
+            # the rate of the peer's --shape_rate only: the probe measures throughput, not delay
             return TokenBucket((self.rates or {}).get(name) or "100gbit")
 
         nbytes, results = self._probe_bytes(), {}
@@ -324,9 +269,8 @@ class Lab:
             extra = (["--results", str(self.results)] if self.results else []) + (
                 ["--steps", str(self.steps)] if self.steps else []
             )
-            processes = GroupCpu(
-                lambda: {name: process.pid for name, process in self.processes}
-            )  # each peer leads its own group
+            # each peer leads its own process group, its p2p daemon in it
+            processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})
             counters = (
                 CounterSampler(self.net.link_bytes if self.net is not None else dict, processes)
                 if self.results
@@ -340,9 +284,8 @@ class Lab:
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
-            if (
-                counters is not None and trainer.returncode == 0
-            ):  # the links' own byte counts and the CPU, for bench throughput
+            if counters is not None and trainer.returncode == 0:
+                # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
                 with open(self.results, "a") as f:
                     f.write(json.dumps(counters.to_row()) + "\n")

@@ -5,15 +5,13 @@ and either sends N bytes and waits for the server's acknowledgement ("up": clien
 asks for N bytes and reads them ("down": server -> client). Mbit/s are payload bits over the time
 from the first byte written to the last byte acknowledged/read, after a small warm-up transfer
 that opens the connection (so no handshake is timed). libp2p, TLS/noise and TCP/IP overheads are
-inside the measurement: over a tbf link of R bit/s expect roughly 0.85-0.95 R of payload.
+inside the measurement, so the payload rate over a tbf link stays somewhat below the link's rate.
 
 In-process (both peers here, e.g. to check the in-process shaper):
     results = await probe_in_process(4_000_000, bucket=TokenBucket("20mbit"), directions=("up",))
 
-Across namespaces (subprocesses through NetLab.wrap; servers in `dsts`, one client in `src`):
-    results = probe_netlab(net, "trainer", ["stage0", "stage3"], 4_000_000)   # {dst: [up, down]}
-
-Command line (what probe_netlab runs inside the namespaces):
+Across namespaces, swarm.lab.probe_namespaces.probe_netlab runs this module's command line in
+each process's namespace:
     python -m swarm.lab.probe serve --host /ip4/10.77.0.3/tcp/0 [--rate 20mbit --delay 10ms]
         prints `PROBE-MADDR <multiaddr>` lines, serves until stdin closes or SIGINT/SIGTERM
     python -m swarm.lab.probe client --peer MADDR [--peer MADDR ...] [--peers_from_stdin]
@@ -29,9 +27,6 @@ API
     await measure(p2p, peer_id, nbytes, direction="up", bucket=None, chunk_bytes=65536) -> ProbeResult
     await probe_peers(maddrs, nbytes, directions=("up","down"), host_maddrs=..., bucket=None)
     await probe_in_process(nbytes, bucket=None, directions=("up","down"), server_bucket=None)
-    probe_netlab(net, src, dsts, nbytes, directions=("up","down"), timeout=120.0) -> {dst: [ProbeResult]}
-
-hivemind (and torch) are imported lazily, inside these functions.
 """
 
 from __future__ import annotations
@@ -39,27 +34,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import queue
+import logging
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.netlab.shaper import TokenBucket
 from swarm.transport.hivemind import loop as loops
+from swarm.transport.hivemind.node import start_daemon
 
 PROTOCOL = "hivepipe.netlab.probe"
 CHUNK_BYTES = 65536
 WARMUP_BYTES = 65536
 _HEADER = struct.Struct("!cQ")  # b"U" (client sends) or b"D" (server sends), byte count
 _ACK = struct.Struct("!Qd")  # bytes received, server-side seconds from first to last byte
-_MARK = "PROBE-MADDR "
+ADDRESS_MARK = "PROBE-MADDR "  # starts each line of a server's addresses on its stdout
 
 
 @dataclass(frozen=True)
@@ -129,8 +125,6 @@ async def start_server(
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",), bucket: TokenBucket | None = None
 ) -> ProbeServer:
     """A P2P instance serving PROTOCOL; `bucket` shapes what it sends ("down")."""
-    from swarm.transport.hivemind.node import start_daemon
-
     p2p = await start_daemon(**_p2p_options(host_maddrs))
 
     async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -182,9 +176,6 @@ async def measure(
 
 
 async def _connect(p2p, maddr: str):
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
     peer_id = PeerID.from_base58(maddr.rsplit("/p2p/", 1)[1])
     # P2P has no public "dial this address"; hivemind itself uses the daemon client's connect
     await p2p._client.connect(peer_id, [Multiaddr(maddr.rsplit("/p2p/", 1)[0])])
@@ -200,8 +191,6 @@ async def probe_peers(
     p2p=None,
 ) -> list[ProbeResult]:
     """Measures each of `maddrs` (full multiaddrs with /p2p/ID) in turn, every direction."""
-    from swarm.transport.hivemind.node import start_daemon
-
     own = p2p is None
     p2p = p2p or await start_daemon(**_p2p_options(host_maddrs))
     try:
@@ -231,116 +220,6 @@ async def probe_in_process(
         await server.close()
 
 
-# ------------------------------------------------------------------------------ across namespaces
-
-
-def _python(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.lab.probe", *args]
-
-
-def _env() -> dict:
-    """This checkout first on the path, so the subprocess imports the same swarm package."""
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-
-
-def _read_marks(process: subprocess.Popen, deadline: float) -> str:
-    """The first PROBE-MADDR line the server prints (its stdout is read on a thread)."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError("the probe server printed no address in time") from None
-        if line is None:
-            raise RuntimeError(f"the probe server exited with code {process.wait()}")
-        if line.startswith(_MARK):
-            return line[len(_MARK) :].strip()
-        if time.monotonic() > deadline:
-            raise TimeoutError("the probe server printed no address in time")
-
-
-def probe_netlab(
-    net, src: str, dsts: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), timeout: float = 120.0
-) -> dict[str, list[ProbeResult]]:
-    """A probe server in each of `dsts`' namespaces and one client in `src`'s, all started at once.
-
-    "up" is src -> dst (src's up link and dst's down link), "down" is dst -> src. `net` is a started
-    swarm.netlab.namespaces.NetLab (anything with .wrap(name, argv) and .maddr(name) will do).
-    """
-    deadline = time.monotonic() + timeout
-    servers = {
-        dst: subprocess.Popen(
-            net.wrap(dst, _python("serve", "--host", net.maddr(dst))),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_env(),
-            start_new_session=True,
-        )
-        for dst in dsts
-    }
-    client_argv = _python(
-        "client", "--peers_from_stdin", "--bytes", str(nbytes), "--host", net.maddr(src), "--direction", *directions
-    )
-    client = subprocess.Popen(
-        net.wrap(src, client_argv),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        start_new_session=True,
-    )
-    try:
-        peers = {dst: _read_marks(process, deadline) for dst, process in servers.items()}
-        try:
-            out, err = client.communicate(
-                "".join(f"{m}\n" for m in peers.values()) + "\n", timeout=max(1.0, deadline - time.monotonic())
-            )
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"the probe client in {src} did not finish within {timeout:.0f}s") from None
-        if client.returncode != 0:
-            raise RuntimeError(
-                f"the probe client in {src} failed ({client.returncode}): {err.strip().splitlines()[-1] if err.strip() else 'no output'}"
-            )
-        by_peer = {m: d for d, m in peers.items()}
-        results: dict[str, list[ProbeResult]] = {dst: [] for dst in dsts}
-        for line in out.splitlines():
-            if line.startswith("{"):
-                result = ProbeResult.from_dict(json.loads(line))
-                results[by_peer[result.peer]].append(result)
-        return results
-    finally:
-        for process in [client, *servers.values()]:
-            _stop(process)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        try:
-            if process.stdin:
-                process.stdin.close()
-        except OSError:
-            pass
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.wait()
-
-
 # ---------------------------------------------------------------------------------- command line
 
 
@@ -352,7 +231,7 @@ async def _serve(args: argparse.Namespace) -> int:
     server = await start_server(args.host, _bucket(args))
     try:
         for maddr in server.maddrs:
-            print(_MARK + maddr, flush=True)
+            print(ADDRESS_MARK + maddr, flush=True)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -370,8 +249,6 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _client(args: argparse.Namespace) -> int:
-    from swarm.transport.hivemind.node import start_daemon
-
     p2p = await start_daemon(**_p2p_options(args.host))  # started before the peers are known
     try:
         peers = list(args.peer)
@@ -424,8 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--bytes", type=int, default=4_000_000, help="payload bytes per timed transfer")
     client.add_argument("--direction", nargs="+", choices=("up", "down"), default=["up", "down"])
     args = parser.parse_args(argv)
-    import logging
-
     logging.getLogger("hivemind").setLevel(logging.ERROR)
     try:
         return loops.run(_serve(args) if args.command == "serve" else _client(args))

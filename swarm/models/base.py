@@ -8,7 +8,7 @@ unsplit model computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,20 +40,12 @@ class StagedModel:
     metrics: MetricsFn
     tied: list[TiedPair] = field(default_factory=list)
 
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        """All stages in order, in this process (for tests and single-process evaluation)."""
+        """All stages in order, in this process: the unsplit model's output, without a pipeline."""
         x = inputs
         for stage in self.stages:
             x = stage(x)
         return x
-
-    def parameters(self) -> Iterable[nn.Parameter]:
-        for stage in self.stages:
-            yield from stage.parameters()
 
     def train(self, mode: bool = True) -> StagedModel:
         for stage in self.stages:
@@ -62,11 +54,6 @@ class StagedModel:
 
     def eval(self) -> StagedModel:
         return self.train(False)
-
-    def to(self, *args, **kwargs) -> StagedModel:
-        for stage in self.stages:
-            stage.to(*args, **kwargs)
-        return self
 
 
 # ---- tied parameters ---------------------------------------------------------------------------

@@ -1,13 +1,16 @@
-"""The slow-network lab: real shaping in Linux namespaces, an in-process shaper, probes, bounds.
+"""Link shaping: real shaping in Linux namespaces, an in-process shaper, and the kernel's counters.
 
     namespaces  NetLab: one namespace per process, a bridge, tc tbf/netem per link; cleanup_stale
+    kernel      what this kernel allows (detect, require), namespace cleanup, running ip and tc
+    links       a lab link as shaped: each direction's qdisc, and the delay left to the caller
+    signals     SIGTERM/SIGHUP while a lab is up: teardown first, then the signal handed on
     tc          the tc argv lists (shared by NetLab and the Docker entrypoint)
+    container   one peer per container: shape its own interface, find the bootstrap peer, health checks
     rates       '100mbit' / '20ms' parsing and formatting
     shaper      TokenBucket: an asyncio rate + delay shaper for the send path (no root needed)
-    probe       payload throughput between two hivemind P2P peers, in-process or across namespaces
-    bounds      link, compute and pipeline throughput bounds; fraction of the bound achieved
-    adaptive    per-boundary compression choice from measured bandwidth, with hysteresis
+    counters    link byte counters, the machine's and each process's CPU time, sampled during a run
     `python -m swarm.netlab detect|cleanup|shape|identity|bootstrap-maddr|port-open`: see swarm/netlab/__main__.py
 
-Importing this package does not import hivemind or torch (swarm.lab.probe does, lazily).
+This is the bottom of the lab: it imports nothing from swarm outside swarm.netlab, and importing it
+does not import hivemind or torch.
 """

@@ -19,6 +19,9 @@ import argparse
 import json
 import sys
 
+from swarm.netlab.container import bootstrap_maddr, clear_interface, ensure_identity, port_open, shape_interface
+from swarm.netlab.kernel import cleanup_stale, detect, require
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m swarm.netlab", description=__doc__.splitlines()[0])
@@ -57,21 +60,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "detect":
-            from swarm.netlab.namespaces import detect
-
             caps = detect()
             print(json.dumps(caps.to_dict(), indent=1) if args.json else caps.summary())
             return 0 if caps.problem() is None else 1
         if args.command == "cleanup":
-            from swarm.netlab.namespaces import cleanup_stale, require
-
             require()
             removed = cleanup_stale(args.prefix)
             print(f"removed {len(removed)} stale namespace(s)" + (": " + ", ".join(removed) if removed else ""))
             return 0
         if args.command == "shape":
-            from swarm.netlab.container import clear_interface, shape_interface
-
             if args.clear:
                 clear_interface(args.dev, args.ingress, args.dry_run)
                 return 0
@@ -82,18 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(result.delay_left)
             return 0
         if args.command == "identity":
-            from swarm.netlab.container import ensure_identity
-
             print(ensure_identity(args.path))
             return 0
         if args.command == "bootstrap-maddr":
-            from swarm.netlab.container import bootstrap_maddr
-
             print(bootstrap_maddr(args.identity, args.host, args.port, args.wait))
             return 0
         if args.command == "port-open":
-            from swarm.netlab.container import port_open
-
             return 0 if port_open(args.port, args.host) else 1
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

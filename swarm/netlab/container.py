@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.netlab import tc
-from swarm.netlab.rates import format_delay, format_rate, parse_delay, parse_rate
+from swarm.rates import format_delay, format_rate, parse_delay, parse_rate
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ class ShapeResult:
     delay_s: float
     delay_applied: bool
     ingress: bool
-    commands: tuple[str, ...]
 
     @property
     def delay_left(self) -> str:
@@ -94,7 +93,6 @@ def shape_interface(
     if ingress and rate_bits is None:
         raise ValueError("ingress shaping needs a rate")
     run = _runner(dry_run, out)
-    executed: list[str] = []
     use_netem = delay_s > 0 and netem != "no"
     commands = tc.egress_commands(dev, rate_bits, delay_s, netem=use_netem)
     applied_netem = False
@@ -107,7 +105,6 @@ def shape_interface(
                 + " (the delay is not applied by tc: --delay-left)"
             )
         ok = run(commands[0], check=netem == "yes")
-        executed.append(shlex.join(commands[0]))
         applied_netem = ok
         if not ok:
             out(f"# netem is not available: delay {format_delay(delay_s)} not applied by tc, rate only (--delay-left)")
@@ -116,13 +113,11 @@ def shape_interface(
             commands = []
     for argv in commands:
         run(argv)
-        executed.append(shlex.join(argv))
     if ingress and rate_bits is not None:
         for argv in tc.ingress_commands(dev, ifb, rate_bits):
             run(argv, check=argv[:3] != ["ip", "link", "add"])  # the ifb may exist from a previous start
-            executed.append(shlex.join(argv))
     kind = "netem" if applied_netem else ("tbf" if rate_bits is not None else None)
-    return ShapeResult(dev, kind, rate_bits, delay_s, applied_netem, ingress, tuple(executed))
+    return ShapeResult(dev, kind, rate_bits, delay_s, applied_netem, ingress)
 
 
 def clear_interface(
@@ -138,6 +133,8 @@ def clear_interface(
 
 def ensure_identity(path: str | Path) -> str:
     """The peer id of the libp2p key in `path`, creating the key first if the file is missing."""
+    # hivemind (and torch with it) only here: the netlab stays importable without them, and the
+    # container's health check (`port-open`) and shaping start in a fraction of the time
     from hivemind.p2p import P2P, PeerID
 
     path = Path(path)

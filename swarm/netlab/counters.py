@@ -2,11 +2,12 @@
 
 The engine counts the payload it sends; a link carries more: TCP/IP and Ethernet headers, libp2p
 framing and encryption, ACKs for what flows the other way, DHT and status traffic. tbf meters all
-of it. `CounterSampler` samples every process's link byte counters (`NetLab.link_bytes`), the
-machine's busy CPU time (/proc/stat) and each lab process's CPU time and its p2p daemon's
-(`GroupCpu`) every `every_s` seconds while a lab runs, and `window()` interpolates them between
-two instants (say, the ends of the first and last measured steps).
+of it. `CounterSampler` samples every process's link byte counters (`link_bytes`, what
+`NetLab.link_bytes` reads), the machine's busy CPU time (/proc/stat) and each lab process's CPU
+time and its p2p daemon's (`GroupCpu`) every `every_s` seconds while a lab runs, and `window()`
+interpolates them between two instants (say, the ends of the first and last measured steps).
 
+    link_bytes(bridge_ns, links) -> {name: (sent, received)}   bytes each link carried so far
     sampler = CounterSampler(net.link_bytes, GroupCpu(lambda: {name: pgid}))
     while running: sampler.poll(); ...       # samples when `every_s` has passed
     row = sampler.to_row()                 # {"type": "meter", "samples": [...]} for a results file
@@ -16,12 +17,54 @@ two instants (say, the ends of the first and last measured steps).
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from swarm.netlab.kernel import NetlabError, find_tool, run_tool
+from swarm.netlab.links import Link
+
 EVERY_S = 1.0
+
+
+def link_bytes(bridge_ns: str, links: Mapping[str, Link]) -> dict[str, tuple[int, int]]:
+    """{name: (bytes it sent, bytes it received)} over each lab link so far. A shaped direction
+    reports what its qdisc metered (every frame after segmentation: headers and ACKs included); an
+    unshaped one the bridge port's counters (which count a segmentation-offloaded burst's headers
+    once)."""
+    ip, tc_tool = find_tool("ip") or "ip", find_tool("tc") or "tc"
+    ports = {
+        entry["ifname"].split("@")[0]: entry.get("stats64", {})
+        for entry in _json(run_tool([ip, "-n", bridge_ns, "-s", "-j", "link", "show"]).stdout)
+    }
+    down_qdiscs = _root_qdisc_bytes(run_tool([tc_tool, "-n", bridge_ns, "-s", "-j", "qdisc", "show"]).stdout)
+    counts = {}
+    for name, link in links.items():
+        port, device = link.down.device, link.up.device  # the bridge port receives what the process sends
+        stats = ports.get(port, {})
+        sent, received = int(stats.get("rx", {}).get("bytes", 0)), int(stats.get("tx", {}).get("bytes", 0))
+        if link.up.qdisc is not None:
+            shown = run_tool([tc_tool, "-n", link.netns, "-s", "-j", "qdisc", "show", "dev", device]).stdout
+            sent = _root_qdisc_bytes(shown, device).get(device, sent)
+        if link.down.qdisc is not None:
+            received = down_qdiscs.get(port, received)
+        counts[name] = (sent, received)
+    return counts
+
+
+def _json(text: str) -> list[dict]:
+    try:
+        return json.loads(text or "[]")
+    except json.JSONDecodeError as e:
+        raise NetlabError(f"iproute2 printed no JSON ({e}): it needs -j support (iproute2 >= 4.13)") from None
+
+
+def _root_qdisc_bytes(text: str, device: str | None = None) -> dict[str, int]:
+    """{device: bytes its root qdisc sent} from `tc -s -j qdisc show [dev DEVICE]` (which leaves
+    the device out of its entries when it was named)."""
+    return {q.get("dev", device): int(q.get("bytes", 0)) for q in _json(text) if q.get("root")}
 
 
 def machine_cpu_s() -> tuple[float, float]:
@@ -95,7 +138,7 @@ class CounterSampler:
         busy, total = machine_cpu_s()
         sample = {"links": {name: list(pair) for name, pair in links.items()}, "cpu_busy_s": busy, "cpu_total_s": total}
         if self.read_cpu is not None:
-            sample["cpu"] = self.read_cpu()  # reads all of /proc: milliseconds on a busy machine
+            sample["cpu"] = self.read_cpu()  # reads all of /proc: the slow part, hence the stamp mid-sample
         self.samples.append({"at": (began + time.time()) / 2, **sample})
 
     def to_row(self) -> dict:

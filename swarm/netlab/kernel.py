@@ -4,6 +4,7 @@
                                              per process in a throwaway namespace
     require() -> Capabilities                or NetlabError (one line) when namespaces can't work
     list_namespaces(prefix=None), destroy_namespaces(names, grace), cleanup_stale(prefix="hp")
+    find_tool("ip"), run_tool(argv, check=True)   the tools, run with a deadline and one-line errors
     NetlabError(RuntimeError): one-line, user-facing; NetlabInterrupted(KeyboardInterrupt)
 
 swarm.netlab.namespaces builds labs on top of this (and re-exports the public names).
@@ -43,7 +44,8 @@ class NetlabInterrupted(KeyboardInterrupt):
 # ---------------------------------------------------------------------------------------- running
 
 
-def _which(tool: str) -> str | None:
+def find_tool(tool: str) -> str | None:
+    """The path of `ip` or `tc`, also where sbin is not on PATH (a non-login root shell)."""
     return shutil.which(tool) or shutil.which(tool, path=os.pathsep.join(_SBIN))
 
 
@@ -52,7 +54,8 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else "no error output"
 
 
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+def run_tool(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Runs `ip` or `tc` with a deadline; a failure (with `check`) is a one-line NetlabError."""
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_TIMEOUT)
     except FileNotFoundError as e:
@@ -123,7 +126,7 @@ def detect(refresh: bool = False, prefix: str = PREFIX) -> Capabilities:
     with _detect_lock:
         if _detected is not None and not refresh:
             return _detected
-        ip, tc_path = _which("ip"), _which("tc")
+        ip, tc_path = find_tool("ip"), find_tool("tc")
         caps: dict[str, Any] = {
             "root": os.geteuid() == 0,
             "ip": ip,
@@ -142,7 +145,7 @@ def _probe_kernel(ip: str, tc_path: str, caps: dict[str, Any], prefix: str) -> N
     errors: dict[str, str] = caps["errors"]
 
     def attempt(feature: str, *argv: str) -> bool:
-        done = _run(argv, check=False)
+        done = run_tool(argv, check=False)
         if done.returncode != 0:
             errors[feature] = _first_line(done.stderr or done.stdout)
         return done.returncode == 0
@@ -158,7 +161,7 @@ def _probe_kernel(ip: str, tc_path: str, caps: dict[str, Any], prefix: str) -> N
             "netem", tc_path, "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", "rate", "1gbit"
         )
         if caps["netem"]:
-            _run([tc_path, "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
+            run_tool([tc_path, "-n", ns, "qdisc", "del", "dev", "lo", "root"], check=False)
         caps["tbf"] = attempt(
             "tbf",
             tc_path,
@@ -178,7 +181,7 @@ def _probe_kernel(ip: str, tc_path: str, caps: dict[str, Any], prefix: str) -> N
             "100000",
         )
     finally:
-        _run([ip, "netns", "del", ns], check=False)
+        run_tool([ip, "netns", "del", ns], check=False)
 
 
 def require() -> Capabilities:
@@ -200,19 +203,19 @@ def list_namespaces(prefix: str | None = None) -> list[str]:
     except FileNotFoundError:
         names = []
     except OSError:
-        ip = _which("ip") or "ip"
-        names = [line.split()[0] for line in _run([ip, "netns", "list"]).stdout.splitlines() if line.strip()]
+        ip = find_tool("ip") or "ip"
+        names = [line.split()[0] for line in run_tool([ip, "netns", "list"]).stdout.splitlines() if line.strip()]
     return [n for n in names if prefix is None or n.startswith(prefix)]
 
 
 def _pids_in(ns: str) -> list[int]:
-    done = _run([_which("ip") or "ip", "netns", "pids", ns], check=False)
+    done = run_tool([find_tool("ip") or "ip", "netns", "pids", ns], check=False)
     return [int(p) for p in done.stdout.split() if p.isdigit()] if done.returncode == 0 else []
 
 
 def destroy_namespaces(namespaces: Sequence[str], grace: float = 2.0) -> list[str]:
     """Kills every process inside (SIGTERM, then SIGKILL after `grace` s) and deletes the namespaces."""
-    ip = _which("ip") or "ip"
+    ip = find_tool("ip") or "ip"
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 2.0)):
         pids = {ns: _pids_in(ns) for ns in namespaces}
         if not any(pids.values()):
@@ -228,7 +231,7 @@ def destroy_namespaces(namespaces: Sequence[str], grace: float = 2.0) -> list[st
             time.sleep(0.05)
     deleted = []
     for ns in namespaces:
-        if _run([ip, "netns", "del", ns], check=False).returncode == 0:
+        if run_tool([ip, "netns", "del", ns], check=False).returncode == 0:
             deleted.append(ns)
     return deleted
 

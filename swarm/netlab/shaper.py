@@ -18,9 +18,7 @@ API
         await .consume(nbytes) -> float   wait (s) so that the long-run rate is `rate`
         await .send_delay(nbytes, first=False) -> float   .latency() if first, then .consume()
         await .latency()                  sleep the one-way delay (once per message)
-        .consume_sync(nbytes) -> float    the same for threads (time.sleep)
-        .reserve(nbytes) -> float         book the bytes, return the wait without sleeping
-        .stats() -> BucketStats           bytes, waits, scheduled rate (its own accounting)
+        .stats() -> BucketStats           what it let through so far: bytes, calls (its own count)
         .set_rate(rate)                   a bandwidth change takes effect for the next bytes
     shaped(source, bucket, size=len) -> async iterator   rate + pipelined delay for a stream
 
@@ -39,7 +37,7 @@ once per message instead of once overall. `shaped()` is exact in both cases: a h
 chunks from the source at the rate and each is released `delay_s` after it left the bucket.
 
 Thread safety: the accounting is under a threading.Lock and no asyncio object is shared, so one
-bucket may serve several event loops or threads (one bucket per shaped link direction).
+bucket may serve several event loops (one bucket per shaped link direction).
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from swarm.netlab.rates import format_rate, parse_delay, parse_rate
 from swarm.netlab.tc import tbf_params
+from swarm.rates import format_rate, parse_delay, parse_rate
 
 T = TypeVar("T")
 
@@ -60,20 +58,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class BucketStats:
     rate_bits: int
-    burst_bytes: int
     delay_s: float
     bytes: int  # consumed so far
     calls: int
-    waited_s: float  # total sleep asked of callers
-    first_s: float | None  # monotonic time of the first consume
-    last_release_s: float | None  # monotonic time the last consumed byte may leave
-
-    @property
-    def scheduled_rate_bits(self) -> float | None:
-        """Bits/s of the schedule the bucket handed out (excluding the initial burst)."""
-        if self.first_s is None or self.last_release_s is None or self.last_release_s <= self.first_s:
-            return None
-        return max(0, self.bytes - self.burst_bytes) * 8 / (self.last_release_s - self.first_s)
 
 
 class TokenBucket:
@@ -86,9 +73,6 @@ class TokenBucket:
         self._tokens = float(self.burst_bytes)
         self._stamp = time.monotonic()
         self._bytes = self._calls = 0
-        self._waited = 0.0
-        self._first: float | None = None
-        self._last_release: float | None = None
 
     def _set(self, rate_bits: int, burst_bytes: int | None) -> None:
         if burst_bytes is not None and burst_bytes < 1:
@@ -108,34 +92,22 @@ class TokenBucket:
         self._tokens = min(self.burst_bytes, self._tokens + (now - self._stamp) * self._bytes_per_s)
         self._stamp = now
 
-    def reserve(self, nbytes: int) -> float:
+    def _reserve(self, nbytes: int) -> float:
         """Books `nbytes` on the link now; returns how long the caller must wait before sending them."""
         if nbytes < 0:
             raise ValueError(f"cannot send {nbytes} bytes")
         with self._lock:
-            now = time.monotonic()
-            self._refill(now)
+            self._refill(time.monotonic())
             self._tokens -= nbytes
-            wait = max(0.0, -self._tokens / self._bytes_per_s)
             self._bytes += nbytes
             self._calls += 1
-            self._waited += wait
-            if self._first is None:
-                self._first = now
-            self._last_release = now + wait
-            return wait
+            return max(0.0, -self._tokens / self._bytes_per_s)
 
     async def consume(self, nbytes: int) -> float:
         """Waits until `nbytes` may leave at the bucket's rate; returns the seconds waited."""
-        wait = self.reserve(nbytes)
+        wait = self._reserve(nbytes)
         if wait > 0:
             await asyncio.sleep(wait)
-        return wait
-
-    def consume_sync(self, nbytes: int) -> float:
-        wait = self.reserve(nbytes)
-        if wait > 0:
-            time.sleep(wait)
         return wait
 
     async def latency(self) -> None:
@@ -151,16 +123,7 @@ class TokenBucket:
 
     def stats(self) -> BucketStats:
         with self._lock:
-            return BucketStats(
-                self.rate_bits,
-                self.burst_bytes,
-                self.delay_s,
-                self._bytes,
-                self._calls,
-                self._waited,
-                self._first,
-                self._last_release,
-            )
+            return BucketStats(self.rate_bits, self.delay_s, self._bytes, self._calls)
 
     def __repr__(self) -> str:
         return f"TokenBucket({format_rate(self.rate_bits)}, burst={self.burst_bytes}B, delay={self.delay_s}s)"

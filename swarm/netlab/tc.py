@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from swarm.netlab.rates import format_delay
+from swarm.rates import format_delay
 
 BURST_SECONDS = 0.004
 QUEUE_SECONDS = 0.025

@@ -21,7 +21,7 @@ LOSS_MARGIN = 0.1  # nats, for the language model
 
 @dataclass
 class Row:
-    """One run as the checks see it (built by swarm.study.report from a results file or a pending config)."""
+    """One run as the checks see it (built by swarm.study.runs.as_row from a results file or a pending config)."""
 
     name: str
     model: str  # resnet18 | gpt2 | ...

@@ -22,6 +22,8 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot_table(title: str, runs: list[dict], out: Path) -> Path:
+    # matplotlib, a large import, loads only when a figure is drawn (a report whose runs have no
+    # steps yet draws none), and the Agg backend is chosen before pyplot loads: no display needed.
     import matplotlib
 
     matplotlib.use("Agg")

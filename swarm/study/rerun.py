@@ -9,9 +9,12 @@ evaluations, same bytes on every boundary. `compare` measures how far apart the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from swarm.config import ExperimentConfig
+from swarm.study.runner import same_config
+from swarm.study.runs import load_run
 
 
 @dataclass
@@ -25,17 +28,6 @@ class Comparison:
     wall_single: float | None
     wall_swarm: float | None
 
-    @property
-    def max_accuracy_gap(self) -> float:
-        """Largest absolute accuracy difference (fraction) over the common evaluations, both modes."""
-        gaps = [
-            abs(a[m]["accuracy"] - b[m]["accuracy"])
-            for _, a, b in self.evals
-            for m in ("uncompressed", "compressed")
-            if "accuracy" in a.get(m, {}) and "accuracy" in b.get(m, {})
-        ]
-        return max(gaps, default=math.nan)
-
 
 def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
@@ -47,10 +39,7 @@ def _bytes(run: dict) -> dict[str, int]:
 
 
 def compare(single: dict, swarm: dict) -> Comparison:
-    """Runs as `swarm.study.report.load_run` returns them; raises if they are not the same experiment."""
-    from swarm.config import ExperimentConfig
-    from swarm.study.runner import same_config
-
+    """Runs as `swarm.study.runs.load_run` returns them; raises if they are not the same experiment."""
     if not same_config(swarm["config"], ExperimentConfig.model_validate(single["config"])):
         differing = sorted(
             k for k in set(single["config"]) | set(swarm["config"]) if single["config"].get(k) != swarm["config"].get(k)
@@ -83,8 +72,6 @@ def _pct(value: float | None) -> str:
 
 def section(results_dir: str | Path, lab_dir: str | Path) -> list[str]:
     """Markdown for every finished swarm re-run in `lab_dir` with a single-process run in `results_dir`."""
-    from swarm.study.report import load_run
-
     lab = Path(lab_dir)
     pairs = []
     for path in sorted(lab.glob("*.jsonl")) if lab.is_dir() else []:

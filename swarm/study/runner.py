@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import ConfigError, ExperimentConfig, load_config
+from swarm.training.checkpoints import Checkpointing, latest_run
 from swarm.training.results import read_results
 
 CONFIG_FILE = "config.json"  # in a run's checkpoint directory: the config it was written for
@@ -95,8 +96,6 @@ def same_config(logged: dict | None, cfg: ExperimentConfig) -> bool:
 
 def status(entry: Entry) -> Status:
     """What the results file and the checkpoints say about one run."""
-    from swarm.engine.checkpoint import latest_run
-
     if entry.error:
         return Status("invalid", note=entry.error)
     rows = []
@@ -283,7 +282,9 @@ def run_study(
     `progress` shows tqdm bars (default: when stderr is a terminal); `heartbeat` prints a status
     line every so many seconds otherwise. Runs are never capped: a summary row means finished.
     """
-    from swarm.training.loop import Checkpointing, run_experiment
+    # Imported here, not at the top: `study --status` and `report` import this module and never
+    # train, so they need not load the models, datasets and engine that running an experiment does.
+    from swarm.training.experiment import run_experiment
 
     out = out or sys.stdout
     results_dir = Path(results_dir)

@@ -1,7 +1,7 @@
-"""`python -m swarm run CONFIG`: train and evaluate an experiment through a pipeline.
+"""The training loop: train and evaluate an experiment through any `Pipeline`.
 
-The loop is transport-agnostic: it feeds micro-batches to any pipeline with `run_many`, `step`,
-`link_bytes` and `state_bytes` (the in-process one here, the swarm's trainer in peers/).
+It is transport-agnostic: it feeds micro-batches to the pipeline (`swarm.engine.pipeline`), the
+in-process one or the swarm's trainer side, and writes the same results rows for both.
 """
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from swarm.config import ExperimentConfig
+from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.training.results import ResultsWriter, read_results
+from swarm.engine.pipeline import Pipeline
+from swarm.models import summarize
+from swarm.training.checkpoints import Checkpointing, latest_run, load_run, save_run
+from swarm.training.results import ResultsWriter
 
 
 @dataclass(frozen=True)
@@ -53,21 +58,6 @@ class Schedule:
         )
 
 
-@dataclass(frozen=True)
-class Checkpointing:
-    """Where and how often `train` checkpoints every stage and its own position."""
-
-    directory: str
-    every: int | None = None  # steps between checkpoints; None: after every evaluation
-    keep: int = 2  # newest checkpoints kept
-
-
-def build_data(cfg: ExperimentConfig):
-    from swarm.data import build_datasets
-
-    return build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
-
-
 def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode, exact: bool):
     """(MicroBatch, inputs) pairs; loss weights make the gradients add up to the batch mean.
 
@@ -84,7 +74,7 @@ def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode,
 EVAL_GROUP = 16  # evaluation micro-batches handed to the pipeline at once (a swarm overlaps them)
 
 
-def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
+def evaluate(pipeline: Pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
     loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
     sums: Counter = Counter()
     group: list = []
@@ -96,8 +86,6 @@ def evaluate(pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, 
             group = []
     for metrics in pipeline.run_many(group):
         sums.update(metrics)
-    from swarm.models import summarize
-
     return summarize(sums, perplexity=cfg.data.name == "wikitext2")
 
 
@@ -117,7 +105,7 @@ def _skip_batches(loader: DataLoader, count: int):
 
 def train(
     cfg: ExperimentConfig,
-    pipeline,
+    pipeline: Pipeline,
     data,
     results: ResultsWriter,
     max_steps: int | None = None,
@@ -126,13 +114,9 @@ def train(
 ) -> dict:
     """The training loop; returns the summary row (also written to `results`).
 
-    With `checkpoint`, it resumes from the newest complete checkpoint in its directory (the
-    pipeline needs `save_checkpoint` / `load_checkpoint`) and saves new ones as it goes.
+    With `checkpoint`, it resumes from the newest complete checkpoint in its directory and saves
+    new ones as it goes.
     """
-    from tqdm import tqdm
-
-    from swarm.data import collate
-
     train_set, test_set = data
     schedule = Schedule.of(cfg, len(train_set), max_steps)
     if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
@@ -148,8 +132,6 @@ def train(
     step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
     if checkpoint is not None:
-        from swarm.engine.checkpoint import latest_run, load_run
-
         latest = latest_run(checkpoint.directory)
         if latest is not None:
             state = load_run(latest, pipeline)
@@ -180,8 +162,6 @@ def train(
         bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
 
     def save_checkpoint(epoch_start: torch.Tensor) -> None:
-        from swarm.engine.checkpoint import save_run
-
         position = {
             "epoch": epoch,
             "batch": done_in_epoch,
@@ -217,7 +197,7 @@ def train(
             step += 1
             samples += ids.numel()
             now = pipeline.link_bytes()
-            notes = pipeline.step_notes() if hasattr(pipeline, "step_notes") else {}  # a swarm's adaptive codecs
+            notes = pipeline.step_notes()  # a swarm's adaptive codecs, its stages' compute
             results.write(
                 {
                     "type": "step",
@@ -265,65 +245,7 @@ def train(
             )
             for mode in ("uncompressed", "compressed")
         },
-        **(pipeline.summary_notes() if hasattr(pipeline, "summary_notes") else {}),
+        **pipeline.summary_notes(),
     }
     results.write(summary)
     return summary
-
-
-def describe(summary: dict, results_path=None) -> list[str]:
-    """What a finished run prints: steps, time and the final metrics (and where results went)."""
-    final = summary.get("final") or {}
-    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
-    for mode in ("uncompressed", "compressed"):
-        if mode in final:
-            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
-    return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
-
-
-def _rows_until(results_path, step: int) -> list[dict]:
-    """A resumed run's results so far: the config and the step and eval rows up to `step`."""
-    try:
-        rows = read_results(results_path)
-    except (OSError, ValueError):
-        return []
-    return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
-
-
-def open_results(results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter) -> ResultsWriter:
-    """The results file of a run; one that resumes from a checkpoint keeps its rows up to there."""
-    kept = []
-    if checkpoint is not None and results_path is not None:
-        from swarm.engine.checkpoint import latest_run
-
-        latest = latest_run(checkpoint.directory)
-        if latest is not None:
-            kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
-    results = writer(results_path)
-    for row in kept:
-        results.write(row)
-    return results
-
-
-def run_experiment(
-    cfg: ExperimentConfig,
-    results_path=None,
-    max_steps: int | None = None,
-    progress: bool = True,
-    checkpoint: Checkpointing | None = None,
-) -> dict:
-    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
-    from swarm.engine.build import build_local_pipeline
-
-    if cfg.compression.adaptive is not None:
-        raise ValueError(
-            "compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure"
-        )
-    data = build_data(cfg)
-    schedule = Schedule.of(cfg, len(data[0]), max_steps)
-    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
-    results = open_results(results_path, checkpoint)
-    try:
-        return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
-    finally:
-        results.close()

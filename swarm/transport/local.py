@@ -7,68 +7,84 @@ deterministic. Bytes and numerics are exactly what the network would carry.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
 
+from swarm.config import ExperimentConfig
+from swarm.engine.build import build_runtime, build_staged_model, link_ends
+from swarm.engine.checkpoint import checkpoint_codecs, load_stage, save_stage, stage_file
+from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, MicroBatch
 from swarm.engine.stage import StageRuntime
+from swarm.engine.step import Grads, synchronous_step
+from swarm.models import StagedModel
 
 
 class LocalPipeline:
-    def __init__(self, runtimes: list[StageRuntime], tied=(), grad_clip: float | None = None) -> None:
+    """The engine's `Pipeline` in one process: stage `i` computes with `runtimes[i]` and `ends[i]`."""
+
+    def __init__(
+        self, runtimes: list[StageRuntime], ends: list[LinkEnds], tied=(), grad_clip: float | None = None
+    ) -> None:
         self.runtimes = runtimes
+        self.ends = ends
         self.tied = list(tied)  # TiedPairs: one parameter held by two stages
         self.grad_clip = grad_clip
 
-    def run(self, batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
+    def _run(self, batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
         """One micro-batch through the pipeline (and back when training); its metrics."""
-        message = self.runtimes[0].forward(batch, inputs)
+        message = self.runtimes[0].forward(batch, inputs, self.ends[0])
         try:
             while message.kind is not Kind.DONE:
-                stage = self.runtimes[message.to_stage]
+                stage, ends = self.runtimes[message.to_stage], self.ends[message.to_stage]
                 if message.kind is Kind.FORWARD:
-                    following = stage.forward(batch, message.payload)
+                    following = stage.forward(batch, message.payload, ends)
                 else:
-                    following = stage.backward(batch, message.payload, message.metrics)
+                    following = stage.backward(batch, message.payload, message.metrics, ends)
                 message.delivered()
                 message = following
         except Exception:
-            for runtime in self.runtimes:
-                runtime.drop(batch)
+            for runtime, ends in zip(self.runtimes, self.ends, strict=True):
+                runtime.drop(batch, ends)
             raise
         return message.metrics
 
     def run_many(self, items) -> list[dict[str, float]]:
         """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap."""
-        return [self.run(batch, inputs) for batch, inputs in items]
+        return [self._run(batch, inputs) for batch, inputs in items]
+
+    # ---- the synchronous step (swarm.engine.step), its rounds on the runtimes -----------------
 
     def step(self) -> float:
-        """After every micro-batch of a step went backward: tie, clip, and step every stage."""
-        modules = [r.module for r in self.runtimes]
-        if self.tied:
-            from swarm.models import sync_tied_gradients
+        return synchronous_step(self, self.tied, self.grad_clip)
 
-            sync_tied_gradients(modules, self.tied)
-        if self.grad_clip is not None:
-            squares = sum(r.grad_sq_norm() for r in self.runtimes)
-            for pair in self.tied:  # a tied parameter counts once, as in the unsplit model
-                stage, name = pair.second
-                grad = modules[stage].get_parameter(name).grad
-                squares -= 0.0 if grad is None else float(grad.detach().float().pow(2).sum())
-            norm = math.sqrt(max(squares, 0.0))
-            if norm > self.grad_clip:
-                for r in self.runtimes:
-                    r.scale_grads(self.grad_clip / (norm + 1e-6))
-        lrs = [r.apply_step() for r in self.runtimes]
+    def gather(self, wanted: dict[int, list[str]]) -> Grads:
+        return {stage: self.runtimes[stage].gradients(names) for stage, names in wanted.items()}
+
+    def replicated(self, stage: int) -> bool:
+        return False
+
+    def set_gradients(self, grads: Grads, norm: bool) -> float:
+        for stage, named in grads.items():
+            self.runtimes[stage].set_gradients(named)
+        return sum(r.grad_sq_norm() for r in self.runtimes) if norm else 0.0
+
+    def apply(self, scale: float) -> float:
+        lrs = []
+        for runtime in self.runtimes:
+            if scale:
+                runtime.scale_grads(scale)
+            lrs.append(runtime.apply_step())
         return lrs[0]
+
+    # ---- accounting and checkpoints -----------------------------------------------------------
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes sent per boundary, direction and mode, e.g. 'boundary0.forward.train'."""
         totals: Counter = Counter()
-        for r in self.runtimes:
-            for end in (r.inbound, r.outbound):
+        for ends in self.ends:
+            for end in ends:
                 if end is None:
                     continue
                 for (mode, direction), n in end.bytes.items():
@@ -76,24 +92,35 @@ class LocalPipeline:
         return dict(sorted(totals.items()))
 
     def state_bytes(self) -> int:
-        return sum(r.state_bytes() for r in self.runtimes)
+        return sum(ends.state_bytes() for ends in self.ends)
 
     def save_checkpoint(self, directory, step: int) -> None:
-        """One file per stage, `stage<i>.pt`, in `directory`."""
-        from swarm.engine.checkpoint import save_stage
-
-        for r in self.runtimes:
-            save_stage(r, f"{directory}/stage{r.index}.pt", step)
+        for runtime, ends in zip(self.runtimes, self.ends, strict=True):
+            save_stage(runtime, ends, stage_file(directory, runtime.index), step)
 
     def load_checkpoint(self, directory) -> int:
-        """Load every stage's file from `directory`; returns the step they were saved at."""
-        from swarm.engine.checkpoint import load_stage
-        from swarm.transport.hivemind.trainer.adaptive import checkpoint_codecs
-
-        checkpoint_codecs(
-            directory, adaptive=False
-        )  # refuses an adaptive swarm's checkpoint: one process has fixed codecs
-        steps = {load_stage(r, f"{directory}/stage{r.index}.pt") for r in self.runtimes}
+        """Loads every stage's file from `directory`; returns the step they were saved at."""
+        checkpoint_codecs(directory, adaptive=False)  # refuses an adaptive swarm's: one process has fixed codecs
+        steps = {
+            load_stage(runtime, ends, stage_file(directory, runtime.index))
+            for runtime, ends in zip(self.runtimes, self.ends, strict=True)
+        }
         if len(steps) != 1:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
         return steps.pop()
+
+    def step_notes(self) -> dict:
+        return {}
+
+    def summary_notes(self) -> dict:
+        return {}
+
+
+def build_local_pipeline(
+    cfg: ExperimentConfig, total_steps: int, capacity: int | None = None
+) -> tuple[LocalPipeline, StagedModel]:
+    staged = build_staged_model(cfg)
+    stages = range(cfg.model.num_stages)
+    runtimes = [build_runtime(cfg, staged, i, total_steps) for i in stages]
+    ends = [link_ends(cfg, i, capacity) for i in stages]
+    return LocalPipeline(runtimes, ends, staged.tied, cfg.optimizer.grad_clip), staged

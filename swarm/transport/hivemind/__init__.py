@@ -1,11 +1,15 @@
-"""The hivemind transport: stage peers on hivemind's P2P serving the same `StageRuntime` that the
-in-process transport drives, found through the DHT, and a trainer-side pipeline for `swarm.training.loop`.
+"""The hivemind transport: stage peers on hivemind's P2P serving the same `StageRuntime` and step
+that the in-process transport drives, found through the DHT.
 
-- `chunks`, `meta`: payloads cut into checked chunks; micro-batch metadata and small raw tensors
-- `node`: one peer's P2P daemon and DHT node; `loop`: a background event loop for sync callers
-- `announce`: DHT records (one key per run and stage, one subkey per peer); `routing`: choosing peers
-- `calls`: the client side of every RPC, with deadlines; `hosted`, `servicer`: the stage peer
-- `pipeline`: `SwarmPipeline`, what `swarm.training.loop.train` drives; `status`: the swarm as a table
+Shared plumbing, used by both sides:
+- `settings`: every timeout and limit; `node`: one peer's P2P daemon and DHT node; `loop`: event loops
+- `streams`, `calls`: the one client stack (framed exchanges on pooled streams), `errors`
+- `retry`: the one retry policy; `handoff`: handing a micro-batch to the next stage, failing over
+- `ordering`: link order (epochs, sequence numbers); `pacing`: per-flow pacing; `meter`: link rates
+- `meta`: what travels with a request; `announce`, `routing`: DHT records and choosing peers
+- `survey`: the swarm as a table (peers.status)
+The stage peer's side is `stage/` (host, links, chain, rounds, server), the trainer's `trainer/`
+(pipeline, rounds, adaptive).
 """
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # of protocols/stage.proto: peers of another version are not routed to, and refused

@@ -18,10 +18,6 @@ from swarm.transport.hivemind.node import SwarmNode
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 5.0
-TTL_S = 15.0
-
-
 RUNS_KEY = "hivepipe.runs"  # subkey per run id: {"num_stages": n}, so status can list runs
 
 
@@ -76,7 +72,7 @@ class StageRecord:
         return value
 
 
-async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float = TTL_S) -> bool:
+async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float) -> bool:
     record.updated = get_dht_time()
     expires = get_dht_time() + ttl
     await node.dht.store(RUNS_KEY, {"num_stages": record.num_stages}, expires, subkey=run_id)
@@ -110,12 +106,12 @@ async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord
 
 
 class Announcer:
-    """Re-announces records every `period` seconds until stopped."""
+    """Re-announces records every `announce_every_s` seconds (the node's settings) until stopped."""
 
-    def __init__(self, node: SwarmNode, records, period: float = REFRESH_S, ttl: float = TTL_S) -> None:
+    def __init__(self, node: SwarmNode, records) -> None:
         self.node = node
         self.records = records  # callable -> list[(run_id, StageRecord)]
-        self.period, self.ttl = period, ttl
+        self.period, self.ttl = node.settings.announce_every_s, node.settings.record_ttl_s
         self._task: asyncio.Task | None = None
 
     async def announce_now(self) -> None:

@@ -1,4 +1,6 @@
-"""Micro-batch metadata and small raw tensors (sample ids, targets, stage 0's input) on the wire.
+"""What travels with a request besides its payload: the address of the stage it is for, a
+micro-batch's metadata, small raw tensors (sample ids, targets, stage 0's input) and named
+tensors (the step's gradients).
 
 Raw tensors carry dtype and shape and are validated before use: a wrong length or an unknown
 dtype is a `ProtocolError`, never a numpy or torch traceback.
@@ -12,8 +14,9 @@ import numpy as np
 import torch
 
 from protocols import stage_pb2 as pb
-from protocols.framing import ProtocolError
+from protocols.errors import ProtocolError
 from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.transport.hivemind import PROTOCOL_VERSION
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -23,6 +26,10 @@ MAX_RANK = 8
 MAX_ELEMENTS = 1 << 31
 _MODES = {Mode.TRAIN: pb.TRAIN, Mode.EVAL: pb.EVAL}
 _MODES_BACK = {v: k for k, v in _MODES.items()}
+
+
+def address(run_id: str, stage: int = 0) -> pb.Address:
+    return pb.Address(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=stage)
 
 
 def tensor_to_raw(tensor: torch.Tensor) -> pb.RawTensor:

@@ -3,10 +3,10 @@
 Both directions are timed where they arrive (the receiver's clock; a sender's writes may return
 long before the bytes are through, into socket buffers):
 - a request (activations) from its first byte (the sender writes as soon as its send slot is
-  free; servicer.Requests) to its last chunk: the whole payload over its whole transfer;
+  free; streams.Requests) to its last chunk: the whole payload over its whole transfer;
 - a reply (gradients) comes back on the caller's stream after the callee's compute, so its start
   is not seen; it is timed from its first chunk to its last, counting the bytes after the first
-  chunk. Exact for replies of several chunks (chunks.CHUNK_BYTES each); a one-chunk reply adds
+  chunk. Exact for replies of several chunks (framing.CHUNK_BYTES each); a one-chunk reply adds
   nothing (the trainer then assumes the link's other direction's rate).
 Transfers that overlap count their common time once, so bytes / busy seconds is what the link
 carried while it was busy, shared with whatever else crossed it: the bandwidth adaptive
@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 
 from protocols.framing import Received
-from swarm.transport.hivemind.calls import MicroBatchCall
 
 
 class LinkMeter:
@@ -39,7 +38,7 @@ class LinkMeter:
 
 
 async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
-    """Passes `messages` (framed replies, protobuf or `chunks.Received`) through, adding each payload's chunks after the first to
+    """Passes `messages` (framed replies, protobuf or `framing.Received`) through, adding each payload's chunks after the first to
     `meter` once its last chunk is in (the reader stops there, so nothing waits for the stream's end).
     Payloads of two chunks or less are not timed: the second may hold only a few bytes, and few
     bytes over the gap between two arrivals says nothing about the link."""
@@ -59,14 +58,3 @@ async def timed_chunks(messages, meter: LinkMeter, clock=time.monotonic):
                     meter.add(first, now, nbytes)
                 first = None
         yield item
-
-
-class MeteredCall(MicroBatchCall):
-    """A micro-batch call that also times its reply into `meter` (the link's backward direction)."""
-
-    def __init__(self, *args, meter: LinkMeter, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.meter = meter
-
-    def _reply_messages(self):
-        return timed_chunks(self._replies, self.meter)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
-from swarm.netlab.rates import parse_rate
-from swarm.transport.hivemind.calls import StreamPool
+from swarm.netlab.shaper import TokenBucket
+from swarm.rates import parse_rate
+from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.streams import StreamPool
 
-# p2pd's Go threads (GOMAXPROCS). One moved 320-340 MB/s through a pair of daemons on this 2-core
-# machine against 260-270 MB/s with Go's default of one per core, at 25% less daemon CPU per MB
-# (Go's idle threads spin looking for work); a paced stage link at 500 Mbit/s cost the daemons
-# 4.3-4.9 ms of CPU per MB against 6.1-6.5. Far more than the links hivepipe is for.
+# p2pd's Go threads (GOMAXPROCS). One carries far more than the links hivepipe is for, and Go's
+# default of one per core makes daemons that share a machine with the stages spend more CPU per
+# byte: its idle threads spin looking for work (docs/bench/README.md, "Network CPU per byte").
 DAEMON_THREADS = 1
 
 
@@ -75,23 +76,31 @@ class NodeOptions:
     startup_timeout: float = 30.0
     shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
     shape_delay: str | None = None  # one-way delay added to every message this peer sends
-    uplink: str | None = (
-        None  # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
-    )
+    # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
+    uplink: str | None = None
     downlink: str | None = None
     daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core
+    settings: Settings = field(default_factory=Settings)  # timeouts and limits of everything this peer does
     extra: dict = field(default_factory=dict)
 
 
 class SwarmNode:
     def __init__(
-        self, p2p: P2P, dht: DHTNode, egress=None, uplink_bits: int | None = None, downlink_bits: int | None = None
+        self,
+        p2p: P2P,
+        dht: DHTNode,
+        egress=None,
+        uplink_bits: int | None = None,
+        downlink_bits: int | None = None,
+        settings: Settings | None = None,
     ) -> None:
         self.p2p = p2p
         self.dht = dht
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
-        self.streams = StreamPool(p2p, egress)  # micro-batch streams to the peers we call, kept for reuse
+        self.settings = settings or Settings()
+        # streams to the peers we call, kept for reuse
+        self.streams = StreamPool(p2p, egress, keep_s=self.settings.keep_idle_s)
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
@@ -99,8 +108,6 @@ class SwarmNode:
         initial = list(options.initial_peers)
         egress = None
         if options.shape_rate or options.shape_delay:
-            from swarm.netlab.shaper import TokenBucket
-
             try:
                 egress = TokenBucket(options.shape_rate or "100gbit", delay_s=options.shape_delay or 0.0)
             except ValueError as e:
@@ -137,7 +144,7 @@ class SwarmNode:
             await p2p.shutdown()
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
-        return cls(p2p, dht, egress, links["uplink"], links["downlink"])
+        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings)
 
     @property
     def peer_id(self) -> str:

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.calls import RemoteError
+from swarm.transport.hivemind.errors import RemoteError
 
 
 class LinkReset(RemoteError):
@@ -45,6 +45,28 @@ class OutLink:
 
     def reset(self) -> None:
         self.epoch, self.seq = max(new_epoch(), self.epoch + 1), 0
+
+
+class Numbering:
+    """A sender's numbering of its links, one `OutLink` per receiver."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, OutLink] = {}
+
+    def take(self, peer_id: str) -> tuple[int, int]:
+        """(epoch, seq) for the next message to `peer_id`; call in the order messages are encoded."""
+        return self._links.setdefault(peer_id, OutLink()).take()
+
+    def restart(self, peer_id: str) -> None:
+        """The link to `peer_id` lost its order or state: its next message starts a new epoch."""
+        self._links.setdefault(peer_id, OutLink()).reset()
+
+    def epoch(self, peer_id: str) -> int | None:
+        link = self._links.get(peer_id)
+        return None if link is None else link.epoch
+
+    def clear(self) -> None:
+        self._links.clear()
 
 
 class Turnstile:

@@ -4,8 +4,8 @@ A middle stage sends activations down and gradients up over one upload link and 
 over one download link. On FIFO links (a home router, a tbf qdisc) TCP gives a flow that crosses
 two busy links (stage 1 to stage 2: stage 1's upload, stage 2's download) much less than its fair
 share, while flows crossing one busy link take the rest; the starved middle flows then hold up the
-whole pipeline (measured in docs/bench/README.md: 35 Mbit/s each way on 100 Mbit/s links). When a
-peer declares its link rates (`--uplink`, `--downlink`), it paces what it sends to each neighbour at
+whole pipeline (docs/bench/README.md, "Pacing"). When a peer declares its link rates (`--uplink`,
+`--downlink`), it paces what it sends to each neighbour at
 
     min(its upload * this payload's share of the payloads being written, what the receiver offers)
 
@@ -20,20 +20,17 @@ the full rate and the steady state at the shares; before the first offer, the st
 static share is used.
 
 Shares follow payload sizes, not flow counts, because the two waves are rarely the same size
-(TopK activations carry their indices, the reused-index gradients do not: 33 against 26 KB per
-sample). With equal halves the larger wave falls behind while the smaller one waits for it, and
-the fluid model (swarm.bench.fluid) gave that schedule 88% of the link bound against 95% with
-shares by size: concurrent payloads then finish together.
+(TopK activations carry their indices, the reused-index gradients do not): with equal halves the
+larger wave falls behind while the smaller one waits for it; with shares by size concurrent
+payloads finish together (the fluid model, swarm.bench.fluid, shows the difference).
 
-Payloads are written in pieces of ~10 ms at the flow's rate (8 to 256 KiB) under the flow's token
-bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Pacing whole
-1 MiB chunks was measured to be too bursty to help, and fixed 64 KiB pieces overflowed the 64 KB
-queue of 10 Mbit/s tbf links (4% of the middle stages' packets dropped). Each piece costs a write
-and a wake-up in the peer and in both daemons: 270 KB payloads paced at 500 Mbit/s over loopback
-cost ~3.9 ms of Python and ~7.4 ms of daemon CPU per MB in 64 KiB pieces, ~2.8 and ~5.6 in
-256 KiB pieces (~4 ms at that rate; 1 MiB pieces saved nothing more). A peer with nothing
-declared does not pace. The trainer paces the inputs it sends stage 0 too (with a declared
-uplink), but stage 0's offers do not count that flow (a few KB per sample).
+Payloads are written in pieces of about `PIECE_S` at the flow's rate under the flow's token
+bucket; the protocol keeps its 1 MiB chunks (smaller chunks cost CPU per byte). Whole chunks are
+too bursty to pace, and a fixed piece larger than a slow link's queue (a tbf qdisc holds a few
+milliseconds) overflows it; each piece costs a write and a wake-up in the peer and in both
+daemons, hence the bounds on the piece size. A peer with nothing declared does not pace. The
+trainer paces the inputs it sends stage 0 too (with a declared uplink), but stage 0's offers do
+not count that flow (its inputs are small).
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from hivemind.p2p import P2P
 
 from swarm.netlab.shaper import TokenBucket
 
-PAYLOAD_SHARE = 0.94  # payload bits per wire bit: hivemind streams moved 95 Mbit/s over a 100 Mbit/s tbf link
+PAYLOAD_SHARE = 0.94  # payload bits per wire bit: what hivemind streams carry over a shaped link (docs/bench)
 PIECE_BYTES = 1 << 18  # most written under the bucket at once: ~10 ms at 200 Mbit/s
 PIECE_S = 0.01  # a piece leaves in about this long at the flow's rate
 MIN_PIECE_BYTES = 1 << 13  # below this, per-write costs grow and the links are slow anyway
@@ -165,7 +162,7 @@ class FlowPacer:
 async def send_paced(
     parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False
 ) -> None:
-    """Writes one protobuf message, serialized in `parts` (chunks.frame_parts), to a hivemind stream
+    """Writes one protobuf message, serialized in `parts` (framing.frame_parts), to a hivemind stream
     as `P2P.send_protobuf` does, in pieces paced by `flow` and by `egress` (in-process shaping of all
     this peer sends: its one-way delay before a payload's `first` message, then its rate). The
     header leaves before the pieces: as on a real link, the receiver sees a payload begin at once

@@ -19,14 +19,14 @@ class NoPeerError(RuntimeError):
 
 
 class Bans:
-    def __init__(self, base_s: float = 5.0, backoff: float = 2.0, max_s: float = 300.0) -> None:
-        self.base_s, self.backoff, self.max_s = base_s, backoff, max_s
+    def __init__(self, base_s: float, growth: float, max_s: float) -> None:
+        self.base_s, self.growth, self.max_s = base_s, growth, max_s
         self.until: dict[str, float] = {}
         self.failures: dict[str, int] = {}
 
     def fail(self, peer_id: str) -> float:
         n = self.failures.get(peer_id, 0)
-        duration = min(self.base_s * self.backoff**n, self.max_s)
+        duration = min(self.base_s * self.growth**n, self.max_s)
         self.until[peer_id] = time.monotonic() + duration
         self.failures[peer_id] = n + 1
         return duration
@@ -40,16 +40,23 @@ class Bans:
 
 
 class Router:
-    """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand."""
+    """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand (defaults: the
+    node's settings, lookup_every_s and lookup_keep_s)."""
 
     def __init__(
-        self, node: SwarmNode, run_id: str, refresh_s: float = 5.0, seed: int | None = None, keep_s: float = 60.0
+        self,
+        node: SwarmNode,
+        run_id: str,
+        refresh_s: float | None = None,
+        seed: int | None = None,
+        keep_s: float | None = None,
     ) -> None:
+        settings = node.settings
         self.node = node
         self.run_id = run_id
-        self.refresh_s = refresh_s
-        self.keep_s = keep_s
-        self.bans = Bans()
+        self.refresh_s = settings.lookup_every_s if refresh_s is None else refresh_s
+        self.keep_s = settings.lookup_keep_s if keep_s is None else keep_s
+        self.bans = Bans(settings.ban_s, settings.ban_growth, settings.ban_max_s)
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
         self._found: dict[int, tuple[float, list[StageRecord]]] = {}  # the last lookup that found someone
         self._random = random.Random(seed)

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
-from swarm.netlab.rates import format_rate
+from protocols import stage_pb2 as pb
+from swarm.rates import format_rate
 from swarm.transport.hivemind.announce import discover, list_runs
-from swarm.transport.hivemind.calls import call_info
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.node import SwarmNode
 
 
@@ -38,7 +40,10 @@ class PeerRow:
     error: str = ""
 
 
-async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10.0) -> list[PeerRow]:
+async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
+    """Every run's stage peers from the DHT, each asked for its status (at most `timeout` s each,
+    default the settings' info_timeout_s)."""
+    timeout = node.settings.info_timeout_s if timeout is None else timeout
     runs = await list_runs(node)
     if run_id is not None:
         runs = {run_id: runs.get(run_id, 0)}
@@ -66,7 +71,10 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float = 10
     async def detail(row: PeerRow) -> None:
         started = time.perf_counter()
         try:
-            reply = await call_info(node.p2p, row.peer_id, row.run_id, timeout)
+            frame = await call(
+                node.streams, row.peer_id, "info", pb.InfoRequest(to=address(row.run_id)), timeout=timeout
+            )
+            reply = frame.head
         except Exception as e:
             row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
             return

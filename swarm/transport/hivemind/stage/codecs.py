@@ -1,9 +1,10 @@
 """Adaptive compression on a stage peer: new codecs on its boundaries, between two steps.
 
-The trainer sends them with a step's apply round (StepHead.codecs) to every peer of every stage,
+The trainer sends them with a step's apply round (ApplyRequest.codecs) to every peer of every stage,
 when no micro-batch is in flight; each peer takes the boundaries it sits on (the one before it
 and the one after it). Its config's per-boundary overrides change, and its ends of a changed
-boundary go: that link's next message starts a new epoch (swarm.transport.hivemind.ordering) and both ends
+boundary go (stage.links.NeighbourLinks.switch): that link's next message starts a new epoch
+(swarm.transport.hivemind.ordering) and both ends
 build fresh state for the new codecs (the old codecs' error feedback and TopK indices mean nothing
 to the new ones). The config digest the trainer checks at setup stays the one of the config the
 peer started with, and a new trainer session starts from that config's codecs again.
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protocols import stage_pb2 as pb
-from protocols.framing import ProtocolError
+from protocols.errors import ProtocolError
 from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig, LinkConfig, LinkOverride
 
@@ -45,17 +46,3 @@ def switched_config(
     if not changed:
         return cfg, []
     return cfg.model_copy(update={"compression": comp.model_copy(update={"boundaries": overrides})}), changed
-
-
-def install(hosted, cfg: ExperimentConfig, changed: list[int]) -> None:
-    """Makes `cfg` the peer's config and restarts its ends of the `changed` boundaries."""
-    hosted.cfg = cfg
-    for boundary in changed:
-        upstream = boundary == hosted.stage  # we send activations on it
-        hosted._spare[upstream] = None  # the runtime's own end has the old codecs
-        if upstream:
-            for receiver in list(hosted.ends_out):
-                hosted._drop_out(receiver)
-        else:
-            for sender in list(hosted.ends_in):
-                hosted._retire(sender, False, hosted.ends_in.pop(sender))

@@ -25,7 +25,6 @@ import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 from protocols import stage_pb2 as pb
 from swarm.compression.adaptive import (
@@ -38,28 +37,6 @@ from swarm.compression.adaptive import (
 from swarm.config import ExperimentConfig
 
 DECAY = 0.5  # weight of a window's measurement once the next window is in
-CHECKPOINT_FILE = "adaptive.json"  # in a checkpoint directory: the codecs its link state belongs to
-
-
-def checkpoint_codecs(directory, adaptive: bool = True) -> dict | None:
-    """What an adaptive run saved next to its stages' files ({"codecs": {boundary: [fw, bw]},
-    "history": [...]}), or None for a checkpoint of fixed codecs. A run without adaptive
-    compression (`adaptive=False`) cannot resume such a checkpoint: its links ran other codecs."""
-    path = Path(directory) / CHECKPOINT_FILE
-    if not path.is_file():
-        return None
-    if not adaptive:
-        raise ValueError(
-            f"checkpoint {directory} was saved by a swarm with compression.adaptive (its links ran other codecs); resume it with that config through peers.trainer or swarm lab"
-        )
-    try:
-        saved = json.loads(path.read_text())
-        codecs = {int(b): (str(fw), str(bw)) for b, (fw, bw) in saved["codecs"].items()}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"checkpoint {directory}: unreadable {CHECKPOINT_FILE} ({str(e).splitlines()[0][:120]})"
-        ) from None
-    return {"codecs": codecs, "history": list(saved.get("history", []))}
 
 
 def ladder_codecs(spec: str) -> tuple[str, str]:
@@ -213,7 +190,7 @@ class AdaptiveCodecs:
         )
 
     def restore(self, saved: dict) -> None:
-        """Resumes from `checkpoint_codecs`: its codecs are in force, and the next decision moves
+        """Resumes from `swarm.engine.checkpoint.checkpoint_codecs`: its codecs are in force, and the next decision moves
         from them as from any other (with the hysteresis), on fresh measurements (a resumed
         swarm's links may not be the saved run's)."""
         unknown = sorted(set(saved["codecs"]) - set(self.boundaries))

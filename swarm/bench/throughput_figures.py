@@ -1,0 +1,227 @@
+"""What one point of the throughput benchmark achieved and what bounded it, from its results rows.
+
+A point is one shaped swarm run (swarm.bench.throughput); its row holds:
+- achieved samples/s over the steady steps (the first `warmup` steps, with connection setup, are
+  left out);
+- payload bytes per sample of every boundary, forward and backward (what the peers sent);
+- the link bound: each process has an access link of the rate in each direction, so a middle
+  stage sends forward activations and backward gradients over the same up link; the busiest
+  direction of the busiest process bounds samples/s. With namespaces, the bytes are those the
+  kernel counted on each link over the measured steps (swarm.netlab.counters: the payload plus
+  TCP/IP, TLS and libp2p framing, ACKs and DHT traffic, all of which tbf meters); in process, the
+  payload (swarm.bench.bounds.pipeline_bound, also reported as `payload_link_bound`);
+- the compute bound: 1 / the slowest stage's measured compute seconds per sample (compression
+  included) over the measured steps, from the stage peers' own accounting; and since the lab's
+  peers share this machine's cores, at most cores / the sum of the stages' compute CPU seconds
+  per sample (the computing threads' CPU time, so waiting for a core is not counted as work);
+- achieved / min(link bound, compute bound);
+- what this schedule allows on ideal links (swarm.bench.fluid), to tell the schedule's losses from
+  the transport's;
+- how busy the machine's cores were over the measured steps (`machine_busy`), and where that CPU
+  went per sample: the stages' computing threads (`compute_cpu_ms_per_sample`), each process and
+  its p2p daemon (`cpu_ms_per_sample`; a stage process's other threads are its event loop,
+  framing and pacing, and torch's workers when it runs more than one). The fraction of the cores
+  bound is machine_busy x the computing threads' share of the busy CPU (`compute_share`): the
+  event loops, daemons and trainer on the same cores take the rest. /proc/stat counts busy time
+  by the tick and misses the daemons' short bursts at low load, so there the processes' own
+  times can add up to more than the machine's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swarm.bench.bounds import fraction_of_bound, pipeline_bound, shared_cores_bound
+from swarm.bench.fluid import StepModel, simulate
+from swarm.netlab.counters import window
+from swarm.transport.hivemind.settings import Settings
+
+WARMUP_STEPS = 1
+
+
+@dataclass
+class ThroughputRow:
+    codec: str
+    backward: str
+    bandwidth_mbit: float
+    samples_per_s: float
+    link_bound: float
+    compute_bound: float
+    fraction_of_bound: float
+    schedule_bound: float  # what this schedule allows on ideal fair links (swarm.bench.fluid)
+    binding: str  # what the bound is: "link <process> <direction>" or "compute"
+    busiest_bytes_per_sample: float  # on the binding link: counted by the kernel when measured, else the payload
+    forward_bytes: list[float]  # per boundary, per training sample
+    backward_bytes: list[float]
+    stage_ms_per_sample: list[float]
+    steps: int
+    shaping: str
+    cores_bound: float | None = None  # what the shared cores allow (None: not measured); compute_bound includes it
+    chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
+    payload_link_bound: float | None = None  # the link bound from the payload bytes alone (no headers, ACKs, DHT)
+    wire_bytes_per_sample: dict[str, list[float]] | None = None  # per process: [up, down] as its link counted them
+    machine_busy: float | None = None  # fraction of the machine's CPU time busy over the measured steps
+    machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time per sample over the measured steps
+    compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time per sample, summed
+    compute_share: float | None = None  # compute_cpu_ms_per_sample / machine_cpu_ms_per_sample
+    cpu_ms_per_sample: dict[str, list[float]] | None = (
+        None  # per process: [its own, its p2p daemon's] CPU time per sample
+    )
+
+
+def schedule_bound(
+    train: dict,
+    stages: int,
+    bandwidth_bits: float,
+    forward: list[float],
+    backward: list[float],
+    stage_s: list[float] | None,
+    input_bytes: float,
+    download_limited: bool = True,
+) -> float:
+    """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
+    size = train["batch_size"] / train["micro_batches"]
+    in_flight = train.get("in_flight") or 2 * stages
+    compute = (
+        [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
+    )  # forward and backward each
+    model = StepModel(
+        stages,
+        train["micro_batches"],
+        in_flight,
+        Settings().sending_per_neighbour,
+        [b * size for b in forward],
+        [b * size for b in backward],
+        compute,
+        bandwidth_bits,
+        input_bytes * size,
+        download_limited,
+    )
+    return train["batch_size"] / simulate(model).step_s
+
+
+def measure_run(
+    rows: list[dict],
+    stages: int,
+    bandwidth_bits: float,
+    input_bytes: float,
+    warmup: int = WARMUP_STEPS,
+    download_limited: bool = True,
+    cores: float | None = None,
+) -> dict:
+    """The figures of one finished run's results rows (see module doc); `cores`: the stages share
+    that many cores (None: each has its own hardware)."""
+    steps = [r for r in rows if r["type"] == "step"]
+    if len(steps) <= warmup:
+        raise ValueError(
+            f"the run has {len(steps)} steps; at least {warmup + 1} are needed (the first {warmup} warm up)"
+        )
+    first, last = steps[warmup - 1] if warmup else {"samples": 0, "time_s": 0.0}, steps[-1]
+    samples = last["samples"] - first["samples"]
+    achieved = samples / (last["time_s"] - first["time_s"])
+    forward, backward = [0.0] * (stages - 1), [0.0] * (stages - 1)
+    for row in steps[warmup:]:
+        for key, n in row["bytes"].items():  # "boundary<i>.<direction>.train"
+            boundary, direction = key.split(".")[:2]
+            (forward if direction == "forward" else backward)[int(boundary.removeprefix("boundary"))] += n / samples
+    per_stage = stage_compute(rows, first, last)
+    stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None
+    stage_cpu = [cpu / count for _, cpu, count in per_stage.values() if count]
+    bound = pipeline_bound(
+        bandwidth_bits,
+        forward,
+        backward,
+        stage_s,
+        names=[f"stage{i}" for i in range(stages)],
+        input_bytes=input_bytes,
+    )
+    link, busiest, busiest_bytes = bound.link, f"{bound.busiest} {bound.direction}", bound.wire_bytes
+    meter = metered(rows, first, last, samples)
+    wire = meter["wire_bytes_per_sample"]
+    if wire:  # the links' own counts: the bound is what tbf lets through, headers and ACKs included
+        (busiest, busiest_bytes) = max(
+            ((f"{name} {d}", b) for name, pair in wire.items() for d, b in zip(("up", "down"), pair, strict=True)),
+            key=lambda item: item[1],
+        )
+        link = bandwidth_bits / 8 / busiest_bytes if busiest_bytes else math.inf
+    cores_bound = shared_cores_bound(cores, stage_cpu) if cores and any(stage_cpu) else None
+    compute = min(bound.compute, cores_bound or math.inf)
+    if link <= compute:
+        binding = f"link {busiest}"
+    else:
+        binding = "compute" if compute == bound.compute else f"cores ({cores:g} shared)"
+    train = next(r for r in rows if r["type"] == "config")["config"]["train"]
+    compute_cpu, machine_cpu = 1000 * sum(stage_cpu) if any(stage_cpu) else None, meter["machine_cpu_ms_per_sample"]
+    return {
+        "samples_per_s": achieved,
+        "schedule_bound": schedule_bound(
+            train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited
+        ),
+        "link_bound": link,
+        "compute_bound": compute,
+        "cores_bound": cores_bound,
+        "fraction_of_bound": fraction_of_bound(achieved, link, compute),
+        "binding": binding,
+        "busiest_bytes_per_sample": busiest_bytes,
+        "payload_link_bound": bound.link,
+        **meter,
+        "compute_cpu_ms_per_sample": compute_cpu,
+        "compute_share": compute_cpu / machine_cpu if compute_cpu and machine_cpu else None,
+        "forward_bytes": forward,
+        "backward_bytes": backward,
+        "stage_ms_per_sample": [1000 * s for s in stage_s or []],
+        "steps": len(steps),
+        "chosen": steps[-1].get("codecs"),
+    }
+
+
+def stage_compute(rows: list[dict], first: dict, last: dict) -> dict[int, list[float]]:
+    """{stage: [compute seconds, computing threads' CPU seconds, samples]} of its peers between two
+    step rows (their running totals, `SwarmPipeline.step_notes`); over the whole run (the `stages`
+    row) when the step rows do not carry them (an older results file) or a peer left meanwhile."""
+
+    def totals(peers: list[dict]) -> dict[int, list[float]]:
+        per_stage: dict[int, list[float]] = {}
+        for peer in peers:
+            seconds, cpu, count = per_stage.get(peer["stage"], [0.0, 0.0, 0])
+            per_stage[peer["stage"]] = [
+                seconds + peer["compute_s"],
+                cpu + peer.get("compute_cpu_s", 0.0),
+                count + peer["samples"],
+            ]
+        return per_stage
+
+    if "stages" in last and ("stages" in first or "step" not in first):  # no warm-up: from the start
+        before, after = totals(first.get("stages", [])), totals(last["stages"])
+        between = {
+            stage: [a - b for a, b in zip(now, before.get(stage, [0.0, 0.0, 0]), strict=True)]
+            for stage, now in after.items()
+        }
+        if set(before) <= set(after) and all(
+            count > 0 and seconds >= 0 and cpu >= 0 for seconds, cpu, count in between.values()
+        ):
+            return between
+    return totals(next((r for r in rows if r["type"] == "stages"), {"stages": []})["stages"])
+
+
+def metered(rows: list[dict], first: dict, last: dict, samples: int) -> dict:
+    """Per sample between two step rows, from a lab's meter row (all None without one: an older
+    results file, or a run outside the lab): `wire_bytes_per_sample` {process: [bytes up, bytes
+    down]} (None without namespaces), `machine_busy` (fraction), `machine_cpu_ms_per_sample`,
+    `cpu_ms_per_sample` {process: [its own, its p2p daemon's] CPU ms} (None if not sampled)."""
+    meter = next((r for r in rows if r["type"] == "meter"), None)
+    if meter is None or "at" not in first or "at" not in last:
+        return dict.fromkeys(
+            ("wire_bytes_per_sample", "machine_busy", "machine_cpu_ms_per_sample", "cpu_ms_per_sample")
+        )
+    counted = window(meter, first["at"], last["at"])
+    return {
+        "wire_bytes_per_sample": {
+            name: [counted.sent[name] / samples, counted.received[name] / samples] for name in counted.sent
+        }
+        or None,
+        "machine_busy": counted.busy,
+        "machine_cpu_ms_per_sample": 1000 * counted.busy_s / samples,
+        "cpu_ms_per_sample": {name: [1000 * s / samples for s in pair] for name, pair in counted.cpu.items()} or None,
+    }

@@ -1,0 +1,140 @@
+"""The throughput benchmark's rows for people and files: the table, speed-ups over no compression,
+how the points stand against the target, where the CPU went, a plot and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from swarm.bench.throughput_figures import ThroughputRow
+
+TARGET_FRACTION = 0.8  # the issue's target: achieved >= 80% of min(link bound, compute bound)
+
+
+def cpu_breakdown(row: ThroughputRow) -> str:
+    """Where the machine's CPU went per sample: the stages' computing threads, the rest of the stage
+    peers (event loops, framing, pacing), their p2p daemons, the trainer and bootstrap, the rest."""
+    cpu = row.cpu_ms_per_sample or {}
+    stages = [pair for name, pair in cpu.items() if name.startswith("stage")]
+    others = [pair for name, pair in cpu.items() if not name.startswith("stage")]
+    compute = row.compute_cpu_ms_per_sample or 0.0
+    parts = {
+        "stage compute": compute,
+        "stage peers' other threads": sum(own for own, _ in stages) - compute,
+        "stage p2p daemons": sum(daemon for _, daemon in stages),
+        "trainer and bootstrap (and daemons)": sum(own + daemon for own, daemon in others),
+    }
+    rest = (row.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
+    return (
+        f"CPU per sample: {row.machine_cpu_ms_per_sample or 0.0:.2f} ms = "
+        + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
+        + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
+    )
+
+
+def format_rows(rows: list[ThroughputRow]) -> str:
+    header = [
+        "codec (fw / bw)",
+        "Mbit/s",
+        "samples/s",
+        "link bound",
+        "compute bound",
+        "of bound",
+        "schedule bound",
+        "busiest B/sample",
+        "binding",
+    ]
+    table = [header] + [
+        [
+            f"{r.codec} / {r.backward}",
+            f"{r.bandwidth_mbit:g}",
+            f"{r.samples_per_s:.1f}",
+            f"{r.link_bound:.1f}",
+            f"{r.compute_bound:.1f}",
+            f"{100 * r.fraction_of_bound:.0f}%",
+            f"{r.schedule_bound:.1f}",
+            f"{r.busiest_bytes_per_sample:,.0f}",
+            r.binding,
+        ]
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
+        for line in table
+    )
+
+
+def speedups(rows: list[ThroughputRow], baseline: str = "none") -> dict[tuple[str, float], float]:
+    """samples/s of each codec over the baseline's at the same bandwidth."""
+    base = {r.bandwidth_mbit: r.samples_per_s for r in rows if r.codec == baseline}
+    return {
+        (r.codec, r.bandwidth_mbit): r.samples_per_s / base[r.bandwidth_mbit]
+        for r in rows
+        if r.bandwidth_mbit in base and r.codec != baseline
+    }
+
+
+def target_lines(rows: list[ThroughputRow], target: float = TARGET_FRACTION) -> list[str]:
+    """How the rows stand against `target`, the link-bound points (the comm-bound configurations)
+    apart from those the compute or the shared cores bound (where the p2p daemons, event loops and
+    trainer take CPU from the stages: compute_share says how much)."""
+
+    def name(r: ThroughputRow) -> str:
+        return f"{r.codec} at {r.bandwidth_mbit:g} Mbit/s {100 * r.fraction_of_bound:.0f}%"
+
+    measured = [r for r in rows if math.isfinite(r.fraction_of_bound)]
+    linked = [r for r in measured if r.binding.startswith("link")]
+    lines = []
+    if linked:
+        low = min(linked, key=lambda r: r.fraction_of_bound)
+        met = sum(r.fraction_of_bound >= target for r in linked)
+        lines.append(
+            f"link-bound points at >= {100 * target:.0f}% of the bound: {met} of {len(linked)} (lowest: {name(low)})"
+        )
+    for r in measured:
+        if not r.binding.startswith("link"):
+            share = (
+                f"; the stages' compute used {100 * r.compute_share:.0f}% of the busy CPU" if r.compute_share else ""
+            )
+            lines.append(f"bound by {r.binding}: {name(r)}{share}")
+    return lines
+
+
+def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
+    """samples/s against bandwidth per codec, with each codec's link bound (dashed) and compute bound (dotted)."""
+    # matplotlib only when a plot is asked for: it is an optional dependency and slow to import
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, codec in enumerate(dict.fromkeys(r.codec for r in rows)):
+        mine = sorted((r for r in rows if r.codec == codec), key=lambda r: r.bandwidth_mbit)
+        color = f"C{i}"
+        x = [r.bandwidth_mbit for r in mine]
+        ax.plot(x, [r.samples_per_s for r in mine], "o-", color=color, label=f"{codec} / {mine[0].backward}")
+        ax.plot(x, [r.link_bound for r in mine], "--", color=color, alpha=0.6)
+        compute = [(b, r.compute_bound) for b, r in zip(x, mine, strict=True) if math.isfinite(r.compute_bound)]
+        if compute:  # measured at each point: the stages share this machine's cores with the traffic
+            ax.plot(*zip(*compute, strict=True), ":", color=color, alpha=0.6)
+    ax.plot([], [], "k--", alpha=0.6, label="link bound")
+    ax.plot([], [], "k:", alpha=0.6, label="compute bound (measured per point)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("bandwidth per process link (Mbit/s)")
+    ax.set_ylabel("training samples / s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def to_json(rows: list[ThroughputRow]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=1)

@@ -1,0 +1,41 @@
+"""What the training loop drives: a pipeline of stages, in one process or over a swarm.
+
+`swarm.transport.local.LocalPipeline` and `swarm.transport.hivemind.trainer.pipeline.SwarmPipeline`
+both implement it, so `swarm.training.loop.train` runs either unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import Protocol
+
+import torch
+
+from swarm.engine.microbatch import MicroBatch
+
+
+class Pipeline(Protocol):
+    def run_many(self, items: Sequence[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
+        """Runs each (micro-batch, inputs) forward and (training) backward; the metrics of each, in order."""
+
+    def step(self) -> float:
+        """After every micro-batch of a step went backward: the synchronous step; the learning rate it used."""
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes sent so far per boundary, direction and mode, e.g. 'boundary0.forward.train'."""
+
+    def state_bytes(self) -> int:
+        """Bytes of compression state every link end holds."""
+
+    def save_checkpoint(self, directory: str | PathLike, step: int) -> None:
+        """Every stage's state (engine.checkpoint's stage files) into `directory`."""
+
+    def load_checkpoint(self, directory: str | PathLike) -> int:
+        """Loads what `save_checkpoint` wrote; returns the step it was saved at."""
+
+    def step_notes(self) -> dict:
+        """Extra fields of a step's results row ({} when the transport has none)."""
+
+    def summary_notes(self) -> dict:
+        """Extra fields of the summary row ({} when the transport has none)."""

@@ -1,0 +1,70 @@
+"""An experiment from its config to its results: data, results files, and the single-process run
+(`python -m swarm run CONFIG`); the swarm's trainer (peers.trainer) uses the same pieces."""
+
+from __future__ import annotations
+
+from swarm.config import ExperimentConfig
+from swarm.data import build_datasets
+from swarm.training.checkpoints import Checkpointing, latest_run
+from swarm.training.loop import Schedule, train
+from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.local import build_local_pipeline
+
+
+def build_data(cfg: ExperimentConfig):
+    """The config's (train, test) datasets."""
+    return build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+
+
+def describe(summary: dict, results_path=None) -> list[str]:
+    """What a finished run prints: steps, time and the final metrics (and where results went)."""
+    final = summary.get("final") or {}
+    parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
+    for mode in ("uncompressed", "compressed"):
+        if mode in final:
+            parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
+    return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
+
+
+def _rows_until(results_path, step: int) -> list[dict]:
+    """A resumed run's results so far: the config and the step and eval rows up to `step`."""
+    try:
+        rows = read_results(results_path)
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
+
+
+def open_results(results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter) -> ResultsWriter:
+    """The results file of a run; one that resumes from a checkpoint keeps its rows up to there."""
+    kept = []
+    if checkpoint is not None and results_path is not None:
+        latest = latest_run(checkpoint.directory)
+        if latest is not None:
+            kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
+    results = writer(results_path)
+    for row in kept:
+        results.write(row)
+    return results
+
+
+def run_experiment(
+    cfg: ExperimentConfig,
+    results_path=None,
+    max_steps: int | None = None,
+    progress: bool = True,
+    checkpoint: Checkpointing | None = None,
+) -> dict:
+    """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
+    if cfg.compression.adaptive is not None:
+        raise ValueError(
+            "compression.adaptive needs the swarm (python -m swarm lab, or peers.trainer): one process has no links to measure"
+        )
+    data = build_data(cfg)
+    schedule = Schedule.of(cfg, len(data[0]), max_steps)
+    pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
+    results = open_results(results_path, checkpoint)
+    try:
+        return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
+    finally:
+        results.close()

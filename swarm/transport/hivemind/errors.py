@@ -1,0 +1,37 @@
+"""What can go wrong in a call, as the caller sees it, and errors as one line."""
+
+from __future__ import annotations
+
+from protocols import stage_pb2 as pb
+from protocols.errors import ProtocolError
+
+
+class RemoteError(RuntimeError):
+    """The peer answered, with an error reply (it keeps serving); `code` says what may help."""
+
+    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def retry_link(self) -> bool:
+        return self.code == pb.LINK_RESET
+
+
+class TransportError(RuntimeError):
+    """The peer did not answer properly: unreachable, died, timed out or sent a broken reply."""
+
+
+def one_line(e: BaseException, limit: int = 500) -> str:
+    """An error as one line: our own errors by their message, others with their type."""
+    text = str(e).strip()
+    text = text.splitlines()[0] if text else ""
+    if isinstance(e, RemoteError | ProtocolError) and text:
+        return text[:limit]
+    return f"{type(e).__name__}: {text}"[:limit] if text else type(e).__name__
+
+
+def short(e: BaseException) -> str:
+    """The first line of an error's message (its type when it has none), for messages of our own."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:300]

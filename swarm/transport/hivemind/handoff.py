@@ -1,0 +1,144 @@
+"""Handing a micro-batch on to a peer of the next stage: the trainer to stage 0, a stage peer to
+the stage after it. The same code does both: choosing the peer (the router's choice, sticking to
+the peer in use so link state stays on one pair), numbering the link's messages, the exchange,
+and, when it fails, the retry policy's answer (`retry.Retry`): the same peer on a new link epoch,
+or another peer of that stage, the failed one banned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from protocols import stage_pb2 as pb
+from protocols.framing import Frame
+from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.announce import StageRecord
+from swarm.transport.hivemind.calls import Exchange, Sending
+from swarm.transport.hivemind.errors import RemoteError, TransportError
+from swarm.transport.hivemind.meta import address, batch_to_meta
+from swarm.transport.hivemind.meter import LinkMeter
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.pacing import FlowPacer
+from swarm.transport.hivemind.retry import Retry
+from swarm.transport.hivemind.routing import NoPeerError, Router
+
+log = logging.getLogger(__name__)
+
+
+class Handoff:
+    """Micro-batches from this peer to the peers of `stage`.
+
+    `pacer` and `sending` are the peer's own (they also pace and order what it sends elsewhere);
+    `lost(peer)` is called when the link to a peer lost its order or state (the caller restarts
+    its numbering, and drops its link end if it has one); `replies` meters how fast each peer's
+    replies arrive (None: not metered)."""
+
+    def __init__(
+        self,
+        node: SwarmNode,
+        router: Router,
+        run_id: str,
+        stage: int,
+        pacer: FlowPacer,
+        sending: Sending,
+        lost: Callable[[str], None],
+        replies: dict[str, LinkMeter] | None = None,
+    ) -> None:
+        self.node, self.router, self.run_id, self.stage = node, router, run_id, stage
+        self.pacer, self.sending, self.lost, self.replies = pacer, sending, lost, replies
+        self.settings = node.settings
+        self.retry = Retry(node.settings)
+        self.sticky: str | None = None  # the peer the micro-batches follow (its link state)
+        self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers)
+
+    async def choose(self, session: str, exclude=()) -> StageRecord:
+        record = await self.router.choose(self.stage, exclude=exclude, sticky=self.sticky, session=session)
+        self.sticky = record.peer_id
+        return record
+
+    def _lose(self, peer_id: str) -> None:
+        if self.sticky == peer_id:
+            self.sticky = None
+        self.lost(peer_id)
+
+    async def send(
+        self,
+        batch: MicroBatch,
+        record: StageRecord,
+        sent: tuple[int, int],
+        payload: bytes,
+        session: str,
+        again: Callable[[str], Awaitable[tuple[tuple[int, int], bytes]]],
+        deadline: float | None = None,
+        offer: Callable[[str], float] | None = None,
+    ) -> tuple[Frame, str, tuple[int, int]]:
+        """The reply to `payload` (numbered `sent` on the link to `record`'s peer), the peer that
+        gave it and the number the payload had on that link. Before each retry `again(peer)`
+        numbers and encodes the payload for that peer's link.
+
+        With a `deadline` every try gets what is left of it; without, each gets the call timeout
+        (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
+        can take back from it (pacing)."""
+        meta = batch_to_meta(batch)
+        tried: set[str] = set()
+        target = record.peer_id
+        attempt = 0
+        while True:
+            tried.add(target)
+            if deadline is None:
+                budget = self.settings.call_timeout_s
+                timeout = budget + self.settings.reply_grace_s
+            else:
+                budget = timeout = max(deadline - time.monotonic(), 0.1)
+            head = pb.MicroBatchHead(
+                to=address(self.run_id, self.stage),
+                sender=self.node.peer_id,
+                batch=meta,
+                budget_s=budget,
+                epoch=sent[0],
+                seq=sent[1],
+                reply_share_bits=offer(target) if offer is not None else 0.0,
+            )
+            self.pacer.heard(target, record.download_share, fallback=True)
+            meter = self.replies[target] if self.replies is not None else None
+            exchange = Exchange(
+                self.node.streams, target, "micro_batch", head, payload, self.sending, self.pacer.flow(target), meter
+            )
+            try:
+                frame = await self._reply(exchange, timeout)
+                break
+            except (TransportError, RemoteError) as e:
+                self._lose(target)
+                if not self.retry.again(e, attempt, deadline):
+                    raise
+                if isinstance(e, TransportError):
+                    self.router.failed(target)
+                    try:
+                        record = await self.choose(session, exclude=tried)
+                    except NoPeerError:
+                        raise e from None
+                log.warning(
+                    "micro-batch %s: stage %d peer %s failed (%s); retrying on %s",
+                    batch.key,
+                    self.stage,
+                    target[-8:],
+                    e,
+                    record.peer_id[-8:],
+                )
+                target = record.peer_id
+                sent, payload = await again(target)
+                attempt += 1
+        self.pacer.heard(target, frame.head.share_bits)
+        self.pacer.arrived(target, len(frame.payload))
+        exchange.finish()
+        self.router.succeeded(target)
+        return frame, target, sent
+
+    async def _reply(self, exchange: Exchange, timeout: float) -> Frame:
+        self.awaiting += 1
+        try:
+            return await exchange.reply(timeout)
+        finally:
+            self.awaiting -= 1

@@ -1,0 +1,65 @@
+"""Every timeout and limit of the hivemind transport, in one object (documented in docs/settings.md).
+
+A peer's `SwarmNode` carries its `Settings`; everything the peer does (calls, the stage server,
+routing, announcing) reads them from there. The peers' command lines set the few a user tunes
+(`--timeout`, `--max_payload_mb`, `--wait`); the rest are defaults that hold on home links and
+loopback alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from protocols.framing import MAX_PAYLOAD_BYTES
+
+
+@dataclass(frozen=True)
+class Settings:
+    # ---- calls ------------------------------------------------------------------------------
+    # A micro-batch's whole chain (this stage, the stages after it, and back) must answer within
+    # this; the trainer gives it to stage 0, each stage passes on what is left of it. Step rounds,
+    # setups and checkpoint transfers get as long.
+    call_timeout_s: float = 120.0
+    # The trainer waits this much longer than the chain's budget, so a stage's own timeout error
+    # (a one-line reason) arrives before the trainer gives up on the stream.
+    reply_grace_s: float = 5.0
+    # A status call (peers.status, adaptive compression's reads).
+    info_timeout_s: float = 10.0
+    # ---- retries (swarm.transport.hivemind.retry) -------------------------------------------
+    attempts: int = 3  # tries of a micro-batch (on other peers) or a step round before giving up
+    backoff_s: float = 0.2  # a step round's n-th retry waits n times this
+    ban_s: float = 5.0  # a peer that failed a call is not chosen for this long ...
+    ban_growth: float = 2.0  # ... times this for every failure in a row ...
+    ban_max_s: float = 300.0  # ... up to this
+    # ---- streams ----------------------------------------------------------------------------
+    # A caller reuses a stream idle for less than this; the server closes streams idle for
+    # `server_idle_s`, so a caller never writes to a stream the server is closing.
+    keep_idle_s: float = 20.0
+    server_idle_s: float = 60.0
+    # Seconds between two messages of one payload: a slow link may take long for a whole
+    # payload, a silent peer is noticed.
+    read_timeout_s: float = 60.0
+    max_micro_batch_bytes: int = 1 << 30  # one boundary's activations or gradients (--max_payload_mb)
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES  # stage checkpoints and the step's gradients
+    sending_per_neighbour: int = 1  # payloads in transfer at once to one neighbour (calls.Sending)
+    # ---- link order (swarm.transport.hivemind.ordering) ---------------------------------------
+    # A message of a link epoch this end has not seen waits this long for the epoch's first
+    # message; past it, this end lost the link (it restarted) and says so.
+    link_grace_s: float = 10.0
+    # ---- the DHT ------------------------------------------------------------------------------
+    announce_every_s: float = 5.0  # a stage peer re-announces its record this often ...
+    record_ttl_s: float = 15.0  # ... and a record expires this long after it was stored
+    lookup_every_s: float = 5.0  # a router looks a stage's peers up again after this
+    # A lookup that finds nobody keeps the last non-empty answer this long: over a saturated slow
+    # link the DHT's requests can time out while the peers serve on.
+    lookup_keep_s: float = 60.0
+    setup_wait_s: float = 60.0  # the trainer waits this long for every stage to have a peer (--wait)
+
+    def but(self, **changes) -> Settings:
+        """A copy with `changes` (checked like the constructor's)."""
+        return replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"setting {name} must be a positive number, got {value!r}")

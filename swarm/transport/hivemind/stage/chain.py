@@ -1,0 +1,163 @@
+"""One micro-batch through a stage peer: forward here, the downstream call (whose reply is the
+gradient), backward here, and the result back to the caller. Forward and backward of a micro-batch
+thus use the same pair of peers on every boundary, and their link state stays on that pair.
+
+Several micro-batches are in flight at once: while one waits for its downstream reply, the next
+one's forward runs. Order is kept where mirrored compression state needs it
+(`swarm.transport.hivemind.ordering`): each sender's messages are admitted in their link order
+(a `Turnstile` per sender), our messages downstream are numbered in the order they are encoded
+(a number is taken and the encoding submitted to the compute thread with no await in between),
+and backwards run in the order the forwards ran (`Ordinals`), which keeps the gradients' link order
+too. Link state commits as soon as a message is encoded or decoded; any failure on a link makes the
+sender start a new epoch, so both ends restart that link's state together instead of diverging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocols import stage_pb2 as pb
+from protocols.errors import ProtocolError
+from swarm.engine.linkend import LinkEnds
+from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.meta import meta_to_batch, raw_to_tensor
+from swarm.transport.hivemind.ordering import LinkReset, Ordinals, Turnstile
+
+
+@dataclass
+class Outcome:
+    """A processed micro-batch: the reply for the caller."""
+
+    kind: Kind
+    payload: bytes = b""
+    metrics: dict[str, float] = field(default_factory=dict)
+    route: list[str] = field(default_factory=list)
+
+
+class Chain:
+    """The micro-batches of one hosted stage (`host`: its `HostedStage`)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.ordinals = Ordinals()
+
+    def restart(self) -> None:
+        """A new session: no micro-batch of the last one counts."""
+        self.ordinals = Ordinals()
+
+    async def run(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
+        """Forward here, then downstream and backward here; the reply for `sender`."""
+        host = self.host
+        runtime = host.runtime
+        if runtime is None:
+            raise RemoteError(
+                f"stage {host.stage} of run {host.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
+                pb.NOT_READY,
+            )
+        batch = meta_to_batch(head.batch)
+        # from arrival: the sender's clock runs meanwhile
+        deadline = time.monotonic() + (head.budget_s or host.settings.call_timeout_s) - 0.5
+        used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
+        host.queue += 1
+        host.peak_queue = max(host.peak_queue, host.queue)
+        try:
+            outcome = await self._chain(head, batch, payload, sender, deadline, used)
+        except BaseException:
+            if runtime is host.runtime:
+                await host.compute(runtime.drop, batch, LinkEnds(*used))
+            raise
+        finally:
+            host.queue -= 1
+        host.processed += 1
+        return outcome
+
+    async def _chain(
+        self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str, deadline: float, used: list
+    ) -> Outcome:
+        host, links, handoff = self.host, self.host.links, self.host.handoff
+        started = time.perf_counter()
+        ticket = None
+        try:
+            gate = links.turnstiles.setdefault(sender, Turnstile())
+            async with gate.admit(
+                head.epoch, head.seq, max(deadline - time.monotonic(), 0.1), host.link_grace
+            ) as fresh:
+                if host.first:
+                    inputs = pb.RawTensor()
+                    inputs.ParseFromString(payload)
+                    data = raw_to_tensor(inputs, "stage 0 input")
+                else:
+                    data, used[0] = payload, links.end_in(sender, fresh)
+                    links.received[(sender, "forward", batch.mode.value)] += len(payload)
+                record = None if host.last else await handoff.choose(host.session_id)
+                if record is not None:
+                    used[1] = links.end_out(record.peer_id)
+                    if batch.mode is Mode.TRAIN:
+                        ticket = self.ordinals.issue()
+                    sent = links.numbering.take(record.peer_id)  # in encoding order: no await until submitted
+                try:
+                    message: Message = await host.compute(host.forward, batch, data, LinkEnds(*used))
+                except BaseException:
+                    if record is not None:
+                        links.drop_out(record.peer_id)  # the number we took was never sent
+                    raise
+            if record is None:  # the last stage: gradient (training) or metrics (eval)
+                host.measure(batch, time.perf_counter() - started)
+                return Outcome(message.kind, message.payload, dict(message.metrics), [host.node.peer_id])
+            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used)
+        finally:
+            if ticket is not None:
+                await self.ordinals.finish(ticket)
+
+    async def _downstream(
+        self, batch: MicroBatch, message: Message, record, sent, ticket, started: float, deadline: float, used: list
+    ) -> Outcome:
+        """Sends our activations on (the handoff retries on a new link epoch or another peer) and
+        runs our backward."""
+        host, links = self.host, self.host.links
+        elapsed = time.perf_counter() - started
+
+        async def again(target: str) -> tuple[tuple[int, int], bytes]:
+            """The same activations for a new link: re-encoded against its fresh state."""
+            used[1] = links.end_out(target)
+            number = links.numbering.take(target)
+            resent = await host.compute(host.resend, batch, used[1], message)
+            return number, resent.payload
+
+        more = not host.first and (batch.mode is not Mode.TRAIN or batch.index < host.cfg.train.micro_batches - 1)
+        frame, target, sent = await host.handoff.send(
+            batch,
+            record,
+            sent,
+            message.payload,
+            host.session_id,
+            again,
+            deadline=deadline,
+            offer=lambda peer: host.pacer.offer(peer, more),
+        )
+        result, reply = frame.head, frame.payload
+        route = [host.node.peer_id, *result.route]
+        if result.kind == pb.DONE:
+            host.measure(batch, elapsed)
+            return Outcome(Kind.DONE, b"", dict(result.metrics), route)
+        if result.kind != pb.BACKWARD or ticket is None:
+            raise ProtocolError(
+                f"stage {host.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
+            )
+        links.received[(target, "backward", batch.mode.value)] += len(reply)
+        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), 0.1)):
+            used[1] = outbound = links.ends_out.get(target)
+            if outbound is None or links.numbering.epoch(target) != sent[0]:
+                raise LinkReset(
+                    f"the link to stage {host.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
+                )
+            started = time.perf_counter()
+            try:
+                back: Message = await host.compute(host.backward, batch, reply, dict(result.metrics), LinkEnds(*used))
+            except BaseException:
+                links.drop_out(target)
+                raise
+        host.measure(batch, elapsed + time.perf_counter() - started)
+        return Outcome(back.kind, back.payload, dict(back.metrics), route)

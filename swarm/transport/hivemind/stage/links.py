@@ -1,0 +1,128 @@
+"""A stage peer's links: one link end per neighbour peer, and what each link carried.
+
+Error-feedback state and reused TopK indices live in link ends (`swarm.engine.linkend`), so a
+stage peer keeps one end per neighbour: the pair's state stays on the pair, and a new neighbour
+starts fresh. Ends are replaced, never reset in place (a compute may still hold the old one):
+- an upstream neighbour's end is replaced when its messages start a new link epoch
+  (`swarm.transport.hivemind.ordering`: the sender restarted its end after a failure);
+- a downstream neighbour's end is dropped when the link to it fails (`drop_out`); the next message
+  to it makes a new end and starts a new epoch, so the receiver restarts its end too.
+The first end made on each side is the runtime's own (`spare`), which a checkpoint may have restored.
+Byte counts of replaced ends are kept (`retired`): the status reports a link's totals across its epochs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from swarm.config import ExperimentConfig
+from swarm.engine.build import link_end
+from swarm.engine.linkend import LinkEnd, LinkEnds
+from swarm.transport.hivemind.meter import LinkMeter
+from swarm.transport.hivemind.ordering import Numbering, Turnstile
+
+
+class NeighbourLinks:
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.cfg: ExperimentConfig | None = None
+        self.capacity: int | None = None
+        self.ends_in: dict[str, LinkEnd] = {}  # upstream peer -> our half of that link
+        self.ends_out: dict[str, LinkEnd] = {}  # downstream peer -> our half of that link
+        self.numbering = Numbering()  # of our messages to each downstream peer
+        self.turnstiles: dict[str, Turnstile] = {}  # of each upstream peer's messages to us
+        self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
+        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(
+            LinkMeter
+        )  # how fast each upstream peer's activations arrive
+        self.replies: defaultdict[str, LinkMeter] = defaultdict(
+            LinkMeter
+        )  # how fast each downstream peer's gradients arrive
+        # (neighbour, upstream) -> boundary, bytes sent and their uncompressed size, of replaced ends
+        self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}
+        self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
+        self._spare: dict[bool, LinkEnd | None] = {}
+        self._made = 0
+
+    def start(self, cfg: ExperimentConfig, capacity: int | None, own: LinkEnds) -> None:
+        """A new session: no link, no counts; the first ends made are `own`."""
+        self.cfg, self.capacity = cfg, capacity
+        for table in (self.turnstiles, self.received, self.arrivals, self.replies, self.retired):
+            table.clear()
+        self.restore(own)
+
+    def restore(self, own: LinkEnds) -> None:
+        """A loaded checkpoint: every link restarts from `own` (its ends) with a new epoch; the
+        counts of what the links carried so far stay."""
+        self._spare = {False: own.inbound, True: own.outbound}
+        self.ends_in.clear()
+        self.ends_out.clear()
+        self.numbering.clear()
+        self.upstream = None
+
+    def make(self, upstream: bool, label: str) -> LinkEnd:
+        """A new end of ours with the config's codecs (its AQ-SGD rows in a directory of its own)."""
+        store = self.cfg.compression.store_dir
+        self._made += 1
+        store = None if store is None else f"{store}/stage{self.stage}-{label}-{self._made}"
+        boundary = self.stage if upstream else self.stage - 1
+        return link_end(self.cfg, boundary, upstream, self.capacity, store)
+
+    def _new(self, upstream: bool, neighbour: str) -> LinkEnd:
+        spare = self._spare.get(upstream)
+        if spare is not None:
+            self._spare[upstream] = None
+            return spare
+        return self.make(upstream, neighbour[-12:])
+
+    def end_in(self, sender: str, fresh: bool) -> LinkEnd:
+        """Our end of the link from `sender`; `fresh`: its messages started a new epoch."""
+        end = self.ends_in.get(sender)
+        if end is None or fresh:
+            self._retire(sender, False, self.ends_in.get(sender))
+            end = self.ends_in[sender] = self._new(False, sender)
+        self.upstream = sender
+        return end
+
+    def end_out(self, receiver: str) -> LinkEnd:
+        """Our end of the link to `receiver`; a new end starts a new epoch."""
+        end = self.ends_out.get(receiver)
+        if end is None:
+            end = self.ends_out[receiver] = self._new(True, receiver)
+            self.numbering.restart(receiver)
+        return end
+
+    def drop_out(self, receiver: str) -> None:
+        """Our link with `receiver` lost its order or state: the next message starts a new epoch."""
+        self._retire(receiver, True, self.ends_out.pop(receiver, None))
+
+    def _retire(self, neighbour: str, upstream: bool, end: LinkEnd | None) -> None:
+        if end is None:
+            return
+        _, sent, raw = self.retired.setdefault((neighbour, upstream), (end.boundary, Counter(), Counter()))
+        sent.update(end.bytes)
+        raw.update(end.raw)
+
+    def switch(self, cfg: ExperimentConfig, changed: list[int]) -> None:
+        """New codecs on the `changed` boundaries: their ends go, the next messages start new epochs."""
+        self.cfg = cfg
+        for boundary in changed:
+            upstream = boundary == self.stage  # we send activations on it
+            self._spare[upstream] = None  # the runtime's own end has the old codecs
+            if upstream:
+                for receiver in list(self.ends_out):
+                    self.drop_out(receiver)
+            else:
+                for sender in list(self.ends_in):
+                    self._retire(sender, False, self.ends_in.pop(sender))
+
+    def in_use(self, downstream: str | None) -> LinkEnds:
+        """The ends a checkpoint keeps: those of the links in use (the last upstream sender, the
+        downstream peer micro-batches follow), else the runtime's own, else any."""
+        ends = []
+        for upstream, table, neighbour in ((False, self.ends_in, self.upstream), (True, self.ends_out, downstream)):
+            ends.append(table.get(neighbour) or self._spare.get(upstream) or next(reversed(table.values()), None))
+        return LinkEnds(*ends)
+
+    def state_bytes(self) -> int:
+        return sum(end.state_bytes for end in (*self.ends_in.values(), *self.ends_out.values()))

@@ -1,0 +1,122 @@
+"""A stage peer's part of the synchronous step (swarm.engine.step) and of checkpoints: one handler
+per request, each run on the stage's computing thread (its time counts as the stage's compute).
+
+Every round is idempotent, so the trainer may simply retry one whose reply was lost: gathering
+sums the held gradients again (they stay until the optimizer steps), setting gradients sets the
+same ones, and a retried apply returns the reply of the apply it repeats.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from protocols import stage_pb2 as pb
+from protocols.errors import ProtocolError
+from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
+from swarm.engine.linkend import LinkEnds
+from swarm.engine.microbatch import Mode
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.meta import payload_to_tensors, tensors_to_payload
+from swarm.transport.hivemind.stage.codecs import switched_config
+
+
+class StageRounds:
+    """The step's rounds and checkpoints of one hosted stage (`host`: its `HostedStage`)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.applied: tuple[int, pb.ApplyReply] | None = None  # the last apply: (step, its reply)
+
+    def restart(self) -> None:
+        self.applied = None
+
+    async def handle(self, kind: str, head, payload: bytes) -> tuple[object, bytes]:
+        """The reply (head, payload) to a step round or checkpoint request of `kind`."""
+        self.host.ready()
+        return await self.host.compute(self._counted, getattr(self, kind), head, payload)
+
+    def _counted(self, handler, head, payload: bytes):
+        clock = self.host.clock
+        started = clock.start()
+        try:
+            return handler(head, payload)
+        finally:
+            clock.stop(started)
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def gather(self, head: pb.GatherRequest, payload: bytes) -> tuple[pb.GatherReply, bytes]:
+        runtime = self.host.runtime
+        try:
+            runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
+            grads = runtime.gradients(None if head.all_grads else list(head.grads))
+        except KeyError as e:
+            raise RemoteError(str(e.args[0])) from None
+        slots, data = tensors_to_payload(grads)
+        return pb.GatherReply(grads=slots), data
+
+    def set_grads(self, head: pb.SetGradsRequest, payload: bytes) -> tuple[pb.SetGradsReply, bytes]:
+        runtime = self.host.runtime
+        try:
+            runtime.set_gradients(payload_to_tensors(head.grads, payload))
+        except (KeyError, ValueError) as e:
+            raise ProtocolError(str(e.args[0])) from None
+        return pb.SetGradsReply(grad_sq_norm=runtime.grad_sq_norm() if head.norm else 0.0), b""
+
+    def apply(self, head: pb.ApplyRequest, payload: bytes) -> tuple[pb.ApplyReply, bytes]:
+        host = self.host
+        if self.applied is not None and self.applied[0] == head.step:
+            return self.applied[1], b""
+        cfg, changed = switched_config(host.cfg, host.stage, head.codecs)  # checked before anything changes
+        runtime = host.runtime
+        if head.scale:
+            runtime.scale_grads(head.scale)
+        reply = pb.ApplyReply(lr=runtime.apply_step())
+        host.steps += 1
+        self.applied = (head.step, reply)
+        if changed:  # adaptive compression: new codecs from the next step on
+            host.cfg = cfg
+            host.links.switch(cfg, changed)
+        return reply, b""
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, head: pb.SaveRequest, payload: bytes) -> tuple[pb.SaveReply, bytes]:
+        """This stage as a single-process stage checkpoint, with the links in use as its link ends
+        (other neighbours' links restart fresh after a resume) and this process's RNG."""
+        host = self.host
+        sticky = host.handoff.sticky if host.handoff is not None else None
+        state = stage_state(host.runtime, host.links.in_use(sticky), head.step)
+        state["rng"] = torch.get_rng_state()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return pb.SaveReply(), buffer.getvalue()
+
+    def load(self, head: pb.LoadRequest, payload: bytes) -> tuple[pb.LoadReply, bytes]:
+        """Installs a stage checkpoint, with the codecs its links ran (adaptive compression; else
+        the config's); every link restarts from its saved ends with a new epoch."""
+        host = self.host
+        cfg = switched_config(host.configured, host.stage, head.codecs)[0]
+        try:
+            state = read_stage(io.BytesIO(payload), host.runtime.device)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        host.cfg = cfg
+        host.links.cfg = cfg
+        own = LinkEnds(
+            None if host.first else host.links.make(False, "checkpoint"),
+            None if host.last else host.links.make(True, "checkpoint"),
+        )
+        try:
+            step = apply_stage_state(host.runtime, own, state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ProtocolError(f"checkpoint does not fit stage {host.stage}: {str(e).splitlines()[0][:200]}") from None
+        if isinstance(state.get("rng"), torch.Tensor):
+            torch.set_rng_state(state["rng"])
+        host.links.restore(own)
+        if host.handoff is not None:
+            host.handoff.sticky = None
+        host.steps, self.applied = step, None
+        return pb.LoadReply(step=step), b""

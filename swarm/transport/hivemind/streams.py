@@ -1,0 +1,178 @@
+"""Our framed exchanges on hivemind's raw P2P streams: the caller's end (`PeerStream`, kept for
+reuse in a `StreamPool`) and the server's (`Requests`).
+
+Messages are written and read as `P2P.send_protobuf` / `P2P.receive_protobuf` do (a marker byte,
+a length, the bytes), but by hand: requests are written in paced pieces from views of the payload
+(`swarm.transport.hivemind.pacing.send_paced`), replies are read leaving the chunks' data
+uncopied (`protocols.framing.parse_message`), and reading and writing are independent, so a reply
+is read while the request side stays open (hivemind's `iterate_protobuf_handler` only finishes
+reading once its request iterator is exhausted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from protocols import stage_pb2 as pb
+from protocols.framing import Received, parse_message
+from swarm.transport.hivemind.errors import RemoteError, short
+from swarm.transport.hivemind.pacing import send_paced
+
+PROTOCOL = "hivepipe.stage.v2"  # the stream protocol of every stage call (protocols/stage.proto)
+
+
+def peer_id_of(peer_id) -> PeerID:
+    return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
+
+
+async def read_message(reader: asyncio.StreamReader, begun: bool = False) -> bytes | None:
+    """The next message's bytes, None at the end of the stream (its end marker, or closed);
+    `begun`: its marker was read already. An error marker raises the peer's error."""
+    try:
+        marker = P2P.MESSAGE_MARKER if begun else await reader.readexactly(1)
+        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+            return None  # the end-of-stream marker, or garbage: either way nothing more to read
+        data = await P2P.receive_raw_data(reader)
+    except asyncio.IncompleteReadError:  # the peer closed the stream
+        return None
+    if marker == P2P.ERROR_MARKER:
+        error = RPCError.FromString(data)
+        if error.message:
+            raise RemoteError(short(RuntimeError(error.message)))
+        return None
+    return data
+
+
+class PeerStream:
+    """The caller's end of one stream to a peer."""
+
+    def __init__(self, reader, writer, egress=None) -> None:
+        self.reader, self.writer, self.egress = reader, writer, egress  # egress: the node's in-process shaping
+
+    @classmethod
+    async def open(cls, p2p: P2P, peer_id: str, egress=None) -> PeerStream:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id_of(peer_id), PROTOCOL)
+        return cls(reader, writer, egress)
+
+    async def send(self, messages, flow=None) -> None:
+        """One request's messages, serialized in parts (framing.frame_parts), paced by `flow`
+        (swarm.transport.hivemind.pacing) when given."""
+        for i, parts in enumerate(messages):
+            await send_paced(parts, self.writer, flow, self.egress, first=i == 0)
+
+    async def end(self) -> None:
+        await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
+
+    async def replies(self) -> AsyncIterator[Received]:
+        """The replies as `framing.Received`, until the peer ends or closes the stream."""
+        while (data := await read_message(self.reader)) is not None:
+            yield parse_message(pb.StageReply, data)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+    @property
+    def closed(self) -> bool:
+        """The peer closed it (it went away, or found the stream idle too long)."""
+        return self.reader.at_eof() or self.writer.is_closing()
+
+
+class StreamPool:
+    """Idle streams per peer, reused for later calls.
+
+    A stream goes back to the pool only after a complete reply (nothing of that exchange is left
+    on it); a failed or timed-out call closes its stream instead. The most recently used stream is
+    taken first, so a link keeps about as many streams as it has calls in flight, and streams idle
+    for `keep_s` are closed rather than reused (the server closes streams idle for longer, and a
+    reused stream the server had just closed would fail a call)."""
+
+    def __init__(self, p2p: P2P, egress=None, keep_s: float = 20.0, clock=time.monotonic) -> None:
+        self.p2p, self.egress, self.keep_s, self.clock = p2p, egress, keep_s, clock
+        self._idle: dict[str, list[tuple[PeerStream, float]]] = {}
+        self.opened: Counter = Counter()  # streams opened per peer
+
+    async def take(self, peer_id: str) -> PeerStream:
+        now = self.clock()
+        idle = self._idle.get(peer_id, [])
+        while idle:
+            stream, since = idle.pop()
+            if now - since < self.keep_s and not stream.closed:
+                return stream
+            stream.close()
+        self.opened[peer_id] += 1
+        return await PeerStream.open(self.p2p, peer_id, self.egress)
+
+    def give_back(self, peer_id: str, stream: PeerStream) -> None:
+        now = self.clock()
+        self._close_expired(now)
+        self._idle.setdefault(peer_id, []).append((stream, now))
+
+    def _close_expired(self, now: float) -> None:
+        """Closes every peer's streams idle for `keep_s`, also of peers no longer called (a stream
+        holds a socket to the p2p daemon until it is closed)."""
+        for peer_id, idle in list(self._idle.items()):
+            while idle and now - idle[0][1] >= self.keep_s:  # the oldest first: they have not been wanted
+                idle.pop(0)[0].close()
+            if not idle:
+                del self._idle[peer_id]
+
+    def idle(self, peer_id: str) -> int:
+        return len(self._idle.get(peer_id, ()))
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for stream, _ in idle:
+                stream.close()
+        self._idle.clear()
+
+
+class Requests:
+    """The server's end of one stream: the requests a caller sends on it, one after another.
+
+    `next` waits for the first byte of the next request and notes when it came: a sender starts
+    writing a payload as soon as its send slot is free, so that byte marks the start of the
+    payload's transfer (what the link meters time), whether the stream is new or reused."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self.started = 0.0
+        self._begun = False  # `next` read the first message's marker already
+
+    async def next(self, idle_timeout: float) -> bool:
+        """True when a request begins; False when the caller ended the stream or let it idle."""
+        try:
+            marker = await asyncio.wait_for(self.reader.readexactly(1), idle_timeout)
+        except (asyncio.IncompleteReadError, TimeoutError):
+            return False
+        self.started = time.monotonic()
+        self._begun = marker == P2P.MESSAGE_MARKER  # else the end-of-stream marker
+        return self._begun
+
+    async def messages(self) -> AsyncIterator[Received]:
+        """This request's messages (a reader of one frame stops at its last one) and, read on,
+        whatever follows until the caller ends the stream."""
+        while True:
+            begun, self._begun = self._begun, False
+            data = await read_message(self.reader, begun)
+            if data is None:
+                return
+            yield parse_message(pb.StageRequest, data)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Reads and drops what is left of a refused request until the caller ends or closes the
+        stream (bounded), so the error reply is not cut short by closing under it."""
+        with contextlib.suppress(Exception):
+
+            async def drain():
+                async for _ in self.messages():
+                    pass
+
+            await asyncio.wait_for(drain(), timeout)
