@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
+from _util import SMOKE
 
 from swarm.config import load_config
 from swarm.training.experiment import build_data, run_experiment
@@ -25,7 +25,6 @@ from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 HOSTS = 5
 SETTINGS = Settings(call_timeout_s=30, read_timeout_s=10)  # a test's peers give up sooner than a swarm's
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
 
 
 def p2pd_count() -> int:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
 
 import torch
 
 from protocols import compressed_tensor_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout the tests run in
+SMOKE = REPO / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}

@@ -1,4 +1,6 @@
-"""Shared fixtures for the compression-layer tests."""
+"""Shared fixtures of every test package: offline Hugging Face, hypothesis profile, seeds, and the
+in-process swarm (tests/_swarm_env.py). The helper modules beside this file (_util, _swarm_env,
+_codec_cases, _feedback_cases) are importable from every test package."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Every shipped config loads and validates; the paper's tables are all there."""
 
-from pathlib import Path
-
 import pytest
+from _util import REPO
 
 from swarm.config import ConfigError, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -6,15 +6,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
+from _util import REPO
 
 from swarm.netlab.namespaces import NetLab, NetlabError, require
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKER = ROOT / "docker"
+DOCKER = REPO / "docker"
 ENTRYPOINT = DOCKER / "entrypoint.sh"
 # the entrypoint's own variables are what each test sets, never what the calling shell exported
 ENTRYPOINT_VARS = (
@@ -43,13 +42,13 @@ ENTRYPOINT_VARS = (
     "DRY_RUN",
 )
 ENV = {k: v for k, v in os.environ.items() if k not in ENTRYPOINT_VARS}
-ENV["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+ENV["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _entrypoint(env: dict, *args: str, wrap=None) -> subprocess.CompletedProcess:
     argv = ["sh", str(ENTRYPOINT), *args]
     return subprocess.run(
-        wrap(argv) if wrap else argv, capture_output=True, text=True, env={**ENV, **env}, cwd=ROOT, timeout=60
+        wrap(argv) if wrap else argv, capture_output=True, text=True, env={**ENV, **env}, cwd=REPO, timeout=60
     )
 
 
@@ -139,7 +138,7 @@ def test_dockerfile_lint():
     assert "FROM ${BASE_IMAGE}" in text and "iproute2" in text and "HEALTHCHECK" in text
     assert 'ENTRYPOINT ["hivepipe-entrypoint"]' in text and "docker/entrypoint.sh" in text
     for path in re.findall(r"^COPY\s+(\S+)", text, re.M):
-        assert (ROOT / path).exists(), f"COPY {path}: missing from the build context"
+        assert (REPO / path).exists(), f"COPY {path}: missing from the build context"
 
 
 def test_entrypoint_dry_run_prints_tc_and_the_peer_command():

@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import uuid
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
-from _swarm_env import SMOKE, assert_same_run, local_rows, p2pd_count, smoke, split_batches, swarm_rows
-from google.protobuf.message import DecodeError
+from _swarm_env import assert_same_run, local_rows, smoke, split_batches, swarm_rows
 
 from protocols import stage_pb2 as pb
-from protocols.framing import CHUNK_BYTES, Assembler, ProtocolError, frame, frame_parts, parse_message, read_frame
-from swarm.config import load_config
-from swarm.engine.build import config_digest
+from protocols.framing import ProtocolError, frame, read_frame
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
-from swarm.training.results import ResultsWriter, read_results
+from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind import PROTOCOL_VERSION, loop
 from swarm.transport.hivemind.announce import discover
 from swarm.transport.hivemind.calls import call
@@ -41,7 +35,6 @@ from swarm.transport.hivemind.streams import PeerStream
 from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 CODECS = [
     ("none", "none"),
     ("quant:4", "quant:4"),
@@ -146,102 +139,6 @@ def test_p2p_daemons_run_on_the_threads_a_peer_is_given(swarm):
         RuntimeError, match=r"^--daemon_threads must be 0 \(one per core\) or a positive integer, got -1$"
     ):
         swarm.loop.run(SwarmNode.create(NodeOptions(initial_peers=swarm.maddrs, daemon_threads=-1)))
-
-
-def _chunks(payload: bytes) -> list[pb.Chunk]:
-    return [m.chunk for m in frame(pb.StageRequest, "micro_batch", pb.MicroBatchHead(), payload)]
-
-
-def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
-    """frame_parts writes each message as protobuf would (chunk fields filled, then serialized), the
-    data a view of the payload, for heads with and without fields and payloads of 0 to 4 chunks."""
-    heads = [
-        (pb.StageRequest, "micro_batch", pb.MicroBatchHead(to=pb.Address(run_id="r", stage=2), budget_s=3.5)),
-        (pb.StageReply, "micro_batch", pb.ResultHead()),
-        (pb.StageRequest, "gather", pb.GatherRequest()),
-        (pb.StageReply, "error", pb.ErrorReply(message="no")),
-    ]
-    for size in (0, 1, 300, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 3 * CHUNK_BYTES + 17):
-        payload = os.urandom(size)
-        count = max(1, -(-size // CHUNK_BYTES))
-        for message_type, field, head in heads:
-            framed = list(frame_parts(message_type, field, head, payload))
-            assert len(framed) == count
-            for i, parts in enumerate(framed):
-                expected = message_type(**{field: head}) if i == 0 else message_type()
-                expected.chunk.index, expected.chunk.count, expected.chunk.total_length, expected.chunk.crc32 = (
-                    i,
-                    count,
-                    size,
-                    zlib.crc32(payload),
-                )
-                expected.chunk.data = payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
-                assert b"".join(parts) == expected.SerializeToString(), (size, field, i)
-                assert size == 0 or parts[-1].obj is payload  # not a copy
-            assert [m.SerializeToString() for m in frame(message_type, field, head, payload)] == [
-                b"".join(parts) for parts in framed
-            ]
-
-
-def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf_does():
-    """parse_message leaves a framed chunk's data out of the parsed message (a view of the bytes
-    received); a message laid out otherwise (chunk first, a field after it, the chunk twice) is
-    parsed whole, and garbage fails as protobuf fails."""
-    payload = os.urandom(CHUNK_BYTES + 300)
-    head = pb.MicroBatchHead(to=pb.Address(run_id="r", stage=1))
-    for parts in frame_parts(pb.StageRequest, "micro_batch", head, payload):
-        data = b"".join(parts)
-        message, view = parse_message(pb.StageRequest, data)
-        assert isinstance(view, memoryview) and view.obj is data and len(view) == len(parts[1])
-        assert not message.chunk.data
-        message.chunk.data = bytes(view)
-        assert message == pb.StageRequest.FromString(data)
-    whole = pb.StageRequest(micro_batch=head, chunk=pb.Chunk(index=0, count=1, total_length=3, crc32=7, data=b"abc"))
-    chunk_first = whole.chunk.SerializeToString()
-    chunk_first = (
-        b"\x7a" + bytes([len(chunk_first)]) + chunk_first + pb.StageRequest(micro_batch=head).SerializeToString()
-    )
-    twice = whole.SerializeToString() + pb.StageRequest(chunk=pb.Chunk(data=b"xyz")).SerializeToString()
-    trailing = (
-        whole.SerializeToString()
-        + pb.StageRequest(micro_batch=pb.MicroBatchHead(to=pb.Address(stage=9))).SerializeToString()
-    )
-    for data in (chunk_first, twice, trailing):
-        message, view = parse_message(pb.StageRequest, data)
-        assert view is None and message == pb.StageRequest.FromString(data)
-    assert (
-        parse_message(pb.StageRequest, twice).message.chunk.data == b"xyz"
-        and parse_message(pb.StageRequest, trailing).message.micro_batch.to.stage == 9
-    )
-    for garbage in (whole.SerializeToString()[:-1], b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0f"):
-        with pytest.raises(DecodeError):
-            pb.StageRequest.FromString(garbage)
-        with pytest.raises(DecodeError):
-            parse_message(pb.StageRequest, garbage)
-
-
-def test_chunks_verify_length_order_and_checksum():
-    payload = os.urandom(3 * 1024 * 1024 + 17)  # > 2 MiB: several chunks
-    chunks = _chunks(payload)
-    assert len(chunks) == 4 and all(len(c.data) <= 1 << 20 for c in chunks)
-    assembler = Assembler()
-    assert [assembler.add(c) for c in chunks] == [False, False, False, True]
-    assert assembler.payload() == payload
-    short = Assembler()
-    for c in chunks[:2]:
-        short.add(c)
-    with pytest.raises(ProtocolError, match="truncated"):
-        short.payload()
-    out_of_order = Assembler()
-    out_of_order.add(chunks[0])
-    with pytest.raises(ProtocolError, match="expected chunk 1"):
-        out_of_order.add(chunks[2])
-    (single,) = _chunks(b"activations")
-    single.data = b"activatiOns"
-    corrupt = Assembler()
-    assert corrupt.add(single)
-    with pytest.raises(ProtocolError, match="checksum"):
-        corrupt.payload()
 
 
 def test_raw_tensors_and_batch_meta_round_trip_and_validate():
@@ -373,155 +270,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         swarm.unhost(run_id)
 
 
-def test_config_digest_covers_what_stages_compute():
-    base = smoke()
-    assert config_digest(base) == config_digest(
-        smoke("train.batch_size=20", "name=other", "compression.store_dir=/tmp/elsewhere")
-    )
-    assert config_digest(base) != config_digest(smoke("compression.forward=quant:4", "compression.backward=none"))
-    assert config_digest(base) != config_digest(smoke("seed=1"))
-
-
 # ---- separate processes ---------------------------------------------------------------------
-
-
-def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
-    before = p2pd_count()
-    results = tmp_path / "lab.jsonl"
-    overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
-    sets = [a for o in overrides for a in ("--set", o)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm",
-            "lab",
-            str(SMOKE),
-            "--stages",
-            "2",
-            "--steps",
-            "2",
-            "--results",
-            str(results),
-            "--checkpoint_dir",
-            str(tmp_path / "ck"),
-            "--checkpoint_every",
-            "1",
-            *sets,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
-    cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
-    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
-    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
-        "stage0.pt",
-        "stage1.pt",
-        "trainer.pt",
-    ]
-    (stages,) = [r for r in read_results(results) if r["type"] == "stages"]  # what the throughput benchmark reads
-    assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(
-        s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"]
-    )
-    assert all(
-        0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"]
-    )  # the computing thread's CPU time, one torch thread
-    steps = [r for r in read_results(results) if r["type"] == "step"]  # each carries the stages' compute so far
-    assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [
-        [(0, 40), (1, 40)],
-        [(0, 80), (1, 80)],
-    ]
-    assert all(
-        0 < p["compute_s"] <= q["compute_s"] for p, q in zip(steps[0]["stages"], steps[1]["stages"], strict=True)
-    )
-    threads = max(1, len(os.sched_getaffinity(0)) // 3)  # two stage peers and the trainer share the cores
-    assert f"[lab] torch threads per peer: {threads}" in out.stdout
-    assert p2pd_count() == before  # every daemon the lab started is gone
-
-
-@pytest.mark.parametrize("shaping", ["netns", "inprocess"])
-def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
-    import re
-
-    from swarm.netlab.namespaces import list_namespaces
-
-    results = tmp_path / "shaped.jsonl"
-    namespaces = set(list_namespaces("hp"))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm",
-            "lab",
-            str(SMOKE),
-            "--stages",
-            "2",
-            "--steps",
-            "2",
-            "--results",
-            str(results),
-            "--bandwidth",
-            "stage1=20mbit,*=50mbit",
-            "--delay",
-            "5ms",
-            "--shaping",
-            shaping,
-            "--set",
-            "train.eval_every=100",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    if shaping == "netns":
-        assert (
-            "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
-            and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
-        )
-        probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
-        assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
-        assert set(list_namespaces("hp")) == namespaces  # all torn down
-        rows = read_results(results)
-        meter = next(r for r in rows if r["type"] == "meter")["samples"]
-        counted = {
-            name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)]
-            for name in ("stage0", "stage1")
-        }
-        payload = {
-            d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step")
-            for d in ("forward", "backward")
-        }
-        assert payload["forward"] > 0 and payload["backward"] > 0
-        # what each link's qdisc metered covers the payload that crossed it, headers on top
-        assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
-        assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
-        assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
-    else:
-        assert (
-            "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms"
-            in out.stdout
-        )
-        probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert (
-            probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
-        )  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
-    meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
-    used = {
-        name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)]
-        for name in ("stage0", "stage1", "trainer")
-    }
-    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), (
-        used
-    )  # each peer and its p2p daemon worked while metered
-    cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
-    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
 
 
 def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from _util import REPO, SMOKE
 
 from peers._common import apply_threads
 from swarm.training.results import read_results
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
-
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 def test_run_writes_the_documented_results(tmp_path):
@@ -102,7 +99,7 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one():
             capture_output=True,
             text=True,
             timeout=60,
-            cwd=ROOT,
+            cwd=REPO,
         )
         assert (
             result.returncode == 2
@@ -123,7 +120,7 @@ def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
             capture_output=True,
             text=True,
             timeout=60,
-            cwd=ROOT,
+            cwd=REPO,
         )
         assert (
             result.returncode == 2

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _util import SMOKE
 
 from swarm.compression import parse
 from swarm.compression.state import GlobalState, SampleStore
@@ -16,8 +15,6 @@ from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.local import build_local_pipeline
-
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
 
 def _losses(rows) -> list[float]:

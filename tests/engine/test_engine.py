@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from _util import SMOKE
 
 from swarm.compression import parse
 from swarm.config import load_config
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.training.experiment import run_experiment
 from swarm.transport.local import build_local_pipeline
-
-SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
 
 def cfg_with(*overrides: str):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _util import REPO
 
 from swarm.cli import main
 from swarm.config import load_config
@@ -20,8 +21,6 @@ from swarm.study.runner import StudyLocked, _lock, discover, run_study, same_con
 from swarm.study.runs import load_run
 from swarm.training.experiment import run_experiment
 from swarm.training.results import ResultsWriter, read_results
-
-ROOT = Path(__file__).resolve().parents[1]
 
 TINY = """\
 name: {name}
@@ -179,11 +178,11 @@ def test_findings_are_read_from_the_numbers():
 
 
 def test_study_configs_are_generated_and_carry_the_papers_figures():
-    generator = ROOT / "configs" / "study-cpu" / "generate.py"
+    generator = REPO / "configs" / "study-cpu" / "generate.py"
     result = subprocess.run([sys.executable, str(generator), "--check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    study = {p.stem: load_config(p) for p in (ROOT / "configs" / "study-cpu").glob("*.yaml")}
-    paper = [load_config(p) for p in (ROOT / "configs" / "paper").glob("*.yaml")]
+    study = {p.stem: load_config(p) for p in (REPO / "configs" / "study-cpu").glob("*.yaml")}
+    paper = [load_config(p) for p in (REPO / "configs" / "paper").glob("*.yaml")]
     tables = {}
     for name, cfg in study.items():
         tables[cfg.report.table.split(":")[0]] = tables.get(cfg.report.table.split(":")[0], 0) + 1
@@ -199,7 +198,7 @@ def test_study_configs_are_generated_and_carry_the_papers_figures():
 def test_the_papers_own_figures_pass_every_check():
     """The rules behind the verdicts are faithful to the paper: its own tables satisfy them all."""
     rows = []
-    for path in sorted((ROOT / "configs" / "study-cpu").glob("*.yaml")):
+    for path in sorted((REPO / "configs" / "study-cpu").glob("*.yaml")):
         cfg = load_config(path)
         paper = cfg.report.paper
         rows.append(

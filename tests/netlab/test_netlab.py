@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import secrets
 import select
@@ -20,21 +19,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from _util import REPO
 
-from swarm.bench import bounds
-from swarm.compression import adaptive
 from swarm.lab.probe import probe_in_process
 from swarm.lab.probe_namespaces import probe_netlab
 from swarm.netlab.counters import GroupCpu, proc_stats
 from swarm.netlab.namespaces import NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
 from swarm.netlab.shaper import TokenBucket, shaped
-from swarm.rates import format_rate, parse_delay, parse_rate
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
 # how long a child process may take to start, set a lab up or tear it down on a loaded machine
 LOADED_S = 60.0
 
@@ -60,153 +55,10 @@ def _qdiscs(ns: str, dev: str) -> str:
 # ------------------------------------------------------------------------------------------ rates
 
 
-@pytest.mark.parametrize(
-    ("text", "bits"),
-    [
-        ("100mbit", 100_000_000),
-        ("10Mbit", 10_000_000),
-        ("1gbit", 10**9),
-        ("500kbit", 500_000),
-        ("1.5mbit", 1_500_000),
-        ("64kibit", 65536),
-        (" 20 MBIT ", 20_000_000),
-        (5e6, 5_000_000),
-        (123, 123),
-        ("100", 100),  # a bare number is bits/s
-    ],
-)
-def test_parse_rate(text, bits):
-    assert parse_rate(text) == bits
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [
-        "",
-        "fast",
-        "-5mbit",
-        "0mbit",
-        "10mbps",
-        "10MB/s",
-        "1e400mbit",
-        "mbit",
-        "10 m bit s",
-        "nan",
-        True,
-        float("inf"),
-        0,
-    ],
-)
-def test_bad_rate_is_one_clear_line(bad):
-    with pytest.raises(ValueError) as info:
-        parse_rate(bad)
-    message = str(info.value)
-    assert "\n" not in message and "rate" in message and len(message) < 200
-
-
-def test_delay_and_format():
-    assert parse_delay("20ms") == pytest.approx(0.02)
-    assert parse_delay("0.5s") == 0.5 and parse_delay("100us") == pytest.approx(1e-4) and parse_delay(None) == 0.0
-    for bad in ("soon", "-1ms", "2min", "99s"):
-        with pytest.raises(ValueError, match="bad delay"):
-            parse_delay(bad)
-    assert format_rate(20_000_000) == "20mbit" and format_rate(1_500_000) == "1.5mbit" and format_rate(500) == "500bit"
-
-
 # ----------------------------------------------------------------------------------------- bounds
 
 
-def test_compute_bound_and_fraction():
-    assert bounds.compute_bound([0.1, 0.25, 0.2]) == pytest.approx(4.0)
-    assert bounds.fraction_of_bound(3.0, link_bound=10.0, compute_bound=4.0) == pytest.approx(0.75)
-    assert bounds.fraction_of_bound(3.0, link_bound=5.0) == pytest.approx(0.6)
-    assert math.isnan(bounds.fraction_of_bound(1.0, math.inf))
-    with pytest.raises(ValueError):
-        bounds.compute_bound([])
-    assert bounds.shared_cores_bound(2, [0.01, 0.03]) == pytest.approx(50.0)  # two cores, 40 ms of CPU per sample
-    assert bounds.shared_cores_bound(2, [0.0]) == math.inf
-    with pytest.raises(ValueError, match="cores"):
-        bounds.shared_cores_bound(0, [0.01])
-    fw, bw = [1e6, 1e6, 1e6], [1e6, 1e6, 1e6]
-    assert bounds.pipeline_bound("80mbit", fw, bw, stage_seconds=[0.01, 0.02, 0.01, 0.01]).compute == pytest.approx(50)
-    assert bounds.pipeline_bound("80mbit", fw, bw).compute == math.inf  # stage times unknown
-
-
-def test_access_links_are_full_duplex_but_a_middle_stage_sends_both_waves():
-    """In the namespace lab each direction of a process's link has the whole rate, but a middle
-    stage's up link carries activations forward AND gradients back."""
-    fw, bw = [1e6, 1e6, 1e6], [1e6, 1e6, 1e6]
-    loads = bounds.access_loads(bounds.chain_transfers(fw, bw))
-    assert loads["stage0"] == bounds.Load(up=1e6, down=1e6)
-    assert loads["stage1"] == bounds.Load(up=2e6, down=2e6)
-    b = bounds.pipeline_bound("80mbit", fw, bw)  # 10 MB/s over 2 MB per sample
-    assert b.link == pytest.approx(5.0) and b.busiest in ("stage1", "stage2") and b.wire_bytes == 2e6
-    two = bounds.pipeline_bound(80e6, [1e6], [0.5e6])  # full duplex: forward and backward do not add up
-    assert two.link == pytest.approx(10.0) and (two.busiest, two.direction) == ("stage0", "up")
-    slow_edge = bounds.pipeline_bound({"stage0": "8mbit", "stage1": None}, fw, bw)
-    assert slow_edge.busiest == "stage0" and slow_edge.link == pytest.approx(1.0)
-    with_trainer = bounds.chain_transfers(fw, bw, input_bytes=3e6)
-    assert bounds.access_loads(with_trainer)["trainer"].up == pytest.approx(3e6)
-    # stage 0 receives the inputs and the gradients
-    assert bounds.access_bound("80mbit", with_trainer) == (pytest.approx(2.5), "stage0", "down")
-    assert bounds.pipeline_bound(80e6, [0.0], [0.0]).link == math.inf  # nothing crosses a link
-    with pytest.raises(ValueError, match="stage names"):
-        bounds.chain_transfers(fw, bw, names=["a", "b"])
-
-
 # --------------------------------------------------------------------------------------- adaptive
-
-
-def test_adaptive_picks_mildest_that_fits_and_follows_a_bandwidth_drop():
-    elements = 250_000  # 1 MB of fp32 activations per sample
-    options = adaptive.topk_candidates(elements)
-    assert [c.spec for c in options] == ["none", "topk:0.5", "topk:0.3", "topk:0.2", "topk:0.1", "topk:0.05"]
-    ctl = adaptive.AdaptiveCompression({0: options, 1: adaptive.quant_candidates(elements)}, hysteresis=0.15)
-    targets = adaptive.neighbour_targets([0.05, 0.1, 0.08])
-    assert targets == {0: 0.1, 1: 0.1}
-
-    first = ctl.decide(1e9, targets)  # 1 Gbit/s: 1 MB takes 8 ms, no compression needed
-    assert ctl.choices == {0: "none", 1: "none"} and all(d.fits and d.changed for d in first.values())
-
-    drop = ctl.decide({0: 40e6, 1: 40e6}, targets)  # 40 Mbit/s: 100 ms carries 500 kB
-    assert ctl.choices == {0: "topk:0.3", 1: "quant:8"}  # topk:0.5 needs 106 ms; quant:8 needs 50 ms
-    assert all(d.fits and d.changed for d in drop.values())
-
-    worse = ctl.decide(4e6, targets)  # nothing fits at 4 Mbit/s: the strongest, flagged
-    assert ctl.choices == {0: "topk:0.05", 1: "quant:2"} and not worse[0].fits
-
-    # recovery with jitter around the threshold where topk:0.3 fits (it needs 73 Mbit/s... after the drop)
-    ctl.decide(40e6, targets)
-    assert ctl.choices[0] == "topk:0.3"
-    changes = len(ctl.history)
-    for bandwidth in (42.8e6, 42.0e6, 42.8e6, 42.0e6):  # topk:0.5 would fit at >= 42.5 Mbit/s, but not with 15% spare
-        ctl.decide(bandwidth, targets)
-        assert ctl.choices[0] == "topk:0.3"
-    assert len([d for d in ctl.history[changes:] if d.boundary == 0]) == 0  # no flapping
-    ctl.decide(60e6, targets)  # comfortably enough: relax
-    assert ctl.choices[0] == "topk:0.5"
-    assert "boundary 0: topk:0.5" in ctl.report()
-
-
-def test_adaptive_compression_follows_a_bandwidth_drop_and_recovers_with_hysteresis():
-    elements = 64 * 32 * 32  # ResNet-18 layer1, per sample
-    ctl = adaptive.AdaptiveCompression({0: adaptive.topk_candidates(elements)}, hysteresis=0.15)
-    target = 0.008  # seconds of link time per sample the compute allows
-    assert ctl.decide(parse_rate("1gbit"), target)[0].spec in ("none", "topk:1.0")  # fast: no compression
-    dropped = ctl.decide(parse_rate("20mbit"), target)[0]
-    assert dropped.changed and dropped.spec.startswith("topk:") and dropped.link_seconds <= target
-    milder = [c.spec for c in ctl.candidates[0]].index(dropped.spec) - 1
-    assert milder >= 0  # a milder setting exists, and it does not fit at 20 Mbit/s
-    assert ctl.candidates[0][milder].link_seconds(parse_rate("20mbit")) > target
-    assert not ctl.decide(parse_rate("21mbit"), target)[0].changed  # a small recovery does not flap back
-    assert ctl.decide(parse_rate("1gbit"), target)[0].index == 0
-    assert len(ctl.history) == 3 and "change(s)" in ctl.report()
-
-
-def test_adaptive_rejects_misordered_candidates():
-    with pytest.raises(ValueError, match="mildest"):
-        adaptive.AdaptiveCompression({0: [adaptive.Candidate("topk:0.1", 10), adaptive.Candidate("none", 100)]})
-    assert adaptive.choose([adaptive.Candidate("a", 1000), adaptive.Candidate("b", 10)], 8000, 0.5) == 1
 
 
 # ----------------------------------------------------------------------------- in-process shaper
@@ -382,17 +234,6 @@ def _group_has(pgid: int, name: str) -> bool:
     return any(comm == name and int(fields[2]) == pgid for _, comm, fields in proc_stats())
 
 
-def test_bad_lab_arguments():
-    with pytest.raises(ValueError, match="unknown link"):
-        NetLab(["a", "b"], rates={"c": "1mbit"})
-    with pytest.raises(ValueError, match="bad rate"):
-        NetLab(["a"], rates={"a": "fast"})
-    with pytest.raises(ValueError, match="bad process name"):
-        NetLab(["a b"])
-    with pytest.raises(ValueError, match="too small"):
-        NetLab([f"p{i}" for i in range(10)], subnet="10.1.0.0/29")
-
-
 _OWNER = textwrap.dedent(
     """
     import signal, sys, time
@@ -516,3 +357,14 @@ def test_shaping_limits_hivemind_throughput(caps):
         assert fast[direction] > 3 * slow[direction], (
             f"{direction}: 1gbit {fast[direction]:.1f} vs 20mbit {slow[direction]:.1f} Mbit/s"
         )
+
+
+def test_bad_netlab_arguments_are_one_line_errors():
+    with pytest.raises(ValueError, match="unknown link"):
+        NetLab(["a", "b"], rates={"c": "1mbit"})
+    with pytest.raises(ValueError, match="bad rate"):
+        NetLab(["a"], rates={"a": "fast"})
+    with pytest.raises(ValueError, match="bad process name"):
+        NetLab(["a b"])
+    with pytest.raises(ValueError, match="too small"):
+        NetLab([f"p{i}" for i in range(10)], subnet="10.1.0.0/29")

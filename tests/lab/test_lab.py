@@ -1,0 +1,153 @@
+"""`python -m swarm lab`: a swarm of separate processes on this machine, shaped or not, equals one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from _swarm_env import assert_same_run, local_rows, p2pd_count
+from _util import REPO, SMOKE
+
+from swarm.config import load_config
+from swarm.training.results import read_results
+
+
+def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
+    before = p2pd_count()
+    results = tmp_path / "lab.jsonl"
+    overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
+    sets = [a for o in overrides for a in ("--set", o)]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "lab",
+            str(SMOKE),
+            "--stages",
+            "2",
+            "--steps",
+            "2",
+            "--results",
+            str(results),
+            "--checkpoint_dir",
+            str(tmp_path / "ck"),
+            "--checkpoint_every",
+            "1",
+            *sets,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
+    cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
+    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
+    assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
+        "stage0.pt",
+        "stage1.pt",
+        "trainer.pt",
+    ]
+    (stages,) = [r for r in read_results(results) if r["type"] == "stages"]  # what the throughput benchmark reads
+    assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(
+        s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"]
+    )
+    assert all(
+        0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"]
+    )  # the computing thread's CPU time, one torch thread
+    steps = [r for r in read_results(results) if r["type"] == "step"]  # each carries the stages' compute so far
+    assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [
+        [(0, 40), (1, 40)],
+        [(0, 80), (1, 80)],
+    ]
+    assert all(
+        0 < p["compute_s"] <= q["compute_s"] for p, q in zip(steps[0]["stages"], steps[1]["stages"], strict=True)
+    )
+    threads = max(1, len(os.sched_getaffinity(0)) // 3)  # two stage peers and the trainer share the cores
+    assert f"[lab] torch threads per peer: {threads}" in out.stdout
+    assert p2pd_count() == before  # every daemon the lab started is gone
+
+
+@pytest.mark.parametrize("shaping", ["netns", "inprocess"])
+def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
+    import re
+
+    from swarm.netlab.namespaces import list_namespaces
+
+    results = tmp_path / "shaped.jsonl"
+    namespaces = set(list_namespaces("hp"))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm",
+            "lab",
+            str(SMOKE),
+            "--stages",
+            "2",
+            "--steps",
+            "2",
+            "--results",
+            str(results),
+            "--bandwidth",
+            "stage1=20mbit,*=50mbit",
+            "--delay",
+            "5ms",
+            "--shaping",
+            shaping,
+            "--set",
+            "train.eval_every=100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    if shaping == "netns":
+        assert (
+            "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
+            and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
+        )
+        probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+        assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
+        assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
+        assert set(list_namespaces("hp")) == namespaces  # all torn down
+        rows = read_results(results)
+        meter = next(r for r in rows if r["type"] == "meter")["samples"]
+        counted = {
+            name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)]
+            for name in ("stage0", "stage1")
+        }
+        payload = {
+            d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step")
+            for d in ("forward", "backward")
+        }
+        assert payload["forward"] > 0 and payload["backward"] > 0
+        # what each link's qdisc metered covers the payload that crossed it, headers on top
+        assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
+        assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
+        assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
+    else:
+        assert (
+            "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms"
+            in out.stdout
+        )
+        probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+        assert (
+            probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
+        )  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+    meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
+    used = {
+        name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)]
+        for name in ("stage0", "stage1", "trainer")
+    }
+    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), (
+        used
+    )  # each peer and its p2p daemon worked while metered
+    cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
+    assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
