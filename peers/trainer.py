@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     signal.signal(signal.SIGTERM, _interrupt)
-    # imported only now: torch and hivemind take seconds to import, and a SIGTERM meanwhile (a lab
-    # stopping its peers) must already end the trainer cleanly
+    # imported only now: the training side (models with transformers, data, the loop) takes seconds
+    # to import, and a SIGTERM meanwhile (a lab stopping its peers) must already end the trainer cleanly
     from swarm.config import ConfigError, load_config
     from swarm.training.checkpoints import Checkpointing
     from swarm.training.experiment import build_data, describe, open_results

@@ -1,11 +1,11 @@
 """Protobuf fields written and found by hand, for messages whose large buffers are not to be copied.
 
 A length-delimited field is `tag, length, content`; writing its content as separate segments lets
-the caller join them once (wire.encode) or write them to a socket as they are (chunks.frame_parts).
+the caller join them once (wire.encode) or write them to a socket as they are (framing.frame_parts).
 Protobuf writes fields in number order, so a message whose small fields go through protobuf and
 whose buffer fields follow here, in that order, is what protobuf itself would write. Reading,
 `trailing_field` finds such a last field, so that the rest is parsed by protobuf and the buffer
-stays a view of what was received (chunks.parse_message).
+stays a view of what was received (framing.parse_message).
 """
 
 from __future__ import annotations

@@ -159,12 +159,6 @@ def frame_parts(message_type, head_field: str, head, payload: bytes, chunk_bytes
         yield (b"".join(segments[:-1]), data) if len(data) else (b"".join(segments),)
 
 
-def frame(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator:
-    """`frame_parts` as protobuf messages (for hivemind's ServicerBase, which writes messages)."""
-    for parts in frame_parts(message_type, head_field, head, payload, chunk_bytes):
-        yield message_type.FromString(b"".join(parts))
-
-
 class Received(NamedTuple):
     """A message read off a stream, and its chunk's data when that was left out of it (a view of
     the bytes received; None: the data, if any, is in the message)."""

@@ -1,4 +1,5 @@
-"""hivepipe's library: compression, stages, data, the pipeline engine, the lab, reports."""
+"""hivepipe's library: compression, models and data, the engine and its two transports, training,
+the lab, benchmarks and studies (README.md, "Layout")."""
 
 __version__ = "0.1.0"
 

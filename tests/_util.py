@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from protocols import compressed_tensor_pb2 as pb
+from protocols.framing import frame_parts
+from swarm.engine.step import tie
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout the tests run in
 SMOKE = REPO / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
@@ -115,3 +117,47 @@ def write_tiny_tokenizer(root):
     (root / "vocab.json").write_text(json.dumps(vocab))
     (root / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
     return root
+
+
+# ---- tied parameters of a model split into stages (swarm.models.TiedPair) ------------------------
+
+
+def tied_params(stages, pair) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """The two copies of a tied parameter; ValueError naming the one that is not there."""
+    found = []
+    for stage_index, name in (pair.first, pair.second):
+        params = dict(stages[stage_index].named_parameters())
+        if name not in params:
+            raise ValueError(f"tied parameter {name!r} is not a parameter of stage {stage_index}")
+        found.append(params[name])
+    return found[0], found[1]
+
+
+def sync_tied(stages, tied) -> None:
+    """Both copies of every tied parameter get the sum of their gradients, by the engine's own
+    `tie` (what a pipeline's step does before the optimizer steps)."""
+    gathered: dict = {}
+    for pair in tied:
+        for (stage, name), param in zip((pair.first, pair.second), tied_params(stages, pair), strict=True):
+            if param.grad is not None:
+                gathered.setdefault(stage, {})[name] = param.grad
+    grads: dict = {}
+    tie(gathered, tied, grads)
+    for stage, named in grads.items():
+        for name, grad in named.items():
+            param = stages[stage].get_parameter(name)
+            param.grad = grad.to(param.device, param.dtype, copy=True)
+
+
+def tied_weight_drift(stages, tied) -> float:
+    """Largest absolute difference between the copies of tied parameters (0.0 when in sync)."""
+    drift = 0.0
+    for pair in tied:
+        a, b = tied_params(stages, pair)
+        drift = max(drift, float((a.detach() - b.detach().to(a.device)).abs().max()))
+    return drift
+
+
+def frame(message_type, head_field: str, head, payload: bytes) -> list:
+    """`framing.frame_parts` as protobuf messages: what a test may alter before sending them as they are."""
+    return [message_type.FromString(b"".join(parts)) for parts in frame_parts(message_type, head_field, head, payload)]

@@ -65,9 +65,8 @@ class ThroughputRow:
     machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time per sample over the measured steps
     compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time per sample, summed
     compute_share: float | None = None  # compute_cpu_ms_per_sample / machine_cpu_ms_per_sample
-    cpu_ms_per_sample: dict[str, list[float]] | None = (
-        None  # per process: [its own, its p2p daemon's] CPU time per sample
-    )
+    # per process: [its own, its p2p daemon's] CPU time per sample
+    cpu_ms_per_sample: dict[str, list[float]] | None = None
 
 
 def schedule_bound(
@@ -83,9 +82,8 @@ def schedule_bound(
     """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
-    compute = (
-        [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
-    )  # forward and backward each
+    # forward and backward each
+    compute = [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
     model = StepModel(
         stages,
         train["micro_batches"],

@@ -68,9 +68,8 @@ class AdaptiveConfig(_Strict):
     ladder: Literal["topk", "quant"] = "topk"  # topk:R with reused-index gradients, or quant:B both ways
     every: int = Field(1, ge=1)  # optimizer steps between decisions
     hysteresis: float = Field(0.15, ge=0, lt=1)  # back to a milder setting only with this much to spare
-    target_ms: float | None = Field(
-        None, gt=0
-    )  # link ms per sample to stay under; default: the slower neighbour's compute
+    # link ms per sample to stay under; default: the slower neighbour's compute
+    target_ms: float | None = Field(None, gt=0)
 
 
 class CompressionConfig(LinkConfig):

@@ -13,8 +13,6 @@ from swarm.models.base import (
     classification_metrics,
     plan_cuts,
     summarize,
-    sync_tied_gradients,
-    tied_weight_drift,
 )
 from swarm.models.registry import MODELS, build_model, model_options
 
@@ -30,6 +28,4 @@ __all__ = [
     "model_options",
     "plan_cuts",
     "summarize",
-    "sync_tied_gradients",
-    "tied_weight_drift",
 ]

@@ -56,61 +56,6 @@ class StagedModel:
         return self.train(False)
 
 
-# ---- tied parameters ---------------------------------------------------------------------------
-
-
-def _stage_list(model_or_stages) -> list[nn.Module]:
-    if isinstance(model_or_stages, StagedModel):
-        return model_or_stages.stages
-    return list(model_or_stages)
-
-
-def _tied_params(stages: Sequence[nn.Module], pair: TiedPair) -> tuple[nn.Parameter, nn.Parameter]:
-    found = []
-    for stage_index, name in (pair.first, pair.second):
-        if not 0 <= stage_index < len(stages):
-            raise ValueError(f"tied parameter {name!r}: stage {stage_index} does not exist ({len(stages)} stages)")
-        params = dict(stages[stage_index].named_parameters())
-        if name not in params:
-            raise ValueError(f"tied parameter {name!r} is not a parameter of stage {stage_index}")
-        found.append(params[name])
-    return found[0], found[1]
-
-
-def sync_tied_gradients(model_or_stages, tied: Sequence[TiedPair] | None = None) -> None:
-    """After backward: both copies of a tied parameter get g_first + g_second (Megatron-style).
-
-    The unsplit model's gradient of a shared weight is that sum, so with equal gradients (and
-    equal optimizer state) both copies take the same step and stay identical.
-    """
-    stages = _stage_list(model_or_stages)
-    if tied is None:
-        tied = model_or_stages.tied if isinstance(model_or_stages, StagedModel) else []
-    for pair in tied:
-        a, b = _tied_params(stages, pair)
-        if a is b:
-            continue
-        if a.grad is None and b.grad is None:
-            continue
-        ga = a.grad if a.grad is not None else torch.zeros_like(a)
-        gb = b.grad if b.grad is not None else torch.zeros_like(b)
-        total = ga + gb.to(ga.device)
-        a.grad = total
-        b.grad = total.to(b.device, copy=True)
-
-
-def tied_weight_drift(model_or_stages, tied: Sequence[TiedPair] | None = None) -> float:
-    """Largest absolute difference between the copies of tied parameters (0.0 when in sync)."""
-    stages = _stage_list(model_or_stages)
-    if tied is None:
-        tied = model_or_stages.tied if isinstance(model_or_stages, StagedModel) else []
-    drift = 0.0
-    for pair in tied:
-        a, b = _tied_params(stages, pair)
-        drift = max(drift, float((a.detach() - b.detach().to(a.device)).abs().max()))
-    return drift
-
-
 # ---- losses and metrics --------------------------------------------------------------------------
 
 

@@ -6,8 +6,9 @@ stage builds the same causal mask the unsplit GPT2Model builds, so a block runs 
 the composed stages compute what GPT2LMHeadModel computes.
 
 The LM head is tied to the token embedding. Split over several stages, the last stage holds its
-own copy (an exact clone at build time), listed in `StagedModel.tied`; `sync_tied_gradients`
-adds the two gradients (what the unsplit model's shared weight receives) so the copies stay equal.
+own copy (an exact clone at build time), listed in `StagedModel.tied`; the synchronous step
+(`swarm.engine.step.tie`) gives both copies the sum of their gradients (what the unsplit model's
+shared weight receives), so the copies stay equal.
 """
 
 from __future__ import annotations

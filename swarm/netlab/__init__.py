@@ -6,7 +6,6 @@
     signals     SIGTERM/SIGHUP while a lab is up: teardown first, then the signal handed on
     tc          the tc argv lists (shared by NetLab and the Docker entrypoint)
     container   one peer per container: shape its own interface, find the bootstrap peer, health checks
-    rates       '100mbit' / '20ms' parsing and formatting
     shaper      TokenBucket: an asyncio rate + delay shaper for the send path (no root needed)
     counters    link byte counters, the machine's and each process's CPU time, sampled during a run
     `python -m swarm.netlab detect|cleanup|shape|identity|bootstrap-maddr|port-open`: see swarm/netlab/__main__.py

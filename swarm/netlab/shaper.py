@@ -16,7 +16,6 @@ or, for a stream that is an async iterator of chunks (what hivemind's streaming 
 API
     TokenBucket(rate, burst_bytes=None, delay_s=0.0)       rate: bits/s or '20mbit' (rates.parse_rate)
         await .consume(nbytes) -> float   wait (s) so that the long-run rate is `rate`
-        await .send_delay(nbytes, first=False) -> float   .latency() if first, then .consume()
         await .latency()                  sleep the one-way delay (once per message)
         .stats() -> BucketStats           what it let through so far: bytes, calls (its own count)
         .set_rate(rate)                   a bandwidth change takes effect for the next bytes
@@ -114,12 +113,6 @@ class TokenBucket:
         """The one-way delay; call once per message, before its first chunk."""
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)
-
-    async def send_delay(self, nbytes: int, first: bool = False) -> float:
-        """`latency()` when `first` (the message's first chunk), then `consume(nbytes)`."""
-        if first:
-            await self.latency()
-        return await self.consume(nbytes)
 
     def stats(self) -> BucketStats:
         with self._lock:

@@ -82,12 +82,10 @@ def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
     # per sample: 9 + 18 + 4.5 ms of CPU on one core -> 1 / 31.5 ms, below the slowest stage's 50/s
     assert figures["cores_bound"] == pytest.approx(1 / 0.0315) and figures["compute_bound"] == figures["cores_bound"]
     assert figures["binding"] == "cores (1 shared)" and figures["fraction_of_bound"] == pytest.approx(32.0 * 0.0315)
-    assert (
-        measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"
-    )  # 127/s on 4 cores
-    assert (
-        measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None
-    )  # peers that did not report CPU time
+    # 127/s on 4 cores
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"
+    # peers that did not report CPU time
+    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None
 
 
 def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry_it():
@@ -127,9 +125,8 @@ def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
     figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
-    assert (
-        0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]
-    )  # fill and drain cost, not more
+    # fill and drain cost, not more
+    assert 0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]
     with pytest.raises(ValueError, match="at least 2"):
         measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
 
@@ -227,9 +224,8 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
         )
     )
     figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0)
-    assert (
-        figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None
-    )  # peers that reported no CPU, a meter without it
+    # peers that reported no CPU, a meter without it
+    assert figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None
     assert figures["wire_bytes_per_sample"]["stage1"] == pytest.approx([1875.0, 1562.5])
     assert figures["busiest_bytes_per_sample"] == pytest.approx(1875.0) and figures["binding"] == "link stage1 up"
     assert figures["link_bound"] == pytest.approx(10_000 / 1875) and figures["payload_link_bound"] == pytest.approx(

@@ -56,9 +56,8 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     assert sorted(s["stage"] for s in stages["stages"]) == [0, 1] and all(
         s["compute_s"] > 0 and s["samples"] == 2 * 40 for s in stages["stages"]
     )
-    assert all(
-        0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"]
-    )  # the computing thread's CPU time, one torch thread
+    # the computing thread's CPU time, one torch thread
+    assert all(0 < s["compute_cpu_s"] < 2 * s["compute_s"] for s in stages["stages"])
     steps = [r for r in read_results(results) if r["type"] == "step"]  # each carries the stages' compute so far
     assert [sorted((p["stage"], p["samples"]) for p in r["stages"]) for r in steps] == [
         [(0, 40), (1, 40)],
@@ -138,16 +137,14 @@ def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
             in out.stdout
         )
         probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert (
-            probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
-        )  # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+        # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+        assert probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
     meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
     used = {
         name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)]
         for name in ("stage0", "stage1", "trainer")
     }
-    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), (
-        used
-    )  # each peer and its p2p daemon worked while metered
+    # each peer and its p2p daemon worked while metered
+    assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))

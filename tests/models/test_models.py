@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 import torch
+from _util import sync_tied, tied_weight_drift
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -20,8 +21,6 @@ from swarm.models import (
     classification_metrics,
     plan_cuts,
     summarize,
-    sync_tied_gradients,
-    tied_weight_drift,
 )
 from swarm.models.gpt2 import load_full
 from swarm.models.resnet import ResNet18
@@ -180,7 +179,7 @@ def test_gpt2_split_equals_hf_model(num_stages):
         grad = saved[i + 1][0].grad
         assert torch.allclose(captured[cuts[i]].grad, grad, atol=1e-6)  # boundary input gradients
         saved[i][1].backward(grad)
-    sync_tied_gradients(staged.stages, staged.tied)
+    sync_tied(staged.stages, staged.tied)
 
     hf_params = dict(hf.named_parameters())
     hf_params["transformer.wte.weight"] = hf.transformer.wte.weight
@@ -317,28 +316,28 @@ def test_tied_gradient_sync_keeps_copies_identical(optimizer):
         staged.loss(staged(ids), ids).backward()
         g_first, g_second = wte.grad.clone(), head.grad.clone()
         assert not torch.allclose(g_first, g_second)
-        sync_tied_gradients(staged)
+        sync_tied(staged.stages, staged.tied)
         assert torch.equal(wte.grad, g_first + g_second)
         assert torch.equal(head.grad, g_first + g_second)
         opt.step()
-        assert tied_weight_drift(staged) == 0.0
+        assert tied_weight_drift(staged.stages, staged.tied) == 0.0
     # without the sync the copies drift apart
     ids = torch.randint(0, 100, (2, 8))
     opt.zero_grad()
     staged.loss(staged(ids), ids).backward()
     opt.step()
-    assert tied_weight_drift(staged) > 0.0
+    assert tied_weight_drift(staged.stages, staged.tied) > 0.0
 
 
-def test_sync_tied_gradients_handles_a_missing_gradient():
+def test_tying_handles_a_missing_gradient():
     a, b = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
     b.weight.data.copy_(a.weight.data)
     a.weight.grad = torch.ones(2, 2)
     pair = TiedPair((0, "weight"), (1, "weight"))
-    sync_tied_gradients([a, b], [pair])
+    sync_tied([a, b], [pair])
     assert torch.equal(b.weight.grad, torch.ones(2, 2)) and b.weight.grad is not a.weight.grad
     with pytest.raises(ValueError, match="not a parameter of stage 1"):
-        sync_tied_gradients([a, b], [TiedPair((0, "weight"), (1, "bias"))])
+        sync_tied([a, b], [TiedPair((0, "weight"), (1, "bias"))])
 
 
 # ---- digits models ---------------------------------------------------------------------------
@@ -396,6 +395,7 @@ CUSTOM = """
 import torch
 from torch import nn
 from swarm.models import StagedModel, classification_loss, classification_metrics
+from _util import sync_tied, tied_weight_drift
 
 def as_tuple(num_stages, hidden=4):
     stages = [nn.Linear(3, hidden)] + [nn.Linear(hidden, hidden) for _ in range(num_stages - 2)] + [nn.Linear(hidden, 2)]

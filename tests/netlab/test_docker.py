@@ -88,9 +88,8 @@ def test_public_override_gives_every_peer_a_published_port_and_its_public_addres
         and ports["bootstrap"] == base["bootstrap"]["environment"]["BOOTSTRAP_PORT"]
     )
     for name, service in public.items():
-        assert service["environment"]["PUBLIC_IP"].startswith("${PUBLIC_IP:?"), (
-            name
-        )  # compose refuses to start without it
+        # compose refuses to start without it
+        assert service["environment"]["PUBLIC_IP"].startswith("${PUBLIC_IP:?"), name
         published = service.get("ports", []) + base[name].get("ports", [])
         assert published == [f"{ports[name]}:{ports[name]}"], name  # once: a port published twice would clash
     out = _entrypoint(
@@ -191,9 +190,8 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
         and "--initial_peers /ip4/1.2.3.4/tcp/1/p2p/Qm" in trainer.stdout
         and "--steps 5" in trainer.stdout
     )
-    assert (
-        "tc " not in trainer.stdout and "--uplink" not in trainer.stdout
-    )  # no RATE, no DELAY: no shaping, nothing declared
+    # no RATE, no DELAY: no shaping, nothing declared
+    assert "tc " not in trainer.stdout and "--uplink" not in trainer.stdout
     for role in ("bootstrap", "stage", "trainer"):  # a delay without netem: the peer adds it in process
         delayed = _entrypoint(
             {
@@ -250,6 +248,5 @@ def test_entrypoint_shapes_for_real_inside_a_namespace():
         assert "shaped eth0" in out.stdout
         if "netem" not in out.stdout.split("shaped eth0")[1]:
             assert "NOT applied" in out.stdout  # no netem here: said, not silently dropped
-            assert (
-                "delay 5ms not applied: no netem, and no peer to add it (ROLE is empty)" in out.stdout
-            )  # what tc left, read back
+            # what tc left, read back
+            assert "delay 5ms not applied: no netem, and no peer to add it (ROLE is empty)" in out.stdout

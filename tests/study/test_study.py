@@ -186,9 +186,8 @@ def test_study_configs_are_generated_and_carry_the_papers_figures():
     tables = {}
     for name, cfg in study.items():
         tables[cfg.report.table.split(":")[0]] = tables.get(cfg.report.table.split(":")[0], 0) + 1
-        row = (
-            cfg.report.row.removesuffix("%") if ", warmup " in cfg.report.row else cfg.report.row
-        )  # "warmup 20%" of our epochs
+        # "warmup 20%" of our epochs
+        row = cfg.report.row.removesuffix("%") if ", warmup " in cfg.report.row else cfg.report.row
         twin = next(p for p in paper if (p.report.table, p.report.row) == (cfg.report.table, row))
         assert cfg.report.paper == twin.report.paper, name
         assert cfg.model.num_stages == 4 and cfg.seed == 0

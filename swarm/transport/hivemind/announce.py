@@ -40,9 +40,8 @@ class StageRecord:
     ready: bool = False  # set up by the run's trainer: it can take micro-batches
     updated: float = 0.0
     session: str = ""  # the trainer session it was set up by (peers route only within one session)
-    download_share: float = (
-        0.0  # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
-    )
+    # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
+    download_share: float = 0.0
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:

@@ -121,9 +121,7 @@ class Exchange:
             stream.close()
 
 
-async def call(
-    streams: StreamPool, peer_id: str, kind: str, head, payload: bytes = b"", timeout: float = 60.0
-) -> Frame:
+async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: bytes, timeout: float) -> Frame:
     """A control request (setup, a step round, a checkpoint, a status) and its verified reply."""
     exchange = Exchange(streams, peer_id, kind, head, payload)
     frame = await exchange.reply(timeout)

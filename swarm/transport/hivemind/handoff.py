@@ -58,9 +58,13 @@ class Handoff:
         self.sticky = record.peer_id
         return record
 
-    def _lose(self, peer_id: str) -> None:
+    def forget(self, peer_id: str) -> None:
+        """Micro-batches no longer follow `peer_id` (its link was reset): the router chooses afresh."""
         if self.sticky == peer_id:
             self.sticky = None
+
+    def _lose(self, peer_id: str) -> None:
+        self.forget(peer_id)
         self.lost(peer_id)
 
     async def send(
@@ -91,7 +95,7 @@ class Handoff:
                 budget = self.settings.call_timeout_s
                 timeout = budget + self.settings.reply_grace_s
             else:
-                budget = timeout = max(deadline - time.monotonic(), 0.1)
+                budget = timeout = max(deadline - time.monotonic(), self.settings.min_budget_s)
             head = pb.MicroBatchHead(
                 to=address(self.run_id, self.stage),
                 sender=self.node.peer_id,

@@ -1,7 +1,7 @@
 """One peer's presence in the swarm: a hivemind P2P daemon plus a DHT node sharing it.
 
 Every process (bootstrap, stage, trainer, status) is one `SwarmNode`; the DHT node lives in the
-same asyncio loop as the RPC servicer, so there is no extra DHT process per peer.
+same asyncio loop as the stage server, so there is no extra DHT process per peer.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class SwarmNode:
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
         # streams to the peers we call, kept for reuse
-        self.streams = StreamPool(p2p, egress, keep_s=self.settings.keep_idle_s)
+        self.streams = StreamPool(p2p, self.settings.keep_idle_s, egress, self.settings.end_wait_s)
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:

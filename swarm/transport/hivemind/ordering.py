@@ -89,7 +89,7 @@ class Turnstile:
         return seq == 0 and not self._stale(epoch)
 
     @asynccontextmanager
-    async def admit(self, epoch: int, seq: int, timeout: float, grace: float = 10.0):
+    async def admit(self, epoch: int, seq: int, timeout: float, grace: float):
         """Waits for the message's turn; yields True when it starts a new epoch (reset the link end).
 
         A later message of an epoch this end has not seen waits at most `grace` seconds for that

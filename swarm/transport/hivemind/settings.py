@@ -23,7 +23,8 @@ class Settings:
     # The trainer waits this much longer than the chain's budget, so a stage's own timeout error
     # (a one-line reason) arrives before the trainer gives up on the stream.
     reply_grace_s: float = 5.0
-    # A status call (peers.status, adaptive compression's reads).
+    # A status call from peers.status (the trainer's own status reads get call_timeout_s: its
+    # results count the bytes they report).
     info_timeout_s: float = 10.0
     # ---- retries (swarm.transport.hivemind.retry) -------------------------------------------
     attempts: int = 3  # tries of a micro-batch (on other peers) or a step round before giving up
@@ -31,11 +32,21 @@ class Settings:
     ban_s: float = 5.0  # a peer that failed a call is not chosen for this long ...
     ban_growth: float = 2.0  # ... times this for every failure in a row ...
     ban_max_s: float = 300.0  # ... up to this
+    # A stage answers within the budget it was given less this, so its own one-line error (a
+    # timeout downstream) reaches the caller before the caller gives up on the stream ...
+    budget_margin_s: float = 0.5
+    # ... and never gets less than this for a call (a budget used up still lets a reply through).
+    min_budget_s: float = 0.1
     # ---- streams ----------------------------------------------------------------------------
     # A caller reuses a stream idle for less than this; the server closes streams idle for
     # `server_idle_s`, so a caller never writes to a stream the server is closing.
     keep_idle_s: float = 20.0
     server_idle_s: float = 60.0
+    # A failed exchange sends its end marker and waits this long for the server to close the stream.
+    end_wait_s: float = 2.0
+    # A server that refused a request reads what is left of it this long before closing the stream
+    # (closing under a caller still writing would cut the error reply short).
+    drain_s: float = 10.0
     # Seconds between two messages of one payload: a slow link may take long for a whole
     # payload, a silent peer is noticed.
     read_timeout_s: float = 60.0

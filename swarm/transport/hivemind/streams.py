@@ -94,8 +94,9 @@ class StreamPool:
     for `keep_s` are closed rather than reused (the server closes streams idle for longer, and a
     reused stream the server had just closed would fail a call)."""
 
-    def __init__(self, p2p: P2P, egress=None, keep_s: float = 20.0, clock=time.monotonic) -> None:
-        self.p2p, self.egress, self.keep_s, self.clock = p2p, egress, keep_s, clock
+    def __init__(self, p2p: P2P, keep_s: float, egress=None, end_wait_s: float = 0.0, clock=time.monotonic) -> None:
+        self.p2p, self.keep_s, self.egress, self.clock = p2p, keep_s, egress, clock
+        self.end_wait_s = end_wait_s  # a failed exchange waits this long for the server to close (Exchange.close)
         self._idle: dict[str, list[tuple[PeerStream, float]]] = {}
         self.opened: Counter = Counter()  # streams opened per peer
 
@@ -166,7 +167,7 @@ class Requests:
                 return
             yield parse_message(pb.StageRequest, data)
 
-    async def drain(self, timeout: float = 10.0) -> None:
+    async def drain(self, timeout: float) -> None:
         """Reads and drops what is left of a refused request until the caller ends or closes the
         stream (bounded), so the error reply is not cut short by closing under it."""
         with contextlib.suppress(Exception):

@@ -33,9 +33,8 @@ class PeerRow:
     processed: int = 0
     steps: int = 0
     state_bytes: int = 0
-    links: list[dict] = field(
-        default_factory=list
-    )  # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
+    # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
+    links: list[dict] = field(default_factory=list)
     rtt_ms: float | None = None  # of the status call itself
     error: str = ""
 
@@ -71,9 +70,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
     async def detail(row: PeerRow) -> None:
         started = time.perf_counter()
         try:
-            frame = await call(
-                node.streams, row.peer_id, "info", pb.InfoRequest(to=address(row.run_id)), timeout=timeout
-            )
+            frame = await call(node.streams, row.peer_id, "info", pb.InfoRequest(to=address(row.run_id)), b"", timeout)
             reply = frame.head
         except Exception as e:
             row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -136,9 +133,8 @@ def format_table(rows: list[PeerRow]) -> str:
             side = "down" if link["upstream"] else "up"
             raw = sum(link.get("raw", {}).values())
             ratio = f" (x{raw / sent:.1f})" if sent and raw else ""
-            rate = (
-                f" in at {format_rate(link['busy_bytes'] * 8 / link['busy_s'])}" if link.get("busy_s") else ""
-            )  # while arriving
+            # while arriving
+            rate = f" in at {format_rate(link['busy_bytes'] * 8 / link['busy_s'])}" if link.get("busy_s") else ""
             codecs = f" [{link['codecs']}]" if link.get("codecs") else ""
             links.append(
                 f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}"

@@ -8,10 +8,11 @@ import uuid
 
 import pytest
 from _swarm_env import assert_same_run, smoke, split_batches, swarm_rows
+from _util import frame
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
-from protocols.framing import frame, frame_parts
+from protocols.framing import frame_parts
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
@@ -201,18 +202,16 @@ def test_a_swarm_with_declared_links_paces_every_stage_flow_and_trains_the_same(
         }  # activations down, gradients up
         for flow in flows.values():
             assert flow.bucket.stats().bytes > 0
-            assert (
-                0 < flow.bucket.rate_bits <= 400e6 * PAYLOAD_SHARE
-            )  # a share by payload size, never more than the link
+            # a share by payload size, never more than the link
+            assert 0 < flow.bucket.rate_bits <= 400e6 * PAYLOAD_SHARE
         assert all(h.awaiting == 0 for h in hosted)
         # the step is over: every receiver offers its whole download again (stage 0 offers it always)
         assert (
             hosted[0].pacer._offered[ids[1]] == hosted[1].pacer._offered[ids[0]] == pytest.approx(400e6 * PAYLOAD_SHARE)
         )
         forward = hosted[1].links.received[(ids[0], "forward", "train")]
-        assert (
-            flows[(0, ids[1])].bucket.stats().bytes >= forward
-        )  # every activation byte to stage 1 went through its flow
+        # every activation byte to stage 1 went through its flow
+        assert flows[(0, ids[1])].bucket.stats().bytes >= forward
         assert_same_run(results.rows, swarm_rows(swarm, cfg, steps=3))
     finally:
         for node, server in peers:

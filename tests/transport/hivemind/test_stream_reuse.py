@@ -62,7 +62,7 @@ def test_streams_the_server_closed_or_kept_too_long_are_replaced(swarm):
     server = StageServer(node)
     swarm.loop.run(server.start(announce=False))
     clock = [100.0]
-    streams = StreamPool(swarm.trainer.p2p, keep_s=10.0, clock=lambda: clock[0])
+    streams = StreamPool(swarm.trainer.p2p, keep_s=10.0, end_wait_s=2.0, clock=lambda: clock[0])
     try:
         server.host(HostedStage(node, run_id, cfg, 0))
         swarm.loop.run(
@@ -81,9 +81,8 @@ def test_streams_the_server_closed_or_kept_too_long_are_replaced(swarm):
             return frame.head
 
         assert one(0).kind == pb.DONE and one(1).kind == pb.DONE
-        assert (
-            streams.opened[node.peer_id] == 1 and streams.idle(node.peer_id) == 1
-        )  # the second micro-batch rode the first's stream
+        # the second micro-batch rode the first's stream
+        assert streams.opened[node.peer_id] == 1 and streams.idle(node.peer_id) == 1
         time.sleep(1.5)  # past the server's idle timeout: it closed its end
         assert one(2).kind == pb.DONE
         assert streams.opened[node.peer_id] == 2
@@ -125,7 +124,7 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
     run_id = uuid.uuid4().hex[:8]
     (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
     peer = hosted.node.peer_id
-    streams = StreamPool(swarm.trainer.p2p)
+    streams = StreamPool(swarm.trainer.p2p, keep_s=20.0, end_wait_s=2.0)
     try:
         swarm.loop.run(
             hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))
@@ -139,12 +138,10 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
         with pytest.raises(RemoteError, match="does not host stage 0 of run 'no-such-run'"):
             swarm.loop.run(bad.reply(20))
         bad.finish()
-        assert (
-            streams.idle(peer) == 0 and streams.opened[peer] == 1
-        )  # the bad call took the pooled stream and closed it
-        again = _stage0_call(
-            streams, peer, run_id, swarm.trainer.peer_id, data, 1
-        )  # the refused one never reached the stage
+        # the bad call took the pooled stream and closed it
+        assert streams.idle(peer) == 0 and streams.opened[peer] == 1
+        # the refused one never reached the stage
+        again = _stage0_call(streams, peer, run_id, swarm.trainer.peer_id, data, 1)
         result = swarm.loop.run(again.reply(20)).head
         again.finish()
         assert result.kind == pb.DONE and streams.opened[peer] == 2 and streams.idle(peer) == 1
@@ -158,7 +155,7 @@ def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_
     cfg = smoke("model.num_stages=1")
     run_id = uuid.uuid4().hex[:8]
     (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
-    streams = StreamPool(swarm.trainer.p2p)
+    streams = StreamPool(swarm.trainer.p2p, keep_s=20.0, end_wait_s=2.0)
     try:
         swarm.loop.run(
             hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))

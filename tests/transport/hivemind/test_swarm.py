@@ -16,9 +16,10 @@ import zlib
 import pytest
 import torch
 from _swarm_env import assert_same_run, local_rows, smoke, split_batches, swarm_rows
+from _util import frame
 
 from protocols import stage_pb2 as pb
-from protocols.framing import ProtocolError, frame, read_frame
+from protocols.framing import ProtocolError, read_frame
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
@@ -88,9 +89,8 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         assert {r.stage for r in served} == {0, 1}
         assert any(link["sent"] and link["received"] for r in served for link in r.links)
         (down,) = [link for r in served if r.stage == 0 for link in r.links]
-        assert (
-            down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4
-        )  # topk:0.2: a fifth of the values, in fp16
+        # topk:0.2: a fifth of the values, in fp16
+        assert down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4
         ratio = sum(down["raw"].values()) / sum(down["sent"].values())  # with the evaluations' exact tensors
         assert ratio > 1
         assert all(r.rtt_ms is not None and r.rtt_ms > 0 for r in rows)
@@ -203,9 +203,8 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, corrupted))
         assert isinstance(error, pb.ErrorReply) and "checksum" in error.message and "\n" not in error.message
 
-        big = list(
-            frame(pb.StageRequest, "micro_batch", head, os.urandom(3 << 19))
-        )  # two chunks; only the first arrives
+        # two chunks; only the first arrives
+        big = list(frame(pb.StageRequest, "micro_batch", head, os.urandom(3 << 19)))
         error, _ = swarm.loop.run(_raw_call(p2p, peer, big[:1]))
         assert isinstance(error, pb.ErrorReply) and "truncated" in error.message
 
@@ -253,14 +252,14 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
             )
         streams = swarm.trainer.streams
         current = pb.Address(protocol_version=PROTOCOL_VERSION)
-        reply = swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=current), timeout=10)).head
+        reply = swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=current), b"", 10)).head
         assert reply.peer_id == peer and [s.run_id for s in reply.stages] == [run_id]
         with pytest.raises(RemoteError, match="protocol version 0 is not supported"):
-            swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=pb.Address(protocol_version=0)), timeout=10))
+            swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=pb.Address(protocol_version=0)), b"", 10))
         with pytest.raises(RemoteError, match="config mismatch"):
             to = pb.Address(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0)
             request = pb.SetupRequest(to=to, config_digest="0" * 16, lr_horizon=2)
-            swarm.loop.run(call(streams, peer, "setup", request, timeout=10))
+            swarm.loop.run(call(streams, peer, "setup", request, b"", 10))
 
         # the peer kept serving: a good micro-batch still trains
         metrics = pipeline.run_many([(batch, x)])[0]

@@ -58,7 +58,8 @@ class Chain:
             )
         batch = meta_to_batch(head.batch)
         # from arrival: the sender's clock runs meanwhile
-        deadline = time.monotonic() + (head.budget_s or host.settings.call_timeout_s) - 0.5
+        settings = host.settings
+        deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
         host.queue += 1
         host.peak_queue = max(host.peak_queue, host.queue)
@@ -82,7 +83,7 @@ class Chain:
         try:
             gate = links.turnstiles.setdefault(sender, Turnstile())
             async with gate.admit(
-                head.epoch, head.seq, max(deadline - time.monotonic(), 0.1), host.link_grace
+                head.epoch, head.seq, max(deadline - time.monotonic(), host.settings.min_budget_s), host.link_grace
             ) as fresh:
                 if host.first:
                     inputs = pb.RawTensor()
@@ -101,7 +102,7 @@ class Chain:
                     message: Message = await host.compute(host.forward, batch, data, LinkEnds(*used))
                 except BaseException:
                     if record is not None:
-                        links.drop_out(record.peer_id)  # the number we took was never sent
+                        host.drop_out(record.peer_id)  # the number we took was never sent
                     raise
             if record is None:  # the last stage: gradient (training) or metrics (eval)
                 host.measure(batch, time.perf_counter() - started)
@@ -122,8 +123,12 @@ class Chain:
         async def again(target: str) -> tuple[tuple[int, int], bytes]:
             """The same activations for a new link: re-encoded against its fresh state."""
             used[1] = links.end_out(target)
-            number = links.numbering.take(target)
-            resent = await host.compute(host.resend, batch, used[1], message)
+            number = links.numbering.take(target)  # in encoding order: no await until submitted
+            try:
+                resent = await host.compute(host.resend, batch, used[1], message)
+            except BaseException:
+                host.drop_out(target)  # the number we took was never sent
+                raise
             return number, resent.payload
 
         more = not host.first and (batch.mode is not Mode.TRAIN or batch.index < host.cfg.train.micro_batches - 1)
@@ -147,17 +152,18 @@ class Chain:
                 f"stage {host.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
-        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), 0.1)):
-            used[1] = outbound = links.ends_out.get(target)
+        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), host.settings.min_budget_s)):
+            outbound = links.ends_out.get(target)
             if outbound is None or links.numbering.epoch(target) != sent[0]:
                 raise LinkReset(
                     f"the link to stage {host.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
                 )
+            used[1] = outbound
             started = time.perf_counter()
             try:
                 back: Message = await host.compute(host.backward, batch, reply, dict(result.metrics), LinkEnds(*used))
             except BaseException:
-                links.drop_out(target)
+                host.drop_out(target)
                 raise
         host.measure(batch, elapsed + time.perf_counter() - started)
         return Outcome(back.kind, back.payload, dict(back.metrics), route)

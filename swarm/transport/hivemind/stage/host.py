@@ -138,9 +138,38 @@ class HostedStage:
             download_share=self.pacer.download_share,
         )
 
+    # ---- links --------------------------------------------------------------------------------
+
+    def drop_out(self, receiver: str) -> None:
+        """Our link to `receiver` lost its order or state: its next message starts a new epoch, and
+        the next micro-batch's peer is chosen afresh."""
+        self.links.drop_out(receiver)
+        if self.handoff is not None:
+            self.handoff.forget(receiver)
+
+    def switch_codecs(self, cfg: ExperimentConfig, changed: list[int]) -> None:
+        """Adaptive compression: `cfg`'s codecs from now on; the ends of the `changed` boundaries go."""
+        self.cfg = cfg
+        self.links.switch(cfg, changed)
+        if self.handoff is not None and self.stage in changed:
+            self.handoff.sticky = None
+
+    def restored(self, cfg: ExperimentConfig, own: LinkEnds, step: int) -> None:
+        """A checkpoint was loaded into the runtime and `own` ends (with `cfg`'s codecs): every link
+        restarts from them with a new epoch."""
+        self.cfg = cfg
+        self.links.cfg = cfg
+        self.links.restore(own)
+        if self.handoff is not None:
+            self.handoff.sticky = None
+        self.steps = step
+
     # ---- computing, on the stage's own thread ------------------------------------------------
 
     async def compute(self, fn, *args):
+        """`fn(*args)` on the stage's computing thread, one call after another in the order asked.
+        The call is submitted before this coroutine first suspends: a caller that takes a link
+        number and then awaits this keeps numbers and encodings in the same order."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def forward(self, batch: MicroBatch, data, ends: LinkEnds) -> Message:

@@ -32,12 +32,10 @@ class NeighbourLinks:
         self.numbering = Numbering()  # of our messages to each downstream peer
         self.turnstiles: dict[str, Turnstile] = {}  # of each upstream peer's messages to us
         self.received: Counter = Counter()  # (neighbour, direction, mode) -> bytes
-        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(
-            LinkMeter
-        )  # how fast each upstream peer's activations arrive
-        self.replies: defaultdict[str, LinkMeter] = defaultdict(
-            LinkMeter
-        )  # how fast each downstream peer's gradients arrive
+        # how fast each upstream peer's activations arrive
+        self.arrivals: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)
+        # how fast each downstream peer's gradients arrive
+        self.replies: defaultdict[str, LinkMeter] = defaultdict(LinkMeter)
         # (neighbour, upstream) -> boundary, bytes sent and their uncompressed size, of replaced ends
         self.retired: dict[tuple[str, bool], tuple[int, Counter, Counter]] = {}
         self.upstream: str | None = None  # the neighbour whose link a checkpoint keeps
@@ -60,13 +58,15 @@ class NeighbourLinks:
         self.numbering.clear()
         self.upstream = None
 
-    def make(self, upstream: bool, label: str) -> LinkEnd:
-        """A new end of ours with the config's codecs (its AQ-SGD rows in a directory of its own)."""
-        store = self.cfg.compression.store_dir
+    def make(self, upstream: bool, label: str, cfg: ExperimentConfig | None = None) -> LinkEnd:
+        """A new end of ours with the codecs of `cfg` (default: the links' config), its AQ-SGD rows
+        in a directory of its own."""
+        cfg = cfg or self.cfg
+        store = cfg.compression.store_dir
         self._made += 1
         store = None if store is None else f"{store}/stage{self.stage}-{label}-{self._made}"
         boundary = self.stage if upstream else self.stage - 1
-        return link_end(self.cfg, boundary, upstream, self.capacity, store)
+        return link_end(cfg, boundary, upstream, self.capacity, store)
 
     def _new(self, upstream: bool, neighbour: str) -> LinkEnd:
         spare = self._spare.get(upstream)

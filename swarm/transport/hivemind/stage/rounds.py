@@ -77,8 +77,7 @@ class StageRounds:
         host.steps += 1
         self.applied = (head.step, reply)
         if changed:  # adaptive compression: new codecs from the next step on
-            host.cfg = cfg
-            host.links.switch(cfg, changed)
+            host.switch_codecs(cfg, changed)
         return reply, b""
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -103,11 +102,9 @@ class StageRounds:
             state = read_stage(io.BytesIO(payload), host.runtime.device)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        host.cfg = cfg
-        host.links.cfg = cfg
         own = LinkEnds(
-            None if host.first else host.links.make(False, "checkpoint"),
-            None if host.last else host.links.make(True, "checkpoint"),
+            None if host.first else host.links.make(False, "checkpoint", cfg),
+            None if host.last else host.links.make(True, "checkpoint", cfg),
         )
         try:
             step = apply_stage_state(host.runtime, own, state)
@@ -115,8 +112,6 @@ class StageRounds:
             raise ProtocolError(f"checkpoint does not fit stage {host.stage}: {str(e).splitlines()[0][:200]}") from None
         if isinstance(state.get("rng"), torch.Tensor):
             torch.set_rng_state(state["rng"])
-        host.links.restore(own)
-        if host.handoff is not None:
-            host.handoff.sticky = None
-        host.steps, self.applied = step, None
+        host.restored(cfg, own, step)
+        self.applied = None
         return pb.LoadReply(step=step), b""

@@ -119,7 +119,7 @@ class StageServer:
         except Exception as e:
             log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
             await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)
-            await requests.drain()
+            await requests.drain(self.settings.drain_s)
             return False
         await reply(writer)
         return True

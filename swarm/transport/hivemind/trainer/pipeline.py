@@ -90,7 +90,11 @@ class SwarmPipeline:
                 capacity=capacity or 0,
                 session=self.session,
             )
-            frame = await call(self.node.streams, peer_id, "setup", request, timeout=self.node.settings.call_timeout_s)
+            timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
+            frame = await self.rounds.retry.same_peer(
+                lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout),
+                f"setup of stage {stage} peer {peer_id[-8:]}",
+            )
             return stage, peer_id, frame.head
 
         replies = await asyncio.gather(*(one(s, r.peer_id) for s, records in found.items() for r in records))
@@ -206,7 +210,7 @@ class SwarmPipeline:
         timeout = self.node.settings.call_timeout_s
         peers = [peer for stage in sorted(self.members) for peer in self.members[stage]]
         replies = await asyncio.gather(
-            *(call(self.node.streams, peer, "info", request, timeout=timeout) for peer in peers),
+            *(call(self.node.streams, peer, "info", request, b"", timeout) for peer in peers),
             return_exceptions=True,
         )
         # a peer that left counts no more
