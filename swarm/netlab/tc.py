@@ -73,24 +73,14 @@ def egress_commands(
         return [[*_tc(netns), "qdisc", "replace", "dev", dev, "root", *args]]
     if rate_bits is None:
         return []
+    return [_tbf_command(dev, rate_bits, netns, mtu)]
+
+
+def _tbf_command(dev: str, rate_bits: int, netns: str | None, mtu: int) -> list[str]:
+    """tbf at `rate_bits` as the root qdisc of `dev` (burst and queue from `tbf_params`)."""
     p = tbf_params(rate_bits, mtu)
-    return [
-        [
-            *_tc(netns),
-            "qdisc",
-            "replace",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_bits}bit",
-            "burst",
-            str(p.burst_bytes),
-            "limit",
-            str(p.limit_bytes),
-        ]
-    ]
+    limits = ["rate", f"{rate_bits}bit", "burst", str(p.burst_bytes), "limit", str(p.limit_bytes)]
+    return [*_tc(netns), "qdisc", "replace", "dev", dev, "root", "tbf", *limits]
 
 
 def qdisc_kind(rate_bits: int | None, delay_s: float, netem: bool) -> str | None:
@@ -115,7 +105,6 @@ def ingress_commands(dev: str, ifb: str, rate_bits: int, netns: str | None = Non
     it, because there the bridge side of each veth is the process's download direction.
     """
     ip = ["ip", "-n", netns] if netns else ["ip"]
-    p = tbf_params(rate_bits, mtu)
     return [
         [*ip, "link", "add", ifb, "type", "ifb"],
         [*ip, "link", "set", ifb, "up"],
@@ -144,19 +133,5 @@ def ingress_commands(dev: str, ifb: str, rate_bits: int, netns: str | None = Non
             "dev",
             ifb,
         ],
-        [
-            *_tc(netns),
-            "qdisc",
-            "replace",
-            "dev",
-            ifb,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_bits}bit",
-            "burst",
-            str(p.burst_bytes),
-            "limit",
-            str(p.limit_bytes),
-        ],
+        _tbf_command(ifb, rate_bits, netns, mtu),
     ]

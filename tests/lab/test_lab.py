@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,14 @@ from _swarm_env import assert_same_run, local_rows, p2pd_count
 from _util import REPO, SMOKE
 
 from swarm.config import load_config
+from swarm.netlab.namespaces import list_namespaces
 from swarm.training.results import read_results
+
+
+def _lab(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m swarm lab` on the smoke config, two stages, two steps, and `args`."""
+    command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
@@ -19,29 +27,15 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     results = tmp_path / "lab.jsonl"
     overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
     sets = [a for o in overrides for a in ("--set", o)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm",
-            "lab",
-            str(SMOKE),
-            "--stages",
-            "2",
-            "--steps",
-            "2",
-            "--results",
-            str(results),
-            "--checkpoint_dir",
-            str(tmp_path / "ck"),
-            "--checkpoint_every",
-            "1",
-            *sets,
-        ],
-        capture_output=True,
-        text=True,
+    out = _lab(
+        "--results",
+        str(results),
+        "--checkpoint_dir",
+        str(tmp_path / "ck"),
+        "--checkpoint_every",
+        "1",
+        *sets,
         timeout=150,
-        cwd=REPO,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
@@ -73,38 +67,20 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
 
 @pytest.mark.parametrize("shaping", ["netns", "inprocess"])
 def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
-    import re
-
-    from swarm.netlab.namespaces import list_namespaces
-
     results = tmp_path / "shaped.jsonl"
     namespaces = set(list_namespaces("hp"))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "swarm",
-            "lab",
-            str(SMOKE),
-            "--stages",
-            "2",
-            "--steps",
-            "2",
-            "--results",
-            str(results),
-            "--bandwidth",
-            "stage1=20mbit,*=50mbit",
-            "--delay",
-            "5ms",
-            "--shaping",
-            shaping,
-            "--set",
-            "train.eval_every=100",
-        ],
-        capture_output=True,
-        text=True,
+    out = _lab(
+        "--results",
+        str(results),
+        "--bandwidth",
+        "stage1=20mbit,*=50mbit",
+        "--delay",
+        "5ms",
+        "--shaping",
+        shaping,
+        "--set",
+        "train.eval_every=100",
         timeout=200,
-        cwd=REPO,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     if shaping == "netns":
