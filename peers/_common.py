@@ -105,11 +105,6 @@ def node_options(args: argparse.Namespace, client_mode: bool = False, settings: 
     )
 
 
-def settings_from(**changes) -> Settings:
-    """The transport's settings with the command line's changes; ValueError: a one-line error."""
-    return Settings().but(**changes)
-
-
 def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO,

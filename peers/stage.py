@@ -20,12 +20,12 @@ from peers._common import (
     node_options,
     run_until_stopped,
     say,
-    settings_from,
     setup_logging,
     until_stopped,
 )
 from swarm.config import ConfigError, load_config
 from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 
@@ -69,7 +69,7 @@ async def serve(args: argparse.Namespace) -> int:
         )
     run_id = args.run_id or cfg.name
     try:
-        settings = settings_from(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
+        settings = Settings(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
         return fail(f"--timeout / --max_payload_mb: {e}")
     try:

@@ -17,9 +17,9 @@ from peers._common import (
     fail,
     node_options,
     say,
-    settings_from,
     setup_logging,
 )
+from swarm.transport.hivemind.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:
-        settings = settings_from(call_timeout_s=args.timeout, setup_wait_s=args.wait)
+        settings = Settings(call_timeout_s=args.timeout, setup_wait_s=args.wait)
     except ValueError as e:
         return fail(f"--timeout / --wait: {e}")
     loop = LoopThread("trainer-loop")

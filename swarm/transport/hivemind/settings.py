@@ -8,7 +8,7 @@ loopback alike.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from protocols.framing import MAX_PAYLOAD_BYTES
 
@@ -65,10 +65,6 @@ class Settings:
     # link the DHT's requests can time out while the peers serve on.
     lookup_keep_s: float = 60.0
     setup_wait_s: float = 60.0  # the trainer waits this long for every stage to have a peer (--wait)
-
-    def but(self, **changes) -> Settings:
-        """A copy with `changes` (checked like the constructor's)."""
-        return replace(self, **changes)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -20,7 +20,7 @@ from swarm.transport.hivemind.settings import Settings
 def test_a_setting_that_is_not_a_positive_number_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=r"^setting call_timeout_s must be a positive number"):
         Settings(call_timeout_s=bad)
-    assert Settings().but(call_timeout_s=30).call_timeout_s == 30 and Settings().call_timeout_s == 120
+    assert Settings(call_timeout_s=30).call_timeout_s == 30 and Settings().call_timeout_s == 120
 
 
 @pytest.mark.parametrize("peer, flag", [("stage", "--timeout"), ("trainer", "--timeout"), ("trainer", "--wait")])

@@ -53,7 +53,7 @@ class HostedStage:
         self.runtime = None
         self.session: tuple | None = None  # (trainer session, lr horizon, capacity) it was set up for
         self.tied: list = []
-        self.links = NeighbourLinks(stage)
+        self.links = NeighbourLinks(stage, lambda: self.cfg)
         self.sending = Sending(self.settings.sending_per_neighbour)  # activations down, gradients up
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, self.num_stages))
         self.router = Router(node, run_id)
@@ -95,7 +95,7 @@ class HostedStage:
         with _BUILD_LOCK:
             staged = build_staged_model(self.cfg)
             runtime = build_runtime(self.cfg, staged, self.stage, lr_horizon, hold_grads=True)
-        self.links.start(self.cfg, capacity, link_ends(self.cfg, self.stage, capacity))
+        self.links.start(capacity, link_ends(self.cfg, self.stage, capacity))
         self.chain.restart()
         self.tied = list(staged.tied)
         self.runtime = runtime
@@ -150,7 +150,7 @@ class HostedStage:
     def switch_codecs(self, cfg: ExperimentConfig, changed: list[int]) -> None:
         """Adaptive compression: `cfg`'s codecs from now on; the ends of the `changed` boundaries go."""
         self.cfg = cfg
-        self.links.switch(cfg, changed)
+        self.links.switch(changed)
         if self.handoff is not None and self.stage in changed:
             self.handoff.sticky = None
 
@@ -158,7 +158,6 @@ class HostedStage:
         """A checkpoint was loaded into the runtime and `own` ends (with `cfg`'s codecs): every link
         restarts from them with a new epoch."""
         self.cfg = cfg
-        self.links.cfg = cfg
         self.links.restore(own)
         if self.handoff is not None:
             self.handoff.sticky = None

@@ -14,6 +14,7 @@ Byte counts of replaced ends are kept (`retired`): the status reports a link's t
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 from swarm.config import ExperimentConfig
 from swarm.engine.build import link_end
@@ -23,9 +24,11 @@ from swarm.transport.hivemind.ordering import Numbering, Turnstile
 
 
 class NeighbourLinks:
-    def __init__(self, stage: int) -> None:
+    """`config()`: the stage's config in force (its codecs are the ones new ends get)."""
+
+    def __init__(self, stage: int, config: Callable[[], ExperimentConfig]) -> None:
         self.stage = stage
-        self.cfg: ExperimentConfig | None = None
+        self.config = config
         self.capacity: int | None = None
         self.ends_in: dict[str, LinkEnd] = {}  # upstream peer -> our half of that link
         self.ends_out: dict[str, LinkEnd] = {}  # downstream peer -> our half of that link
@@ -42,9 +45,9 @@ class NeighbourLinks:
         self._spare: dict[bool, LinkEnd | None] = {}
         self._made = 0
 
-    def start(self, cfg: ExperimentConfig, capacity: int | None, own: LinkEnds) -> None:
+    def start(self, capacity: int | None, own: LinkEnds) -> None:
         """A new session: no link, no counts; the first ends made are `own`."""
-        self.cfg, self.capacity = cfg, capacity
+        self.capacity = capacity
         for table in (self.turnstiles, self.received, self.arrivals, self.replies, self.retired):
             table.clear()
         self.restore(own)
@@ -59,9 +62,9 @@ class NeighbourLinks:
         self.upstream = None
 
     def make(self, upstream: bool, label: str, cfg: ExperimentConfig | None = None) -> LinkEnd:
-        """A new end of ours with the codecs of `cfg` (default: the links' config), its AQ-SGD rows
-        in a directory of its own."""
-        cfg = cfg or self.cfg
+        """A new end of ours with the codecs of `cfg` (default: the config in force), its AQ-SGD
+        rows in a directory of its own."""
+        cfg = cfg or self.config()
         store = cfg.compression.store_dir
         self._made += 1
         store = None if store is None else f"{store}/stage{self.stage}-{label}-{self._made}"
@@ -103,9 +106,8 @@ class NeighbourLinks:
         sent.update(end.bytes)
         raw.update(end.raw)
 
-    def switch(self, cfg: ExperimentConfig, changed: list[int]) -> None:
+    def switch(self, changed: list[int]) -> None:
         """New codecs on the `changed` boundaries: their ends go, the next messages start new epochs."""
-        self.cfg = cfg
         for boundary in changed:
             upstream = boundary == self.stage  # we send activations on it
             self._spare[upstream] = None  # the runtime's own end has the old codecs

@@ -30,6 +30,7 @@ from swarm.transport.hivemind.meta import address, tensor_to_raw
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.ordering import Numbering
 from swarm.transport.hivemind.pacing import FlowPacer
+from swarm.transport.hivemind.retry import Retry
 from swarm.transport.hivemind.routing import NoPeerError, Router
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds, codec_changes
@@ -55,6 +56,7 @@ class SwarmPipeline:
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         sending = Sending(node.settings.sending_per_neighbour)
         self.handoff = Handoff(node, self.router, run_id, 0, self.pacer, sending, self.numbering.restart)
+        self.retry = Retry(node.settings)
         self.rounds = SwarmRounds(self)
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         self._step_statuses: list[pb.StageStatus] | None = None  # this step's adaptive decision read them
@@ -91,7 +93,7 @@ class SwarmPipeline:
                 session=self.session,
             )
             timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
-            frame = await self.rounds.retry.same_peer(
+            frame = await self.retry.same_peer(
                 lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout),
                 f"setup of stage {stage} peer {peer_id[-8:]}",
             )

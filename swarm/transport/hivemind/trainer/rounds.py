@@ -22,7 +22,6 @@ from swarm.engine.step import Grads
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import TransportError
 from swarm.transport.hivemind.meta import address, payload_to_tensors, tensors_to_payload
-from swarm.transport.hivemind.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +31,13 @@ class SwarmRounds:
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
-        self.retry = Retry(pipeline.node.settings)
 
     async def call(self, stage: int, peer_id: str, kind: str, payload: bytes = b"", **fields) -> Frame:
         """One round on one peer, retried there when its reply is lost."""
         p = self.pipeline
         head = getattr(pb, _REQUESTS[kind])(to=address(p.run_id, stage), **fields)
         timeout = p.node.settings.call_timeout_s
-        return await self.retry.same_peer(
+        return await p.retry.same_peer(
             lambda: call(p.node.streams, peer_id, kind, head, payload, timeout),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
         )
