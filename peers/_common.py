@@ -120,13 +120,33 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+class StopSignals:
+    """SIGINT and SIGTERM as an event, from the moment it is made (a signal that comes early is
+    not lost); `count`: how many came."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.count = 0
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._got)
+            except (ValueError, RuntimeError):  # not the main thread (a peer served inside a test)
+                return
+
+    def _got(self) -> None:
+        self.count += 1
+        self.event.set()
+
+    async def next(self) -> None:
+        """Waits for the next signal (at once if one came since the last call)."""
+        await self.event.wait()
+        self.event.clear()
+
+
 async def until_stopped() -> None:
     """Waits for SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await StopSignals().next()
 
 
 def run_until_stopped(coro) -> int:

@@ -1,8 +1,10 @@
-"""`python -m peers.stage --stage N --config CFG --initial_peers ...`: host one stage of a run.
+"""`python -m peers.stage --stage N --initial_peers ... [--run_id RUN] [--config CFG]`: host one stage of a run.
 
-The peer announces itself on the DHT, waits for the run's trainer to set it up (weights are built
-from the config's seed, so every peer of every stage starts from the single-process run's
-weights), serves forward/backward micro-batches and steps its own optimizer.
+Without --config the peer fetches the config the run published on the DHT (its trainer, or a stage
+peer started with --config, publishes it); with --config it must match the published one, and the
+peer publishes it too. The peer announces itself on the DHT, waits for the run's trainer to set it
+up (weights are built from the config's seed, so every peer of every stage starts from the
+single-process run's weights), serves forward/backward micro-batches and steps its own optimizer.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from peers._common import (
+    StopSignals,
     add_network_args,
     add_threads_arg,
     apply_threads,
@@ -21,10 +25,16 @@ from peers._common import (
     run_until_stopped,
     say,
     setup_logging,
-    until_stopped,
 )
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError, ExperimentConfig, load_config
 from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.runconfig import (
+    ConfigPublisher,
+    PublishedConfig,
+    RunConfigError,
+    resolve_run,
+    start_publishing,
+)
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
@@ -35,16 +45,27 @@ log = logging.getLogger("peers.stage")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers.stage", description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, required=True, help="which stage to host (0-based)")
-    parser.add_argument("--config", required=True, help="experiment YAML (the trainer must use the same one)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="experiment YAML, the run's own (default: the config the run published on the DHT)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field (use the trainer's overrides)",
+        help="override a field of --config (use the trainer's overrides)",
     )
-    parser.add_argument("--run_id", default=None, help="the run to join (default: the config's name)")
+    parser.add_argument(
+        "--run_id",
+        default=None,
+        help="the run to join (default: the config's name; without --config, the one run on the DHT)",
+    )
+    parser.add_argument(
+        "--wait", type=float, default=120.0, help="seconds to wait for the run's config to appear (without --config)"
+    )
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (overrides the config)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the next stage's reply")
     parser.add_argument("--report_every", type=float, default=10.0, help="seconds between progress lines")
@@ -57,17 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_config(args.config, args.overrides + ([f"device={args.device}"] if args.device else []))
-    except ConfigError as e:
-        return fail(str(e))
+    signals = StopSignals()
+    if args.config is None and args.overrides:
+        return fail("--set needs --config: without it the run's config is fetched as published")
     if error := apply_threads(args.threads):
         return fail(error)
-    if not 0 <= args.stage < cfg.model.num_stages:
-        return fail(
-            f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
-        )
-    run_id = args.run_id or cfg.name
     try:
         settings = Settings(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
@@ -77,7 +92,18 @@ async def serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         return fail(str(e))
     server = StageServer(node)
+    publisher: ConfigPublisher | None = None
     try:
+        try:
+            cfg, run_id, mine = await _config(node, args)
+            if not 0 <= args.stage < cfg.model.num_stages:
+                return fail(
+                    f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
+                )
+            if mine is not None:  # joiners find the run's config before its trainer starts
+                publisher = await start_publishing(node, mine)
+        except (ConfigError, RunConfigError, OSError) as e:
+            return fail(str(e))
         try:
             hosted = server.host(HostedStage(node, run_id, cfg, args.stage))
         except ValueError as e:
@@ -87,12 +113,39 @@ async def serve(args: argparse.Namespace) -> int:
         for maddr in await node.maddrs():
             say(f"  listening on {maddr}")
         reporter = asyncio.create_task(_report(hosted, args.report_every))
-        await until_stopped()
+        await signals.next()
+        await _leave(server, signals)
         reporter.cancel()
     finally:
+        if publisher is not None:
+            await publisher.stop()
         await server.stop()
         await node.shutdown()
     return 0
+
+
+async def _config(node: SwarmNode, args: argparse.Namespace) -> tuple[ExperimentConfig, str, PublishedConfig | None]:
+    """The run's config and id, and what to publish: --config's, or the config the run published."""
+    device = [f"device={args.device}"] if args.device else []
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides + device)
+        run_id = args.run_id or cfg.name
+        return cfg, run_id, PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
+    published = await resolve_run(node, args.run_id, args.wait)
+    cfg = published.config(device)  # the device is this peer's own: not part of the digest
+    say(f"joined run {published.run_id!r}: config {published.digest} as published on the DHT")
+    return cfg, published.run_id, None
+
+
+async def _leave(server: StageServer, signals: StopSignals) -> None:
+    """Drains (swarm.transport.hivemind.stage.leaving) unless a second signal says to leave now."""
+    say("stopping: finishing what this peer holds (Ctrl-C again to leave now)")
+    drained = asyncio.create_task(server.leave(say))
+    again = asyncio.create_task(signals.next())
+    await asyncio.wait({drained, again}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (drained, again):
+        task.cancel()
+    say("left the run" if drained.done() and not drained.cancelled() else "leaving now")
 
 
 async def _report(hosted: HostedStage, every: float) -> None:

@@ -1,7 +1,8 @@
 """`python -m peers.trainer --config CFG --initial_peers ...`: drive a run through the swarm.
 
-It owns the data and the schedule, finds the stage peers on the DHT, sets them up, and runs
-`swarm.training.loop.train` over a `SwarmPipeline`: the same loop, the same JSON lines as `python -m swarm run`.
+It publishes the run's config on the DHT (stage peers may join without --config), owns the data and
+the schedule, finds the stage peers on the DHT, sets them up, and runs `swarm.training.loop.train`
+over a `SwarmPipeline`: the same loop, the same JSON lines as `python -m swarm run`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from peers._common import (
     add_network_args,
@@ -24,7 +26,11 @@ from swarm.transport.hivemind.settings import Settings
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers.trainer", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="experiment YAML (the stage peers must use the same one)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="experiment YAML, published on the DHT for stage peers that join without one (those with one must match it)",
+    )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
@@ -70,6 +76,13 @@ def _echoing(writer_cls):
     return Echo
 
 
+async def _publish(node, run_id: str, path: str, overrides: list[str]):
+    """The run's config on the DHT for the whole run, unless the run already published another."""
+    from swarm.transport.hivemind.runconfig import PublishedConfig, start_publishing
+
+    return await start_publishing(node, PublishedConfig.of(run_id, Path(path).read_text(), overrides, path))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -108,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         loop.stop()
         return fail(str(e))
     results = open_results(args.results, checkpoint, ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter))
+    publisher = None
     try:
+        publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
         pipeline = SwarmPipeline(node, loop, cfg, run_id)
@@ -125,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         results.close()
         try:
+            if publisher is not None:
+                loop.run(publisher.stop(), timeout=20)
             loop.run(node.shutdown(), timeout=20)
         finally:
             loop.stop()

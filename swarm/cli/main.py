@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument(
         "--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)"
     )
+    lab.add_argument(
+        "--churn",
+        metavar="SPEC",
+        help="stage peers join, die and leave during the run: join:1@10,kill:1@30,stop:2@50 (seconds from the trainer's start) or random:SEED[@EVERY]",
+    )
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
     study.add_argument("--results_dir", default="runs/study-cpu", help="results (NAME.jsonl) and checkpoints go here")
@@ -346,6 +351,7 @@ def lab_command(args: argparse.Namespace) -> int:
         shaping=args.shaping,
         probe=not args.no_probe,
         pacing=not args.no_pacing,
+        churn=args.churn,
     )
 
 

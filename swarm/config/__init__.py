@@ -6,7 +6,16 @@ from swarm.config.experiment import (
     LinkConfig,
     LinkOverride,
     OptimizerConfig,
+    config_from_text,
     load_config,
 )
 
-__all__ = ["ConfigError", "ExperimentConfig", "LinkConfig", "LinkOverride", "OptimizerConfig", "load_config"]
+__all__ = [
+    "ConfigError",
+    "ExperimentConfig",
+    "LinkConfig",
+    "LinkOverride",
+    "OptimizerConfig",
+    "config_from_text",
+    "load_config",
+]

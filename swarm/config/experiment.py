@@ -204,20 +204,25 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-    raw = apply_overrides(raw, overrides or [])
+def config_from_text(text: str, overrides: list[str], where: str) -> ExperimentConfig:
+    """A config from YAML `text` and `--set` overrides; `where` names the text in errors (a file, a run)."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping")
+    raw = apply_overrides(raw, overrides)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_one_line(e)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    if path is None:
+        return config_from_text("", overrides or [], "config")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    return config_from_text(path.read_text(), overrides or [], str(path))

@@ -47,9 +47,11 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def stage_state(runtime: StageRuntime, ends: LinkEnds, step: int) -> dict:
-    """What a checkpoint of one stage holds, with `ends` as its link ends."""
-    if runtime.pending:
+def stage_state(runtime: StageRuntime, ends: LinkEnds, step: int, in_flight: bool = False) -> dict:
+    """What a checkpoint of one stage holds, with `ends` as its link ends. Only a state without
+    link ends may be taken with micro-batches in flight (`in_flight`): their activations and held
+    gradients are not part of it, link state would be."""
+    if runtime.pending and not (in_flight and ends == (None, None)):
         raise RuntimeError(
             f"stage {runtime.index} has {runtime.pending} micro-batch(es) in flight; checkpoint between steps"
         )

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import secrets
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from swarm.config import ConfigError, load_config
 from swarm.lab.bandwidth import parse_rates
+from swarm.lab.churn import Churn, ChurnRunner
 from swarm.lab.probe import probe_in_process
 from swarm.lab.probe_namespaces import probe_netlab
 from swarm.netlab.counters import CounterSampler, GroupCpu
@@ -45,6 +47,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
 
 
+_STEP_LINE = re.compile(r"^step (\d+): ")  # the trainer's line per step (peers.trainer)
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 
@@ -74,8 +77,10 @@ class Lab:
         shaping: str | None = None,
         probe: bool = True,
         pacing: bool = True,
+        churn: str | None = None,
     ) -> None:
         self.config, self.stages, self.results, self.steps = config, stages, results, steps
+        self.device = device
         self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
         self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
         self.rates = parse_rates(bandwidth, self.names)  # ValueError: one line
@@ -88,6 +93,9 @@ class Lab:
         self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
         self.probe = probe
         self.pacing = pacing
+        self.churn = Churn.parse(churn, stages) if churn else None  # ChurnError: one line
+        if self.churn is not None and self.shaped and self.shaping == "netns":
+            raise ValueError("--churn needs --shaping inprocess on shaped links (namespaces are made before the run)")
         self.threads = peer_threads(stages + 1)
         self.net = None
         self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
@@ -96,6 +104,8 @@ class Lab:
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self._lock = threading.Lock()
         self._boot_lines: queue.Queue[str] = queue.Queue()
+        self.trainer_ready = threading.Event()  # it set the stages up: a churn's clock starts
+        self.trainer_step = 0  # the last step it printed
 
     def _print(self, name: str, line: str) -> None:
         with self._lock:
@@ -112,12 +122,12 @@ class Lab:
         if self.net is not None:
             missing = self.net.missing_delay(name)
             return ["--shape_delay", f"{missing * 1000:.3f}ms"] if missing > 0 else []
-        rate = (self.rates or {}).get(name)
+        rate = (self.rates or {}).get(_base(name))
         return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
 
     def _link_args(self, name: str) -> list[str]:
         """A stage peer's or the trainer's declared link rate (its access link is shaped the same both ways)."""
-        rate = (self.rates or {}).get(name)
+        rate = (self.rates or {}).get(_base(name))
         if not (self.pacing and rate and (name.startswith("stage") or name == "trainer")):
             return []
         return ["--uplink", rate, "--downlink", rate]
@@ -152,6 +162,10 @@ class Lab:
                 line = line.rstrip()
                 if name == "bootstrap":
                     self._boot_lines.put(line)
+                if name == "trainer" and line.startswith("run "):
+                    self.trainer_ready.set()
+                if name == "trainer" and (step := _STEP_LINE.match(line)):
+                    self.trainer_step = int(step.group(1))
                 if line and not any(noise in line for noise in _NOISE):
                     self._print(name, line)
 
@@ -277,9 +291,17 @@ class Lab:
                 else None
             )
             trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
+            churn = None
+            if self.churn is not None:
+                join = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads)]
+                churn = ChurnRunner(self, self.churn, join + (["--device", self.device] if self.device else []))
             while trainer.poll() is None:
-                for name, process in self.processes:
-                    if process is not trainer and process.poll() is not None:
+                if churn is not None:
+                    if self.trainer_ready.is_set() and churn.started is None:
+                        churn.start(time.monotonic())
+                    churn.poll(time.monotonic(), self.trainer_step)
+                for name, process in list(self.processes):
+                    if process is not trainer and process.poll() is not None and name not in getattr(churn, "gone", ()):
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
                 if counters is not None:
                     counters.poll()
@@ -301,13 +323,25 @@ class Lab:
             if self.results and Path(self.results).exists():
                 self._print("lab", f"results in {self.results}")
 
+    def signal_peer(self, process: subprocess.Popen, sig: int) -> None:
+        """SIGKILL to a peer's whole process group (its p2p daemon dies with it); other signals to the peer."""
+        try:
+            if sig == signal.SIGKILL:
+                os.killpg(process.pid, sig)
+            else:
+                process.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def stop(self) -> None:
         """SIGINT (graceful), then SIGTERM, then SIGKILL to each process group (its p2p daemon too)."""
         running = [(name, p) for name, p in reversed(self.processes)]
         for sig, grace in ((signal.SIGINT, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             for _, process in running:
                 try:  # first only the peer itself: it shuts its daemon down; then the whole group
-                    if sig is signal.SIGINT:
+                    if sig is signal.SIGINT:  # twice: the run is over, a stage peer need not drain
+                        process.send_signal(sig)
+                        time.sleep(0.05)
                         process.send_signal(sig)
                     else:
                         os.killpg(process.pid, sig)
@@ -324,6 +358,11 @@ class Lab:
             if not running:
                 break
         self.processes.clear()
+
+
+def _base(name: str) -> str:
+    """A churn joiner (stage1.2) has its stage's first peer's link."""
+    return name.split(".", 1)[0]
 
 
 def _group_alive(pgid: int) -> bool:

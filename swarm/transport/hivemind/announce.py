@@ -42,6 +42,7 @@ class StageRecord:
     session: str = ""  # the trainer session it was set up by (peers route only within one session)
     # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
     download_share: float = 0.0
+    leaving: bool = False  # draining: it takes no new micro-batch and leaves at the next step boundary
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:
@@ -61,6 +62,7 @@ class StageRecord:
                 updated=float(value.get("updated", 0.0)),
                 session=str(value.get("session", "")),
                 download_share=max(0.0, float(value.get("download_share", 0.0))),
+                leaving=bool(value.get("leaving", False)),
             )
         except (KeyError, TypeError, ValueError):
             return None

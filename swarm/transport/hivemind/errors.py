@@ -17,6 +17,12 @@ class RemoteError(RuntimeError):
     def retry_link(self) -> bool:
         return self.code == pb.LINK_RESET
 
+    @property
+    def other_peer(self) -> bool:
+        """The peer does not serve this now (not set up, joining, leaving, at another step):
+        another peer of its stage may."""
+        return self.code in (pb.NOT_READY, pb.UNAVAILABLE)
+
 
 class TransportError(RuntimeError):
     """The peer did not answer properly: unreachable, died, timed out or sent a broken reply."""

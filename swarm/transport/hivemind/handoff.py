@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from protocols import stage_pb2 as pb
@@ -33,7 +34,9 @@ class Handoff:
     `pacer` and `sending` are the peer's own (they also pace and order what it sends elsewhere);
     `lost(peer)` is called when the link to a peer lost its order or state (the caller restarts
     its numbering, and drops its link end if it has one); `replies` meters how fast each peer's
-    replies arrive (None: not metered)."""
+    replies arrive (None: not metered); `stateful()`: whether the link's codecs keep state across
+    micro-batches (error feedback): then micro-batches keep to one peer while it is not much
+    slower, for load they would split across replicas and change the numbers."""
 
     def __init__(
         self,
@@ -45,16 +48,25 @@ class Handoff:
         sending: Sending,
         lost: Callable[[str], None],
         replies: dict[str, LinkMeter] | None = None,
+        stateful: Callable[[], bool] = lambda: False,
     ) -> None:
         self.node, self.router, self.run_id, self.stage = node, router, run_id, stage
         self.pacer, self.sending, self.lost, self.replies = pacer, sending, lost, replies
+        self.stateful = stateful
         self.settings = node.settings
         self.retry = Retry(node.settings)
         self.sticky: str | None = None  # the peer the micro-batches follow (its link state)
-        self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers)
+        self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers) ...
+        self.waiting: Counter = Counter()  # ... per peer (routing)
 
     async def choose(self, session: str, exclude=()) -> StageRecord:
-        record = await self.router.choose(self.stage, exclude=exclude, sticky=self.sticky, session=session)
+        record = await self.router.choose(
+            self.stage,
+            exclude=exclude,
+            sticky=self.sticky,
+            session=session,
+            waiting=None if self.stateful() else self.waiting,
+        )
         self.sticky = record.peer_id
         return record
 
@@ -117,7 +129,7 @@ class Handoff:
                 self._lose(target)
                 if not self.retry.again(e, attempt, deadline):
                     raise
-                if isinstance(e, TransportError):
+                if isinstance(e, TransportError) or e.other_peer:
                     self.router.failed(target)
                     try:
                         record = await self.choose(session, exclude=tried)
@@ -142,7 +154,9 @@ class Handoff:
 
     async def _reply(self, exchange: Exchange, timeout: float) -> Frame:
         self.awaiting += 1
+        self.waiting[exchange.peer_id] += 1
         try:
             return await exchange.reply(timeout)
         finally:
             self.awaiting -= 1
+            self.waiting[exchange.peer_id] -= 1

@@ -1,5 +1,9 @@
 """Choosing the peer that serves a stage: by throughput and queue, skipping banned peers.
 
+A peer's score is its measured throughput over one plus its queue (as it last announced it) and
+the micro-batches this caller is waiting on it for; a peer not measured yet (one that just
+joined) counts as the median of those measured, so it gets its share of the work.
+
 A peer that fails or times out is banned with exponential backoff (hivemind's `Blacklist`
 policy, as Petals uses it); a success clears its record.
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord, discover
@@ -77,10 +82,15 @@ class Router:
         return self._cache[stage][1]
 
     async def choose(
-        self, stage: int, exclude=(), sticky: str | None = None, session: str | None = None
+        self,
+        stage: int,
+        exclude=(),
+        sticky: str | None = None,
+        session: str | None = None,
+        waiting: Mapping[str, int] | None = None,
     ) -> StageRecord:
         """The best ready peer for `stage` (set up by `session`, when given): `sticky` if it is still
-        usable, else by throughput/(queue+1)."""
+        usable, else by score; `waiting`: peer -> micro-batches the caller awaits from it."""
         for refresh in (False, True):
             records = await self.peers(stage, refresh)
             candidates = [
@@ -95,16 +105,19 @@ class Router:
                 break
         else:
             raise NoPeerError(f"no live peer serves stage {stage} of run {self.run_id!r}")
-        best = max(candidates, key=lambda r: (self.score(r), self._random.random()))
+        measured = sorted(r.throughput for r in candidates if r.throughput > 0)
+        typical = measured[len(measured) // 2] if measured else 1.0
+        scores = {r.peer_id: self.score(r, typical, (waiting or {}).get(r.peer_id, 0)) for r in candidates}
+        best = max(candidates, key=lambda r: (scores[r.peer_id], self._random.random()))
         for record in candidates:  # keep a working neighbour (its link state) unless another is much faster
-            if record.peer_id == sticky and 2 * self.score(record) >= self.score(best):
+            if record.peer_id == sticky and 2 * scores[record.peer_id] >= scores[best.peer_id]:
                 return record
         return best
 
     @staticmethod
-    def score(record: StageRecord) -> float:
-        """Expected share of work a peer can take: unmeasured peers count as average."""
-        return (record.throughput or 1.0) / (1 + record.queue)
+    def score(record: StageRecord, typical: float = 1.0, waiting: int = 0) -> float:
+        """Expected share of work a peer can take (`typical`: the throughput of one not measured yet)."""
+        return (record.throughput or typical) / (1 + record.queue + waiting)
 
     def failed(self, peer_id: str) -> float:
         return self.bans.fail(peer_id)

@@ -26,6 +26,8 @@ class Settings:
     # A status call from peers.status (the trainer's own status reads get call_timeout_s: its
     # results count the bytes they report).
     info_timeout_s: float = 10.0
+    # A joiner's download of its stage's state (a whole stage file over a home link).
+    state_timeout_s: float = 600.0
     # ---- retries (swarm.transport.hivemind.retry) -------------------------------------------
     attempts: int = 3  # tries of a micro-batch (on other peers) or a step round before giving up
     backoff_s: float = 0.2  # a step round's n-th retry waits n times this

@@ -37,6 +37,14 @@ class PeerRow:
     links: list[dict] = field(default_factory=list)
     rtt_ms: float | None = None  # of the status call itself
     error: str = ""
+    role: str = ""  # serving, following (joining: downloading its state or catching up), leaving, idle
+    leaving: bool = False  # its record says it is leaving (or left: the record outlives it a while)
+    # joining mid-run: the step of the state it downloaded, its bytes and seconds; downloads it served
+    joined_step: int | None = None
+    state_bytes_in: int = 0
+    state_seconds: float = 0.0
+    states_served: int = 0
+    state_bytes_out: int = 0
 
 
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
@@ -63,6 +71,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
                         record.queue,
                         record.ready,
                         max(0.0, get_dht_time() - record.updated),
+                        leaving=record.leaving,
                     )
                 )
             stage += 1
@@ -81,6 +90,10 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
             if status.stage != row.stage:
                 continue
             row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
+            row.role, row.states_served, row.state_bytes_out = status.role, status.states_served, status.state_bytes_out
+            if status.state_bytes_in:
+                row.joined_step = status.joined_step
+                row.state_bytes_in, row.state_seconds = status.state_bytes_in, status.state_seconds
             row.links = [
                 {
                     "neighbour": link.neighbour,
@@ -106,6 +119,18 @@ def _size(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1024
     return f"{n:.1f}GB"
+
+
+def _state(row: PeerRow) -> str:
+    """What a peer is doing: its role, how it joined, the downloads it served."""
+    if not row.reachable:
+        return "left" if row.leaving else f"unreachable ({row.error[:40]})"
+    text = row.role or ("ready" if row.ready else "waiting")
+    if row.joined_step is not None:
+        text += f", joined at step {row.joined_step} ({_size(row.state_bytes_in)} in {row.state_seconds:.1f}s)"
+    if row.states_served:
+        text += f", gave its state {row.states_served}x ({_size(row.state_bytes_out)})"
+    return text
 
 
 def format_table(rows: list[PeerRow]) -> str:
@@ -139,7 +164,7 @@ def format_table(rows: list[PeerRow]) -> str:
             links.append(
                 f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}"
             )
-        state = ("ready" if row.ready else "waiting") if row.reachable else f"unreachable ({row.error[:40]})"
+        state = _state(row)
         address = row.addrs[0] if row.addrs else "-"
         rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
         table.append(

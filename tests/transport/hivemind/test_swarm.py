@@ -88,9 +88,13 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         served = [r for r in rows if r.processed > 0]
         assert {r.stage for r in served} == {0, 1}
         assert any(link["sent"] and link["received"] for r in served for link in r.links)
-        (down,) = [link for r in served if r.stage == 0 for link in r.links]
-        # topk:0.2: a fifth of the values, in fp16
-        assert down["raw"]["forward.train"] / down["sent"]["forward.train"] > 4
+        downs = [link for r in served if r.stage == 0 for link in r.links]
+        assert len(downs) > 1  # stage 0 spread its micro-batches over stage 1's peers (stateless codecs)
+        trained = [link for link in downs if "forward.train" in link["sent"]]
+        assert trained and all(  # topk:0.2: a fifth of the values, in fp16
+            link["raw"]["forward.train"] / link["sent"]["forward.train"] > 4 for link in trained
+        )
+        down = max(downs, key=lambda link: sum(link["sent"].values()))
         ratio = sum(down["raw"].values()) / sum(down["sent"].values())  # with the evaluations' exact tensors
         assert ratio > 1
         assert all(r.rtt_ms is not None and r.rtt_ms > 0 for r in rows)

@@ -57,6 +57,7 @@ class Chain:
                 pb.NOT_READY,
             )
         batch = meta_to_batch(head.batch)
+        host.serving(batch)
         # from arrival: the sender's clock runs meanwhile
         settings = host.settings
         deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s

@@ -10,10 +10,13 @@ measures its throughput for the DHT record others route by.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from protocols import stage_pb2 as pb
+from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
 from swarm.engine.linkend import LinkEnd, LinkEnds
@@ -28,10 +31,12 @@ from swarm.transport.hivemind.pacing import FlowPacer, stage_flows
 from swarm.transport.hivemind.routing import Router
 from swarm.transport.hivemind.stage.chain import Chain
 from swarm.transport.hivemind.stage.clock import ComputeClock
+from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.status import stage_status
 
+log = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: one build at a time per process
 
 
@@ -60,10 +65,25 @@ class HostedStage:
         self.handoff = None
         if not self.last:
             self.handoff = Handoff(
-                node, self.router, run_id, stage + 1, self.pacer, self.sending, self.links.drop_out, self.links.replies
+                node,
+                self.router,
+                run_id,
+                stage + 1,
+                self.pacer,
+                self.sending,
+                self.links.drop_out,
+                self.links.replies,
+                self._feedback_out,
             )
         self.chain = Chain(self)
         self.rounds = StageRounds(self)
+        self.joining: Joining | None = None  # set up mid-run: catching up (swarm.transport.hivemind.stage.joining)
+        self.joined: tuple[int, int, float] | None = None  # (step, state bytes, seconds) of its join
+        self.set_up_at = 0.0  # when it was set up (monotonic): a joiner's first micro-batch is timed from it
+        self.first_batch_s: float | None = None  # seconds from being set up to the first micro-batch
+        self.source = StateSource(self)  # its state for joiners
+        self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
+        self.changed = lambda: None  # its record changed (the server announces it at once)
         self.clock = ComputeClock()  # training compute (the compute bounds of throughput benchmarks)
         self.throughput = 0.0
         self.queue = 0
@@ -71,6 +91,7 @@ class HostedStage:
         self.processed = 0
         self.steps = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}")
+        self._closed = False
 
     @property
     def first(self) -> bool:
@@ -88,6 +109,14 @@ class HostedStage:
     @property
     def session_id(self) -> str:
         return self.session[0] if self.session else ""
+
+    @property
+    def role(self) -> str:
+        if self.runtime is None:
+            return "idle"
+        if self.joining is not None:
+            return "following"
+        return "leaving" if self.leaving else "serving"
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -108,11 +137,18 @@ class HostedStage:
             )
         session = (request.session, int(request.lr_horizon), int(request.capacity))
         if self.session != session or self.runtime is None:
+            if self.joining is not None:
+                self.joining.cancel()
+            self.joining = self.joined = None
             self.cfg = self.configured
             await self.compute(self._build, int(request.lr_horizon), int(request.capacity) or None)
             self.session = session
             self.steps = 0
             self.rounds.restart()
+            self.set_up_at, self.first_batch_s = time.monotonic(), None
+            if request.sources:  # mid-run: the state comes from a peer in service
+                self.joining = Joining(self, list(request.sources))
+                self.joining.start()
         tied = [
             pb.TiedParam(
                 first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]
@@ -133,12 +169,18 @@ class HostedStage:
             self.queue,
             codecs,
             PROTOCOL_VERSION,
-            ready=self.runtime is not None,
+            ready=self.role == "serving",
             session=self.session_id,
+            leaving=self.leaving,
             download_share=self.pacer.download_share,
         )
 
     # ---- links --------------------------------------------------------------------------------
+
+    def _feedback_out(self) -> bool:
+        """Whether the link to the next stage keeps state across micro-batches (error feedback)."""
+        link = self.cfg.compression.link(self.stage)
+        return any(parse(spec).feedback is not None for spec in (link.forward, link.backward))
 
     def drop_out(self, receiver: str) -> None:
         """Our link to `receiver` lost its order or state: its next message starts a new epoch, and
@@ -169,6 +211,8 @@ class HostedStage:
         """`fn(*args)` on the stage's computing thread, one call after another in the order asked.
         The call is submitted before this coroutine first suspends: a caller that takes a link
         number and then awaits this keeps numbers and encodings in the same order."""
+        if self._closed:  # a call that came in while the peer shuts down: another peer may take it
+            raise RemoteError(f"stage {self.stage} peer is shutting down", pb.UNAVAILABLE)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def forward(self, batch: MicroBatch, data, ends: LinkEnds) -> Message:
@@ -205,8 +249,39 @@ class HostedStage:
         if self.runtime is None:
             raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet", pb.NOT_READY)
 
+    def serving(self, batch: MicroBatch) -> None:
+        """Whether this peer takes `batch`: in service (not joining, not leaving), its weights at
+        the micro-batch's step. A peer behind the run missed a step's rounds (its trainer left it out
+        after a failure): it goes idle, and the trainer sets it up afresh as a joiner."""
+        if self.joining is not None or self.leaving:
+            raise RemoteError(f"stage {self.stage} peer is {self.role}: it takes no micro-batch", pb.UNAVAILABLE)
+        if self.first_batch_s is None:
+            self.first_batch_s = time.monotonic() - self.set_up_at
+            if self.joined is not None:
+                log.info(
+                    "stage %d: first micro-batch %.1fs after it was set up to join", self.stage, self.first_batch_s
+                )
+        if batch.step != self.steps:
+            if batch.step > self.steps:
+                self.abandon_join(f"it is at step {self.steps}, the run at step {batch.step}")
+            raise RemoteError(
+                f"stage {self.stage} peer is at step {self.steps}, micro-batch {batch.key} of step {batch.step}",
+                pb.UNAVAILABLE,
+            )
+
+    def abandon_join(self, reason: str) -> None:
+        """Out of the run until its trainer sets it up again (as a joiner)."""
+        log.warning("stage %d of run %r leaves the session: %s", self.stage, self.run_id, reason)
+        if self.joining is not None and self.joining.task is not asyncio.current_task():
+            self.joining.cancel()
+        self.joining = None
+        self.runtime = None
+        self.session = None
+        self.changed()
+
     def status(self) -> pb.StageStatus:
         return stage_status(self)
 
     def close(self) -> None:
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)

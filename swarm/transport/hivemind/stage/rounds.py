@@ -3,12 +3,15 @@ per request, each run on the stage's computing thread (its time counts as the st
 
 Every round is idempotent, so the trainer may simply retry one whose reply was lost: gathering
 sums the held gradients again (they stay until the optimizer steps), setting gradients sets the
-same ones, and a retried apply returns the reply of the apply it repeats.
+same ones, and a retried apply returns the reply of the apply it repeats. Rounds are of one step:
+a peer whose weights are at another step refuses them (it missed a round). A peer joining mid-run
+keeps its rounds until its state is installed (swarm.transport.hivemind.stage.joining).
 """
 
 from __future__ import annotations
 
 import io
+import time
 
 import torch
 
@@ -28,6 +31,8 @@ class StageRounds:
     def __init__(self, host) -> None:
         self.host = host
         self.applied: tuple[int, pb.ApplyReply] | None = None  # the last apply: (step, its reply)
+        self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
+        self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
 
     def restart(self) -> None:
         self.applied = None
@@ -35,9 +40,14 @@ class StageRounds:
     async def handle(self, kind: str, head, payload: bytes) -> tuple[object, bytes]:
         """The reply (head, payload) to a step round or checkpoint request of `kind`."""
         self.host.ready()
+        self.last_s = time.monotonic()
         return await self.host.compute(self._counted, getattr(self, kind), head, payload)
 
     def _counted(self, handler, head, payload: bytes):
+        joining = self.host.joining
+        if joining is not None and handler.__name__ in ("set_grads", "apply"):
+            joining.keep(handler.__name__, head, payload)
+            return (pb.SetGradsReply() if handler.__name__ == "set_grads" else pb.ApplyReply(following=True)), b""
         clock = self.host.clock
         started = clock.start()
         try:
@@ -47,7 +57,16 @@ class StageRounds:
 
     # ---- the step ----------------------------------------------------------------------------
 
+    def _at(self, step: int, kind: str) -> None:
+        host = self.host
+        if step != host.steps:
+            raise RemoteError(
+                f"stage {host.stage} peer is at step {host.steps}, the {kind} round is of step {step}", pb.UNAVAILABLE
+            )
+
     def gather(self, head: pb.GatherRequest, payload: bytes) -> tuple[pb.GatherReply, bytes]:
+        if self.host.joining is not None:  # no micro-batch of the run went through it yet
+            return pb.GatherReply(), b""
         runtime = self.host.runtime
         try:
             runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
@@ -58,6 +77,7 @@ class StageRounds:
         return pb.GatherReply(grads=slots), data
 
     def set_grads(self, head: pb.SetGradsRequest, payload: bytes) -> tuple[pb.SetGradsReply, bytes]:
+        self._at(head.step, "set_grads")
         runtime = self.host.runtime
         try:
             runtime.set_gradients(payload_to_tensors(head.grads, payload))
@@ -69,11 +89,13 @@ class StageRounds:
         host = self.host
         if self.applied is not None and self.applied[0] == head.step:
             return self.applied[1], b""
+        self._at(head.step, "apply")
         cfg, changed = switched_config(host.cfg, host.stage, head.codecs)  # checked before anything changes
         runtime = host.runtime
         if head.scale:
             runtime.scale_grads(head.scale)
-        reply = pb.ApplyReply(lr=runtime.apply_step())
+        reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=host.leaving)
+        self.told_leaving = host.leaving
         host.steps += 1
         self.applied = (head.step, reply)
         if changed:  # adaptive compression: new codecs from the next step on
@@ -86,6 +108,8 @@ class StageRounds:
         """This stage as a single-process stage checkpoint, with the links in use as its link ends
         (other neighbours' links restart fresh after a resume) and this process's RNG."""
         host = self.host
+        if host.joining is not None:
+            raise RemoteError(f"stage {host.stage} peer is still joining: it has no state to save", pb.UNAVAILABLE)
         sticky = host.handoff.sticky if host.handoff is not None else None
         state = stage_state(host.runtime, host.links.in_use(sticky), head.step)
         state["rng"] = torch.get_rng_state()
@@ -112,6 +136,9 @@ class StageRounds:
             raise ProtocolError(f"checkpoint does not fit stage {host.stage}: {str(e).splitlines()[0][:200]}") from None
         if isinstance(state.get("rng"), torch.Tensor):
             torch.set_rng_state(state["rng"])
+        if host.joining is not None:  # the checkpoint is the state it was waiting for
+            host.joining.cancel()
+            host.joining = None
         host.restored(cfg, own, step)
         self.applied = None
         return pb.LoadReply(step=step), b""

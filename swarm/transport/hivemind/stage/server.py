@@ -31,6 +31,7 @@ from swarm.transport.hivemind.errors import RemoteError, one_line
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import carrying, send_paced
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class StageServer:
         self.hosted: dict[tuple[str, int], HostedStage] = {}
         self.announcer = Announcer(node, self._records)
         self._addrs: list[str] = []
+        self._tasks: set[asyncio.Task] = set()
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
@@ -75,9 +77,21 @@ class StageServer:
         for hosted in self.hosted.values():
             hosted.close()
 
+    async def leave(self, say) -> None:
+        """Drains every hosted stage (swarm.transport.hivemind.stage.leaving); then `stop()`."""
+        await asyncio.gather(*(drain(hosted, say) for hosted in self.hosted.values()))
+
     def host(self, hosted: HostedStage) -> HostedStage:
         self.hosted[(hosted.run_id, hosted.stage)] = hosted
+        hosted.changed = self._announce_soon
         return hosted
+
+    def _announce_soon(self) -> None:
+        """A hosted stage's record changed (joined, left the session, leaving): others see it now."""
+        if self._addrs:  # started
+            task = asyncio.get_running_loop().create_task(self.announcer.announce_now())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _records(self):
         return [(run_id, hosted.record(self._addrs)) for (run_id, _), hosted in self.hosted.items()]
@@ -140,12 +154,23 @@ class StageServer:
         if frame.kind in _ROUNDS:
             head, payload = await hosted.rounds.handle(frame.kind, frame.head, frame.payload)
             return self._writer(frame.kind, head, payload)
+        if frame.kind == "state":
+            head, payload = await hosted.source.serve()
+            return self._writer(frame.kind, head, payload, hosted.source.done)
         raise ProtocolError(f"unknown request {frame.kind!r}")
 
-    def _writer(self, kind: str, head, payload: bytes):
+    def _writer(self, kind: str, head, payload: bytes, done=None):
+        """`done(bytes sent)`: called once the reply is written, or failed to be."""
+
         async def write(writer: asyncio.StreamWriter) -> None:
-            for i, parts in enumerate(frame_parts(pb.StageReply, kind, head, payload)):
-                await send_paced(parts, writer, None, self.node.egress, first=i == 0)
+            sent = 0
+            try:
+                for i, parts in enumerate(frame_parts(pb.StageReply, kind, head, payload)):
+                    await send_paced(parts, writer, None, self.node.egress, first=i == 0)
+                sent = len(payload)
+            finally:
+                if done is not None:
+                    done(sent)
 
         return write
 

@@ -24,7 +24,12 @@ def stage_status(host) -> pb.StageStatus:
         compute_s=clock.seconds,
         compute_cpu_s=clock.cpu_seconds,
         samples=clock.samples,
+        role=host.role,
+        states_served=host.source.served,
+        state_bytes_out=host.source.bytes_out,
     )
+    if host.joined is not None:
+        out.joined_step, out.state_bytes_in, out.state_seconds = host.joined
     if host.stage > 0:
         link = host.cfg.compression.link(host.stage - 1)
         out.forward_codec, out.backward_codec = link.forward, link.backward

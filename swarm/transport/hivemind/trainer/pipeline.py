@@ -5,7 +5,9 @@ The trainer owns data and schedule: it sends micro-batches to stage-0 peers (eac
 micro-batch through the stages and back: swarm.transport.hivemind.stage.chain), several at once
 and numbered on each link so every stage processes them in the trainer's order. After the last
 micro-batch of a step it runs the synchronous step (swarm.engine.step) across every stage peer
-(`rounds`).
+(`rounds`). At each step boundary it sets up the peers that announced themselves for the run since
+(`admit`): each joins as a replica that first downloads its stage's state from a peer in service
+(swarm.transport.hivemind.stage.joining) and follows the step rounds until it serves.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from hivemind.utils import get_dht_time
+
 from protocols import stage_pb2 as pb
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
@@ -24,6 +28,7 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
 from swarm.transport.hivemind.calls import Sending, call
+from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.loop import LoopThread
 from swarm.transport.hivemind.meta import address, tensor_to_raw
@@ -48,6 +53,9 @@ class SwarmPipeline:
         self.router = Router(node, run_id)
         self.session = uuid.uuid4().hex
         self.members: dict[int, list[str]] = {}  # stage -> peers set up for this run
+        self.following: set[str] = set()  # members that joined mid-run and are still catching up
+        self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out (older records of it are stale)
+        self._setup_args: tuple[int, int] = (0, 0)  # (lr horizon, capacity) every setup carries
         self.tied: list[TiedPair] = []
         self.step_index = 0  # optimizer steps done
         self.routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
@@ -82,25 +90,16 @@ class SwarmPipeline:
                     f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})"
                 )
             await asyncio.sleep(0.5)
-        digest = config_digest(self.cfg)
+        self._setup_args = (lr_horizon, capacity or 0)
 
         async def one(stage: int, peer_id: str):
-            request = pb.SetupRequest(
-                to=address(self.run_id, stage),
-                config_digest=digest,
-                lr_horizon=lr_horizon,
-                capacity=capacity or 0,
-                session=self.session,
-            )
-            timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
-            frame = await self.retry.same_peer(
-                lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout),
-                f"setup of stage {stage} peer {peer_id[-8:]}",
-            )
-            return stage, peer_id, frame.head
+            return stage, peer_id, await self._setup_one(stage, peer_id)
 
-        replies = await asyncio.gather(*(one(s, r.peer_id) for s, records in found.items() for r in records))
+        replies = await asyncio.gather(
+            *(one(s, r.peer_id) for s, records in found.items() for r in records if not r.leaving)
+        )
         self.members = defaultdict(list)
+        self.following.clear()
         for stage, peer_id, reply in replies:
             self.members[stage].append(peer_id)
             if reply.tied and not self.tied:
@@ -108,6 +107,61 @@ class SwarmPipeline:
                     TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied
                 ]
         return dict(self.members)
+
+    async def _setup_one(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
+        lr_horizon, capacity = self._setup_args
+        request = pb.SetupRequest(
+            to=address(self.run_id, stage),
+            config_digest=config_digest(self.cfg),
+            lr_horizon=lr_horizon,
+            capacity=capacity,
+            session=self.session,
+            sources=sources,
+        )
+        timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
+        frame = await self.retry.same_peer(
+            lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout),
+            f"setup of stage {stage} peer {peer_id[-8:]}",
+        )
+        return frame.head
+
+    def serving(self, stage: int) -> list[str]:
+        """The stage's members in service (not still catching up)."""
+        return [peer for peer in self.members.get(stage, []) if peer not in self.following]
+
+    async def admit(self) -> list[tuple[int, str]]:
+        """At a step boundary: sets up the peers that announced themselves for a stage with a peer in
+        service since the last look (the router's cached view), as joiners; those admitted."""
+        admitted = []
+        for stage in range(self.num_stages):
+            sources = self.serving(stage)
+            if not sources:
+                continue
+            for record in await self.router.peers(stage):
+                peer = record.peer_id
+                if peer in self.members[stage] or record.session == self.session or record.leaving:
+                    continue
+                if self.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
+                    continue
+                try:
+                    await self._setup_one(stage, peer, sources)
+                except (TransportError, RemoteError) as e:
+                    self.router.failed(peer)
+                    log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
+                    continue
+                self.members[stage].append(peer)
+                self.following.add(peer)
+                admitted.append((stage, peer))
+                log.info("stage %d: peer %s joins at step %d", stage, peer[-8:], self.step_index)
+        return admitted
+
+    def drop(self, stage: int, peer: str, why: str, left: bool = False) -> None:
+        """`peer` is out of the run: it failed a round, or it `left` (drained, as it said it would)."""
+        if peer in self.members.get(stage, []):
+            self.members[stage].remove(peer)
+        self.following.discard(peer)
+        self._dropped[peer] = get_dht_time()
+        log.log(logging.INFO if left else logging.WARNING, "stage %d peer %s left the run (%s)", stage, peer[-8:], why)
 
     # ---- micro-batches -----------------------------------------------------------------------
 
@@ -153,6 +207,7 @@ class SwarmPipeline:
             self.routes[batch.index] = list(result.route)
             self._sent[batch.index] = (batch, payload)
             for stage, peer_id in enumerate(result.route):
+                self.following.discard(peer_id)  # it served a micro-batch: it is in service
                 if peer_id not in self.members.setdefault(stage, []):
                     self.members[stage].append(peer_id)
         return dict(result.metrics)
@@ -166,6 +221,7 @@ class SwarmPipeline:
         self.step_index += 1
         self.routes.clear()
         self._sent.clear()
+        self.loop.run(self.admit())
 
     async def adapt(self) -> list[pb.BoundaryCodecs]:
         """compression.adaptive: the boundaries whose codecs change from the next step on (every

@@ -4,8 +4,11 @@ idempotent there: swarm.transport.hivemind.stage.rounds).
 
 Gathering is where membership meets the step: every peer sums the gradients of the micro-batches
 that finished through it (its held gradients of failed attempts never count); a replicated stage's
-peers hand over all their gradients and the trainer sums them. A peer that left with micro-batches
-of this step makes those run again through the peers still there before the step goes on.
+peers hand over all their gradients and the trainer sums them, and every peer of the stage, those
+still joining too, gets the sum. A peer that left with micro-batches of this step makes those run
+again through the peers still there before the step goes on. A peer that fails a later round is
+left out of the run while its stage has another peer in service: the sum it would have applied is
+the same everywhere, so the others go on without it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 from protocols import stage_pb2 as pb
@@ -20,7 +24,7 @@ from protocols.framing import Frame
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
 from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import TransportError
+from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.meta import address, payload_to_tensors, tensors_to_payload
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,24 @@ class SwarmRounds:
     def _peers(self) -> list[tuple[int, str]]:
         members = self.pipeline.members
         return [(stage, peer) for stage in sorted(members) for peer in members[stage]]
+
+    async def _every(self, peers: list[tuple[int, str]], one) -> dict[tuple[int, str], Frame]:
+        """`one(stage, peer)` on every peer at once; the replies of those that answered. A peer that
+        failed is left out of the run, unless its stage has no other peer in service."""
+        p = self.pipeline
+        replies = await asyncio.gather(*(one(s, peer) for s, peer in peers), return_exceptions=True)
+        answered = {}
+        for (stage, peer), reply in zip(peers, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                answered[(stage, peer)] = reply
+                continue
+            if not isinstance(reply, TransportError | RemoteError):
+                raise reply
+            if not [other for other in p.serving(stage) if other != peer]:
+                raise reply
+            p.router.failed(peer)
+            p.drop(stage, peer, one_line(reply))
+        return answered
 
     def replicated(self, stage: int) -> bool:
         return len(self.pipeline.members[stage]) > 1
@@ -73,30 +95,23 @@ class SwarmRounds:
             for index, route in p.routes.items():
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
-            peers = self._peers()
+            peers = [(s, peer) for s, peer in self._peers() if peer in p.serving(s) or (s, peer) in counted]
             replies = await asyncio.gather(
                 *(self._gather_on(s, peer, counted.get((s, peer), []), wanted.get(s, [])) for s, peer in peers),
                 return_exceptions=True,
             )
             for reply in replies:
-                if isinstance(reply, BaseException) and not isinstance(reply, TransportError):
+                if isinstance(reply, BaseException) and not isinstance(reply, TransportError | RemoteError):
                     raise reply
-            lost = [(s, peer, r) for (s, peer), r in zip(peers, replies, strict=True) if isinstance(r, TransportError)]
+            lost = [(s, peer, r) for (s, peer), r in zip(peers, replies, strict=True) if isinstance(r, BaseException)]
             if not lost:
                 break
             rerun = sorted({i for s, peer, _ in lost for i in counted.get((s, peer), [])})
             for stage, peer, error in lost:
-                if len(p.members[stage]) <= 1:
+                if not [other for other in p.serving(stage) if other != peer]:
                     raise error
-                p.members[stage].remove(peer)
                 p.router.failed(peer)
-                log.warning(
-                    "stage %d peer %s left the run (%s); re-running its micro-batches %s",
-                    stage,
-                    peer[-8:],
-                    error,
-                    rerun,
-                )
+                p.drop(stage, peer, f"{one_line(error)}; re-running its micro-batches {rerun}")
             if rerun:
                 await p.run_again(rerun)
         else:
@@ -111,20 +126,27 @@ class SwarmRounds:
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
 
     def set_gradients(self, grads: Grads, norm: bool) -> float:
-        members = self.pipeline.members
+        p = self.pipeline
+        payloads = {stage: tensors_to_payload(stage_grads) for stage, stage_grads in grads.items()}
 
-        async def one(stage: int, peer: str) -> Frame:
-            slots, data = tensors_to_payload(grads.get(stage, {}))
-            first = peer == members[stage][0]  # replicas hold the same sum: one norm per stage
-            return await self.call(
-                stage, peer, "set_grads", data, step=self.pipeline.step_index, grads=slots, norm=norm and first
-            )
+        async def one(stage: int, peer: str, with_norm: bool = False) -> Frame:
+            slots, data = payloads.get(stage, ([], b""))
+            return await self.call(stage, peer, "set_grads", data, step=p.step_index, grads=slots, norm=with_norm)
 
         async def run() -> float:
-            replies = await asyncio.gather(*(one(s, peer) for s, peer in self._peers()))
-            return sum(frame.head.grad_sq_norm for frame in replies)
+            # replicas hold the same sum: one norm per stage, from a peer in service
+            asked = {(stage, p.serving(stage)[0]) for stage in p.members if norm and p.serving(stage)}
+            answered = await self._every(self._peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
+            total = 0.0
+            for stage in sorted({s for s, _ in asked}):
+                frames = [frame for key, frame in answered.items() if key in asked and key[0] == stage]
+                if not frames:  # the peer asked left: another in service has the same sum
+                    again = await self._every([(stage, p.serving(stage)[0])], partial(one, with_norm=True))
+                    frames = list(again.values())
+                total += frames[0].head.grad_sq_norm
+            return total
 
-        return self.pipeline.loop.run(run())
+        return p.loop.run(run())
 
     # ---- round 3: apply -------------------------------------------------------------------------
 
@@ -133,13 +155,18 @@ class SwarmRounds:
 
         async def run() -> float:
             codecs = await p.adapt()
-            replies = await asyncio.gather(
-                *(
-                    self.call(s, peer, "apply", step=p.step_index, scale=scale, codecs=codecs)
-                    for s, peer in self._peers()
-                )
+            answered = await self._every(
+                self._peers(),
+                lambda s, peer: self.call(s, peer, "apply", step=p.step_index, scale=scale, codecs=codecs),
             )
-            return replies[0].head.lr
+            lr = None
+            for (stage, peer), frame in answered.items():
+                if not frame.head.following:
+                    p.following.discard(peer)
+                    lr = frame.head.lr if lr is None else lr
+                if frame.head.leaving:
+                    p.drop(stage, peer, "it drained and leaves after this step", left=True)
+            return lr
 
         lr = p.loop.run(run())
         p.step_done()
@@ -148,11 +175,17 @@ class SwarmRounds:
     # ---- checkpoints: the stage files, fetched from and installed on the peers ---------------------
 
     async def save(self, directory: Path, step: int) -> None:
-        """`stage<i>.pt` per stage, fetched from the stage's first peer (replicas hold the same weights)."""
+        """`stage<i>.pt` per stage, fetched from a peer of the stage in service (replicas hold the
+        same weights; one that fails is left out and the next one asked)."""
         p = self.pipeline
 
         async def one(stage: int):
-            frame = await self.call(stage, p.members[stage][0], "save", step=step)
+            while True:
+                peer = p.serving(stage)[0]
+                answered = await self._every([(stage, peer)], lambda s, peer: self.call(s, peer, "save", step=step))
+                if answered:
+                    frame = answered[(stage, peer)]
+                    break
             atomic_write(stage_file(directory, stage), lambda f: f.write(frame.payload))
 
         await asyncio.gather(*(one(s) for s in range(p.num_stages)))

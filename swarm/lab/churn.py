@@ -1,0 +1,143 @@
+"""`swarm lab --churn SPEC`: stage peers that join, die and leave while the lab's run goes on.
+
+A SPEC is either a schedule, comma-separated `ACTION:STAGE@WHEN` events, WHEN in seconds from the
+moment the trainer has set the stages up, or `stepN`: once the trainer has finished step N:
+    join:1@0,kill:1@20,stop:2@step300,join:2@45
+or `random:SEED[@EVERY]`: an event about every EVERY seconds (default 30), drawn with SEED: a
+join, a kill or a stop of a random stage's peer. Random events never take a stage's last peer;
+scheduled ones do what they say (a stop of a stage's last peer waits for another to join).
+
+- join: a new stage peer process, started as a volunteer would (`--stage`, `--initial_peers`,
+  `--run_id`; its config comes from the swarm);
+- kill: SIGKILL to the process group of the stage's oldest live peer (the peer and its p2p daemon
+  die at once, as a machine that loses power);
+- stop: SIGTERM to it (it drains: finishes what it holds and leaves at a step boundary).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+from dataclasses import dataclass
+
+ACTIONS = ("join", "kill", "stop")
+DEFAULT_EVERY_S = 30.0
+_EVENT = re.compile(r"^(join|kill|stop):(\d+)@(?:(\d+(?:\.\d*)?)s?|step(\d+))$")
+_RANDOM = re.compile(r"^random:(\d+)(?:@(\d+(?:\.\d*)?)s?)?$")
+
+
+@dataclass(frozen=True)
+class ChurnEvent:
+    at_s: float  # seconds after the trainer's setup (inf: at a step)
+    action: str
+    stage: int
+    at_step: int | None = None  # once the trainer finished this step
+
+    def due(self, elapsed_s: float, step: int) -> bool:
+        return self.at_step <= step if self.at_step is not None else self.at_s <= elapsed_s
+
+
+class ChurnError(ValueError):
+    """A churn SPEC that does not parse, or names a stage the run does not have."""
+
+
+@dataclass
+class Churn:
+    """The events still to come: fixed ones, or drawn as the run goes (`random`)."""
+
+    events: list[ChurnEvent]
+    seed: int | None = None
+    every_s: float = DEFAULT_EVERY_S
+
+    @classmethod
+    def parse(cls, spec: str, stages: int) -> Churn:
+        spec = spec.strip()
+        if match := _RANDOM.match(spec):
+            every = float(match.group(2)) if match.group(2) else DEFAULT_EVERY_S
+            if every <= 0:
+                raise ChurnError(f"--churn {spec}: the interval must be positive")
+            return cls([], seed=int(match.group(1)), every_s=every)
+        events = []
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            match = _EVENT.match(item)
+            if match is None:
+                raise ChurnError(
+                    f"--churn: {item!r} is not ACTION:STAGE@SECONDS or ACTION:STAGE@stepN (ACTION one of {', '.join(ACTIONS)}), or random:SEED[@EVERY]"
+                )
+            stage = int(match.group(2))
+            if stage >= stages:
+                raise ChurnError(f"--churn: {item!r} names stage {stage}, the run has stages 0..{stages - 1}")
+            if match.group(4) is not None:
+                events.append(ChurnEvent(float("inf"), match.group(1), stage, int(match.group(4))))
+            else:
+                events.append(ChurnEvent(float(match.group(3)), match.group(1), stage))
+        if not events:
+            raise ChurnError("--churn: no events given")
+        return cls(sorted(events, key=lambda e: (e.at_s, e.at_step or 0)))
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+        self._next_random = self._draw_gap() if self.seed is not None else None
+
+    def _draw_gap(self) -> float:
+        return self._random.uniform(0.5, 1.5) * self.every_s
+
+    def due(self, elapsed_s: float, live: dict[int, int], step: int = 0) -> list[ChurnEvent]:
+        """The events due by `elapsed_s` and the trainer's `step`; `live`: stage -> its live peers
+        (random events keep one)."""
+        if self.seed is None:
+            due = [e for e in self.events if e.due(elapsed_s, step)]
+            self.events = [e for e in self.events if not e.due(elapsed_s, step)]
+            return due
+        due = []
+        while self._next_random is not None and self._next_random <= elapsed_s:
+            stage = self._random.randrange(len(live))
+            action = self._random.choice(ACTIONS)
+            if action != "join" and live[stage] < 2:
+                action = "join"
+            due.append(ChurnEvent(self._next_random, action, stage))
+            live[stage] += 1 if action == "join" else -1
+            self._next_random += self._draw_gap()
+        return due
+
+
+class ChurnRunner:
+    """Carries a `Churn` out on a lab's stage peer processes (`lab`: its `Lab`)."""
+
+    def __init__(self, lab, churn: Churn, join_args: list[str]) -> None:
+        self.lab, self.churn, self.join_args = lab, churn, join_args
+        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(lab.stages)}
+        self.gone: set[str] = set()  # peers the churn killed or stopped: their exit is expected
+        self.counts = {action: 0 for action in ACTIONS}
+        self.peers_started = {s: 1 for s in range(lab.stages)}
+        self.started: float | None = None  # when the trainer had set the stages up
+
+    def start(self, now: float) -> None:
+        self.started = now
+
+    def poll(self, now: float, step: int) -> None:
+        """`step`: the trainer's last finished step."""
+        if self.started is None:
+            return
+        elapsed = now - self.started
+        for event in self.churn.due(elapsed, {s: len(names) for s, names in self.live.items()}, step):
+            self._do(event, elapsed)
+
+    def _do(self, event: ChurnEvent, elapsed: float) -> None:
+        lab, names = self.lab, self.live[event.stage]
+        if event.action == "join":
+            self.peers_started[event.stage] += 1
+            name = f"stage{event.stage}.{self.peers_started[event.stage]}"
+            lab._start(name, "peers.stage", "--stage", str(event.stage), *self.join_args)
+            names.append(name)
+        else:
+            if not names:
+                lab._print("lab", f"churn at {elapsed:.1f}s: {event.action} stage {event.stage}: no live peer, skipped")
+                return
+            name = names.pop(0)  # the oldest: the one micro-batches most likely follow
+            self.gone.add(name)
+            process = dict(lab.processes)[name]
+            lab.signal_peer(process, signal.SIGKILL if event.action == "kill" else signal.SIGTERM)
+        self.counts[event.action] += 1
+        lab._print("lab", f"churn at {elapsed:.1f}s: {event.action} {name}")

@@ -1,0 +1,85 @@
+"""`swarm lab --churn`: its SPEC, and a lab run whose stage peers join, die (kill -9) and leave
+(SIGTERM) while it trains, ending with the single-process run's losses."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from _swarm_env import local_rows, p2pd_count
+from _util import REPO, SMOKE
+
+from swarm.config import load_config
+from swarm.lab.churn import Churn, ChurnError, ChurnEvent
+from swarm.training.results import read_results
+
+
+def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
+    churn = Churn.parse("kill:1@20, join:1@0,stop:2@7.5s,join:2@step30", stages=3)
+    at_step = ChurnEvent(float("inf"), "join", 2, 30)
+    assert churn.events == [ChurnEvent(0, "join", 1), ChurnEvent(7.5, "stop", 2), ChurnEvent(20, "kill", 1), at_step]
+    assert churn.due(8, {0: 1, 1: 1, 2: 1}, step=29) == [ChurnEvent(0, "join", 1), ChurnEvent(7.5, "stop", 2)]
+    assert churn.due(8, {}, step=30) == [at_step] and churn.due(20, {}) == [ChurnEvent(20, "kill", 1)]
+    for spec, message in [
+        ("explode:1@3", "is not ACTION:STAGE@SECONDS"),
+        ("kill:1@step", "is not ACTION:STAGE@SECONDS"),
+        ("kill:5@3", "names stage 5, the run has stages 0..2"),
+        ("join:1", "is not ACTION:STAGE@SECONDS"),
+        ("random:3@0", "the interval must be positive"),
+        (",", "no events given"),
+    ]:
+        with pytest.raises(ChurnError, match=message) as caught:
+            Churn.parse(spec, stages=3)
+        assert "\n" not in str(caught.value)
+
+
+def test_random_churn_is_seeded_and_never_takes_a_stages_last_peer():
+    def draw(seed: int) -> list[ChurnEvent]:
+        churn = Churn.parse(f"random:{seed}@10", stages=3)
+        live = {0: 1, 1: 1, 2: 1}
+        events = churn.due(1000, live)
+        return events, live
+
+    events, live = draw(7)
+    assert events == draw(7)[0] and events != draw(8)[0]
+    assert 60 <= len(events) <= 200  # one about every 10 s
+    assert all(n >= 1 for n in live.values())
+    counts = {0: 1, 1: 1, 2: 1}
+    for event in events:
+        counts[event.stage] += 1 if event.action == "join" else -1
+        assert counts[event.stage] >= 1
+    assert {e.action for e in events} == {"join", "kill", "stop"}
+
+
+def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losses(tmp_path):
+    """Stages 1 and 2 each get a second peer (started without --config, as a volunteer would) once
+    training runs; later stage 1's first peer is killed -9 and stage 2's first stopped with SIGTERM.
+    A 20 ms delay per message keeps the steps slow enough for the joiners to start, on cores the
+    run shares with them, well before the kill."""
+    before = p2pd_count()
+    results = tmp_path / "churn.jsonl"
+    overrides = ["train.epochs=100", "train.eval_every=1000"]  # smoke: topk 20% forward, its indices backward
+    sets = [a for o in overrides for a in ("--set", o)]
+    steps = 150
+    command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
+    command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
+    command += ["--churn", "join:1@0,join:2@0,kill:1@step70,stop:2@step80"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    for line in ("join stage1.2", "join stage2.2", "kill stage1\n", "stop stage2\n", "[stage2] left the run"):
+        assert line in out.stdout, out.stdout[-4000:]
+    for stage in (1, 2):
+        assert re.search(rf"\[trainer\] .* stage {stage}: peer \w+ joins at step \d+", out.stdout)
+        assert re.search(rf"\[stage{stage}\.2\] .* joined with the state of step \d+", out.stdout)
+        served = re.findall(rf"\[stage{stage}\.2\] stage {stage}: (\d+) micro-batches", out.stdout)
+        assert served and int(served[-1]) > 0, out.stdout[-4000:]  # the joiners took work
+    assert "stage 2 peer" in out.stdout and "it drained and leaves after this step" in out.stdout
+    ours = [r for r in read_results(results) if r["type"] == "step"]
+    cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
+    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
+    for a, b in zip(ours, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    assert p2pd_count() == before
