@@ -7,7 +7,6 @@ a dead peer drops out on its own.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import asdict, dataclass, field
 
@@ -15,6 +14,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.periodic import Refresher
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,12 @@ async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord
     return sorted(records, key=lambda r: r.peer_id)
 
 
-class Announcer:
+class Announcer(Refresher):
     """Re-announces records every `announce_every_s` seconds (the node's settings) until stopped."""
 
     def __init__(self, node: SwarmNode, records) -> None:
-        self.node = node
+        super().__init__(node)
         self.records = records  # callable -> list[(run_id, StageRecord)]
-        self.period, self.ttl = node.settings.announce_every_s, node.settings.record_ttl_s
-        self._task: asyncio.Task | None = None
 
     async def announce_now(self) -> None:
         for run_id, record in self.records():
@@ -122,20 +120,4 @@ class Announcer:
             except Exception as e:  # the DHT may be briefly unreachable; the next round retries
                 log.warning("announcing stage %s of %s failed: %s", record.stage, run_id, e)
 
-    async def _loop(self) -> None:
-        while True:
-            await self.announce_now()
-            await asyncio.sleep(self.period)
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+    refresh = announce_now

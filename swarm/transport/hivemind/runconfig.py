@@ -21,6 +21,7 @@ from swarm.config import ConfigError, ExperimentConfig, config_from_text
 from swarm.engine.build import config_digest
 from swarm.transport.hivemind.announce import RUNS_KEY, list_runs
 from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.periodic import Refresher
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +157,12 @@ async def resolve_run(node: SwarmNode, run_id: str | None, wait_s: float) -> Pub
     )
 
 
-class ConfigPublisher:
+class ConfigPublisher(Refresher):
     """Re-publishes a run's config every `announce_every_s` seconds (the node's settings) until stopped."""
 
     def __init__(self, node: SwarmNode, run_id: str, published: PublishedConfig) -> None:
-        self.node, self.run_id, self.published = node, run_id, published
-        self.period, self.ttl = node.settings.announce_every_s, node.settings.record_ttl_s
-        self._task: asyncio.Task | None = None
+        super().__init__(node)
+        self.run_id, self.published = run_id, published
 
     async def publish_now(self) -> None:
         try:
@@ -172,23 +172,7 @@ class ConfigPublisher:
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
             log.warning("publishing the config of %s failed: %s", self.run_id, e)
 
-    async def _loop(self) -> None:
-        while True:
-            await self.publish_now()
-            await asyncio.sleep(self.period)
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+    refresh = publish_now
 
 
 async def start_publishing(node: SwarmNode, published: PublishedConfig) -> ConfigPublisher:

@@ -62,12 +62,44 @@ def _close_to(hosted: HostedStage, local, stage: int) -> bool:
     return all(torch.allclose(p, r, rtol=1e-5, atol=1e-7) for p, r in pairs)
 
 
-def _join(swarm, pipeline, cfg, run_id: str, stage: int, server) -> HostedStage:
-    """A new peer of `stage` announces itself; the trainer sees it at its next step boundary."""
-    joiner = server.host(HostedStage(server.node, run_id, cfg, stage))
-    swarm.loop.run(server.announcer.announce_now())
-    swarm.loop.run(pipeline.router.peers(stage, refresh=True))
-    return joiner
+class _Run:
+    """A three-stage run set up on the test swarm: stages 0..2 on the shared hosts 0..2 (stage 1 left
+    out with `shared_stage1=False`), and, with `mortal`, a stage-1 peer on a host of its own that a
+    test kills (`kill`). The trainer's pipeline, the same run in one process, and its steps."""
+
+    def __init__(self, swarm, mortal: bool = True, shared_stage1: bool = True, steps: int = STEPS) -> None:
+        self.swarm, self.cfg, self.run_id = swarm, _cfg(), uuid.uuid4().hex[:8]
+        placement = [(0, 0), (1, 1), (2, 2)] if shared_stage1 else [(0, 0), (2, 2)]
+        self.hosted = swarm.host(self.cfg, self.run_id, placement)
+        self.node = self.server = self.mortal = None
+        if mortal:
+            self.node, self.server = swarm.mortal_host()
+            self.mortal = self.server.host(HostedStage(self.node, self.run_id, self.cfg, 1))
+            swarm.loop.run(self.server.announcer.announce_now())
+        data = build_data(self.cfg)
+        self.pipeline = swarm.pipeline(self.cfg, self.run_id, steps, data)
+        self.local = _reference(self.cfg, data, steps)
+        self.steps = split_batches(self.cfg, data, steps)
+
+    def step(self, n: int) -> None:
+        _step(self.pipeline, self.local, self.steps[n])
+
+    def join(self, server=None, stage: int = 1) -> HostedStage:
+        """A new peer of `stage` (default: on shared host 3) announces itself; the trainer sees it at
+        its next step boundary."""
+        server = server or self.swarm.hosts[3][1]
+        joiner = server.host(HostedStage(server.node, self.run_id, self.cfg, stage))
+        self.swarm.loop.run(server.announcer.announce_now())
+        self.swarm.loop.run(self.pipeline.router.peers(stage, refresh=True))
+        return joiner
+
+    def kill(self) -> None:
+        """The mortal peer's host goes away (its server, then its p2p daemon and DHT node)."""
+        self.swarm.loop.run(self.server.stop())
+        self.swarm.loop.run(self.node.shutdown())
+
+    def close(self) -> None:
+        self.swarm.unhost(self.run_id)
 
 
 def _held_back(source, release: threading.Event) -> None:
@@ -84,294 +116,220 @@ def _held_back(source, release: threading.Event) -> None:
 
 
 def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(swarm):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    run = _Run(swarm, mortal=False)
+    hosted, pipeline = run.hosted, run.pipeline
     try:
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
         release = threading.Event()
         _held_back(hosted[1].source, release)
         joiner = None
-        for n, items in enumerate(split_batches(cfg, data, STEPS)):
+        for n in range(STEPS):
             if n == 1:
-                joiner = _join(swarm, pipeline, cfg, run_id, 1, swarm.hosts[3][1])
+                joiner = run.join()
             if n == 4:  # its download of step 2's state arrives now: it replays steps 2 and 3
                 assert joiner.role == "following" and joiner.steps == 0 and len(joiner.joining.kept) == 4
                 release.set()
                 _wait("the joiner serves", lambda j=joiner: j.role == "serving")
                 _only(hosted[0].router, joiner.node.peer_id, pipeline.members[1])
                 hosted[0].handoff.sticky = None
-            _step(pipeline, local, items)
+            run.step(n)
             if n == 1:  # set up at the boundary after step 1: it follows the rounds from step 2 on
                 assert pipeline.members[1] == [hosted[1].node.peer_id, joiner.node.peer_id]
                 assert pipeline.following == {joiner.node.peer_id}
         assert joiner.joined is not None and joiner.joined[0] == 2 and joiner.joined[1] > 0
-        assert joiner.processed == cfg.train.micro_batches and joiner.steps == STEPS
+        assert joiner.processed == run.cfg.train.micro_batches and joiner.steps == STEPS
         assert hosted[1].source.served == 1 and not pipeline.following
-        assert _same_weights(joiner, hosted[1]) and _close_to(joiner, local, 1)
+        assert _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
         status = joiner.status()
         assert status.role == "serving" and status.state_bytes_in == joiner.joined[1] and status.joined_step == 2
         assert joiner.first_batch_s > 0
-        rows = {row.peer_id: row for row in swarm.loop.run(survey(swarm.trainer, run_id))}  # peers.status
+        rows = {row.peer_id: row for row in swarm.loop.run(survey(swarm.trainer, run.run_id))}  # peers.status
         assert rows[joiner.node.peer_id].joined_step == 2 and rows[joiner.node.peer_id].role == "serving"
         assert rows[hosted[1].node.peer_id].states_served == 1
         table = format_table(list(rows.values()))
         assert "serving, joined at step 2 (" in table and "gave its state 1x (" in table
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(swarm):
     """The issue's trial: a stage-1 peer started after the trainer's setup, then the original one
     killed mid-step. The newcomer takes its micro-batches and the step's lost ones run again."""
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    victim, victim_server = swarm.mortal_host()
+    run = _Run(swarm, shared_stage1=False)
+    pipeline, original, micro_batches = run.pipeline, run.mortal, run.cfg.train.micro_batches
     try:
-        swarm.host(cfg, run_id, [(0, 0), (2, 2)])
-        original = victim_server.host(HostedStage(victim, run_id, cfg, 1))
-        swarm.loop.run(victim_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _step(pipeline, local, steps[0])
-        joiner = _join(swarm, pipeline, cfg, run_id, 1, swarm.hosts[3][1])
-        _step(pipeline, local, steps[1])
+        run.step(0)
+        joiner = run.join()
+        run.step(1)
         _wait("the joiner serves", lambda: joiner.role == "serving")
-        items = steps[2]
+        items = run.steps[2]
         half = len(items) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]  # through the original
-        assert original.processed == 2 * cfg.train.micro_batches + half
-        swarm.loop.run(victim_server.stop())  # dies holding this step's gradients
-        swarm.loop.run(victim.shutdown())
+        assert original.processed == 2 * micro_batches + half
+        run.kill()  # it dies holding this step's gradients
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]
-        assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
-        assert pipeline.step() == pytest.approx(local.step())
-        for items in steps[3:]:
-            _step(pipeline, local, items)
+        assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
+        assert pipeline.step() == pytest.approx(run.local.step())
+        for n in range(3, STEPS):
+            run.step(n)
         assert pipeline.members[1] == [joiner.node.peer_id]
-        assert joiner.processed == (STEPS - 2) * cfg.train.micro_batches  # the re-run ones included
-        assert _close_to(joiner, local, 1)
+        assert joiner.processed == (STEPS - 2) * micro_batches  # the re-run ones included
+        assert _close_to(joiner, run.local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_a_joiner_killed_while_it_follows_is_left_out(swarm):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
+    run = _Run(swarm, mortal=False)
+    hosted, pipeline = run.hosted, run.pipeline
     victim, victim_server = swarm.mortal_host()
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _step(pipeline, local, steps[0])
+        run.step(0)
         release = threading.Event()
         _held_back(hosted[1].source, release)  # its download is under way when it dies
-        joiner = _join(swarm, pipeline, cfg, run_id, 1, victim_server)
-        _step(pipeline, local, steps[1])
+        joiner = run.join(victim_server)
+        run.step(1)
         assert victim.peer_id in pipeline.following and joiner.role == "following"
         swarm.loop.run(victim_server.stop())
         swarm.loop.run(victim.shutdown())
-        for items in steps[2:]:
-            _step(pipeline, local, items)
+        for n in range(2, STEPS):
+            run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id] and not pipeline.following
-        assert _close_to(hosted[1], local, 1)
+        assert _close_to(hosted[1], run.local, 1)
         release.set()
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_a_replica_killed_inside_the_step_rounds_is_left_out(swarm):
     """Two stage-1 peers serve from the start; one dies after the gradients were gathered, before
     the trainer sets their sum: the other applies it and the run goes on."""
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    victim, victim_server = swarm.mortal_host()
+    run = _Run(swarm)
+    hosted, pipeline = run.hosted, run.pipeline
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        victim_server.host(HostedStage(victim, run_id, cfg, 1))
-        swarm.loop.run(victim_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
         assert len(pipeline.members[1]) == 2
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _only(hosted[0].router, victim.peer_id, pipeline.members[1])
-        _step(pipeline, local, steps[0])
+        _only(hosted[0].router, run.node.peer_id, pipeline.members[1])
+        run.step(0)
         gather = pipeline.rounds.gather
 
         def gather_then_die(wanted):
             grads = gather(wanted)
-            swarm.loop.run(victim_server.stop())
-            swarm.loop.run(victim.shutdown())
+            run.kill()
             return grads
 
         pipeline.rounds.gather = gather_then_die
-        _step(pipeline, local, steps[1])
+        run.step(1)
         pipeline.rounds.gather = gather
         hosted[0].router.bans.until.clear()
-        for items in steps[2:]:
-            _step(pipeline, local, items)
+        for n in range(2, STEPS):
+            run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id]
-        assert _close_to(hosted[1], local, 1)
+        assert _close_to(hosted[1], run.local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_a_source_killed_during_the_download_and_a_busy_one_the_joiner_gets_its_state_elsewhere(swarm):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    victim, victim_server = swarm.mortal_host()
+    run = _Run(swarm)
+    hosted, doomed = run.hosted, run.mortal
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        doomed = victim_server.host(HostedStage(victim, run_id, cfg, 1))
-        swarm.loop.run(victim_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _step(pipeline, local, steps[0])
+        run.step(0)
         hosted[1].source.busy = True  # serving another joiner: it refuses this one for now
         _held_back(doomed.source, threading.Event())  # takes the state, then dies sending it
-        joiner = _join(swarm, pipeline, cfg, run_id, 1, swarm.hosts[3][1])
-        _step(pipeline, local, steps[1])
+        joiner = run.join()
+        run.step(1)
         _wait("the doomed source took its snapshot", lambda: doomed.source.busy)
-        _step(pipeline, local, steps[2])
-        swarm.loop.run(victim_server.stop())
-        swarm.loop.run(victim.shutdown())
+        run.step(2)
+        run.kill()
         hosted[1].source.busy = False
         _wait("the joiner serves", lambda: joiner.role == "serving")
-        for items in steps[3:]:
-            _step(pipeline, local, items)
-        assert victim.peer_id not in pipeline.members[1] and hosted[1].source.served == 1
-        assert joiner.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, local, 1)
+        for n in range(3, STEPS):
+            run.step(n)
+        assert run.node.peer_id not in run.pipeline.members[1] and hosted[1].source.served == 1
+        assert joiner.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_a_replica_killed_during_a_checkpoint_save_the_other_one_is_saved(swarm, tmp_path):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    victim, victim_server = swarm.mortal_host()
+    run = _Run(swarm)
+    pipeline = run.pipeline
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        victim_server.host(HostedStage(victim, run_id, cfg, 1))
-        swarm.loop.run(victim_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _step(pipeline, local, steps[0])
-        pipeline.members[1].sort(key=lambda peer: peer != victim.peer_id)  # the victim is asked first
-        swarm.loop.run(victim_server.stop())
-        swarm.loop.run(victim.shutdown())
+        run.step(0)
+        pipeline.members[1].sort(key=lambda peer: peer != run.node.peer_id)  # the victim is asked first
+        run.kill()
         pipeline.save_checkpoint(tmp_path, 1)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0.pt", "stage1.pt", "stage2.pt"]
-        assert pipeline.members[1] == [hosted[1].node.peer_id]
-        for items in steps[1:]:
-            _step(pipeline, local, items)
+        assert pipeline.members[1] == [run.hosted[1].node.peer_id]
+        for n in range(1, STEPS):
+            run.step(n)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_not_notice(swarm):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    leaver, leaver_server = swarm.mortal_host()
+    run = _Run(swarm)
+    hosted, pipeline, leaving = run.hosted, run.pipeline, run.mortal
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        leaving = leaver_server.host(HostedStage(leaver, run_id, cfg, 1))
-        swarm.loop.run(leaver_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _only(hosted[0].router, leaver.peer_id, pipeline.members[1])  # micro-batches go to the leaver
-        _step(pipeline, local, steps[0])
-        items, half = steps[1], len(steps[1]) // 2
+        _only(hosted[0].router, run.node.peer_id, pipeline.members[1])  # micro-batches go to the leaver
+        run.step(0)
+        items, half = run.steps[1], len(run.steps[1]) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]
         said = []
-        left = asyncio.run_coroutine_threadsafe(leaver_server.leave(said.append), swarm.loop.loop)
+        left = asyncio.run_coroutine_threadsafe(run.server.leave(said.append), swarm.loop.loop)
         _wait("it says it leaves", lambda: leaving.leaving)
         assert not left.done()  # it holds this step's gradients of its micro-batches
         hosted[0].router.bans.until.clear()
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]  # refused there: the other replica
-        assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
-        assert pipeline.step() == pytest.approx(local.step())
-        left.result(timeout=10)
-        assert leaving.processed == cfg.train.micro_batches + half and not leaving.runtime.held
+        assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
+        assert pipeline.step() == pytest.approx(run.local.step())
+        left.result(timeout=20)
+        assert leaving.processed == run.cfg.train.micro_batches + half and not leaving.runtime.held
         assert pipeline.members[1] == [hosted[1].node.peer_id]
         assert said and "leaving" in said[-1]
-        swarm.loop.run(leaver_server.stop())
-        swarm.loop.run(leaver.shutdown())
-        for items in steps[2:]:
-            _step(pipeline, local, items)
-        assert _same_weights(hosted[1], hosted[1]) and _close_to(hosted[1], local, 1)
+        run.kill()
+        for n in range(2, STEPS):
+            run.step(n)
+        assert _close_to(hosted[1], run.local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 def test_the_last_peer_of_a_stage_waits_for_another_before_it_leaves(swarm):
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    run = _Run(swarm, mortal=False)
+    hosted, pipeline = run.hosted, run.pipeline
     try:
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        local = _reference(cfg, data)
-        steps = split_batches(cfg, data, STEPS)
-        _step(pipeline, local, steps[0])
+        run.step(0)
         said = []
-        server = swarm.hosts[1][1]
-        left = asyncio.run_coroutine_threadsafe(server.leave(said.append), swarm.loop.loop)
+        left = asyncio.run_coroutine_threadsafe(swarm.hosts[1][1].leave(said.append), swarm.loop.loop)
         _wait("it says it waits", lambda: said)
         assert "no other peer serves this stage" in said[0] and not hosted[1].leaving
-        _step(pipeline, local, steps[1])  # it keeps serving meanwhile
-        joiner = _join(swarm, pipeline, cfg, run_id, 1, swarm.hosts[3][1])
-        _step(pipeline, local, steps[2])
+        run.step(1)  # it keeps serving meanwhile
+        joiner = run.join()
+        run.step(2)
         _wait("the joiner serves", lambda: joiner.role == "serving")
         left.result(timeout=30)
         assert hosted[1].leaving
-        for items in steps[3:]:
-            _step(pipeline, local, items)
-        assert pipeline.members[1] == [joiner.node.peer_id] and _close_to(joiner, local, 1)
+        for n in range(3, STEPS):
+            run.step(n)
+        assert pipeline.members[1] == [joiner.node.peer_id] and _close_to(joiner, run.local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on(swarm, seed):
     """Stage 1 has two peers and a third joins; one of the first two dies at a random moment of
     the steps that follow (a micro-batch, a step round, the joiner's download, or between)."""
-    cfg = _cfg()
-    run_id = uuid.uuid4().hex[:8]
-    victim, victim_server = swarm.mortal_host()
+    run = _Run(swarm, steps=8)
+    pipeline, local = run.pipeline, run.local
     try:
-        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-        victim_server.host(HostedStage(victim, run_id, cfg, 1))
-        swarm.loop.run(victim_server.announcer.announce_now())
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, 8, data)
-        local = _reference(cfg, data, 8)
-        steps = split_batches(cfg, data, 8)
-        _step(pipeline, local, steps[0])
-        joiner = _join(swarm, pipeline, cfg, run_id, 1, swarm.hosts[3][1])
+        run.step(0)
+        joiner = run.join()
         rng = random.Random(seed)
         kill_at, delay = rng.randrange(1, 5), rng.uniform(0.0, 0.2)  # a step, and a moment in it
-
-        def kill():
-            time.sleep(delay)
-            swarm.loop.run(victim_server.stop())
-            swarm.loop.run(victim.shutdown())
-
-        killer = threading.Thread(target=kill)
+        killer = threading.Thread(target=lambda: (time.sleep(delay), run.kill()))
         try:
-            for n, items in enumerate(steps[1:], start=1):
+            for n, items in enumerate(run.steps[1:], start=1):
                 if n == kill_at:
                     killer.start()
                 ours = [m["loss"] for m in pipeline.run_many(items)]
@@ -380,9 +338,8 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
         finally:
             if killer.is_alive():
                 killer.join()
-        assert victim.peer_id not in pipeline.members[1]
-        assert pipeline.members[1] == [hosted[1].node.peer_id, joiner.node.peer_id]
+        assert pipeline.members[1] == [run.hosted[1].node.peer_id, joiner.node.peer_id]
         _wait("the joiner serves", lambda: joiner.role == "serving")
-        assert joiner.steps == 8 and _same_weights(joiner, hosted[1]) and _close_to(hosted[1], local, 1)
+        assert joiner.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
     finally:
-        swarm.unhost(run_id)
+        run.close()

@@ -3,6 +3,8 @@ that die or lose state, checkpoints. Each case ends equal to the single-process 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
 
 import pytest
@@ -265,3 +267,67 @@ def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
     keeping.keep_s = 0.0
     with pytest.raises(NoPeerError):
         swarm.loop.run(keeping.choose(1))
+
+
+def test_a_micro_batch_sent_again_while_its_first_attempt_is_still_downstream_supersedes_it(swarm):
+    """Stage 1's peer dies while its micro-batch sits at stage 3; stage 0 sends it again through the
+    other stage-1 peer, so stage 2 gets it twice. The old attempt's reply comes back first: it must
+    not take the new attempt's forward state (that would fail the new one's backward)."""
+    cfg = smoke("compression.forward=topk:0.2", "compression.backward=topk:reuse")  # 4 stages
+    run_id = uuid.uuid4().hex[:8]
+    victim, victim_server = swarm.mortal_host()
+    try:
+        hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2), (3, 3)])
+        victim_server.host(HostedStage(victim, run_id, cfg, 1))
+        swarm.loop.run(victim_server.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 2, data)
+        local = _reference(cfg, data, 2)
+        _only(hosted[0].router, victim.peer_id, pipeline.members[1])
+        last = hosted[3]
+        run3, calls = last.chain.run, []
+        first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+        async def ordered(head, payload, sender):
+            calls.append(sender)
+            if len(calls) == 1:  # the first attempt waits here until the second one arrives
+                first_in.set()
+                while not second_in.is_set():
+                    await asyncio.sleep(0.01)
+                try:
+                    return await run3(head, payload, sender)
+                finally:
+                    first_out.set()
+            second_in.set()  # the second waits until stage 2 had the first one's reply
+            while not first_out.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            return await run3(head, payload, sender)
+
+        last.chain.run = ordered
+        (items,) = split_batches(cfg, data, 1)
+        batch, x = items[0]
+        result = {}
+
+        def send() -> None:
+            try:
+                result.update(pipeline.run_many([(batch, x)])[0])
+            except Exception as e:
+                result["error"] = e
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert first_in.wait(20)
+        swarm.loop.run(victim_server.stop())
+        swarm.loop.run(victim.shutdown())
+        hosted[0].router.bans.until.pop(hosted[1].node.peer_id)  # the other stage-1 peer may serve again
+        sender.join(60)
+        assert "error" not in result, result
+        assert result["loss"] == pytest.approx(local.run_many([(batch, x)])[0]["loss"], rel=1e-6)
+        assert len(calls) >= 2 and not hosted[2].runtime.pending
+        last.chain.run = run3
+        ours = [m["loss"] for m in pipeline.run_many(items[1:])]
+        assert ours == pytest.approx([m["loss"] for m in local.run_many(items[1:])], rel=1e-6)
+        assert pipeline.step() == pytest.approx(local.step())
+    finally:
+        swarm.unhost(run_id)

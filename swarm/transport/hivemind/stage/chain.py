@@ -8,7 +8,9 @@ one's forward runs. Order is kept where mirrored compression state needs it
 (a `Turnstile` per sender), our messages downstream are numbered in the order they are encoded
 (a number is taken and the encoding submitted to the compute thread with no await in between),
 and backwards run in the order the forwards ran (`Ordinals`), which keeps the gradients' link order
-too. Link state commits as soon as a message is encoded or decoded; any failure on a link makes the
+too. A micro-batch sent again (its first attempt's upstream peer died) may reach this stage while
+the first attempt is still here: the runtime keeps one forward state per micro-batch, so the new
+attempt supersedes the old one, which then ends without touching the runtime (`attempts`). Link state commits as soon as a message is encoded or decoded; any failure on a link makes the
 sender start a new epoch, so both ends restart that link's state together instead of diverging.
 """
 
@@ -42,10 +44,12 @@ class Chain:
     def __init__(self, host) -> None:
         self.host = host
         self.ordinals = Ordinals()
+        self.attempts: dict[tuple, object] = {}  # micro-batch key -> the attempt that owns its runtime state
 
     def restart(self) -> None:
         """A new session: no micro-batch of the last one counts."""
         self.ordinals = Ordinals()
+        self.attempts = {}
 
     async def run(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
         """Forward here, then downstream and backward here; the reply for `sender`."""
@@ -62,21 +66,31 @@ class Chain:
         settings = host.settings
         deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
+        attempt = self.attempts[batch.key] = object()
         host.queue += 1
         host.peak_queue = max(host.peak_queue, host.queue)
         try:
-            outcome = await self._chain(head, batch, payload, sender, deadline, used)
+            outcome = await self._chain(head, batch, payload, sender, deadline, used, attempt)
         except BaseException:
-            if runtime is host.runtime:
+            if runtime is host.runtime and self.attempts.get(batch.key) is attempt:
                 await host.compute(runtime.drop, batch, LinkEnds(*used))
             raise
         finally:
             host.queue -= 1
+            if self.attempts.get(batch.key) is attempt:
+                del self.attempts[batch.key]
         host.processed += 1
         return outcome
 
     async def _chain(
-        self, head: pb.MicroBatchHead, batch: MicroBatch, payload: bytes, sender: str, deadline: float, used: list
+        self,
+        head: pb.MicroBatchHead,
+        batch: MicroBatch,
+        payload: bytes,
+        sender: str,
+        deadline: float,
+        used: list,
+        attempt: object,
     ) -> Outcome:
         host, links, handoff = self.host, self.host.links, self.host.handoff
         started = time.perf_counter()
@@ -108,13 +122,22 @@ class Chain:
             if record is None:  # the last stage: gradient (training) or metrics (eval)
                 host.measure(batch, time.perf_counter() - started)
                 return Outcome(message.kind, message.payload, dict(message.metrics), [host.node.peer_id])
-            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used)
+            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used, attempt)
         finally:
             if ticket is not None:
                 await self.ordinals.finish(ticket)
 
     async def _downstream(
-        self, batch: MicroBatch, message: Message, record, sent, ticket, started: float, deadline: float, used: list
+        self,
+        batch: MicroBatch,
+        message: Message,
+        record,
+        sent,
+        ticket,
+        started: float,
+        deadline: float,
+        used: list,
+        attempt: object,
     ) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
         runs our backward."""
@@ -123,6 +146,7 @@ class Chain:
 
         async def again(target: str) -> tuple[tuple[int, int], bytes]:
             """The same activations for a new link: re-encoded against its fresh state."""
+            self._owns(batch, attempt)
             used[1] = links.end_out(target)
             number = links.numbering.take(target)  # in encoding order: no await until submitted
             try:
@@ -160,6 +184,11 @@ class Chain:
                     f"the link to stage {host.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
                 )
             used[1] = outbound
+            try:
+                self._owns(batch, attempt)  # checked with no await before the backward is submitted
+            except RemoteError:
+                host.drop_out(target)  # the reply on that link goes undecoded
+                raise
             started = time.perf_counter()
             try:
                 back: Message = await host.compute(host.backward, batch, reply, dict(result.metrics), LinkEnds(*used))
@@ -168,3 +197,11 @@ class Chain:
                 raise
         host.measure(batch, elapsed + time.perf_counter() - started)
         return Outcome(back.kind, back.payload, dict(back.metrics), route)
+
+    def _owns(self, batch: MicroBatch, attempt: object) -> None:
+        """Raises if a newer attempt of `batch` took over its runtime state here."""
+        if self.attempts.get(batch.key) is not attempt:
+            raise RemoteError(
+                f"micro-batch {batch.key} reached stage {self.host.stage} again through another peer: this attempt is void",
+                pb.UNAVAILABLE,
+            )

@@ -126,7 +126,9 @@ class Joining:
                         settings.state_timeout_s,
                     )
                 except (TransportError, RemoteError) as e:
-                    log.warning("stage %d: state download from %s failed: %s", host.stage, source[-8:], one_line(e))
+                    busy = isinstance(e, RemoteError) and e.other_peer  # serving another joiner
+                    level = logging.INFO if busy else logging.WARNING
+                    log.log(level, "stage %d: state download from %s: %s", host.stage, source[-8:], one_line(e))
                     continue
                 await self._installed(frame, source, started)
                 return
