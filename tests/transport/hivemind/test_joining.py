@@ -62,6 +62,11 @@ def _close_to(hosted: HostedStage, local, stage: int) -> bool:
     return all(torch.allclose(p, r, rtol=1e-5, atol=1e-7) for p, r in pairs)
 
 
+def _forward_sent(hosted: HostedStage) -> int:
+    """Activation bytes `hosted` sent downstream in training, over all its links."""
+    return sum(link.sent.get("forward.train", 0) for link in hosted.status().links if link.upstream)
+
+
 class _Run:
     """A three-stage run set up on the test swarm: stages 0..2 on the shared hosts 0..2 (stage 1 left
     out with `shared_stage1=False`), and, with `mortal`, a stage-1 peer on a host of its own that a
@@ -165,6 +170,7 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         half = len(items) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]  # through the original
         assert original.processed == 2 * micro_batches + half
+        sent, joiner_sent = pipeline.link_bytes(), _forward_sent(joiner)
         run.kill()  # it dies holding this step's gradients
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]
         assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
@@ -173,6 +179,9 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
             run.step(n)
         assert pipeline.members[1] == [joiner.node.peer_id]
         assert joiner.processed == (STEPS - 2) * micro_batches  # the re-run ones included
+        now = pipeline.link_bytes()  # what the dead peer sent before it died still counts
+        key = "boundary1.forward.train"
+        assert now[key] >= sent[key] + _forward_sent(joiner) - joiner_sent > sent[key]
         assert _close_to(joiner, run.local, 1)
     finally:
         run.close()

@@ -69,6 +69,9 @@ class SwarmPipeline:
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         self._step_statuses: list[pb.StageStatus] | None = None  # this step's adaptive decision read them
         self._counted: list[pb.StageStatus] | None = None  # what link_bytes last read (its stages' compute)
+        # the last status of every stage peer heard from, by (peer, stage, the step it joined at):
+        # the bytes of peers that left still count in the totals
+        self._reported: dict[tuple[str, int, int], pb.StageStatus] = {}
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -271,15 +274,22 @@ class SwarmPipeline:
             *(call(self.node.streams, peer, "info", request, b"", timeout) for peer in peers),
             return_exceptions=True,
         )
-        # a peer that left counts no more
-        return [status for reply in replies if not isinstance(reply, BaseException) for status in reply.head.stages]
+        statuses = []
+        for peer, reply in zip(peers, replies, strict=True):
+            if isinstance(reply, BaseException):  # it left: its last status stays in _reported
+                continue
+            for status in reply.head.stages:
+                self._reported[(peer, status.stage, status.joined_step)] = status
+                statuses.append(status)
+        return statuses
 
     def link_bytes(self) -> dict[str, int]:
-        """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts)."""
+        """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts),
+        those that left included (as they last reported)."""
         totals: Counter = Counter()
         statuses, self._step_statuses = self._step_statuses, None
         self._counted = statuses if statuses is not None else self.statuses()
-        for status in self._counted:
+        for status in self._reported.values():
             for link in status.links:
                 for key, n in link.sent.items():
                     direction, mode = key.split(".", 1)
