@@ -81,6 +81,8 @@ async def serve(args: argparse.Namespace) -> int:
     signals = StopSignals()
     if args.config is None and args.overrides:
         return fail("--set needs --config: without it the run's config is fetched as published")
+    if not args.wait >= 0:
+        return fail(f"--wait must be a number of seconds (0 or more), got {args.wait}")
     if error := apply_threads(args.threads):
         return fail(error)
     try:

@@ -264,6 +264,9 @@ def test_a_stage_peer_joins_with_the_published_config(swarm, lonely, capsys):
     assert stage_errors(capsys, swarm.loop, "--initial_peers", *maddrs, "--stage", "2") == [
         "error: --stage 2 does not exist: the config has 2 stages (0..1)"
     ]
+    assert stage_errors(capsys, swarm.loop, "--initial_peers", *maddrs, "--wait", "-1") == [
+        "error: --wait must be a number of seconds (0 or more), got -1.0"
+    ]
     peer = stage_peer(maddrs, "--wait", "10")
     lines: queue.Queue = queue.Queue()
 
