@@ -318,9 +318,9 @@ def test_a_micro_batch_sent_again_while_its_first_attempt_is_still_downstream_su
         sender = threading.Thread(target=send)
         sender.start()
         assert first_in.wait(20)
+        hosted[0].router.bans.until.pop(hosted[1].node.peer_id)  # the other stage-1 peer may serve again
         swarm.loop.run(victim_server.stop())
         swarm.loop.run(victim.shutdown())
-        hosted[0].router.bans.until.pop(hosted[1].node.peer_id)  # the other stage-1 peer may serve again
         sender.join(60)
         assert "error" not in result, result
         assert result["loss"] == pytest.approx(local.run_many([(batch, x)])[0]["loss"], rel=1e-6)
