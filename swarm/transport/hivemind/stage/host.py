@@ -284,4 +284,6 @@ class HostedStage:
 
     def close(self) -> None:
         self._closed = True
+        if self.joining is not None:
+            self.joining.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -99,8 +99,9 @@ class Joining:
         self.task = asyncio.create_task(self._run())
 
     def cancel(self) -> None:
+        """Stops the download (from any thread: a test's or the peer's own loop)."""
         if self.task is not None:
-            self.task.cancel()
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
 
     def keep(self, kind: str, head, payload: bytes) -> None:
         """A round that arrived before the state (on the computing thread, in arrival order)."""
