@@ -10,6 +10,7 @@ measures its throughput for the DHT record others route by.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -37,6 +38,14 @@ from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.status import stage_status
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _has_feedback(*specs: str) -> bool:
+    """Whether any of these codec specs keeps state across micro-batches (asked per micro-batch)."""
+    return any(parse(spec).feedback is not None for spec in specs)
+
+
 _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: one build at a time per process
 
 
@@ -180,7 +189,7 @@ class HostedStage:
     def _feedback_out(self) -> bool:
         """Whether the link to the next stage keeps state across micro-batches (error feedback)."""
         link = self.cfg.compression.link(self.stage)
-        return any(parse(spec).feedback is not None for spec in (link.forward, link.backward))
+        return _has_feedback(link.forward, link.backward)
 
     def drop_out(self, receiver: str) -> None:
         """Our link to `receiver` lost its order or state: its next message starts a new epoch, and
@@ -195,6 +204,13 @@ class HostedStage:
         self.links.switch(changed)
         if self.handoff is not None and self.stage in changed:
             self.handoff.sticky = None
+
+    def fresh_ends(self, label: str, cfg: ExperimentConfig) -> LinkEnds:
+        """New ends of this stage's own (one per side it has) with `cfg`'s codecs."""
+        return LinkEnds(
+            None if self.first else self.links.make(False, label, cfg),
+            None if self.last else self.links.make(True, label, cfg),
+        )
 
     def restored(self, cfg: ExperimentConfig, own: LinkEnds, step: int) -> None:
         """A checkpoint was loaded into the runtime and `own` ends (with `cfg`'s codecs): every link
@@ -255,12 +271,6 @@ class HostedStage:
         after a failure): it goes idle, and the trainer sets it up afresh as a joiner."""
         if self.joining is not None or self.leaving:
             raise RemoteError(f"stage {self.stage} peer is {self.role}: it takes no micro-batch", pb.UNAVAILABLE)
-        if self.first_batch_s is None:
-            self.first_batch_s = time.monotonic() - self.set_up_at
-            if self.joined is not None:
-                log.info(
-                    "stage %d: first micro-batch %.1fs after it was set up to join", self.stage, self.first_batch_s
-                )
         if batch.step != self.steps:
             if batch.step > self.steps:
                 self.abandon_join(f"it is at step {self.steps}, the run at step {batch.step}")
@@ -268,6 +278,12 @@ class HostedStage:
                 f"stage {self.stage} peer is at step {self.steps}, micro-batch {batch.key} of step {batch.step}",
                 pb.UNAVAILABLE,
             )
+        if self.first_batch_s is None:
+            self.first_batch_s = time.monotonic() - self.set_up_at
+            if self.joined is not None:
+                log.info(
+                    "stage %d: first micro-batch %.1fs after it was set up to join", self.stage, self.first_batch_s
+                )
 
     def abandon_join(self, reason: str) -> None:
         """Out of the run until its trainer sets it up again (as a joiner)."""

@@ -176,10 +176,7 @@ class Joining:
         state = read_stage(io.BytesIO(payload), host.runtime.device)
         cfg = switched_config(host.configured, host.stage, reply.codecs)[0]
         step = apply_stage_state(host.runtime, NO_ENDS, state)
-        own = LinkEnds(
-            None if host.first else host.links.make(False, "joined", cfg),
-            None if host.last else host.links.make(True, "joined", cfg),
-        )
+        own = host.fresh_ends("joined", cfg)
         host.restored(cfg, own, step)
         host.rounds.restart()
         host.joining = None  # the rounds below run as a replica's

@@ -18,7 +18,6 @@ import torch
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
-from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.meta import payload_to_tensors, tensors_to_payload
@@ -126,10 +125,7 @@ class StageRounds:
             state = read_stage(io.BytesIO(payload), host.runtime.device)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        own = LinkEnds(
-            None if host.first else host.links.make(False, "checkpoint", cfg),
-            None if host.last else host.links.make(True, "checkpoint", cfg),
-        )
+        own = host.fresh_ends("checkpoint", cfg)
         try:
             step = apply_stage_state(host.runtime, own, state)
         except (ValueError, KeyError, RuntimeError) as e:
