@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint_every", type=int, help="steps between checkpoints (default: after every evaluation)"
     )
+    parser.add_argument(
+        "--snapshot_every",
+        type=int,
+        default=10,
+        help="steps between the copies of every stage the swarm keeps (a lost stage or trainer goes back to them; 0: none)",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start at step 0 even where the stage peers kept copies of this run from an earlier trainer",
+    )
     add_threads_arg(parser)
     add_network_args(parser)
     return parser
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--steps must be a positive integer, got {args.steps}")
     if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
+    if args.snapshot_every < 0:
+        return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:
@@ -120,17 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         loop.stop()
         return fail(str(e))
-    results = open_results(args.results, checkpoint, ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter))
-    publisher = None
+    publisher = results = None
     try:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
-        pipeline = SwarmPipeline(node, loop, cfg, run_id)
+        pipeline = SwarmPipeline(node, loop, cfg, run_id, snapshot_every=args.snapshot_every, fresh=args.fresh)
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
+        resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept
+        writer = ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter)
+        results = open_results(args.results, checkpoint, writer, None if resumed is None else resumed["step"])
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
+        pipeline.finish()
         adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
     except KeyboardInterrupt:
         say("interrupted")
@@ -138,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     finally:
-        results.close()
+        if results is not None:
+            results.close()
         try:
             if publisher is not None:
                 loop.run(publisher.stop(), timeout=20)

@@ -15,6 +15,16 @@ import torch
 from swarm.engine.microbatch import MicroBatch
 
 
+class Rewound(Exception):
+    """The pipeline went back to an earlier step: it lost a stage and restored the copies the swarm
+    kept (`Pipeline.snapshot`). The training loop goes on from `position`, what it handed to
+    `snapshot` at that step, and replays the steps since."""
+
+    def __init__(self, position: dict) -> None:
+        super().__init__(f"the pipeline went back to step {position.get('step')}")
+        self.position = position
+
+
 class Pipeline(Protocol):
     def run_many(self, items: Sequence[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
         """Runs each (micro-batch, inputs) forward and (training) backward; the metrics of each, in order."""
@@ -33,6 +43,15 @@ class Pipeline(Protocol):
 
     def load_checkpoint(self, directory: str | PathLike) -> int:
         """Loads what `save_checkpoint` wrote; returns the step it was saved at."""
+
+    def snapshot(self, step: int, position: dict) -> None:
+        """At a step boundary: every stage's state and the loop's `position` (with its "step") are
+        kept where a lost stage or trainer can be restored from (a swarm, every few steps; one
+        process keeps none)."""
+
+    def resumed(self) -> dict | None:
+        """The position of a run this pipeline took over (a restarted trainer finds its stages in
+        the swarm), or None."""
 
     def step_notes(self) -> dict:
         """Extra fields of a step's results row ({} when the transport has none)."""

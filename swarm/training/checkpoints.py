@@ -37,6 +37,11 @@ def _runs(directory: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in directory.iterdir() if p.is_dir() and (m := _RUN_DIR.fullmatch(p.name)))
 
 
+def run_step(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory `step-<N>`."""
+    return int(_RUN_DIR.fullmatch(Path(path).name).group(1))
+
+
 def latest_run(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directory in `directory` (it has trainer.pt), or None."""
     complete = [path for _, path in _runs(Path(directory)) if (path / "trainer.pt").is_file()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from swarm.config import ExperimentConfig
 from swarm.data import build_datasets
-from swarm.training.checkpoints import Checkpointing, latest_run
+from swarm.training.checkpoints import Checkpointing, latest_run, run_step
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.local import build_local_pipeline
@@ -35,16 +35,17 @@ def _rows_until(results_path, step: int) -> list[dict]:
     return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
 
 
-def open_results(results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter) -> ResultsWriter:
-    """The results file of a run; one that resumes from a checkpoint keeps its rows up to there."""
-    kept = []
-    if checkpoint is not None and results_path is not None:
-        latest = latest_run(checkpoint.directory)
-        if latest is not None:
-            kept = _rows_until(results_path, int(latest.name.removeprefix("step-")))
+def open_results(
+    results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter, resumed: int | None = None
+) -> ResultsWriter:
+    """The results file of a run; one that resumes from a checkpoint, or at step `resumed` from the
+    copies a swarm kept, keeps its rows up to the newer of the two (where `train` goes on from)."""
+    steps = [] if resumed is None else [resumed]
+    if checkpoint is not None and (latest := latest_run(checkpoint.directory)) is not None:
+        steps.append(run_step(latest))
+    kept = _rows_until(results_path, max(steps)) if steps and results_path is not None else []
     results = writer(results_path)
-    for row in kept:
-        results.write(row)
+    results.keep(kept)
     return results
 
 

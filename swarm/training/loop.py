@@ -21,9 +21,9 @@ from tqdm import tqdm
 from swarm.config import ExperimentConfig
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.engine.pipeline import Pipeline
+from swarm.engine.pipeline import Pipeline, Rewound
 from swarm.models import summarize
-from swarm.training.checkpoints import Checkpointing, latest_run, load_run, save_run
+from swarm.training.checkpoints import Checkpointing, latest_run, load_run, run_step, save_run
 from swarm.training.results import ResultsWriter
 
 
@@ -131,21 +131,23 @@ def train(
     generator = torch.Generator().manual_seed(cfg.seed)
     step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
-    if checkpoint is not None:
-        latest = latest_run(checkpoint.directory)
-        if latest is not None:
-            state = load_run(latest, pipeline)
-            step, samples, epoch, done_in_epoch, elapsed = (
-                state["step"],
-                state["samples"],
-                state["epoch"],
-                state["batch"],
-                state["time_s"],
-            )
-            generator.set_state(state["generator"])
-            torch.set_rng_state(state["rng"])
-            evals = json.loads(state["evals"])
-            print(f"resuming from checkpoint {latest} at step {step}", file=sys.stderr)
+
+    def go_to(state: dict, whence: str) -> None:
+        """Carries on from a saved position (a checkpoint's, or one the swarm kept)."""
+        nonlocal step, samples, epoch, done_in_epoch, elapsed
+        step, samples, epoch, done_in_epoch = state["step"], state["samples"], state["epoch"], state["batch"]
+        elapsed = state["time_s"]
+        generator.set_state(state["generator"])
+        torch.set_rng_state(state["rng"])
+        evals[:] = json.loads(state["evals"])
+        print(f"{whence} at step {step}", file=sys.stderr)
+
+    resumed = pipeline.resumed()  # a restarted trainer: the swarm kept the run's position
+    latest = latest_run(checkpoint.directory) if checkpoint is not None else None
+    if latest is not None and (resumed is None or run_step(latest) > resumed["step"]):
+        go_to(load_run(latest, pipeline), f"resuming from checkpoint {latest}")
+    elif resumed is not None:
+        go_to(resumed, "resuming from the copies the swarm kept")
     started = time.perf_counter() - elapsed
     bytes_before: dict[str, int] = pipeline.link_bytes() if step else {}
     bar = tqdm(
@@ -161,8 +163,10 @@ def train(
         results.write(row)
         bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
 
-    def save_checkpoint(epoch_start: torch.Tensor) -> None:
-        position = {
+    def position(epoch_start: torch.Tensor) -> dict:
+        """What resumes the loop at this step boundary (with the stages' state of the same step)."""
+        return {
+            "step": step,
             "epoch": epoch,
             "batch": done_in_epoch,
             "generator": epoch_start,
@@ -171,7 +175,6 @@ def train(
             "evals": json.dumps(evals),
             "time_s": time.perf_counter() - started,
         }
-        save_run(checkpoint.directory, step, pipeline, position, checkpoint.keep)
 
     while step < schedule.total_steps:
         if hasattr(train_set, "set_epoch"):
@@ -186,41 +189,49 @@ def train(
             collate_fn=collate,
         )
         for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
-            done_in_epoch += 1
-            exact = step < schedule.warmup_steps
-            pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
-            losses = [
-                metrics["loss"] * batch.weight
-                for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)
-            ]
-            lr = pipeline.step()
-            step += 1
-            samples += ids.numel()
-            now = pipeline.link_bytes()
-            notes = pipeline.step_notes()  # a swarm's adaptive codecs, its stages' compute
-            results.write(
-                {
-                    "type": "step",
-                    "step": step,
-                    "epoch": step / schedule.steps_per_epoch,
-                    "loss": sum(losses),
-                    "lr": lr,
-                    "samples": samples,
-                    "exact": exact,
-                    "bytes": _delta(now, bytes_before),
-                    "time_s": time.perf_counter() - started,
-                    "at": time.time(),
-                    **notes,
-                }
-            )
-            bytes_before = now
-            bar.update(1)
-            bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
-            evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
-            if evaluated:
-                run_eval()
-            if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
-                save_checkpoint(epoch_start)
+            try:
+                pipeline.snapshot(step, position(epoch_start))
+                done_in_epoch += 1
+                exact = step < schedule.warmup_steps
+                pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
+                losses = [
+                    metrics["loss"] * batch.weight
+                    for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)
+                ]
+                lr = pipeline.step()
+                step += 1
+                samples += ids.numel()
+                now = pipeline.link_bytes()
+                notes = pipeline.step_notes()  # a swarm's adaptive codecs, its stages' compute
+                results.write(
+                    {
+                        "type": "step",
+                        "step": step,
+                        "epoch": step / schedule.steps_per_epoch,
+                        "loss": sum(losses),
+                        "lr": lr,
+                        "samples": samples,
+                        "exact": exact,
+                        "bytes": _delta(now, bytes_before),
+                        "time_s": time.perf_counter() - started,
+                        "at": time.time(),
+                        **notes,
+                    }
+                )
+                bytes_before = now
+                bar.update(1)
+                bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
+                evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
+                if evaluated:
+                    run_eval()
+                if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
+                    save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep)
+            except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again
+                go_to(rewound.position, f"going back to the copies the swarm kept, from step {step}")
+                results.rewind(step)
+                bar.n = step
+                bar.refresh()
+                break  # the epoch of that position starts over (its order replayed, its done batches skipped)
             if step >= schedule.total_steps:
                 break
         else:

@@ -33,8 +33,25 @@ class ResultsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        self._lines([row])
+
+    def keep(self, rows: list[dict[str, Any]]) -> None:
+        """Rows a resumed run keeps from before (written to the file again, not announced as new)."""
+        self.rows.extend(rows)
+        self._lines(rows)
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step`: its step and eval rows after it go (each step is kept once)."""
+        self.rows = [r for r in self.rows if r.get("type") not in ("step", "eval") or r.get("step", 0) <= step]
         if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
+            self._file.seek(0)
+            self._file.truncate()
+        self._lines(self.rows)
+
+    def _lines(self, rows: list[dict[str, Any]]) -> None:
+        if self._file is not None:
+            for row in rows:
+                self._file.write(json.dumps(row) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -109,6 +109,12 @@ class LocalPipeline:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
         return steps.pop()
 
+    def snapshot(self, step: int, position: dict) -> None:
+        """One process keeps no copies: it is the whole run (its checkpoints are files)."""
+
+    def resumed(self) -> dict | None:
+        return None
+
     def step_notes(self) -> dict:
         return {}
 

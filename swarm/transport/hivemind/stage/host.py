@@ -35,6 +35,7 @@ from swarm.transport.hivemind.stage.clock import ComputeClock
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds
+from swarm.transport.hivemind.stage.snapshots import Snapshots
 from swarm.transport.hivemind.stage.status import stage_status
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class HostedStage:
         self.set_up_at = 0.0  # when it was set up (monotonic): a joiner's first micro-batch is timed from it
         self.first_batch_s: float | None = None  # seconds from being set up to the first micro-batch
         self.source = StateSource(self)  # its state for joiners
+        self.snapshots = Snapshots(self)  # the swarm's copies it keeps (its stage's and a neighbour's)
         self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
         self.changed = lambda: None  # its record changed (the server announces it at once)
         self.clock = ComputeClock()  # training compute (the compute bounds of throughput benchmarks)
@@ -300,6 +302,7 @@ class HostedStage:
 
     def close(self) -> None:
         self._closed = True
+        self.snapshots.close()
         if self.joining is not None:
             self.joining.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -173,14 +173,20 @@ class Joining:
     def _install(self, reply: pb.StateReply, payload: bytes) -> None:
         """On the computing thread: the state, then the kept rounds of the steps after it."""
         host = self.host
-        state = read_stage(io.BytesIO(payload), host.runtime.device)
-        cfg = switched_config(host.configured, host.stage, reply.codecs)[0]
-        step = apply_stage_state(host.runtime, NO_ENDS, state)
-        own = host.fresh_ends("joined", cfg)
-        host.restored(cfg, own, step)
-        host.rounds.restart()
+        step = install_state(host, payload, reply.codecs, "joined")["step"]
         host.joining = None  # the rounds below run as a replica's
         for kind, head, kept_payload in self.kept:
             if head.step >= step:
                 getattr(host.rounds, kind)(head, kept_payload)
         self.kept.clear()
+
+
+def install_state(host, payload: bytes, codecs, label: str) -> dict:
+    """On the computing thread: a stage file without link ends (`payload`), taken with `codecs` in
+    force, installed into `host`'s runtime; every link restarts fresh. The state read."""
+    state = read_stage(io.BytesIO(payload), host.runtime.device)
+    cfg = switched_config(host.configured, host.stage, codecs)[0]
+    step = apply_stage_state(host.runtime, NO_ENDS, state)
+    host.restored(cfg, host.fresh_ends(label, cfg), step)
+    host.rounds.restart()
+    return state

@@ -154,6 +154,12 @@ class StageServer:
         if frame.kind in _ROUNDS:
             head, payload = await hosted.rounds.handle(frame.kind, frame.head, frame.payload)
             return self._writer(frame.kind, head, payload)
+        if frame.kind in ("snapshot", "restore"):
+            head, payload = await getattr(hosted.snapshots, frame.kind)(frame.head, frame.payload)
+            return self._writer(frame.kind, head, payload)
+        if frame.kind == "state" and frame.head.snapshot:
+            head, payload = hosted.snapshots.serve(frame.head)
+            return self._writer(frame.kind, head, payload)
         if frame.kind == "state":
             head, payload = await hosted.source.serve()
             return self._writer(frame.kind, head, payload, hosted.source.done)

@@ -28,6 +28,7 @@ def stage_status(host) -> pb.StageStatus:
         states_served=host.source.served,
         state_bytes_out=host.source.bytes_out,
     )
+    host.snapshots.status(out)
     if host.joined is not None:
         out.joined_step, out.state_bytes_in, out.state_seconds = host.joined
     if host.stage > 0:

@@ -25,6 +25,7 @@ from protocols import stage_pb2 as pb
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
 from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
 from swarm.transport.hivemind.calls import Sending, call
@@ -38,6 +39,7 @@ from swarm.transport.hivemind.pacing import FlowPacer
 from swarm.transport.hivemind.retry import Retry
 from swarm.transport.hivemind.routing import NoPeerError, Router
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds, codec_changes
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,14 @@ log = logging.getLogger(__name__)
 
 class SwarmPipeline:
     def __init__(
-        self, node: SwarmNode, loop: LoopThread, cfg: ExperimentConfig, run_id: str, in_flight: int | None = None
+        self,
+        node: SwarmNode,
+        loop: LoopThread,
+        cfg: ExperimentConfig,
+        run_id: str,
+        in_flight: int | None = None,
+        snapshot_every: int = 0,
+        fresh: bool = False,
     ) -> None:
         self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
         self.num_stages = cfg.model.num_stages
@@ -66,6 +75,9 @@ class SwarmPipeline:
         self.handoff = Handoff(node, self.router, run_id, 0, self.pacer, sending, self.numbering.restart)
         self.retry = Retry(node.settings)
         self.rounds = SwarmRounds(self)
+        self.recovery = Recovery(self, snapshot_every)  # the swarm's copies of every stage, every few steps
+        self.fresh = fresh  # start at step 0 even where the swarm kept copies of an earlier trainer's run
+        self._resumed: dict | None = None  # the position of a run taken over from an earlier trainer
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         self._step_statuses: list[pb.StageStatus] | None = None  # this step's adaptive decision read them
         self._counted: list[pb.StageStatus] | None = None  # what link_bytes last read (its stages' compute)
@@ -94,9 +106,11 @@ class SwarmPipeline:
                 )
             await asyncio.sleep(0.5)
         self._setup_args = (lr_horizon, capacity or 0)
+        available = {s: [r.peer_id for r in records if not r.leaving] for s, records in found.items()}
+        resume = None if self.fresh else await self.recovery.resume_point(available)
 
         async def one(stage: int, peer_id: str):
-            return stage, peer_id, await self._setup_one(stage, peer_id)
+            return stage, peer_id, await self.set_up(stage, peer_id)
 
         replies = await asyncio.gather(
             *(one(s, r.peer_id) for s, records in found.items() for r in records if not r.leaving)
@@ -109,9 +123,13 @@ class SwarmPipeline:
                 self.tied = [
                     TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied
                 ]
+        if resume is not None:  # an earlier trainer's run: it goes on where the swarm's copies are
+            self.recovery.lineage, step, sources = resume
+            self._resumed = await self.recovery.restore(step, sources)
+            log.info("run %r: the swarm kept copies of every stage at step %d; resuming there", self.run_id, step)
         return dict(self.members)
 
-    async def _setup_one(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
+    async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
         lr_horizon, capacity = self._setup_args
         request = pb.SetupRequest(
             to=address(self.run_id, stage),
@@ -140,14 +158,9 @@ class SwarmPipeline:
             sources = self.serving(stage)
             if not sources:
                 continue
-            for record in await self.router.peers(stage):
-                peer = record.peer_id
-                if peer in self.members[stage] or record.session == self.session or record.leaving:
-                    continue
-                if self.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
-                    continue
+            for peer in await self.candidates(stage, refresh=False):
                 try:
-                    await self._setup_one(stage, peer, sources)
+                    await self.set_up(stage, peer, sources)
                 except (TransportError, RemoteError) as e:
                     self.router.failed(peer)
                     log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
@@ -157,6 +170,18 @@ class SwarmPipeline:
                 admitted.append((stage, peer))
                 log.info("stage %d: peer %s joins at step %d", stage, peer[-8:], self.step_index)
         return admitted
+
+    async def candidates(self, stage: int, refresh: bool = True) -> list[str]:
+        """Peers that announced themselves for `stage` and are not in the run (nor left it since)."""
+        found = []
+        for record in await self.router.peers(stage, refresh=refresh):
+            peer = record.peer_id
+            if peer in self.members.get(stage, []) or record.session == self.session or record.leaving:
+                continue
+            if self.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
+                continue
+            found.append(peer)
+        return found
 
     def drop(self, stage: int, peer: str, why: str, left: bool = False) -> None:
         """`peer` is out of the run: it failed a round, or it `left` (drained, as it said it would)."""
@@ -170,7 +195,20 @@ class SwarmPipeline:
 
     def run_many(self, items) -> list[dict[str, float]]:
         """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time."""
-        return self.loop.run(self._run_many([(batch, tensor_to_raw(x).SerializeToString()) for batch, x in items]))
+        raw = [(batch, tensor_to_raw(x).SerializeToString()) for batch, x in items]
+        return self._mended(lambda: self.loop.run(self._run_many(raw)))
+
+    def _mended(self, work):
+        """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
+        back to the swarm's copies (swarm.transport.hivemind.trainer.recovery) and the loop hears
+        where from (`Rewound`)."""
+        try:
+            return work()
+        except (TransportError, RemoteError, NoPeerError) as e:
+            position = self.loop.run(self.recovery.recover(e))
+            if position is None:
+                raise
+            raise Rewound(position) from None
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
@@ -218,7 +256,26 @@ class SwarmPipeline:
     # ---- the synchronous step ----------------------------------------------------------------
 
     def step(self) -> float:
-        return synchronous_step(self.rounds, self.tied, self.cfg.optimizer.grad_clip)
+        return self._mended(lambda: synchronous_step(self.rounds, self.tied, self.cfg.optimizer.grad_clip))
+
+    def snapshot(self, step: int, position: dict) -> None:
+        self._mended(lambda: self.loop.run(self.recovery.snapshot(step, position)))
+
+    def resumed(self) -> dict | None:
+        return self._resumed
+
+    def finish(self) -> None:
+        """The run is done: the copies the swarm kept of it go."""
+        self.loop.run(self.recovery.discard())
+
+    def went_back(self, step: int) -> None:
+        """Every stage was restored to `step` (a checkpoint or the swarm's copies): every link
+        restarts (new epochs) and this step starts over."""
+        self.step_index = step
+        self.following.clear()
+        self.numbering.clear()
+        self.routes.clear()
+        self._sent.clear()
 
     def step_done(self) -> None:
         self.step_index += 1
@@ -310,12 +367,9 @@ class SwarmPipeline:
 
     def load_checkpoint(self, directory) -> int:
         step, saved = self.loop.run(self.rounds.load(Path(directory)))
-        self.step_index = step
         if saved is not None:
             self.adaptive.restore(saved)
-        self.numbering.clear()  # every link restarts (new epochs) from the loaded ends
-        self.routes.clear()
-        self._sent.clear()
+        self.went_back(step)
         return step
 
 

@@ -36,11 +36,13 @@ class SwarmRounds:
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
 
-    async def call(self, stage: int, peer_id: str, kind: str, payload: bytes = b"", **fields) -> Frame:
+    async def call(
+        self, stage: int, peer_id: str, kind: str, payload: bytes = b"", timeout: float | None = None, **fields
+    ) -> Frame:
         """One round on one peer, retried there when its reply is lost."""
         p = self.pipeline
         head = getattr(pb, _REQUESTS[kind])(to=address(p.run_id, stage), **fields)
-        timeout = p.node.settings.call_timeout_s
+        timeout = timeout or p.node.settings.call_timeout_s
         return await p.retry.same_peer(
             lambda: call(p.node.streams, peer_id, kind, head, payload, timeout),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
@@ -50,7 +52,7 @@ class SwarmRounds:
         members = self.pipeline.members
         return [(stage, peer) for stage in sorted(members) for peer in members[stage]]
 
-    async def _every(self, peers: list[tuple[int, str]], one) -> dict[tuple[int, str], Frame]:
+    async def every(self, peers: list[tuple[int, str]], one) -> dict[tuple[int, str], Frame]:
         """`one(stage, peer)` on every peer at once; the replies of those that answered. A peer that
         failed is left out of the run, unless its stage has no other peer in service."""
         p = self.pipeline
@@ -136,12 +138,12 @@ class SwarmRounds:
         async def run() -> float:
             # replicas hold the same sum: one norm per stage, from a peer in service
             asked = {(stage, p.serving(stage)[0]) for stage in p.members if norm and p.serving(stage)}
-            answered = await self._every(self._peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
+            answered = await self.every(self._peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
             total = 0.0
             for stage in sorted({s for s, _ in asked}):
                 frames = [frame for key, frame in answered.items() if key in asked and key[0] == stage]
                 if not frames:  # the peer asked left: another in service has the same sum
-                    again = await self._every([(stage, p.serving(stage)[0])], partial(one, with_norm=True))
+                    again = await self.every([(stage, p.serving(stage)[0])], partial(one, with_norm=True))
                     frames = list(again.values())
                 total += frames[0].head.grad_sq_norm
             return total
@@ -155,7 +157,7 @@ class SwarmRounds:
 
         async def run() -> float:
             codecs = await p.adapt()
-            answered = await self._every(
+            answered = await self.every(
                 self._peers(),
                 lambda s, peer: self.call(s, peer, "apply", step=p.step_index, scale=scale, codecs=codecs),
             )
@@ -182,7 +184,7 @@ class SwarmRounds:
         async def one(stage: int):
             while True:
                 peer = p.serving(stage)[0]
-                answered = await self._every([(stage, peer)], lambda s, peer: self.call(s, peer, "save", step=step))
+                answered = await self.every([(stage, peer)], lambda s, peer: self.call(s, peer, "save", step=step))
                 if answered:
                     frame = answered[(stage, peer)]
                     break
@@ -223,4 +225,6 @@ _REQUESTS = {
     "apply": "ApplyRequest",
     "save": "SaveRequest",
     "load": "LoadRequest",
+    "snapshot": "SnapshotRequest",
+    "restore": "RestoreRequest",
 }

@@ -1,0 +1,206 @@
+"""The swarm's copies of every stage's state: what lets a run go on after it lost a stage's last
+peer, or its trainer.
+
+Every few steps the trainer's snapshot round reaches every stage peer in service at a step
+boundary. Each keeps a copy of its own state (a stage file without link ends, with its RNG and the
+trainer's position in its data), and the peers told to hold a neighbour stage's copy fetch it from
+that stage's peers in the background: every stage's state then lives on at least two machines. A
+peer keeps the copies of the newest `KEEP` steps of each stage it has copies of.
+
+When a stage loses its last peer, or a new trainer resumes the run, every stage goes back to the
+newest step of which the swarm holds a copy of every stage (`restore`): a peer that has the copy
+installs it, a new one downloads it from a peer that holds it. Copies belong to a lineage (the
+trainer session that started the run): copies of another lineage are dropped when a round of a new
+one arrives, and a restored trainer carries on the lineage it restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from protocols import stage_pb2 as pb
+from swarm.engine.checkpoint import stage_state
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
+
+log = logging.getLogger(__name__)
+KEEP = 2  # newest steps kept per stage: a restore needs one step every stage has, and a round may fail half-way
+
+
+@dataclass
+class Copy:
+    stage: int
+    step: int
+    payload: bytes  # a stage file without link ends, with "rng" and "trainer" (the position) in it
+    codecs: list = field(default_factory=list)  # pb.BoundaryCodecs in force when it was taken
+    taken: float = field(default_factory=time.monotonic)
+
+
+class Snapshots:
+    """The copies one hosted stage (`host`) keeps, and its snapshot and restore rounds."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.lineage = ""
+        self.copies: dict[tuple[int, int], Copy] = {}  # (stage, step) -> copy
+        self.restores = 0
+        self.restored_step = 0
+        self.paused_s = 0.0
+        self._fetches: dict[tuple[int, int], asyncio.Task] = {}
+
+    # ---- the snapshot round --------------------------------------------------------------------
+
+    async def snapshot(self, head: pb.SnapshotRequest, payload: bytes) -> tuple[pb.SnapshotReply, bytes]:
+        host = self.host
+        if head.discard:
+            if head.lineage == self.lineage:
+                self._clear()
+            return pb.SnapshotReply(), b""
+        host.ready()
+        self._adopt(head.lineage)
+        step = int(head.step)
+        own = self.copies.get((host.stage, step))
+        if own is None:
+            own = await host.compute(self._take, step, payload)
+            self._keep(own)
+        for order in head.hold:
+            self._fetch(int(order.stage), step, list(order.sources))
+        return pb.SnapshotReply(bytes=len(own.payload)), b""
+
+    def _take(self, step: int, trainer: bytes) -> Copy:
+        """On the computing thread, between two steps' rounds: this stage's state now."""
+        host = self.host
+        if host.joining is not None or host.steps != step:
+            raise RemoteError(
+                f"stage {host.stage} peer is {host.role} at step {host.steps}: no copy of step {step}", pb.UNAVAILABLE
+            )
+        state = stage_state(host.runtime, NO_ENDS, step, in_flight=True)
+        state["rng"] = torch.get_rng_state()
+        state["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return Copy(host.stage, step, buffer.getvalue(), stage_codecs(host))
+
+    def _fetch(self, stage: int, step: int, sources: list[str]) -> None:
+        """A neighbour stage's copy of `step`, fetched in the background (unless held or on its way)."""
+        key = (stage, step)
+        if key in self.copies or (key in self._fetches and not self._fetches[key].done()):
+            return
+        task = asyncio.get_running_loop().create_task(self._download(stage, step, [(p, stage) for p in sources]))
+        self._fetches[key] = task
+        task.add_done_callback(lambda t, key=key: self._fetched(key, t))
+
+    def _fetched(self, key: tuple[int, int], task: asyncio.Task) -> None:
+        if self._fetches.get(key) is task:
+            del self._fetches[key]
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.warning("stage %d: no copy of stage %d at step %d held: %s", self.host.stage, *key, one_line(error))
+        else:
+            self._keep(task.result())
+
+    async def _download(self, stage: int, step: int, sources: list[tuple[str, int]]) -> Copy:
+        """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that has it."""
+        host, errors = self.host, []
+        for peer, hosted_stage in sources:
+            request = pb.StateRequest(to=address(host.run_id, hosted_stage), snapshot=True, stage=stage, step=step)
+            try:
+                frame = await call(host.node.streams, peer, "state", request, b"", host.settings.state_timeout_s)
+            except (TransportError, RemoteError) as e:
+                errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
+                continue
+            return Copy(stage, step, frame.payload, list(frame.head.codecs))
+        raise RemoteError(
+            f"no copy of stage {stage} at step {step} from {len(sources)} source(s) ({'; '.join(errors)})",
+            pb.UNAVAILABLE,
+        )
+
+    # ---- serving a copy ------------------------------------------------------------------------
+
+    def serve(self, head: pb.StateRequest) -> tuple[pb.StateReply, bytes]:
+        copy = self.copies.get((int(head.stage), int(head.step)))
+        if copy is None:
+            raise RemoteError(
+                f"this peer has no copy of stage {head.stage} at step {head.step} (it has {self.describe() or 'none'})",
+                pb.UNAVAILABLE,
+            )
+        return pb.StateReply(step=copy.step, codecs=copy.codecs), copy.payload
+
+    # ---- the restore round ---------------------------------------------------------------------
+
+    async def restore(self, head: pb.RestoreRequest, payload: bytes) -> tuple[pb.RestoreReply, bytes]:
+        host = self.host
+        host.ready()
+        step = int(head.step)
+        if self.lineage != head.lineage:  # a trainer carries on a lineage of this peer's copies, or starts one
+            self._clear()
+            self.lineage = head.lineage
+        copy = self.copies.get((host.stage, step))
+        if copy is None:
+            sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != host.node.peer_id]
+            copy = await self._download(host.stage, step, sources)
+            self._keep(copy)
+        trainer = await host.compute(self._install, copy)
+        for key in [key for key in self.copies if key[1] > step]:  # the run goes on from `step`
+            del self.copies[key]
+        self.restores += 1
+        self.restored_step, self.paused_s = step, float(head.paused_s)
+        log.info("stage %d: restored the copy of step %d", host.stage, step)
+        host.changed()
+        return pb.RestoreReply(step=step), trainer
+
+    def _install(self, copy: Copy) -> bytes:
+        host = self.host
+        if host.joining is not None:  # the copy is the state it was waiting for
+            host.joining.cancel()
+            host.joining = None
+        state = install_state(host, copy.payload, copy.codecs, "restored")
+        if isinstance(state.get("rng"), torch.Tensor):
+            torch.set_rng_state(state["rng"])
+        trainer = state.get("trainer")
+        return bytes(trainer.numpy().tobytes()) if isinstance(trainer, torch.Tensor) else b""
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _adopt(self, lineage: str) -> None:
+        if lineage != self.lineage:
+            self._clear()
+            self.lineage = lineage
+
+    def _keep(self, copy: Copy) -> None:
+        self.copies[(copy.stage, copy.step)] = copy
+        steps = sorted(step for stage, step in self.copies if stage == copy.stage)
+        for old in steps[:-KEEP]:
+            del self.copies[(copy.stage, old)]
+
+    def _clear(self) -> None:
+        self.copies.clear()
+        for task in self._fetches.values():
+            task.cancel()
+        self._fetches.clear()
+        self.lineage = ""
+
+    def describe(self) -> str:
+        return ", ".join(f"stage {stage} step {step}" for stage, step in sorted(self.copies))
+
+    def status(self, out: pb.StageStatus) -> None:
+        now = time.monotonic()
+        for (stage, step), copy in sorted(self.copies.items()):
+            out.snapshots.add(
+                stage=stage, step=step, bytes=len(copy.payload), age_s=now - copy.taken, lineage=self.lineage
+            )
+        out.restores, out.restored_step, out.paused_s = self.restores, self.restored_step, self.paused_s
+
+    def close(self) -> None:
+        for task in self._fetches.values():
+            task.get_loop().call_soon_threadsafe(task.cancel)

@@ -1,0 +1,258 @@
+"""The trainer's side of the swarm's copies (swarm.transport.hivemind.stage.snapshots): a snapshot
+round every few steps, and going back to the newest complete set of copies when a stage lost its
+last peer or when a new trainer takes over a run whose stages are still there.
+
+Every `every` steps each stage peer in service keeps a copy of its state with the trainer's position,
+and the first `HOLDERS` peers of the next stage (stage 0's, for the last stage) fetch a copy of it.
+A micro-batch or round that fails with a stage left without a peer in service pauses the run: the
+trainer says which stage lacks a peer and how to start one, waits for one to announce itself, sets
+it up, and restores every stage to the newest step of which the swarm holds a copy of every stage;
+the training loop then replays the steps since from its deterministic data order
+(swarm.engine.pipeline.Rewound), so the run ends as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.meta import address
+
+log = logging.getLogger(__name__)
+HOLDERS = 2  # peers of the next stage that fetch a stage's copy
+REMIND_S = 60.0  # a paused run says again what it waits for this often
+
+
+@dataclass(frozen=True)
+class Held:
+    """One copy a peer keeps: of `stage` at `step`, on `peer`, which hosts `hosted` (where to ask it)."""
+
+    peer: str
+    hosted: int
+    stage: int
+    step: int
+    lineage: str
+
+
+def newest_complete(copies: list[Held], num_stages: int, lineage: str | None = None):
+    """The newest step of which `copies` hold every stage (of `lineage`, or of whichever lineage
+    has the newest such step): (lineage, step, {stage: [(peer, hosted)]}), or None."""
+    by_lineage: dict[str, dict[int, dict[int, list]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for c in copies:
+        if c.lineage and (lineage is None or c.lineage == lineage):
+            by_lineage[c.lineage][c.step][c.stage].append((c.peer, c.hosted))
+    best = None
+    for name, steps in by_lineage.items():
+        for step, stages in steps.items():
+            if len(stages) == num_stages and (best is None or step > best[1]):
+                best = (name, step, {s: list(dict.fromkeys(sources)) for s, sources in stages.items()})
+    return best
+
+
+class Recovery:
+    """Snapshot rounds and restores of one `SwarmPipeline` (`pipeline`); `every` 0 keeps no copies."""
+
+    def __init__(self, pipeline, every: int) -> None:
+        self.pipeline = pipeline
+        self.every = every
+        self.lineage = pipeline.session
+        self.taken: int | None = None  # the step of the last snapshot round
+        self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
+        self.pauses: list[dict] = []  # {"stages", "from_step", "to_step", "paused_s"} per restore
+
+    # ---- snapshots ---------------------------------------------------------------------------
+
+    async def snapshot(self, step: int, position: dict) -> None:
+        """Every `every` steps: each peer in service keeps a copy of its stage at `step` with the
+        trainer's `position`, and the next stage's first peers fetch one."""
+        p = self.pipeline
+        if not self.every or step % self.every or self.taken == step:
+            return
+        buffer = io.BytesIO()
+        torch.save(position, buffer)
+        orders: dict[str, list[pb.HoldOrder]] = defaultdict(list)
+        for stage in range(p.num_stages):
+            holding = (stage + 1) % p.num_stages
+            if holding != stage:
+                for peer in p.serving(holding)[:HOLDERS]:
+                    orders[peer].append(pb.HoldOrder(stage=stage, sources=p.serving(stage)))
+        peers = [(s, peer) for s in range(p.num_stages) for peer in p.serving(s)]
+
+        async def one(stage: int, peer: str, hold: list[pb.HoldOrder]):
+            fields = {"step": step, "lineage": self.lineage, "hold": hold}
+            return await p.rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
+
+        # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
+        await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
+        holders = [(s, peer) for s, peer in peers if peer in orders]
+        await p.rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+        self.taken, self.kept = step, True
+
+    async def discard(self) -> None:
+        """The run finished: its copies go (a later trainer of the run id starts afresh)."""
+        p = self.pipeline
+        if not self.every:
+            return
+        peers = [(s, peer) for s in sorted(p.members) for peer in p.members[s]]
+        await asyncio.gather(
+            *(p.rounds.call(s, peer, "snapshot", discard=True, lineage=self.lineage) for s, peer in peers),
+            return_exceptions=True,
+        )
+
+    # ---- what the swarm holds ------------------------------------------------------------------
+
+    async def _ask(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], pb.StageStatus | BaseException]:
+        """Each peer's status of the stage it hosts for this run (an exception: it did not answer)."""
+        p = self.pipeline
+        request = pb.InfoRequest(to=address(p.run_id))
+        timeout = p.node.settings.info_timeout_s
+        replies = await asyncio.gather(
+            *(call(p.node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
+        )
+        statuses = {}
+        for (stage, peer), reply in zip(peers, replies, strict=True):
+            if isinstance(reply, BaseException):
+                statuses[(stage, peer)] = reply
+                continue
+            found = [s for s in reply.head.stages if s.stage == stage]
+            statuses[(stage, peer)] = found[0] if found else RemoteError(f"it no longer hosts stage {stage}")
+        return statuses
+
+    @staticmethod
+    def _copies(statuses) -> list[Held]:
+        return [
+            Held(peer, stage, int(c.stage), int(c.step), c.lineage)
+            for (stage, peer), status in statuses.items()
+            if isinstance(status, pb.StageStatus)
+            for c in status.snapshots
+        ]
+
+    async def resume_point(self, found: dict[int, list[str]]):
+        """A new trainer's look at the stage peers `found`: the newest step of which they hold a
+        copy of every stage, as `newest_complete` gives it, or None (the run starts afresh)."""
+        if not self.every:
+            return None
+        statuses = await self._ask([(s, peer) for s, peers in found.items() for peer in peers])
+        return newest_complete(self._copies(statuses), self.pipeline.num_stages)
+
+    # ---- a lost stage ----------------------------------------------------------------------------
+
+    async def recover(self, error: BaseException) -> dict | None:
+        """After `error` in a micro-batch or round: if a stage has no peer in service left, pauses
+        until every stage has a peer, restores the newest complete copies and returns the trainer's
+        position kept with them; None when every stage still serves (the error is not ours to mend)."""
+        p = self.pipeline
+        if not self.every or not self.kept:
+            return None
+        await self._probe()
+        if all(p.serving(s) for s in range(p.num_stages)):
+            return None
+        started, at = time.monotonic(), p.step_index
+        log.warning("step %d: %s", at, one_line(error))
+        while True:
+            await self._wait_for_peers(at)
+            choice = newest_complete(self._copies(await self._ask(self._members())), p.num_stages, self.lineage)
+            if choice is None:
+                raise RuntimeError(
+                    f"the swarm holds no complete set of copies of run {p.run_id!r} (a stage and the peers holding its copies were lost together): restart from a checkpoint (--checkpoint_dir)"
+                )
+            _, step, sources = choice
+            position = await self.restore(step, sources, time.monotonic() - started)
+            if position is not None:
+                break
+        paused = time.monotonic() - started
+        self.pauses.append({"from_step": at, "to_step": step, "paused_s": paused})
+        log.warning(
+            "run resumed after %.1fs: every stage went back to step %d, replaying %d step(s)", paused, step, at - step
+        )
+        return position
+
+    def _members(self) -> list[tuple[int, str]]:
+        p = self.pipeline
+        return [(s, peer) for s in sorted(p.members) for peer in p.members[s]]
+
+    async def _probe(self) -> None:
+        """Members that do not answer, or no longer run this session, leave the run."""
+        p = self.pipeline
+        for (stage, peer), status in (await self._ask(self._members())).items():
+            gone = isinstance(status, BaseException)
+            if gone or not status.ready:
+                p.router.failed(peer)
+                p.drop(stage, peer, one_line(status) if gone else "it left the session")
+
+    async def _wait_for_peers(self, at: int) -> None:
+        """Until every stage has a member: stages without one take the first peer that announces itself."""
+        p = self.pipeline
+        said = 0.0
+        while empty := [s for s in range(p.num_stages) if not p.members.get(s)]:
+            if time.monotonic() - said > REMIND_S:
+                said = time.monotonic()
+                for stage in empty:
+                    log.warning(
+                        "run %r paused at step %d: stage %d has no peer; start one to go on: python -m peers.stage --stage %d --run_id %s --initial_peers ...",
+                        p.run_id,
+                        at,
+                        stage,
+                        stage,
+                        p.run_id,
+                    )
+            for stage in empty:
+                for peer in await p.candidates(stage):
+                    try:
+                        await p.set_up(stage, peer)
+                    except (TransportError, RemoteError) as e:
+                        p.router.failed(peer)
+                        log.warning("stage %d peer %s could not be set up: %s", stage, peer[-8:], one_line(e))
+                        continue
+                    p.members.setdefault(stage, []).append(peer)
+                    log.info("stage %d: peer %s takes over", stage, peer[-8:])
+                    break
+            await asyncio.sleep(0.5)
+
+    async def restore(self, step: int, sources: dict[int, list[tuple[str, int]]], paused_s: float = 0.0) -> dict | None:
+        """Every member goes back to the copies of `step`; the trainer's position kept with them, or
+        None if a stage lost every member meanwhile (those that failed leave the run)."""
+        p = self.pipeline
+        timeout = p.node.settings.state_timeout_s
+        members = self._members()
+
+        async def one(stage: int, peer: str):
+            await p.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
+            given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
+            return await p.rounds.call(
+                stage,
+                peer,
+                "restore",
+                timeout=timeout,
+                step=step,
+                lineage=self.lineage,
+                sources=given,
+                paused_s=paused_s,
+            )
+
+        replies = await asyncio.gather(*(one(s, peer) for s, peer in members), return_exceptions=True)
+        position = None
+        for (stage, peer), reply in zip(members, replies, strict=True):
+            if isinstance(reply, TransportError | RemoteError):
+                p.router.failed(peer)
+                p.drop(stage, peer, f"its restore failed: {one_line(reply)}")
+            elif isinstance(reply, BaseException):
+                raise reply
+            elif position is None and reply.payload:
+                position = torch.load(io.BytesIO(reply.payload), weights_only=True)
+        if not all(p.members.get(s) for s in range(p.num_stages)):
+            return None
+        if position is None:
+            raise RuntimeError(f"the copies of step {step} carry no trainer position")
+        p.went_back(step)
+        self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
+        return position

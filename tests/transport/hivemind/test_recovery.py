@@ -1,0 +1,189 @@
+"""A swarm that loses a stage's last peer, or its trainer, and goes on from the copies it keeps of
+every stage, on real hivemind (loopback). Every case ends with the losses of the single-process run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+from _swarm_env import local_rows, smoke
+
+from swarm.training.experiment import build_data
+from swarm.training.loop import Schedule, train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
+
+STEPS = 12
+EVERY = 3
+
+
+def _cfg():
+    """Codecs without state across micro-batches: a replayed step computes what the first did."""
+    return smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
+
+
+class _Hooked(ResultsWriter):
+    """Results that call `hooks[n]()` right after step n's row (between two steps of the loop)."""
+
+    def __init__(self, hooks) -> None:
+        super().__init__(None)
+        self.hooks = dict(hooks)
+
+    def write(self, row) -> None:
+        super().write(row)
+        if row.get("type") == "step" and (hook := self.hooks.pop(row["step"], None)):
+            hook()
+
+
+class _Lossy:
+    """Stages 0 and 2 on shared hosts 0 and 2, stage 1 only on a host of its own that a test kills."""
+
+    def __init__(self, swarm) -> None:
+        self.swarm, self.cfg, self.run_id = swarm, _cfg(), uuid.uuid4().hex[:8]
+        self.hosted = swarm.host(self.cfg, self.run_id, [(0, 0), (2, 2)])
+        self.node, self.server = swarm.mortal_host()
+        self.mortal = self.server.host(HostedStage(self.node, self.run_id, self.cfg, 1))
+        swarm.loop.run(self.server.announcer.announce_now())
+        self.data = build_data(self.cfg)
+
+    def pipeline(self) -> SwarmPipeline:
+        pipeline = SwarmPipeline(self.swarm.trainer, self.swarm.loop, self.cfg, self.run_id, snapshot_every=EVERY)
+        pipeline.setup(Schedule.of(self.cfg, len(self.data[0]), STEPS).lr_horizon, len(self.data[0]), wait_s=20)
+        return pipeline
+
+    def kill(self) -> None:
+        self.swarm.loop.run(self.server.stop())
+        self.swarm.loop.run(self.node.shutdown())
+
+    def replace(self, after_s: float, index: int = 3) -> threading.Thread:
+        """A new stage-1 peer on shared host `index`, `after_s` seconds from now."""
+
+        def start() -> None:
+            time.sleep(after_s)
+            server = self.swarm.hosts[index][1]
+            self.replacement = server.host(HostedStage(server.node, self.run_id, self.cfg, 1))
+            self.swarm.loop.run(server.announcer.announce_now())
+
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.swarm.unhost(self.run_id)
+
+
+def _same_losses(ours, theirs) -> None:
+    steps = [r for r in ours if r["type"] == "step"]
+    reference = [r for r in theirs if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [r["step"] for r in reference]  # each step once, in order
+    for a, b in zip(steps, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        assert a["lr"] == pytest.approx(b["lr"])
+    evals = [(r["step"], r["uncompressed"]["loss"]) for r in ours if r["type"] == "eval"]
+    reference_evals = [(r["step"], r["uncompressed"]["loss"]) for r in theirs if r["type"] == "eval"]
+    assert [s for s, _ in evals] == [s for s, _ in reference_evals]
+    assert [v for _, v in evals] == pytest.approx([v for _, v in reference_evals], rel=1e-5)
+
+
+def test_newest_complete_takes_the_newest_step_every_stage_has_a_copy_of():
+    copies = [
+        Held("a", 0, 0, 3, "L"),
+        Held("a", 0, 0, 6, "L"),
+        Held("b", 1, 0, 6, "L"),  # b holds stage 0's copy
+        Held("b", 1, 1, 3, "L"),
+        Held("c", 0, 1, 3, "L"),  # c (stage 0) holds stage 1's copy of step 3 only
+        Held("x", 0, 0, 9, "M"),
+        Held("x", 1, 1, 9, "M"),
+    ]
+    assert newest_complete(copies, 2, "L") == ("L", 3, {0: [("a", 0)], 1: [("b", 1), ("c", 0)]})
+    assert newest_complete(copies, 2) == ("M", 9, {0: [("x", 0)], 1: [("x", 1)]})
+    assert newest_complete(copies, 3) is None
+
+
+def _kill_inside(run, obj, name: str, when) -> None:
+    """`obj.name` (a coroutine function of the mortal stage-1 peer) kills its host when called with
+    arguments `when` accepts, and never answers (a dead peer's reply does not go out); a new stage-1
+    peer starts a second later."""
+    original = getattr(obj, name)
+
+    async def dying(*args):
+        if when(*args):
+            threading.Thread(target=run.kill, daemon=True).start()
+            run.replace(1.0)
+            await asyncio.sleep(30)
+        return await original(*args)
+
+    setattr(obj, name, dying)
+
+
+def _wait(what, condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("moment", "back_to"),
+    [("between steps", 6), ("inside a step round", 6), ("during a snapshot", 6)],
+)
+def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(swarm, tmp_path, moment, back_to):
+    run = _Lossy(swarm)
+    try:
+        pipeline = run.pipeline()
+        hooks = {}
+        if moment == "between steps":  # the next micro-batch finds stage 1 gone
+            hooks[7] = lambda: (run.kill(), run.replace(2.0))
+        elif moment == "inside a step round":  # step 8's gradients are being gathered
+            _kill_inside(run, run.mortal.rounds, "handle", lambda kind, head, _: kind == "gather" and head.step == 7)
+        else:  # step 9's copies are being taken: the newest complete ones are step 6's
+            _kill_inside(run, run.mortal.snapshots, "snapshot", lambda head, _: head.step == 9 and not head.discard)
+        results = _Hooked(hooks)
+        train(run.cfg, pipeline, run.data, results, STEPS, progress=False)
+        _same_losses(results.rows, local_rows(run.cfg, tmp_path, STEPS))
+        [pause] = pipeline.recovery.pauses
+        assert pause["to_step"] == back_to
+        status = run.replacement.status()
+        assert status.restores == 1 and status.restored_step == back_to and status.paused_s > 0.5
+        held = lambda: {(c.stage, c.step) for c in run.replacement.status().snapshots}  # noqa: E731
+        _wait("it holds stage 0's copies now, and its own", lambda: {(0, 9), (1, 9)} <= held())
+    finally:
+        run.close()
+
+
+def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
+    run = _Lossy(swarm)
+    try:
+
+        class TrainerDied(Exception):
+            pass
+
+        def die():
+            raise TrainerDied
+
+        first = run.pipeline()
+        before = _Hooked({8: die})
+        with pytest.raises(TrainerDied):
+            train(run.cfg, first, run.data, before, STEPS, progress=False)
+        node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))  # a new trainer process
+        try:
+            second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
+            second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
+            assert second.session != first.session and second.resumed()["step"] == 6
+            assert second.recovery.lineage == first.recovery.lineage  # it carries on the first one's copies
+            after = ResultsWriter(None)
+            after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
+            train(run.cfg, second, run.data, after, STEPS, progress=False)
+            _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
+            second.finish()  # the run is done: a later trainer starts afresh
+            assert not any(h.snapshots.copies for h in [*run.hosted, run.mortal])
+        finally:
+            swarm.loop.run(node.shutdown())
+    finally:
+        run.close()
