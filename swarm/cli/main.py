@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
     )
     lab.add_argument(
+        "--snapshot_every",
+        type=int,
+        help="steps between the copies the swarm keeps of every stage (the trainer's; default 10, 0: none)",
+    )
+    lab.add_argument(
         "--bandwidth",
         help="shape the links: a rate (100mbit), per process (stage1=20mbit,*=100mbit) or a YAML file {process: rate}",
     )
@@ -154,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument(
         "--churn",
         metavar="SPEC",
-        help="stage peers join, die and leave during the run: join:1@10,kill:1@30,stop:2@50 (seconds from the trainer's start) or random:SEED[@EVERY]",
+        help="stage peers join, die and leave, the trainer dies, during the run: join:1@10,kill:1@30,stop:2@step50,kill:trainer@60 (seconds from the trainer's start, or stepN) or random:SEED[@EVERY]",
     )
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
@@ -338,6 +343,8 @@ def lab_command(args: argparse.Namespace) -> int:
     checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
         ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
     )
+    if args.snapshot_every is not None:  # the trainer refuses a negative one in one line
+        checkpointing += ["--snapshot_every", str(args.snapshot_every)]
     return run_lab(
         args.config,
         args.stages,

@@ -1,8 +1,9 @@
-"""`swarm lab --churn SPEC`: stage peers that join, die and leave while the lab's run goes on.
+"""`swarm lab --churn SPEC`: stage peers that join, die and leave, and a trainer that dies, while
+the lab's run goes on.
 
 A SPEC is either a schedule, comma-separated `ACTION:STAGE@WHEN` events, WHEN in seconds from the
 moment the trainer has set the stages up, or `stepN`: once the trainer has finished step N:
-    join:1@0,kill:1@20,stop:2@step300,join:2@45
+    join:1@0,kill:1@20,stop:2@step300,join:2@45,kill:trainer@step400
 or `random:SEED[@EVERY]`: an event about every EVERY seconds (default 30), drawn with SEED: a
 join, a kill or a stop of a random stage's peer. Random events never take a stage's last peer;
 scheduled ones do what they say (a stop of a stage's last peer waits for another to join).
@@ -11,7 +12,10 @@ scheduled ones do what they say (a stop of a stage's last peer waits for another
   `--run_id`; its config comes from the swarm);
 - kill: SIGKILL to the process group of the stage's oldest live peer (the peer and its p2p daemon
   die at once, as a machine that loses power);
-- stop: SIGTERM to it (it drains: finishes what it holds and leaves at a step boundary).
+- stop: SIGTERM to it (it drains: finishes what it holds and leaves at a step boundary);
+- kill:trainer: SIGKILL to the trainer's process group; RESTART_PAUSE_S later the lab starts it
+  again with the same command line, and it takes the run over from the copies the stage peers keep
+  (its --snapshot_every). The churn clock goes on; join and stop take stages only.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import signal
 from dataclasses import dataclass
 
 ACTIONS = ("join", "kill", "stop")
+TRAINER = "trainer"  # the target of kill:trainer@WHEN
 DEFAULT_EVERY_S = 30.0
-_EVENT = re.compile(r"^(join|kill|stop):(\d+)@(?:(\d+(?:\.\d*)?)s?|step(\d+))$")
+RESTART_PAUSE_S = 2.0  # from killing the trainer to starting it again
+_EVENT = re.compile(r"^(join|kill|stop):(\d+|trainer)@(?:(\d+(?:\.\d*)?)s?|step(\d+))$")
 _RANDOM = re.compile(r"^random:(\d+)(?:@(\d+(?:\.\d*)?)s?)?$")
 
 
@@ -31,7 +37,7 @@ _RANDOM = re.compile(r"^random:(\d+)(?:@(\d+(?:\.\d*)?)s?)?$")
 class ChurnEvent:
     at_s: float  # seconds after the trainer's setup (inf: at a step)
     action: str
-    stage: int
+    stage: int | str  # a stage, or TRAINER
     at_step: int | None = None  # once the trainer finished this step
 
     def due(self, elapsed_s: float, step: int) -> bool:
@@ -63,10 +69,12 @@ class Churn:
             match = _EVENT.match(item)
             if match is None:
                 raise ChurnError(
-                    f"--churn: {item!r} is not ACTION:STAGE@SECONDS or ACTION:STAGE@stepN (ACTION one of {', '.join(ACTIONS)}), or random:SEED[@EVERY]"
+                    f"--churn: {item!r} is not ACTION:STAGE@SECONDS or ACTION:STAGE@stepN (ACTION one of {', '.join(ACTIONS)}; STAGE a number, or trainer for kill), or random:SEED[@EVERY]"
                 )
-            stage = int(match.group(2))
-            if stage >= stages:
+            stage = match.group(2) if match.group(2) == TRAINER else int(match.group(2))
+            if stage == TRAINER and match.group(1) != "kill":
+                raise ChurnError(f"--churn: {item!r}: the trainer can only be killed (kill:trainer@WHEN)")
+            if stage != TRAINER and stage >= stages:
                 raise ChurnError(f"--churn: {item!r} names stage {stage}, the run has stages 0..{stages - 1}")
             if match.group(4) is not None:
                 events.append(ChurnEvent(float("inf"), match.group(1), stage, int(match.group(4))))
@@ -103,7 +111,8 @@ class Churn:
 
 
 class ChurnRunner:
-    """Carries a `Churn` out on a lab's stage peer processes (`lab`: its `Lab`)."""
+    """Carries a `Churn` out on a lab's stage peer processes and its trainer (`lab`: its `Lab`, whose
+    `trainer` is the trainer's current process and `trainer_command` its arguments)."""
 
     def __init__(self, lab, churn: Churn, join_args: list[str]) -> None:
         self.lab, self.churn, self.join_args = lab, churn, join_args
@@ -112,17 +121,44 @@ class ChurnRunner:
         self.counts = {action: 0 for action in ACTIONS}
         self.peers_started = {s: 1 for s in range(lab.stages)}
         self.started: float | None = None  # when the trainer had set the stages up
+        self.restart_at: float | None = None  # the killed trainer starts again then
 
-    def start(self, now: float) -> None:
-        self.started = now
+    @property
+    def restarting(self) -> bool:
+        """The trainer was killed and is not started again yet: the run is not over."""
+        return self.restart_at is not None
 
     def poll(self, now: float, step: int) -> None:
-        """`step`: the trainer's last finished step."""
+        """`step`: the trainer's last finished step. The clock starts once the trainer has set the
+        stages up (the lab's `trainer_ready`), and goes on across a trainer's restart."""
         if self.started is None:
-            return
+            if not self.lab.trainer_ready.is_set():
+                return
+            self.started = now
+        if self.restart_at is not None and now >= self.restart_at:
+            self._restart_trainer()
         elapsed = now - self.started
         for event in self.churn.due(elapsed, {s: len(names) for s, names in self.live.items()}, step):
-            self._do(event, elapsed)
+            if event.stage == TRAINER:
+                self._kill_trainer(now, elapsed)
+            else:
+                self._do(event, elapsed)
+
+    def _kill_trainer(self, now: float, elapsed: float) -> None:
+        self.lab.signal_peer(self.lab.trainer, signal.SIGKILL)  # its p2p daemon too
+        self.restart_at = now + RESTART_PAUSE_S
+        self.counts["kill"] += 1
+        self.lab._print("lab", f"churn at {elapsed:.1f}s: kill trainer")
+
+    def _restart_trainer(self) -> None:
+        """The same command line again; the dead process leaves the lab's list (stop() skips it)."""
+        lab, old = self.lab, self.lab.trainer
+        if old.poll() is None:
+            return  # not gone yet (SIGKILL takes it at once): the next poll looks again
+        self.restart_at = None
+        lab.processes[:] = [(name, process) for name, process in lab.processes if process is not old]
+        lab._start(TRAINER, "peers.trainer", *lab.trainer_command)
+        lab._print("lab", "churn: trainer started again")
 
     def _do(self, event: ChurnEvent, elapsed: float) -> None:
         lab, names = self.lab, self.live[event.stage]

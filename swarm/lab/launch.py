@@ -106,6 +106,8 @@ class Lab:
         self._boot_lines: queue.Queue[str] = queue.Queue()
         self.trainer_ready = threading.Event()  # it set the stages up: a churn's clock starts
         self.trainer_step = 0  # the last step it printed
+        self.trainer: subprocess.Popen | None = None  # its current process (a churn may restart it)
+        self.trainer_command: list[str] = []  # its arguments, for a restart
 
     def _print(self, name: str, line: str) -> None:
         with self._lock:
@@ -156,6 +158,8 @@ class Lab:
             start_new_session=True,
         )
         self.processes.append((name, process))
+        if name == "trainer":
+            self.trainer = process
 
         def pump() -> None:
             for line in process.stdout:
@@ -164,7 +168,7 @@ class Lab:
                     self._boot_lines.put(line)
                 if name == "trainer" and line.startswith("run "):
                     self.trainer_ready.set()
-                if name == "trainer" and (step := _STEP_LINE.match(line)):
+                if process is self.trainer and (step := _STEP_LINE.match(line)):  # not a killed one's
                     self.trainer_step = int(step.group(1))
                 if line and not any(noise in line for noise in _NOISE):
                     self._print(name, line)
@@ -290,28 +294,28 @@ class Lab:
                 if self.results
                 else None
             )
-            trainer = self._start("trainer", "peers.trainer", *common, *extra, *self.trainer_args)
+            self.trainer_command = [*common, *extra, *self.trainer_args]
+            self._start("trainer", "peers.trainer", *self.trainer_command)
             churn = None
             if self.churn is not None:
                 join = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads)]
                 churn = ChurnRunner(self, self.churn, join + (["--device", self.device] if self.device else []))
-            while trainer.poll() is None:
-                if churn is not None:
-                    if self.trainer_ready.is_set() and churn.started is None:
-                        churn.start(time.monotonic())
+            gone = churn.gone if churn is not None else set()  # peers the churn took: their exit is expected
+            while self.trainer.poll() is None or getattr(churn, "restarting", False):
+                if churn is not None:  # its clock starts once the trainer has set the stages up
                     churn.poll(time.monotonic(), self.trainer_step)
                 for name, process in list(self.processes):
-                    if process is not trainer and process.poll() is not None and name not in getattr(churn, "gone", ()):
+                    if process is not self.trainer and process.poll() is not None and name not in gone:
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
-            if counters is not None and trainer.returncode == 0:
+            if counters is not None and self.trainer.returncode == 0:
                 # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
                 with open(self.results, "a") as f:
                     f.write(json.dumps(counters.to_row()) + "\n")
-            return trainer.returncode
+            return self.trainer.returncode  # the last trainer's: a killed one's is the churn's doing
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -45,6 +45,11 @@ class PeerRow:
     state_seconds: float = 0.0
     states_served: int = 0
     state_bytes_out: int = 0
+    # the swarm's copies it keeps: (stage, step, bytes, age in seconds); its restores from them
+    copies: list[tuple[int, int, int, float]] = field(default_factory=list)
+    restores: int = 0
+    restored_step: int = 0
+    paused_s: float = 0.0
 
 
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
@@ -91,6 +96,8 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
                 continue
             row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
             row.role, row.states_served, row.state_bytes_out = status.role, status.states_served, status.state_bytes_out
+            row.copies = [(c.stage, c.step, c.bytes, c.age_s) for c in status.snapshots]
+            row.restores, row.restored_step, row.paused_s = status.restores, status.restored_step, status.paused_s
             if status.state_bytes_in:
                 row.joined_step = status.joined_step
                 row.state_bytes_in, row.state_seconds = status.state_bytes_in, status.state_seconds
@@ -130,6 +137,14 @@ def _state(row: PeerRow) -> str:
         text += f", joined at step {row.joined_step} ({_size(row.state_bytes_in)} in {row.state_seconds:.1f}s)"
     if row.states_served:
         text += f", gave its state {row.states_served}x ({_size(row.state_bytes_out)})"
+    if row.restores:
+        text += f", went back to step {row.restored_step} after a {row.paused_s:.1f}s pause ({row.restores}x)"
+    if row.copies:  # the newest copy of each stage it keeps
+        newest = {stage: (step, size, age) for stage, step, size, age in sorted(row.copies)}
+        kept = ", ".join(
+            f"stage {stage} step {step} ({_size(size)}, {age:.0f}s old)" for stage, (step, size, age) in newest.items()
+        )
+        text += f", copies: {kept}"
     return text
 
 

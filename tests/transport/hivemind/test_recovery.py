@@ -16,6 +16,7 @@ from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
 
@@ -23,9 +24,8 @@ STEPS = 12
 EVERY = 3
 
 
-def _cfg():
-    """Codecs without state across micro-batches: a replayed step computes what the first did."""
-    return smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
+def _cfg(forward: str = "topk:0.2", backward: str = "topk:reuse"):
+    return smoke("model.num_stages=3", f"compression.forward={forward}", f"compression.backward={backward}")
 
 
 class _Hooked(ResultsWriter):
@@ -44,8 +44,8 @@ class _Hooked(ResultsWriter):
 class _Lossy:
     """Stages 0 and 2 on shared hosts 0 and 2, stage 1 only on a host of its own that a test kills."""
 
-    def __init__(self, swarm) -> None:
-        self.swarm, self.cfg, self.run_id = swarm, _cfg(), uuid.uuid4().hex[:8]
+    def __init__(self, swarm, cfg=None) -> None:
+        self.swarm, self.cfg, self.run_id = swarm, cfg or _cfg(), uuid.uuid4().hex[:8]
         self.hosted = swarm.host(self.cfg, self.run_id, [(0, 0), (2, 2)])
         self.node, self.server = swarm.mortal_host()
         self.mortal = self.server.host(HostedStage(self.node, self.run_id, self.cfg, 1))
@@ -130,11 +130,20 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
 
 
 @pytest.mark.parametrize(
-    ("moment", "back_to"),
-    [("between steps", 6), ("inside a step round", 6), ("during a snapshot", 6)],
+    ("moment", "codecs", "back_to"),
+    [
+        ("between steps", "topk:0.2|topk:reuse", 6),
+        ("inside a step round", "topk:0.2|topk:reuse", 6),
+        ("during a snapshot", "topk:0.2|topk:reuse", 6),
+        # error feedback: the copies carry the link ends in use, so the new pairs go on from them
+        ("between steps", "topk:0.1+ef21|topk:0.1+ef21", 6),
+        ("between steps", "topk:0.3+aqsgd|none", 6),
+    ],
 )
-def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(swarm, tmp_path, moment, back_to):
-    run = _Lossy(swarm)
+def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(
+    swarm, tmp_path, moment, codecs, back_to
+):
+    run = _Lossy(swarm, _cfg(*codecs.split("|")))
     try:
         pipeline = run.pipeline()
         hooks = {}
@@ -153,6 +162,10 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         assert status.restores == 1 and status.restored_step == back_to and status.paused_s > 0.5
         held = lambda: {(c.stage, c.step) for c in run.replacement.status().snapshots}  # noqa: E731
         _wait("it holds stage 0's copies now, and its own", lambda: {(0, 9), (1, 9)} <= held())
+        table = format_table(swarm.loop.run(survey(swarm.trainer, run.run_id)))
+        row = next(line for line in table.splitlines() if run.replacement.node.peer_id[-8:] in line)
+        assert f"went back to step {back_to} after a" in row and "(1x)" in row, table
+        assert "copies: stage 0 step 9 (" in row and "stage 1 step 9 (" in row, table
     finally:
         run.close()
 

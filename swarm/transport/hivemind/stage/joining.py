@@ -182,11 +182,17 @@ class Joining:
 
 
 def install_state(host, payload: bytes, codecs, label: str) -> dict:
-    """On the computing thread: a stage file without link ends (`payload`), taken with `codecs` in
-    force, installed into `host`'s runtime; every link restarts fresh. The state read."""
+    """On the computing thread: a stage file (`payload`) taken with `codecs` in force, installed
+    into `host`'s runtime. Every link restarts (a new epoch); the link ends the file carries (the
+    swarm's copies keep those in use) go to the first neighbour on each side, the others start
+    fresh. The state read."""
     state = read_stage(io.BytesIO(payload), host.runtime.device)
     cfg = switched_config(host.configured, host.stage, codecs)[0]
-    step = apply_stage_state(host.runtime, NO_ENDS, state)
-    host.restored(cfg, host.fresh_ends(label, cfg), step)
+    ends = host.fresh_ends(label, cfg)
+    carried = LinkEnds(
+        *(end if state.get(side) is not None else None for end, side in zip(ends, ("inbound", "outbound"), strict=True))
+    )
+    step = apply_stage_state(host.runtime, carried, state)
+    host.restored(cfg, ends, step)
     host.rounds.restart()
     return state

@@ -82,7 +82,11 @@ class Snapshots:
             raise RemoteError(
                 f"stage {host.stage} peer is {host.role} at step {host.steps}: no copy of step {step}", pb.UNAVAILABLE
             )
-        state = stage_state(host.runtime, NO_ENDS, step, in_flight=True)
+        # the link ends in use go with it (error feedback state carries on after a restore), unless a
+        # micro-batch of an abandoned attempt is still inside: then the links restart fresh
+        sticky = host.handoff.sticky if host.handoff is not None else None
+        ends = host.links.in_use(sticky) if not host.runtime.pending else NO_ENDS
+        state = stage_state(host.runtime, ends, step, in_flight=True)
         state["rng"] = torch.get_rng_state()
         state["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
         buffer = io.BytesIO()
