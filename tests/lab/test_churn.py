@@ -1,5 +1,6 @@
-"""`swarm lab --churn`: its SPEC, and a lab run whose stage peers join, die (kill -9) and leave
-(SIGTERM) while it trains, ending with the single-process run's losses."""
+"""`swarm lab --churn`: its SPEC, a lab run whose stage peers join, die (kill -9) and leave
+(SIGTERM) while it trains, and one that loses a stage's last peer and its trainer (kill -9, the
+trainer started again), each ending with the single-process run's losses."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
     churn = Churn.parse("kill:1@20, join:1@0,stop:2@7.5s,join:2@step30", stages=3)
     at_step = ChurnEvent(float("inf"), "join", 2, 30)
     assert churn.events == [ChurnEvent(0, "join", 1), ChurnEvent(7.5, "stop", 2), ChurnEvent(20, "kill", 1), at_step]
+    assert Churn.parse("kill:trainer@step12,kill:trainer@30", stages=2).events == [
+        ChurnEvent(30, "kill", "trainer"),
+        ChurnEvent(float("inf"), "kill", "trainer", 12),
+    ]
     assert churn.due(8, {0: 1, 1: 1, 2: 1}, step=29) == [ChurnEvent(0, "join", 1), ChurnEvent(7.5, "stop", 2)]
     assert churn.due(8, {}, step=30) == [at_step] and churn.due(20, {}) == [ChurnEvent(20, "kill", 1)]
     for spec, message in [
@@ -28,6 +33,9 @@ def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
         ("kill:5@3", "names stage 5, the run has stages 0..2"),
         ("join:1", "is not ACTION:STAGE@SECONDS"),
         ("random:3@0", "the interval must be positive"),
+        ("join:trainer@3", "the trainer can only be killed"),
+        ("stop:trainer@step5", "the trainer can only be killed"),
+        ("kill:trainers@3", "is not ACTION:STAGE@SECONDS"),
         (",", "no events given"),
     ]:
         with pytest.raises(ChurnError, match=message) as caught:
@@ -76,6 +84,40 @@ def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losse
         served = re.findall(rf"\[stage{stage}\.2\] stage {stage}: (\d+) micro-batches", out.stdout)
         assert served and int(served[-1]) > 0, out.stdout[-4000:]  # the joiners took work
     assert "stage 2 peer" in out.stdout and "it drained and leaves after this step" in out.stdout
+    ours = [r for r in read_results(results) if r["type"] == "step"]
+    cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
+    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
+    for a, b in zip(ours, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    assert p2pd_count() == before
+
+
+def test_lab_that_loses_a_stages_last_peer_and_its_trainer_keeps_the_single_process_losses(tmp_path):
+    """Stage 1's only peer is killed -9 at step 12 and a new one started: the trainer pauses until
+    it announces itself, every stage goes back to the copies of step 10 and the loop replays. At
+    step 22 the trainer is killed -9 and the lab starts it again with the same command: it finds
+    the copies of step 20, keeps its results file's rows up to there and goes on. Copies every 5
+    steps; codecs without state across micro-batches (smoke: topk 20% forward, its indices
+    backward), so a replayed step computes what the first did. A 20 ms delay per message keeps a
+    step at about 0.3 s, so the trainer dies between two snapshot rounds."""
+    before = p2pd_count()
+    results = tmp_path / "recovery.jsonl"
+    overrides = ["train.epochs=100", "train.eval_every=1000"]
+    sets = [a for o in overrides for a in ("--set", o)]
+    steps = 40
+    command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
+    command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
+    command += ["--snapshot_every", "5", "--churn", "kill:1@step12,join:1@step12,kill:trainer@step22"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    log = out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0, log
+    assert re.search(r"\[lab\] churn at [\d.]+s: kill stage1\n", out.stdout), log
+    assert re.search(r"\[lab\] churn at [\d.]+s: kill trainer\n", out.stdout), log
+    assert "[lab] churn: trainer started again" in out.stdout, log
+    assert re.search(r"\[trainer\] .* run '[\w-]+' paused at step 1[23]: stage 1 has no peer", out.stdout), log
+    assert re.search(r"\[trainer\] .* run resumed after [\d.]+ ?s: every stage went back to step 10", out.stdout), log
+    assert re.search(r"\[trainer\] .* the swarm kept copies of every stage at step 20; resuming there", out.stdout), log
     ours = [r for r in read_results(results) if r["type"] == "step"]
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
     reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]

@@ -189,6 +189,11 @@ class AdaptiveCodecs:
             {"codecs": {str(b): list(c) for b, c in self.codecs.items()}, "history": self.history}, indent=1
         )
 
+    def restore_saved(self, text: str) -> None:
+        """`restore` from what `saved` wrote."""
+        saved = json.loads(text)
+        self.restore({"codecs": {int(b): tuple(c) for b, c in saved["codecs"].items()}, "history": saved["history"]})
+
     def restore(self, saved: dict) -> None:
         """Resumes from `swarm.engine.checkpoint.checkpoint_codecs`: its codecs are in force, and the next decision moves
         from them as from any other (with the hysteresis), on fresh measurements (a resumed

@@ -125,7 +125,7 @@ class SwarmPipeline:
                 ]
         if resume is not None:  # an earlier trainer's run: it goes on where the swarm's copies are
             self.recovery.lineage, step, sources = resume
-            self._resumed = await self.recovery.restore(step, sources)
+            self._resumed = self._went_back_to(await self.recovery.restore(step, sources))
             log.info("run %r: the swarm kept copies of every stage at step %d; resuming there", self.run_id, step)
         return dict(self.members)
 
@@ -208,7 +208,13 @@ class SwarmPipeline:
             position = self.loop.run(self.recovery.recover(e))
             if position is None:
                 raise
-            raise Rewound(position) from None
+            raise Rewound(self._went_back_to(position)) from None
+
+    def _went_back_to(self, position: dict) -> dict:
+        """The copies' position: adaptive compression's codecs go back to those of its step."""
+        if self.adaptive is not None and "adaptive" in position:
+            self.adaptive.restore_saved(position["adaptive"])
+        return position
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
@@ -259,6 +265,8 @@ class SwarmPipeline:
         return self._mended(lambda: synchronous_step(self.rounds, self.tied, self.cfg.optimizer.grad_clip))
 
     def snapshot(self, step: int, position: dict) -> None:
+        if self.adaptive is not None:  # the codecs of that step, and how adaptive compression got there
+            position = {**position, "adaptive": self.adaptive.saved()}
         self._mended(lambda: self.loop.run(self.recovery.snapshot(step, position)))
 
     def resumed(self) -> dict | None:
