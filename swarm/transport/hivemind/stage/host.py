@@ -95,6 +95,7 @@ class HostedStage:
         self.snapshots = Snapshots(self)  # the swarm's copies it keeps (its stage's and a neighbour's)
         self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
         self.changed = lambda: None  # its record changed (the server announces it at once)
+        self.averager = None  # the server's ReplicaAverager: gradients summed with the peers sharing them
         self.clock = ComputeClock()  # training compute (the compute bounds of throughput benchmarks)
         self.throughput = 0.0
         self.queue = 0

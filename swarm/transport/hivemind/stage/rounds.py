@@ -18,10 +18,10 @@ import torch
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
-from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import payload_to_tensors, tensors_to_payload
+from swarm.transport.hivemind.meta import payload_to_tensors
 from swarm.transport.hivemind.stage.codecs import switched_config
+from swarm.transport.hivemind.stage.combine import Combining
 
 
 class StageRounds:
@@ -32,6 +32,7 @@ class StageRounds:
         self.applied: tuple[int, pb.ApplyReply] | None = None  # the last apply: (step, its reply)
         self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
         self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
+        self.combining = Combining(host)  # the gather round: with the peers that share gradients
 
     def restart(self) -> None:
         self.applied = None
@@ -40,17 +41,23 @@ class StageRounds:
         """The reply (head, payload) to a step round or checkpoint request of `kind`."""
         self.host.ready()
         self.last_s = time.monotonic()
-        return await self.host.compute(self._counted, getattr(self, kind), head, payload)
+        if kind == "gather":  # computing, and the exchange with the groups in between
+            return await self.combining.gather(head)
+        return await self.host.compute(self._kept_or_timed, getattr(self, kind), head, payload)
 
-    def _counted(self, handler, head, payload: bytes):
+    def _kept_or_timed(self, handler, head, payload: bytes):
         joining = self.host.joining
         if joining is not None and handler.__name__ in ("set_grads", "apply"):
             joining.keep(handler.__name__, head, payload)
             return (pb.SetGradsReply() if handler.__name__ == "set_grads" else pb.ApplyReply(following=True)), b""
+        return self.timed(handler, head, payload)
+
+    def timed(self, fn, *args):
+        """`fn(*args)` on the computing thread, its time counted as the stage's compute."""
         clock = self.host.clock
         started = clock.start()
         try:
-            return handler(head, payload)
+            return fn(*args)
         finally:
             clock.stop(started)
 
@@ -63,18 +70,6 @@ class StageRounds:
                 f"stage {host.stage} peer is at step {host.steps}, the {kind} round is of step {step}", pb.UNAVAILABLE
             )
 
-    def gather(self, head: pb.GatherRequest, payload: bytes) -> tuple[pb.GatherReply, bytes]:
-        if self.host.joining is not None:  # no micro-batch of the run went through it yet
-            return pb.GatherReply(), b""
-        runtime = self.host.runtime
-        try:
-            runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
-            grads = runtime.gradients(None if head.all_grads else list(head.grads))
-        except KeyError as e:
-            raise RemoteError(str(e.args[0])) from None
-        slots, data = tensors_to_payload(grads)
-        return pb.GatherReply(grads=slots), data
-
     def set_grads(self, head: pb.SetGradsRequest, payload: bytes) -> tuple[pb.SetGradsReply, bytes]:
         self._at(head.step, "set_grads")
         runtime = self.host.runtime
@@ -82,7 +77,7 @@ class StageRounds:
             runtime.set_gradients(payload_to_tensors(head.grads, payload))
         except (KeyError, ValueError) as e:
             raise ProtocolError(str(e.args[0])) from None
-        return pb.SetGradsReply(grad_sq_norm=runtime.grad_sq_norm() if head.norm else 0.0), b""
+        return pb.SetGradsReply(grad_sq_norm=self.combining.grad_sq_norm() if head.norm else 0.0), b""
 
     def apply(self, head: pb.ApplyRequest, payload: bytes) -> tuple[pb.ApplyReply, bytes]:
         host = self.host

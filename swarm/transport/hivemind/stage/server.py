@@ -30,12 +30,14 @@ from swarm.transport.hivemind.announce import Announcer
 from swarm.transport.hivemind.errors import RemoteError, one_line
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import carrying, send_paced
+from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
+AVERAGING_NAMESPACE = "hivepipe.average"  # the all-reduce's p2p handler (swarm.transport.hivemind.stage.averaging)
 _ROUNDS = ("gather", "set_grads", "apply", "save", "load")  # swarm.transport.hivemind.stage.rounds
 
 
@@ -60,18 +62,22 @@ class StageServer:
         self.settings = node.settings
         self.hosted: dict[tuple[str, int], HostedStage] = {}
         self.announcer = Announcer(node, self._records)
+        # sums of gradients with the peers sharing them, for every stage hosted (group ids name the run)
+        self.averager = ReplicaAverager(node.p2p, AVERAGING_NAMESPACE, self.settings.call_timeout_s)
         self._addrs: list[str] = []
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
         await self.node.p2p.add_binary_stream_handler(PROTOCOL, self._serve)
+        await self.averager.start()
         if announce:
             await self.announcer.announce_now()
             self.announcer.start()
 
     async def stop(self) -> None:
         await self.announcer.stop()
+        await self.averager.stop()
         with contextlib.suppress(Exception):
             await self.node.p2p.remove_binary_stream_handler(PROTOCOL)
         for hosted in self.hosted.values():
@@ -84,6 +90,7 @@ class StageServer:
     def host(self, hosted: HostedStage) -> HostedStage:
         self.hosted[(hosted.run_id, hosted.stage)] = hosted
         hosted.changed = self._announce_soon
+        hosted.averager = self.averager
         return hosted
 
     def _announce_soon(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs
 from swarm.engine.step import Grads
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.meta import address, payload_to_tensors, tensors_to_payload
+from swarm.transport.hivemind.meta import address, tensors_to_payload
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class SwarmRounds:
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
+        self.payload_bytes: Counter = Counter()  # of the rounds, by kind and direction ("gather.sent")
 
     async def call(
         self, stage: int, peer_id: str, kind: str, payload: bytes = b"", timeout: float | None = None, **fields
@@ -43,10 +44,16 @@ class SwarmRounds:
         p = self.pipeline
         head = getattr(pb, _REQUESTS[kind])(to=address(p.run_id, stage), **fields)
         timeout = timeout or p.node.settings.call_timeout_s
-        return await p.retry.same_peer(
+        frame = await p.retry.same_peer(
             lambda: call(p.node.streams, peer_id, kind, head, payload, timeout),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
         )
+        self.counted(kind, payload, frame)
+        return frame
+
+    def counted(self, kind: str, sent: bytes, reply: Frame) -> None:
+        self.payload_bytes[f"{kind}.sent"] += len(sent)
+        self.payload_bytes[f"{kind}.received"] += len(reply.payload)
 
     def _peers(self) -> list[tuple[int, str]]:
         members = self.pipeline.members
@@ -71,43 +78,80 @@ class SwarmRounds:
         return answered
 
     def replicated(self, stage: int) -> bool:
-        return len(self.pipeline.members[stage]) > 1
+        return False  # replicas sum their gradients among themselves in the gather round
 
     # ---- round 1: gather ------------------------------------------------------------------------
 
     def gather(self, wanted: dict[int, list[str]]) -> Grads:
-        return self.pipeline.loop.run(self._gather(wanted))
+        """Every peer sums its micro-batches' gradients, then with the peers that share them: the
+        stage's replicas, and for a tied parameter (`wanted`) both stages' peers. Nothing comes
+        back here: the trainer's traffic is the round itself."""
+        self.pipeline.loop.run(self._gather())
+        return {}
 
-    async def _gather_on(self, stage: int, peer: str, indices: list[int], wanted: list[str]) -> Frame:
-        replicated = self.replicated(stage)
-        return await self.call(
-            stage,
-            peer,
-            "gather",
-            step=self.pipeline.step_index,
-            micro_batches=sorted(indices),
-            all_grads=replicated,
-            grads=[] if replicated else wanted,
-        )
-
-    async def _gather(self, wanted: dict[int, list[str]]) -> Grads:
+    def _groups(self, peers: list[tuple[int, str]], attempt: int) -> dict[str, list[pb.AverageGroup]]:
+        """Each peer's averaging groups for this attempt of the step's gather round."""
         p = self.pipeline
-        for _ in range(p.node.settings.attempts):
+        by_stage: dict[int, list[str]] = defaultdict(list)
+        for stage, peer in peers:
+            by_stage[stage].append(peer)
+        prefix = f"{p.run_id}/{p.session}/{p.step_index}/{attempt}"
+        groups: dict[str, list[pb.AverageGroup]] = defaultdict(list)
+
+        def add(group_id: str, members: list[str], names=(), counted=False, stage=None) -> None:
+            receivers = [peer for peer in members if peer in p.following]
+            if len(members) < 2 or len(receivers) == len(members):
+                return
+            group = pb.AverageGroup(
+                group_id=group_id.encode(), peers=members, receivers=receivers, names=names, counted=counted
+            )
+            for peer in by_stage[stage] if stage is not None else members:
+                groups[peer].append(group)
+
+        for stage, members in by_stage.items():
+            add(f"{prefix}/stage{stage}", members)
+        for i, pair in enumerate(p.tied):
+            (first, first_name), (second, second_name) = pair.first, pair.second
+            if first != second:
+                members = by_stage[first] + by_stage[second]
+                add(f"{prefix}/tied{i}", members, [first_name], True, first)
+                add(f"{prefix}/tied{i}", members, [second_name], False, second)
+        return groups
+
+    async def _gather_on(self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup]) -> Frame:
+        """Not retried on the peer: its groups are of this attempt only (the next has new ones)."""
+        p = self.pipeline
+        head = pb.GatherRequest(
+            to=address(p.run_id, stage), step=p.step_index, micro_batches=sorted(indices), groups=groups
+        )
+        timeout = p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
+        frame = await call(p.node.streams, peer, "gather", head, b"", timeout)
+        self.counted("gather", b"", frame)
+        return frame
+
+    async def _gather(self) -> None:
+        p = self.pipeline
+        for attempt in range(p.node.settings.attempts):
             counted: dict[tuple[int, str], list[int]] = defaultdict(list)
             for index, route in p.routes.items():
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
-            peers = [(s, peer) for s, peer in self._peers() if peer in p.serving(s) or (s, peer) in counted]
+            peers = self._peers()
+            groups = self._groups(peers, attempt)
             replies = await asyncio.gather(
-                *(self._gather_on(s, peer, counted.get((s, peer), []), wanted.get(s, [])) for s, peer in peers),
+                *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get(peer, [])) for s, peer in peers),
                 return_exceptions=True,
             )
             for reply in replies:
                 if isinstance(reply, BaseException) and not isinstance(reply, TransportError | RemoteError):
                     raise reply
-            lost = [(s, peer, r) for (s, peer), r in zip(peers, replies, strict=True) if isinstance(r, BaseException)]
-            if not lost:
-                break
+            failed = [(s, peer, r) for (s, peer), r in zip(peers, replies, strict=True) if isinstance(r, BaseException)]
+            if not failed:
+                return
+            # a peer whose group lost a member is fine itself: only the others leave
+            lost = [
+                (s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code == pb.GROUP_FAILED)
+            ]
             rerun = sorted({i for s, peer, _ in lost for i in counted.get((s, peer), [])})
             for stage, peer, error in lost:
                 if not [other for other in p.serving(stage) if other != peer]:
@@ -116,14 +160,7 @@ class SwarmRounds:
                 p.drop(stage, peer, f"{one_line(error)}; re-running its micro-batches {rerun}")
             if rerun:
                 await p.run_again(rerun)
-        else:
-            raise RuntimeError(f"step {p.step_index}: stage peers kept leaving while gathering gradients")
-        combined: Grads = defaultdict(dict)
-        for (stage, _), frame in zip(peers, replies, strict=True):
-            for name, grad in payload_to_tensors(frame.head.grads, frame.payload).items():
-                total = combined[stage].get(name)
-                combined[stage][name] = grad if total is None else total + grad
-        return combined
+        raise RuntimeError(f"step {p.step_index}: stage peers kept failing while gathering gradients")
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
 

@@ -1,0 +1,243 @@
+"""All-reduce of a stage's parameter gradients among the peers that host it (its replicas).
+
+Replicas of a stage used to send their gradients to the trainer, which summed them and sent the
+sum back: a star through one process, whose link carries every replica's gradients both ways.
+Here the replicas sum among themselves with hivemind's butterfly all-reduce (`AllReduceRunner`:
+each member reduces one slice of the tensors for everyone): each of n members sends and receives
+2(n-1)/n times the tensors' wire size (float64 here, see `ReplicaAverager.sum`), and no process
+is a hub. The trainer names each group (its members, their order, who contributes) every step,
+so there is no matchmaking: `DecentralizedAverager`'s DHT group search takes seconds and fails
+under churn (hivemind #519, #624).
+
+What this adds to the runner: sums instead of weighted means, the same on every member bit for
+bit (`ReplicaAverager.sum`), and all or nothing: hivemind leaves out a member that fails and
+finishes with the rest, which would silently train on a smaller sum; here any failure raises
+`AveragingError` naming the peer. Every member must run this module's runner for that (below).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import AsyncIterator  # noqa: UP035  ServicerBase reads rpc_* hints with typing's `_name`
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
+
+from swarm.transport.hivemind.errors import one_line
+
+# Tensors travel as float64 (twice float32's bytes) so that a member's result is exact: see `sum`.
+WIRE_DTYPE = torch.float64
+REMEMBERED_GROUPS = 4096  # finished group ids kept: a late stream for one is refused at once
+
+
+class AveragingError(RuntimeError):
+    """A group's all-reduce did not complete with every member; the message names who failed."""
+
+
+class _Runner(AllReduceRunner):
+    """hivemind's runner, made all or nothing, that remembers who failed.
+
+    The stock runner, when a reducer fails, uses our own values for its slice (logged at debug),
+    and when a sender fails, bans it and finishes the slice with the others, then sends that slice
+    on as if complete: members that only receive it cannot tell. Here the first failure ends the
+    run at once, before a reducer can finish any slice without a sender, and a reducer that ends
+    this way answers its senders with errors, so the failure reaches every member."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.failed: dict[PeerID, str] = {}  # the first failures, not those that followed from them
+        self.reduced_by: set[PeerID] = set()  # reducers whose slices all came back
+
+    def fail(self, peer_id: PeerID, reason: str) -> None:
+        if not self._future.done():
+            self.failed.setdefault(peer_id, reason)
+            self.finalize(exception=AllreduceException(f"{peer_id}: {reason}"))
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        try:
+            await super()._communicate_with_peer(peer_id)
+            self.reduced_by.add(peer_id)
+        except Exception as e:
+            self.fail(peer_id, one_line(e))
+            raise
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        # before super(): its on_sender_failed would complete the slice without this sender
+        self.fail(peer_id, "stopped sending its parts" if peer_id in self.active_senders else "sent nothing")
+        await super()._ban_sender(peer_id)
+
+    def close(self) -> None:
+        """Ends the run if it has not ended (its streams stop) and takes its outcome, which nobody
+        awaits: asyncio would log an exception left in it."""
+        self.finalize(cancel=True)
+        if not self._future.cancelled():
+            self._future.exception()
+
+    def waiting_for(self) -> list[PeerID]:
+        """Whom a run that timed out was still waiting for: senders of parts for our slice that sent
+        nothing, or else reducers of slices that did not come back."""
+        if self.failed:
+            return list(self.failed)
+        mine = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        silent = [p for p in self.sender_peer_ids if p not in self.active_senders]
+        if mine and silent:
+            return silent
+        parts, done = self.tensor_part_container.num_parts_by_peer, self.reduced_by | {self.peer_id}
+        return [p for p, n in zip(self.ordered_peer_ids, parts, strict=True) if n and p not in done]
+
+
+class ReplicaAverager(ServicerBase):
+    """Sums tensors with named groups of peers; one per (run, stage) hosted by a peer.
+
+    Its RPC handler is registered on `p2p` under `namespace` (`ReplicaAverager.rpc_aggregate_part`),
+    so the averagers of one (run, stage) find each other by namespace. `timeout_s` bounds a whole
+    `sum`, and how long a peer's stream waits for our `sum` of its group to start."""
+
+    def __init__(self, p2p: P2P, namespace: str, timeout_s: float) -> None:
+        self.p2p, self.namespace, self.timeout_s = p2p, namespace, timeout_s
+        self.peer_id = p2p.peer_id
+        self._groups: dict[bytes, asyncio.Future] = {}  # group id -> its runner (pending: a stream came first)
+        self._finished: OrderedDict[bytes, None] = OrderedDict()
+        self._started = False
+
+    async def start(self) -> None:
+        await self.add_p2p_handlers(self.p2p, namespace=self.namespace)
+        self._started = True
+
+    async def stop(self) -> None:
+        """Removes the handler; streams waiting for a group get BAD_GROUP_ID, running sums raise."""
+        for slot in list(self._groups.values()):
+            if not slot.done():
+                slot.set_result(None)
+            elif slot.result() is not None:
+                slot.result().fail(self.peer_id, "its averager stopped")
+        if self._started:
+            self._started = False
+            with contextlib.suppress(Exception):  # the daemon is gone (its node shut down first): nothing to remove
+                await self.remove_p2p_handlers(self.p2p, namespace=self.namespace)
+
+    async def sum(
+        self,
+        group_id: bytes,
+        peers: Sequence[str],
+        tensors: Sequence[torch.Tensor],
+        contributors: Collection[str] | None = None,
+    ) -> list[torch.Tensor]:
+        """The sum of `tensors` over the `contributors` (default: every member) of the group `peers`
+        (base58 ids; this peer among them); every member calls with the same arguments but tensors.
+
+        A member not among the contributors (a joiner catching up: it needs the sum but has no
+        gradients) sends zeros with weight 0. The reducer adds `weight * part` to its accumulator and
+        `weight` to its denominator, so a weight-0 sender changes neither: the runner's mean is
+        (sum over contributors) / k, k the number of contributors, and the sum is mean * k.
+
+        Numerics. The reducer accumulates in float32 (its accumulator is `torch.zeros`, the default
+        dtype) and divides by k, so the mean is a float32 value; it returns deltas mean - local.
+        In float64 that delta is exact (unless the sum cancels below about 2^-29 of a part), so
+        every member recovers the same mean and the same sum bit for bit; in float32 about a fifth
+        of the elements would be off by an ulp of the part, differently on each member. For k a
+        power of two the division and mean * k are exact: two contributors get fl32(a + b), what
+        one process gives. Otherwise the reducer adds in the order parts arrive and mean * k rounds
+        again: within a few ulps of the parts' magnitudes (tests/transport/hivemind/test_averaging.py).
+        Float64 inputs are summed in float32 too. Tensors go to the CPU for the exchange and come
+        back to their own device and dtype.
+
+        Raises AveragingError naming the peer(s) when a member fails, or when the group has not
+        finished within `timeout_s`; the others may then fail too, or may have finished first.
+        `group_id` must be new (callers put step and attempt in it): a used one raises ValueError.
+        """
+        me = self.peer_id.to_base58()
+        contributors = set(peers if contributors is None else contributors)
+        if me not in peers or len(set(peers)) != len(peers) or not contributors or not contributors <= set(peers):
+            raise ValueError(f"bad group {peers} (contributors {contributors}) for {me}")
+        if group_id in self._finished or (group_id in self._groups and self._groups[group_id].done()):
+            raise ValueError(f"averaging group {group_id!r} was already used")
+        if not tensors:
+            return []
+        contributes = me in contributors
+        local = [
+            t.detach().to("cpu", WIRE_DTYPE) if contributes else torch.zeros(t.shape, dtype=WIRE_DTYPE) for t in tensors
+        ]
+        runner = _Runner(
+            p2p=self.p2p,
+            servicer_type=ReplicaAverager,
+            prefix=self.namespace,
+            group_id=group_id,
+            tensors=local,
+            weight=float(contributes),
+            ordered_peer_ids=[PeerID.from_base58(p) for p in peers],
+            peer_fractions=(1.0,) * len(peers),
+            modes=(AveragingMode.NODE,) * len(peers),  # a non-contributor reduces a slice too
+            sender_timeout=self.timeout_s,
+        )
+        slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
+        slot.set_result(runner)
+        try:
+            deltas = await asyncio.wait_for(self._deltas(runner), self.timeout_s)
+        except TimeoutError:
+            peers_text = ", ".join(map(str, runner.waiting_for()))
+            raise AveragingError(
+                f"averaging group {group_id!r}: no result within {self.timeout_s:g} s, waiting for {peers_text}"
+            ) from None
+        except Exception as e:
+            raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, e)}") from None
+        finally:
+            runner.close()
+            self._groups.pop(group_id, None)
+            self._finished[group_id] = None
+            while len(self._finished) > REMEMBERED_GROUPS:
+                self._finished.popitem(last=False)
+        if runner.failed or runner.tensor_part_container.failed_size:  # a failure after the last part came
+            raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, None)}")
+        k = len(contributors)
+        return [
+            ((x + d) * k).to(device=t.device, dtype=t.dtype) for x, d, t in zip(local, deltas, tensors, strict=True)
+        ]
+
+    @staticmethod
+    async def _deltas(runner: _Runner) -> list[torch.Tensor]:
+        return [delta async for delta in runner.run()]
+
+    @staticmethod
+    def _blame(runner: _Runner, error: BaseException | None) -> str:
+        if runner.failed:
+            return "; ".join(f"{peer}: {reason}" for peer, reason in runner.failed.items())
+        return one_line(error) if error else "a reducer's slice did not come back"
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member's parts for the slice we reduce: handed to our runner of its group, once our `sum`
+        of that group has started (the member may be ahead of us; as DecentralizedAverager waits)."""
+        try:
+            first = await asyncio.wait_for(anext(stream), self.timeout_s)
+        except (TimeoutError, StopAsyncIteration):
+            return
+        runner = await self._runner(first.group_id)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        if context.remote_id not in runner:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(first), stream), context):
+            yield message
+
+    async def _runner(self, group_id: bytes) -> _Runner | None:
+        """Our runner of `group_id`, waiting up to `timeout_s` for it; None for a finished or unknown group."""
+        if group_id in self._finished:
+            return None
+        slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), self.timeout_s)
+        except TimeoutError:
+            if self._groups.get(group_id) is slot and not slot.done():
+                del self._groups[group_id]
+            return None

@@ -1,0 +1,110 @@
+"""The step's gather round on a stage peer: its micro-batches' gradients summed, then brought together
+with the peers that share them, among themselves (swarm.transport.hivemind.stage.averaging), never
+through the trainer.
+
+The trainer names the groups in the request (`pb.AverageGroup`): the replicas of a stage sum every
+parameter's gradient but the tied ones; the two stages of a tied parameter (GPT-2's embedding and
+LM head) sum that one, every peer of both stages in the group, so each copy gets the whole sum. A
+peer that joined mid-run and is catching up takes part without contributing: it keeps the sums
+and sets them when it replays the step (swarm.transport.hivemind.stage.joining). Each tensor
+travels with a presence flag: a parameter none of the group had a gradient for stays without one,
+as in one process. Of a tied pair, one stage leaves the tied parameter out of its squared norm
+(`uncounted`), so clipping counts it once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from protocols import stage_pb2 as pb
+from swarm.engine.microbatch import Mode
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.meta import tensors_to_payload
+from swarm.transport.hivemind.stage.averaging import AveragingError
+
+
+class Combining:
+    """The gather round of one hosted stage (`host`)."""
+
+    def __init__(self, host) -> None:
+        self.host = host
+        self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
+
+    async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
+        host = self.host
+        me = host.node.peer_id
+        groups = list(head.groups)
+        local = await host.compute(host.rounds.timed, self._local, head, groups)
+        results = await asyncio.gather(
+            *(self._sum(group, local[i], me) for i, group in enumerate(groups)), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, AveragingError):
+                raise RemoteError(f"stage {host.stage}: {result}", pb.GROUP_FAILED) from None
+            if isinstance(result, BaseException):
+                raise result
+        await host.compute(host.rounds.timed, self._set, head, groups, results)
+        return pb.GatherReply(), b""
+
+    def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
+        if group.names:
+            return list(group.names)
+        return [name for name, _ in self.host.runtime.module.named_parameters() if name not in tied]
+
+    def _local(self, head: pb.GatherRequest, groups: list[pb.AverageGroup]) -> list[list[torch.Tensor]]:
+        """On the computing thread: the micro-batches' summed gradients (none while joining: it
+        holds no micro-batch), each group's tensors with their presence flags last."""
+        host = self.host
+        runtime = host.runtime
+        if host.joining is None:
+            try:
+                runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
+            except KeyError as e:
+                raise RemoteError(str(e.args[0])) from None
+        tied = {name for group in groups if group.names for name in group.names}
+        out = []
+        for group in groups:
+            tensors, present = [], []
+            for name in self._names(group, tied):
+                param = runtime.parameter(name)
+                grad = param.grad if host.joining is None else None
+                tensors.append(grad.detach() if grad is not None else torch.zeros_like(param))
+                present.append(float(grad is not None))
+            out.append([*tensors, torch.tensor(present)])
+        return out
+
+    async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
+        contributors = [peer for peer in group.peers if peer not in set(group.receivers)]
+        if list(group.peers) == [me]:
+            return tensors
+        return await self.host.averager.sum(group.group_id, list(group.peers), tensors, contributors)
+
+    def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
+        """On the computing thread: every summed gradient in place (a joiner keeps them to replay)."""
+        host = self.host
+        tied = {name for group in groups if group.names for name in group.names}
+        combined: dict[str, torch.Tensor] = {}
+        self.uncounted = []
+        for group, tensors in zip(groups, sums, strict=True):
+            names = self._names(group, tied)
+            present = tensors[-1]
+            for name, tensor, there in zip(names, tensors[:-1], present.tolist(), strict=True):
+                if there > 0:
+                    combined[name] = tensor
+            if group.names and not group.counted:
+                self.uncounted.extend(names)
+        if host.joining is not None:
+            slots, payload = tensors_to_payload(combined)
+            host.joining.keep("set_grads", pb.SetGradsRequest(step=head.step, grads=slots), payload)
+            return
+        host.runtime.set_gradients(combined)
+
+    def grad_sq_norm(self) -> float:
+        """The stage's squared gradient norm, tied parameters counted by one of their stages only."""
+        total = 0.0
+        for name, param in self.host.runtime.module.named_parameters():
+            if param.grad is not None and name not in self.uncounted:
+                total += float(param.grad.detach().float().pow(2).sum())
+        return total

@@ -1,0 +1,122 @@
+"""Replicas of a stage sum their gradients among themselves over hivemind's all-reduce, and so do the
+two stages of a tied parameter: the trainer's step rounds carry no gradients. On real hivemind
+(loopback), each run checked against the single-process run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import torch
+from _swarm_env import local_rows, smoke
+from _util import write_tiny_tokenizer
+
+from swarm.config import load_config
+from swarm.training.experiment import build_data
+from swarm.training.loop import Schedule, train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+
+STEPS = 8
+
+
+def _same_losses(ours, theirs) -> None:
+    steps = [r for r in ours if r["type"] == "step"]
+    reference = [r for r in theirs if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [r["step"] for r in reference]
+    for a, b in zip(steps, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+
+
+def _train(swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS) -> SwarmPipeline:
+    data = build_data(cfg)
+    pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id)
+    pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=20)
+    train(cfg, pipeline, data, results, steps, progress=False)
+    return pipeline
+
+
+def _no_gradients_through_the_trainer(pipeline: SwarmPipeline) -> None:
+    sent = pipeline.rounds.payload_bytes
+    assert sent["gather.received"] == 0 and sent["set_grads.sent"] == 0, dict(sent)
+    assert sent["gather.sent"] == 0 and sent["apply.sent"] == 0
+
+
+def test_replicas_sum_among_themselves_and_one_killed_mid_run_leaves_the_others_exact(swarm, tmp_path):
+    cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    node, server = swarm.mortal_host()
+    mortal = server.host(HostedStage(node, run_id, cfg, 1))
+    swarm.loop.run(server.announcer.announce_now())
+    killed = threading.Event()
+    gather = mortal.rounds.handle
+
+    async def dies_in_step_5(kind, head, payload):  # inside the all-reduce of step 5's gather round
+        if kind == "gather" and head.step == 4 and not killed.is_set():
+            killed.set()
+            threading.Thread(target=lambda: (swarm.loop.run(server.stop()), swarm.loop.run(node.shutdown()))).start()
+            await asyncio.sleep(30)
+        return await gather(kind, head, payload)
+
+    mortal.rounds.handle = dies_in_step_5
+    try:
+        results = ResultsWriter(None)
+        pipeline = _train(swarm, cfg, run_id, results)
+        assert killed.is_set() and mortal.node.peer_id not in pipeline.members[1]
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+        _no_gradients_through_the_trainer(pipeline)
+        replicas = [h for h in hosted if h.stage == 1]
+        assert all(h.processed > 0 for h in replicas)  # both took micro-batches: their sums are real sums
+        for a, b in zip(*(h.runtime.module.parameters() for h in replicas), strict=True):
+            assert torch.equal(a, b)  # every replica holds the same sum, bit for bit
+    finally:
+        swarm.unhost(run_id)
+
+
+def _tiny_gpt2(tmp_path):
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    text = "\n = Article = \n\n the cat sat on the mat , and the dog ran to the end of the road . \n"
+    (data / "wiki.train.raw").write_text(text * 40, encoding="utf-8")
+    (data / "wiki.valid.raw").write_text(text * 4, encoding="utf-8")
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
+    path = tmp_path / "tied.yaml"
+    path.write_text(
+        f"""name: tied
+seed: 0
+model:
+  name: gpt2
+  num_stages: 3
+  options:
+    config: {{n_layer: 2, n_embd: 32, n_head: 2, n_positions: 16, vocab_size: 260, resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0}}
+data:
+  name: wikitext2
+  data_dir: {data}
+  options: {{tokenizer: {tokenizer}, block_size: 16}}
+optimizer: {{name: adamw, lr: 0.003, weight_decay: 0.0, grad_clip: 0.05}}
+train: {{epochs: 4, batch_size: 8, micro_batches: 4, eval_every: 1, eval_batch_size: 8}}
+compression: {{forward: none, backward: none}}
+"""
+    )
+    return load_config(path)
+
+
+def test_tied_weights_and_clipping_with_replicas_on_both_tied_stages(swarm, tmp_path):
+    cfg = _tiny_gpt2(tmp_path)
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (0, 3), (1, 1), (2, 2), (2, 4)])
+    try:
+        results = ResultsWriter(None)
+        pipeline = _train(swarm, cfg, run_id, results, steps=6)
+        _same_losses(results.rows, local_rows(cfg, tmp_path, 6))
+        _no_gradients_through_the_trainer(pipeline)
+        copies = [h.runtime.module.get_parameter("wte.weight") for h in hosted if h.stage == 0]
+        copies += [h.runtime.module.get_parameter("lm_head.weight") for h in hosted if h.stage == 2]
+        assert all(torch.equal(copies[0], c) for c in copies[1:])  # both replicas of both tied copies
+    finally:
+        swarm.unhost(run_id)
