@@ -158,6 +158,9 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         _same_losses(results.rows, local_rows(run.cfg, tmp_path, STEPS))
         [pause] = pipeline.recovery.pauses
         assert pause["to_step"] == back_to
+        summary = next(r for r in results.rows if r["type"] == "summary")
+        assert summary["pauses"] == [pause] and summary["copies"]["every"] == EVERY
+        assert {int(s) for s in summary["copies"]["bytes"]} == {0, 1, 2} and summary["copies"]["rounds"] >= 4
         status = run.replacement.status()
         assert status.restores == 1 and status.restored_step == back_to and status.paused_s > 0.5
         held = lambda: {(c.stage, c.step) for c in run.replacement.status().snapshots}  # noqa: E731

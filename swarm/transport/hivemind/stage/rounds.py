@@ -2,8 +2,9 @@
 per request, each run on the stage's computing thread (its time counts as the stage's compute).
 
 Every round is idempotent, so the trainer may simply retry one whose reply was lost: gathering
-sums the held gradients again (they stay until the optimizer steps), setting gradients sets the
-same ones, and a retried apply returns the reply of the apply it repeats. Rounds are of one step:
+sums the held gradients again (they stay until the optimizer steps; with new averaging groups:
+swarm.transport.hivemind.stage.combine), setting gradients sets the same ones, and a retried apply
+returns the reply of the apply it repeats. Rounds are of one step:
 a peer whose weights are at another step refuses them (it missed a round). A peer joining mid-run
 keeps its rounds until its state is installed (swarm.transport.hivemind.stage.joining).
 """

@@ -317,11 +317,14 @@ class SwarmPipeline:
         return notes
 
     def summary_notes(self) -> dict:
-        """The summary row's account of adaptive compression: every change, and the latest decisions."""
+        """The summary row's account of the swarm's copies and pauses, the step rounds' payload
+        bytes, and of adaptive compression: every change, and the latest decisions."""
+        notes = {**self.recovery.notes(), "round_bytes": dict(self.rounds.payload_bytes)}
         if self.adaptive is None:
-            return {}
+            return notes
         decisions = {str(b): d.describe() for b, d in sorted(self.adaptive.last.items())}
-        return {"adaptive": {"changes": self.adaptive.history, "codecs": self.adaptive.ran, "decisions": decisions}}
+        adaptive = {"changes": self.adaptive.history, "codecs": self.adaptive.ran, "decisions": decisions}
+        return {**notes, "adaptive": adaptive}
 
     def adaptive_report(self) -> str | None:
         return self.adaptive.report() if self.adaptive is not None else None

@@ -67,7 +67,10 @@ class Recovery:
         self.lineage = pipeline.session
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
-        self.pauses: list[dict] = []  # {"stages", "from_step", "to_step", "paused_s"} per restore
+        self.snapshots = 0  # snapshot rounds run
+        self.pauses: list[dict] = []  # {"from_step", "to_step", "paused_s"} per restore
+        self.rounds_s = 0.0  # spent in snapshot rounds (the run waits for the copies to be taken)
+        self.copy_bytes: dict[int, int] = {}  # the last copy's size per stage
 
     # ---- snapshots ---------------------------------------------------------------------------
 
@@ -92,10 +95,21 @@ class Recovery:
             return await p.rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
 
         # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
-        await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
+        started = time.monotonic()
+        taken = await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
+        self.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
         holders = [(s, peer) for s, peer in peers if peer in orders]
         await p.rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+        self.rounds_s += time.monotonic() - started
         self.taken, self.kept = step, True
+        self.snapshots += 1
+
+    def notes(self) -> dict:
+        """The summary row's account: copies taken, their cost and size, and the pauses."""
+        if not self.every:
+            return {}
+        copies = {"every": self.every, "rounds": self.snapshots, "seconds": self.rounds_s, "bytes": self.copy_bytes}
+        return {"copies": copies, "pauses": self.pauses}
 
     async def discard(self) -> None:
         """The run finished: its copies go (a later trainer of the run id starts afresh)."""

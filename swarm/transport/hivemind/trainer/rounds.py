@@ -3,12 +3,14 @@ every peer set up for the run, each retried on its peer when a reply is lost (ro
 idempotent there: swarm.transport.hivemind.stage.rounds).
 
 Gathering is where membership meets the step: every peer sums the gradients of the micro-batches
-that finished through it (its held gradients of failed attempts never count); a replicated stage's
-peers hand over all their gradients and the trainer sums them, and every peer of the stage, those
-still joining too, gets the sum. A peer that left with micro-batches of this step makes those run
-again through the peers still there before the step goes on. A peer that fails a later round is
-left out of the run while its stage has another peer in service: the sum it would have applied is
-the same everywhere, so the others go on without it.
+that finished through it (its held gradients of failed attempts never count), then sums them with
+the peers that share them, in groups the trainer names (swarm.transport.hivemind.stage.combine):
+a replicated stage's peers, those still joining too (they take the sum without adding to it), and
+a tied parameter's two stages. Gradients never pass through the trainer. A peer that left with
+micro-batches of this step makes those run again through the peers still there, and the round goes
+again with new groups; a peer whose group lost a member answers GROUP_FAILED and stays. A peer
+that fails a later round is left out of the run while its stage has another peer in service: the
+sum it would have applied is the same everywhere, so the others go on without it.
 """
 
 from __future__ import annotations
