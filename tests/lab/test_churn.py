@@ -105,13 +105,18 @@ def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losse
         served = re.findall(rf"\[stage{stage}\.2\] stage {stage}: (\d+) micro-batches", out.stdout)
         assert served and int(served[-1]) > 0, out.stdout[-4000:]  # the joiners took work
     assert "stage 2 peer" in out.stdout and "it drained and leaves after this step" in out.stdout
+    _same_as_one_process(results, overrides, tmp_path, steps)
+    assert daemons_left == 0
+
+
+def _same_as_one_process(results, overrides: list[str], tmp_path, steps: int) -> None:
+    """The lab's results hold steps 1..`steps` once each, with the 3-stage single-process losses."""
     ours = [r for r in read_results(results) if r["type"] == "step"]
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
     reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
     assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
     for a, b in zip(ours, reference, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
-    assert daemons_left == 0
 
 
 def test_lab_that_loses_a_stages_last_peer_and_its_trainer_keeps_the_single_process_losses(tmp_path):
@@ -142,10 +147,5 @@ def test_lab_that_loses_a_stages_last_peer_and_its_trainer_keeps_the_single_proc
         r"\[trainer\] .* the swarm kept copies of every stage at step 2[05]; resuming there",  # the new trainer
     ):
         assert re.search(line, out.stdout), (line, log)
-    ours = [r for r in read_results(results) if r["type"] == "step"]
-    cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
-    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
-    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
-    for a, b in zip(ours, reference, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+    _same_as_one_process(results, overrides, tmp_path, steps)
     assert daemons_left == 0

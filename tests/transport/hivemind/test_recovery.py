@@ -203,3 +203,13 @@ def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
             swarm.loop.run(node.shutdown())
     finally:
         run.close()
+
+
+def test_a_negative_snapshot_interval_is_refused_in_one_line(capsys):
+    from _util import SMOKE
+
+    from peers.trainer import main
+
+    assert main(["--config", str(SMOKE), "--snapshot_every", "-1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --snapshot_every must be 0 (no copies) or a positive number of steps, got -1"], lines
