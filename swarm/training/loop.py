@@ -229,6 +229,7 @@ def train(
             except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again
                 go_to(rewound.position, f"going back to the copies the swarm kept, from step {step}")
                 results.rewind(step)
+                bytes_before = pipeline.link_bytes()
                 bar.n = step
                 bar.refresh()
                 break  # the epoch of that position starts over (its order replayed, its done batches skipped)

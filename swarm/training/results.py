@@ -12,7 +12,8 @@ Schema (every line has "type"):
            swarm runs add "round_bytes" (payload bytes of the trainer's step rounds, by
            "<round>.<sent|received>"), "copies" ({"every", "rounds", "seconds", "bytes": {stage: the
            last copy's bytes}}: the swarm's copies of every stage) and "pauses" ([{"from_step",
-           "to_step", "paused_s"}]: a stage lost its last peer)
+           "to_step", "paused_s"}]: a stage lost its last peer) and "restarts" ([{"to_step"}]: a new
+           trainer took the run over from the swarm's copies)
 - meter:   (lab runs) {"every_s", "samples": [{"at": unix time, "links": {process: [bytes sent,
            received]} (in namespaces; else {}), "cpu_busy_s", "cpu_total_s", "cpu": {process: [its
            CPU s, its p2p daemon's]}}]} (swarm.netlab.counters)

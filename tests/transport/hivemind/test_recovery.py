@@ -4,6 +4,7 @@ every stage, on real hivemind (loopback). Every case ends with the losses of the
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -133,6 +134,7 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
     ("moment", "codecs", "back_to"),
     [
         ("between steps", "topk:0.2|topk:reuse", 6),
+        ("at a micro-batch", "topk:0.2|topk:reuse", 6),
         ("inside a step round", "topk:0.2|topk:reuse", 6),
         ("during a snapshot", "topk:0.2|topk:reuse", 6),
         # error feedback: the copies carry the link ends in use, so the new pairs go on from them
@@ -149,6 +151,8 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         hooks = {}
         if moment == "between steps":  # the next micro-batch finds stage 1 gone
             hooks[7] = lambda: (run.kill(), run.replace(2.0))
+        elif moment == "at a micro-batch":  # the second micro-batch of step 8 is inside it
+            _kill_inside(run, run.mortal.chain, "run", lambda head, *_: head.batch.step == 7 and head.batch.index == 1)
         elif moment == "inside a step round":  # step 8's gradients are being gathered
             _kill_inside(run, run.mortal.rounds, "handle", lambda kind, head, _: kind == "gather" and head.step == 7)
         else:  # step 9's copies are being taken: the newest complete ones are step 6's
@@ -193,6 +197,7 @@ def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
             second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
             assert second.session != first.session and second.resumed()["step"] == 6
             assert second.recovery.lineage == first.recovery.lineage  # it carries on the first one's copies
+            assert second.recovery.restarts == [{"to_step": 6}]
             after = ResultsWriter(None)
             after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
             train(run.cfg, second, run.data, after, STEPS, progress=False)
@@ -213,3 +218,24 @@ def test_a_negative_snapshot_interval_is_refused_in_one_line(capsys):
     assert main(["--config", str(SMOKE), "--snapshot_every", "-1"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: --snapshot_every must be 0 (no copies) or a positive number of steps, got -1"], lines
+
+
+def test_a_holders_failed_fetch_is_reported_at_the_next_snapshot(swarm, caplog):
+    run = _Lossy(swarm)
+    try:
+        holder = run.hosted[0].snapshots  # stage 0 holds the last stage's copies
+
+        async def broken(stage, step, sources):
+            raise RuntimeError("the link broke")
+
+        holder._download = broken
+        pipeline = run.pipeline()
+        with caplog.at_level(logging.WARNING, logger="swarm.transport.hivemind.trainer.recovery"):
+            train(run.cfg, pipeline, run.data, ResultsWriter(None), 7, progress=False)
+        assert (
+            "the swarm holds no complete set of copies of step 3 away from their stages (the newest: none)"
+            in caplog.text
+        )
+        assert (2, 3) not in holder.copies and (0, 3) in run.mortal.snapshots.copies  # stage 1 holds stage 0's
+    finally:
+        run.close()

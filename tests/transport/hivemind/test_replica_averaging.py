@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 
 import pytest
@@ -31,9 +32,9 @@ def _same_losses(ours, theirs) -> None:
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
 
 
-def _train(swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS) -> SwarmPipeline:
+def _train(swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS, every: int = 0) -> SwarmPipeline:
     data = build_data(cfg)
-    pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id)
+    pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id, snapshot_every=every)
     pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=20)
     train(cfg, pipeline, data, results, steps, progress=False)
     return pipeline
@@ -118,5 +119,41 @@ def test_tied_weights_and_clipping_with_replicas_on_both_tied_stages(swarm, tmp_
         copies = [h.runtime.module.get_parameter("wte.weight") for h in hosted if h.stage == 0]
         copies += [h.runtime.module.get_parameter("lm_head.weight") for h in hosted if h.stage == 2]
         assert all(torch.equal(copies[0], c) for c in copies[1:])  # both replicas of both tied copies
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_lost_stage_with_replicas_and_tied_weights_elsewhere_goes_back_and_replays_exactly(swarm, tmp_path):
+    """Stage 1's only peer dies after step 5; the replicas of stages 0 and 2 and their tied groups
+    go back to the copies of step 4 with the others and replay: new averaging groups every time."""
+    cfg = _tiny_gpt2(tmp_path)
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (0, 3), (2, 2), (2, 4)])
+    node, server = swarm.mortal_host()
+    server.host(HostedStage(node, run_id, cfg, 1))
+    swarm.loop.run(server.announcer.announce_now())
+
+    def kill_and_replace() -> None:
+        swarm.loop.run(server.stop())
+        swarm.loop.run(node.shutdown())
+
+        def replace() -> None:
+            time.sleep(1.0)
+            swarm.host(cfg, run_id, [(1, 1)])
+
+        threading.Thread(target=replace, daemon=True).start()
+
+    class Hooked(ResultsWriter):
+        def write(self, row) -> None:
+            super().write(row)
+            if row.get("type") == "step" and row["step"] == 5 and not getattr(self, "done", False):
+                self.done = True
+                kill_and_replace()
+
+    try:
+        results = Hooked(None)
+        pipeline = _train(swarm, cfg, run_id, results, steps=8, every=2)
+        assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.pauses] == [(5, 4)]
+        _same_losses(results.rows, local_rows(cfg, tmp_path, 8))
     finally:
         swarm.unhost(run_id)

@@ -58,7 +58,8 @@ class Combining:
         holds no micro-batch), each group's tensors with their presence flags last."""
         host = self.host
         runtime = host.runtime
-        if host.joining is None:
+        joining = host.joining
+        if joining is None:
             try:
                 runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
             except KeyError as e:
@@ -69,7 +70,7 @@ class Combining:
             tensors, present = [], []
             for name in self._names(group, tied):
                 param = runtime.parameter(name)
-                grad = param.grad if host.joining is None else None
+                grad = param.grad if joining is None else None
                 tensors.append(grad.detach() if grad is not None else torch.zeros_like(param))
                 present.append(float(grad is not None))
             out.append([*tensors, torch.tensor(present)])
@@ -95,9 +96,10 @@ class Combining:
                     combined[name] = tensor
             if group.names and not group.counted:
                 self.uncounted.extend(names)
-        if host.joining is not None:
+        joining = host.joining
+        if joining is not None:
             slots, payload = tensors_to_payload(combined)
-            host.joining.keep("set_grads", pb.SetGradsRequest(step=head.step, grads=slots), payload)
+            joining.keep("set_grads", pb.SetGradsRequest(step=head.step, grads=slots), payload)
             return
         host.runtime.set_gradients(combined)
 

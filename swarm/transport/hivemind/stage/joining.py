@@ -173,6 +173,8 @@ class Joining:
     def _install(self, reply: pb.StateReply, payload: bytes) -> None:
         """On the computing thread: the state, then the kept rounds of the steps after it."""
         host = self.host
+        if host.joining is not self:  # a restore or a new session came first
+            return
         step = install_state(host, payload, reply.codecs, "joined")["step"]
         host.joining = None  # the rounds below run as a replica's
         for kind, head, kept_payload in self.kept:
@@ -193,6 +195,10 @@ def install_state(host, payload: bytes, codecs, label: str) -> dict:
         *(end if state.get(side) is not None else None for end, side in zip(ends, ("inbound", "outbound"), strict=True))
     )
     step = apply_stage_state(host.runtime, carried, state)
+    for end in carried:
+        if end is not None:  # what the links carried is counted once: in the ends they replace
+            end.bytes.clear()
+            end.raw.clear()
     host.restored(cfg, ends, step)
     host.rounds.restart()
     return state

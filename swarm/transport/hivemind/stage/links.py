@@ -56,6 +56,9 @@ class NeighbourLinks:
         """A loaded checkpoint: every link restarts from `own` (its ends) with a new epoch; the
         counts of what the links carried so far stay."""
         self._spare = {False: own.inbound, True: own.outbound}
+        for upstream, table in ((False, self.ends_in), (True, self.ends_out)):
+            for neighbour, end in table.items():
+                self._retire(neighbour, upstream, end)
         self.ends_in.clear()
         self.ends_out.clear()
         self.numbering.clear()

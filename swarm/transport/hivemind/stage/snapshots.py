@@ -83,9 +83,11 @@ class Snapshots:
                 f"stage {host.stage} peer is {host.role} at step {host.steps}: no copy of step {step}", pb.UNAVAILABLE
             )
         # the link ends in use go with it (error feedback state carries on after a restore), unless a
-        # micro-batch of an abandoned attempt is still inside: then the links restart fresh
+        # micro-batch of an abandoned attempt is still inside, or AQ-SGD rows live in a file on
+        # this disk (compression.store_dir): then the links restart fresh
         sticky = host.handoff.sticky if host.handoff is not None else None
-        ends = host.links.in_use(sticky) if not host.runtime.pending else NO_ENDS
+        carry = not host.runtime.pending and host.cfg.compression.store_dir is None
+        ends = host.links.in_use(sticky) if carry else NO_ENDS
         state = stage_state(host.runtime, ends, step, in_flight=True)
         state["rng"] = torch.get_rng_state()
         state["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
@@ -105,7 +107,7 @@ class Snapshots:
     def _fetched(self, key: tuple[int, int], task: asyncio.Task) -> None:
         if self._fetches.get(key) is task:
             del self._fetches[key]
-        if task.cancelled():
+        if task.cancelled() or not self.lineage:  # cancelled, or every copy dropped meanwhile
             return
         error = task.exception()
         if error is not None:
@@ -157,6 +159,9 @@ class Snapshots:
         trainer = await host.compute(self._install, copy)
         for key in [key for key in self.copies if key[1] > step]:  # the run goes on from `step`
             del self.copies[key]
+        for key, task in list(self._fetches.items()):
+            if key[1] > step:
+                task.cancel()
         self.restores += 1
         self.restored_step, self.paused_s = step, float(head.paused_s)
         log.info("stage %d: restored the copy of step %d", host.stage, step)

@@ -125,7 +125,13 @@ class SwarmPipeline:
                 ]
         if resume is not None:  # an earlier trainer's run: it goes on where the swarm's copies are
             self.recovery.lineage, step, sources = resume
-            self._resumed = self._went_back_to(await self.recovery.restore(step, sources))
+            position = await self.recovery.restore(step, sources)
+            if position is None:
+                raise NoPeerError(
+                    f"a stage lost every peer while the run went back to the swarm's copies of step {step}: start the trainer again"
+                )
+            self._resumed = position
+            self.recovery.took_over(position, step)
             log.info("run %r: the swarm kept copies of every stage at step %d; resuming there", self.run_id, step)
         return dict(self.members)
 
@@ -171,12 +177,13 @@ class SwarmPipeline:
                 log.info("stage %d: peer %s joins at step %d", stage, peer[-8:], self.step_index)
         return admitted
 
-    async def candidates(self, stage: int, refresh: bool = True) -> list[str]:
-        """Peers that announced themselves for `stage` and are not in the run (nor left it since)."""
+    async def candidates(self, stage: int, refresh: bool = True, ours: bool = False) -> list[str]:
+        """Peers that announced themselves for `stage` and are not in the run (nor left it since);
+        with `ours`, also those left out that still run this session (a restore sets them up again)."""
         found = []
         for record in await self.router.peers(stage, refresh=refresh):
             peer = record.peer_id
-            if peer in self.members.get(stage, []) or record.session == self.session or record.leaving:
+            if peer in self.members.get(stage, []) or record.leaving or (record.session == self.session and not ours):
                 continue
             if self.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
                 continue
@@ -208,13 +215,7 @@ class SwarmPipeline:
             position = self.loop.run(self.recovery.recover(e))
             if position is None:
                 raise
-            raise Rewound(self._went_back_to(position)) from None
-
-    def _went_back_to(self, position: dict) -> dict:
-        """The copies' position: adaptive compression's codecs go back to those of its step."""
-        if self.adaptive is not None and "adaptive" in position:
-            self.adaptive.restore_saved(position["adaptive"])
-        return position
+            raise Rewound(position) from None
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
@@ -265,8 +266,6 @@ class SwarmPipeline:
         return self._mended(lambda: synchronous_step(self.rounds, self.tied, self.cfg.optimizer.grad_clip))
 
     def snapshot(self, step: int, position: dict) -> None:
-        if self.adaptive is not None:  # the codecs of that step, and how adaptive compression got there
-            position = {**position, "adaptive": self.adaptive.saved()}
         self._mended(lambda: self.loop.run(self.recovery.snapshot(step, position)))
 
     def resumed(self) -> dict | None:
@@ -374,7 +373,7 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
-        self.loop.run(self.rounds.save(Path(directory), step))
+        self._mended(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
         step, saved = self.loop.run(self.rounds.load(Path(directory)))

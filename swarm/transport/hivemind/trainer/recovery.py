@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import time
 from collections import defaultdict
@@ -69,6 +70,7 @@ class Recovery:
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
         self.snapshots = 0  # snapshot rounds run
         self.pauses: list[dict] = []  # {"from_step", "to_step", "paused_s"} per restore
+        self.restarts: list[dict] = []  # {"to_step"}: a new trainer took the run over there
         self.rounds_s = 0.0  # spent in snapshot rounds (the run waits for the copies to be taken)
         self.copy_bytes: dict[int, int] = {}  # the last copy's size per stage
 
@@ -80,6 +82,20 @@ class Recovery:
         p = self.pipeline
         if not self.every or step % self.every or self.taken == step:
             return
+        if self.taken is not None and p.num_stages > 1:  # the holders fetched the last round's copies
+            held = [c for c in self._copies(await self._ask(self._members())) if c.hosted != c.stage]
+            complete = newest_complete(held, p.num_stages, self.lineage)  # copies off each stage's own peers
+            if complete is None or complete[1] != self.taken:
+                log.warning(
+                    "the swarm holds no complete set of copies of step %d away from their stages (the newest: %s): a holder's fetch failed or is still running",
+                    self.taken,
+                    "none" if complete is None else f"step {complete[1]}",
+                )
+        # with the history of pauses and restarts (a new trainer carries it on) and adaptive
+        # compression's codecs of that step (and how it got there)
+        position = {**position, "recovery": json.dumps({"pauses": self.pauses, "restarts": self.restarts})}
+        if p.adaptive is not None:
+            position["adaptive"] = p.adaptive.saved()
         buffer = io.BytesIO()
         torch.save(position, buffer)
         orders: dict[str, list[pb.HoldOrder]] = defaultdict(list)
@@ -96,10 +112,17 @@ class Recovery:
 
         # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
         started = time.monotonic()
-        taken = await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
-        self.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
-        holders = [(s, peer) for s, peer in peers if peer in orders]
-        await p.rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+        try:
+            taken = await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
+            self.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
+            holders = [(s, peer) for s, peer in peers if peer in orders]
+            await p.rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+        except (TransportError, RemoteError) as e:  # the copies are bookkeeping: only a lost stage stops the run
+            await self.probe()
+            if not all(p.serving(s) for s in range(p.num_stages)):
+                raise
+            log.warning("step %d: the swarm's copies of this step are incomplete: %s", step, one_line(e))
+            return
         self.rounds_s += time.monotonic() - started
         self.taken, self.kept = step, True
         self.snapshots += 1
@@ -109,18 +132,26 @@ class Recovery:
         if not self.every:
             return {}
         copies = {"every": self.every, "rounds": self.snapshots, "seconds": self.rounds_s, "bytes": self.copy_bytes}
-        return {"copies": copies, "pauses": self.pauses}
+        return {"copies": copies, "pauses": self.pauses, "restarts": self.restarts}
+
+    def took_over(self, position: dict, step: int) -> None:
+        """A new trainer resumed at `step`: the run's history so far goes on."""
+        history = json.loads(position.get("recovery", "{}"))
+        self.pauses = list(history.get("pauses", []))
+        self.restarts = [*history.get("restarts", []), {"to_step": step}]
 
     async def discard(self) -> None:
         """The run finished: its copies go (a later trainer of the run id starts afresh)."""
         p = self.pipeline
         if not self.every:
             return
-        peers = [(s, peer) for s in sorted(p.members) for peer in p.members[s]]
-        await asyncio.gather(
-            *(p.rounds.call(s, peer, "snapshot", discard=True, lineage=self.lineage) for s, peer in peers),
-            return_exceptions=True,
-        )
+        timeout = p.node.settings.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
+
+        async def one(stage: int, peer: str):
+            request = pb.SnapshotRequest(to=address(p.run_id, stage), discard=True, lineage=self.lineage)
+            return await call(p.node.streams, peer, "snapshot", request, b"", timeout)
+
+        await asyncio.gather(*(one(s, peer) for s, peer in self._members()), return_exceptions=True)
 
     # ---- what the swarm holds ------------------------------------------------------------------
 
@@ -167,7 +198,7 @@ class Recovery:
         p = self.pipeline
         if not self.every or not self.kept:
             return None
-        await self._probe()
+        await self.probe()
         if all(p.serving(s) for s in range(p.num_stages)):
             return None
         started, at = time.monotonic(), p.step_index
@@ -194,7 +225,7 @@ class Recovery:
         p = self.pipeline
         return [(s, peer) for s in sorted(p.members) for peer in p.members[s]]
 
-    async def _probe(self) -> None:
+    async def probe(self) -> None:
         """Members that do not answer, or no longer run this session, leave the run."""
         p = self.pipeline
         for (stage, peer), status in (await self._ask(self._members())).items():
@@ -220,7 +251,7 @@ class Recovery:
                         p.run_id,
                     )
             for stage in empty:
-                for peer in await p.candidates(stage):
+                for peer in await p.candidates(stage, ours=True):
                     try:
                         await p.set_up(stage, peer)
                     except (TransportError, RemoteError) as e:
@@ -236,12 +267,13 @@ class Recovery:
         """Every member goes back to the copies of `step`; the trainer's position kept with them, or
         None if a stage lost every member meanwhile (those that failed leave the run)."""
         p = self.pipeline
-        timeout = p.node.settings.state_timeout_s
         members = self._members()
 
         async def one(stage: int, peer: str):
             await p.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
             given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
+            # a peer without the copy tries the sources in turn, each for up to state_timeout_s
+            timeout = p.node.settings.state_timeout_s * max(1, len(given)) + p.node.settings.call_timeout_s
             return await p.rounds.call(
                 stage,
                 peer,
@@ -267,6 +299,8 @@ class Recovery:
             return None
         if position is None:
             raise RuntimeError(f"the copies of step {step} carry no trainer position")
+        if p.adaptive is not None and "adaptive" in position:  # the codecs go back with the copies
+            p.adaptive.restore_saved(position["adaptive"])
         p.went_back(step)
         self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
         return position

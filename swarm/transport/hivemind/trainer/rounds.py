@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import Counter, defaultdict
 from functools import partial
 from pathlib import Path
@@ -91,42 +92,48 @@ class SwarmRounds:
         self.pipeline.loop.run(self._gather())
         return {}
 
-    def _groups(self, peers: list[tuple[int, str]], attempt: int) -> dict[str, list[pb.AverageGroup]]:
-        """Each peer's averaging groups for this attempt of the step's gather round."""
+    def _groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
+        """Each (stage, peer)'s averaging groups for one attempt of the step's gather round (ids of
+        their own: a retry, or the same step replayed after a restore, never meets an old group)."""
         p = self.pipeline
         by_stage: dict[int, list[str]] = defaultdict(list)
         for stage, peer in peers:
             by_stage[stage].append(peer)
-        prefix = f"{p.run_id}/{p.session}/{p.step_index}/{attempt}"
-        groups: dict[str, list[pb.AverageGroup]] = defaultdict(list)
+        prefix = f"{p.run_id}/{p.step_index}/{uuid.uuid4().hex[:12]}"
+        groups: dict[tuple[int, str], list[pb.AverageGroup]] = defaultdict(list)
 
-        def add(group_id: str, members: list[str], names=(), counted=False, stage=None) -> None:
+        def add(group_id: str, members: list[str], stage: int, names=(), counted=False) -> None:
             receivers = [peer for peer in members if peer in p.following]
             if len(members) < 2 or len(receivers) == len(members):
                 return
+            if len(set(members)) < len(members):
+                raise ValueError(
+                    f"a peer hosts both stages of a tied parameter ({', '.join(names)}): run them as separate peers"
+                )
             group = pb.AverageGroup(
                 group_id=group_id.encode(), peers=members, receivers=receivers, names=names, counted=counted
             )
-            for peer in by_stage[stage] if stage is not None else members:
-                groups[peer].append(group)
+            for peer in by_stage[stage]:
+                groups[(stage, peer)].append(group)
 
         for stage, members in by_stage.items():
-            add(f"{prefix}/stage{stage}", members)
+            add(f"{prefix}/stage{stage}", members, stage)
         for i, pair in enumerate(p.tied):
             (first, first_name), (second, second_name) = pair.first, pair.second
             if first != second:
                 members = by_stage[first] + by_stage[second]
-                add(f"{prefix}/tied{i}", members, [first_name], True, first)
-                add(f"{prefix}/tied{i}", members, [second_name], False, second)
+                add(f"{prefix}/tied{i}", members, first, [first_name], True)
+                add(f"{prefix}/tied{i}", members, second, [second_name], False)
         return groups
 
     async def _gather_on(self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup]) -> Frame:
-        """Not retried on the peer: its groups are of this attempt only (the next has new ones)."""
+        """Not retried on the peer: its groups are of this attempt only (the next has new ones). Its
+        time: the all-reduce's (call_timeout_s) and the computing around it."""
         p = self.pipeline
         head = pb.GatherRequest(
             to=address(p.run_id, stage), step=p.step_index, micro_batches=sorted(indices), groups=groups
         )
-        timeout = p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
+        timeout = 1.5 * p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
         frame = await call(p.node.streams, peer, "gather", head, b"", timeout)
         self.counted("gather", b"", frame)
         return frame
@@ -139,9 +146,9 @@ class SwarmRounds:
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
             peers = self._peers()
-            groups = self._groups(peers, attempt)
+            groups = self._groups(peers)
             replies = await asyncio.gather(
-                *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get(peer, [])) for s, peer in peers),
+                *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
                 return_exceptions=True,
             )
             for reply in replies:
@@ -154,15 +161,22 @@ class SwarmRounds:
             lost = [
                 (s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code == pb.GROUP_FAILED)
             ]
-            rerun = sorted({i for s, peer, _ in lost for i in counted.get((s, peer), [])})
             for stage, peer, error in lost:
                 if not [other for other in p.serving(stage) if other != peer]:
                     raise error
                 p.router.failed(peer)
-                p.drop(stage, peer, f"{one_line(error)}; re-running its micro-batches {rerun}")
+                p.drop(stage, peer, f"{one_line(error)}; its micro-batches run again")
+            if not lost:  # only groups failed: a member that did not answer in time leaves
+                await p.recovery.probe()
+            rerun = sorted(
+                i
+                for i, route in p.routes.items()
+                if any(peer not in p.members.get(s, []) for s, peer in enumerate(route))
+            )
             if rerun:
                 await p.run_again(rerun)
-        raise RuntimeError(f"step {p.step_index}: stage peers kept failing while gathering gradients")
+            await asyncio.sleep(p.node.settings.backoff_s * (attempt + 1))
+        raise TransportError(f"step {p.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
 
