@@ -77,7 +77,8 @@ class Combining:
         return out
 
     async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
-        contributors = [peer for peer in group.peers if peer not in set(group.receivers)]
+        receivers = set(group.receivers)
+        contributors = [peer for peer in group.peers if peer not in receivers]
         if list(group.peers) == [me]:
             return tensors
         return await self.host.averager.sum(group.group_id, list(group.peers), tensors, contributors)

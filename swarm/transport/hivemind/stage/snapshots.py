@@ -148,9 +148,7 @@ class Snapshots:
         host = self.host
         host.ready()
         step = int(head.step)
-        if self.lineage != head.lineage:  # a trainer carries on a lineage of this peer's copies, or starts one
-            self._clear()
-            self.lineage = head.lineage
+        self._adopt(head.lineage)  # a trainer carries on a lineage of this peer's copies, or starts one
         copy = self.copies.get((host.stage, step))
         if copy is None:
             sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != host.node.peer_id]

@@ -336,7 +336,7 @@ class SwarmPipeline:
     async def _statuses(self) -> list[pb.StageStatus]:
         request = pb.InfoRequest(to=address(self.run_id))
         timeout = self.node.settings.call_timeout_s
-        peers = [peer for stage in sorted(self.members) for peer in self.members[stage]]
+        peers = [peer for _, peer in self.rounds.peers()]
         replies = await asyncio.gather(
             *(call(self.node.streams, peer, "info", request, b"", timeout) for peer in peers),
             return_exceptions=True,

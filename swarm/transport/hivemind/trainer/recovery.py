@@ -83,7 +83,7 @@ class Recovery:
         if not self.every or step % self.every or self.taken == step:
             return
         if self.taken is not None and p.num_stages > 1:  # the holders fetched the last round's copies
-            held = [c for c in self._copies(await self._ask(self._members())) if c.hosted != c.stage]
+            held = [c for c in self._copies(await self._ask(self.pipeline.rounds.peers())) if c.hosted != c.stage]
             complete = newest_complete(held, p.num_stages, self.lineage)  # copies off each stage's own peers
             if complete is None or complete[1] != self.taken:
                 log.warning(
@@ -151,7 +151,7 @@ class Recovery:
             request = pb.SnapshotRequest(to=address(p.run_id, stage), discard=True, lineage=self.lineage)
             return await call(p.node.streams, peer, "snapshot", request, b"", timeout)
 
-        await asyncio.gather(*(one(s, peer) for s, peer in self._members()), return_exceptions=True)
+        await asyncio.gather(*(one(s, peer) for s, peer in self.pipeline.rounds.peers()), return_exceptions=True)
 
     # ---- what the swarm holds ------------------------------------------------------------------
 
@@ -205,7 +205,9 @@ class Recovery:
         log.warning("step %d: %s", at, one_line(error))
         while True:
             await self._wait_for_peers(at)
-            choice = newest_complete(self._copies(await self._ask(self._members())), p.num_stages, self.lineage)
+            choice = newest_complete(
+                self._copies(await self._ask(self.pipeline.rounds.peers())), p.num_stages, self.lineage
+            )
             if choice is None:
                 raise RuntimeError(
                     f"the swarm holds no complete set of copies of run {p.run_id!r} (a stage and the peers holding its copies were lost together): restart from a checkpoint (--checkpoint_dir)"
@@ -221,14 +223,10 @@ class Recovery:
         )
         return position
 
-    def _members(self) -> list[tuple[int, str]]:
-        p = self.pipeline
-        return [(s, peer) for s in sorted(p.members) for peer in p.members[s]]
-
     async def probe(self) -> None:
         """Members that do not answer, or no longer run this session, leave the run."""
         p = self.pipeline
-        for (stage, peer), status in (await self._ask(self._members())).items():
+        for (stage, peer), status in (await self._ask(self.pipeline.rounds.peers())).items():
             gone = isinstance(status, BaseException)
             if gone or not status.ready:
                 p.router.failed(peer)
@@ -267,7 +265,7 @@ class Recovery:
         """Every member goes back to the copies of `step`; the trainer's position kept with them, or
         None if a stage lost every member meanwhile (those that failed leave the run)."""
         p = self.pipeline
-        members = self._members()
+        members = self.pipeline.rounds.peers()
 
         async def one(stage: int, peer: str):
             await p.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)

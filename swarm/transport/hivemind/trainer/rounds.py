@@ -51,14 +51,15 @@ class SwarmRounds:
             lambda: call(p.node.streams, peer_id, kind, head, payload, timeout),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
         )
-        self.counted(kind, payload, frame)
+        self._tally(kind, payload, frame)
         return frame
 
-    def counted(self, kind: str, sent: bytes, reply: Frame) -> None:
+    def _tally(self, kind: str, sent: bytes, reply: Frame) -> None:
         self.payload_bytes[f"{kind}.sent"] += len(sent)
         self.payload_bytes[f"{kind}.received"] += len(reply.payload)
 
-    def _peers(self) -> list[tuple[int, str]]:
+    def peers(self) -> list[tuple[int, str]]:
+        """(stage, peer) of every member of the run."""
         members = self.pipeline.members
         return [(stage, peer) for stage in sorted(members) for peer in members[stage]]
 
@@ -135,7 +136,7 @@ class SwarmRounds:
         )
         timeout = 1.5 * p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
         frame = await call(p.node.streams, peer, "gather", head, b"", timeout)
-        self.counted("gather", b"", frame)
+        self._tally("gather", b"", frame)
         return frame
 
     async def _gather(self) -> None:
@@ -145,7 +146,7 @@ class SwarmRounds:
             for index, route in p.routes.items():
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
-            peers = self._peers()
+            peers = self.peers()
             groups = self._groups(peers)
             replies = await asyncio.gather(
                 *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
@@ -191,7 +192,7 @@ class SwarmRounds:
         async def run() -> float:
             # replicas hold the same sum: one norm per stage, from a peer in service
             asked = {(stage, p.serving(stage)[0]) for stage in p.members if norm and p.serving(stage)}
-            answered = await self.every(self._peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
+            answered = await self.every(self.peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
             total = 0.0
             for stage in sorted({s for s, _ in asked}):
                 frames = [frame for key, frame in answered.items() if key in asked and key[0] == stage]
@@ -211,7 +212,7 @@ class SwarmRounds:
         async def run() -> float:
             codecs = await p.adapt()
             answered = await self.every(
-                self._peers(),
+                self.peers(),
                 lambda s, peer: self.call(s, peer, "apply", step=p.step_index, scale=scale, codecs=codecs),
             )
             lr = None
@@ -260,7 +261,7 @@ class SwarmRounds:
         saved = checkpoint_codecs(directory, adaptive=p.adaptive is not None)
         codecs = [] if saved is None else codec_changes(saved["codecs"])
         replies = await asyncio.gather(
-            *(self.call(s, peer, "load", blobs[s], codecs=codecs) for s, peer in self._peers())
+            *(self.call(s, peer, "load", blobs[s], codecs=codecs) for s, peer in self.peers())
         )
         steps = {int(frame.head.step) for frame in replies}
         if len(steps) != 1:
