@@ -26,7 +26,7 @@ from peers._common import (
     say,
     setup_logging,
 )
-from swarm.config import ConfigError, ExperimentConfig, load_config
+from swarm.config import ConfigError, load_config
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import (
     ConfigPublisher,
@@ -38,6 +38,8 @@ from swarm.transport.hivemind.runconfig import (
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
+from swarm.transport.hivemind.trust.keys import is_peer_id
+from swarm.transport.hivemind.trust.tokens import read_token, token_owner
 
 log = logging.getLogger("peers.stage")
 
@@ -72,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max_payload_mb", type=float, default=1024.0, help="refuse micro-batch payloads larger than this (MiB)"
     )
+    parser.add_argument(
+        "--owner",
+        default=None,
+        help="the peer id of the run's owner (its trainer prints it): only its signed calls are obeyed (default: the signer of the run's published config, else the first trainer to set this peer up)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="a private run's token for this peer (python -m peers.token prints it; keep --identity_path: it names this peer id)",
+    )
     add_threads_arg(parser)
     add_network_args(parser)
     return parser
@@ -85,6 +97,16 @@ async def serve(args: argparse.Namespace) -> int:
         return fail(f"--wait must be a number of seconds (0 or more), got {args.wait}")
     if error := apply_threads(args.threads):
         return fail(error)
+    if args.owner is not None and not is_peer_id(args.owner):
+        return fail(f"--owner must be a peer id (the trainer prints its run's owner), got {args.owner!r}")
+    token = None
+    if args.token is not None:
+        try:
+            token = read_token(args.token)
+        except ValueError as e:
+            return fail(f"--token: {e}")
+        if args.owner is None:
+            args.owner = token_owner(token)  # the token's signer owns the run
     try:
         settings = Settings(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
@@ -93,11 +115,16 @@ async def serve(args: argparse.Namespace) -> int:
         node = await SwarmNode.create(node_options(args, settings=settings))
     except RuntimeError as e:
         return fail(str(e))
+    if token is not None and token.peer_id != node.peer_id:
+        await node.shutdown()
+        return fail(
+            f"--token is for peer {token.peer_id}, this peer is {node.peer_id}: start it with the --identity_path the token was made for"
+        )
     server = StageServer(node)
     publisher: ConfigPublisher | None = None
     try:
         try:
-            cfg, run_id, mine = await _config(node, args)
+            cfg, run_id, mine, owner = await _config(node, args)
             if not 0 <= args.stage < cfg.model.num_stages:
                 return fail(
                     f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
@@ -107,7 +134,11 @@ async def serve(args: argparse.Namespace) -> int:
         except (ConfigError, RunConfigError, OSError) as e:
             return fail(str(e))
         try:
-            hosted = server.host(HostedStage(node, run_id, cfg, args.stage))
+            hosted = server.host(
+                HostedStage(
+                    node, run_id, cfg, args.stage, owner=owner, token=token.SerializeToString() if token else b""
+                )
+            )
         except ValueError as e:
             return fail(str(e))
         await server.start()
@@ -126,17 +157,21 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _config(node: SwarmNode, args: argparse.Namespace) -> tuple[ExperimentConfig, str, PublishedConfig | None]:
-    """The run's config and id, and what to publish: --config's, or the config the run published."""
+async def _config(node: SwarmNode, args: argparse.Namespace):
+    """The run's config and id, what to publish (--config's, or nothing: the config the run
+    published), and the run's owner (--owner, or the published config's signer; None: not known yet)."""
     device = [f"device={args.device}"] if args.device else []
     if args.config is not None:
         cfg = load_config(args.config, args.overrides + device)
         run_id = args.run_id or cfg.name
-        return cfg, run_id, PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
-    published = await resolve_run(node, args.run_id, args.wait)
+        mine = PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
+        return cfg, run_id, mine, args.owner
+    published = await resolve_run(node, args.run_id, args.wait, args.owner)
     cfg = published.config(device)  # the device is this peer's own: not part of the digest
-    say(f"joined run {published.run_id!r}: config {published.digest} as published on the DHT")
-    return cfg, published.run_id, None
+    owner = args.owner or published.owner or None
+    by = f", owner {owner}" if owner else ""
+    say(f"joined run {published.run_id!r}: config {published.digest} as published on the DHT{by}")
+    return cfg, published.run_id, None, owner
 
 
 async def _leave(server: StageServer, signals: StopSignals) -> None:

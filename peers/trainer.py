@@ -57,8 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start at step 0 even where the stage peers kept copies of this run from an earlier trainer",
     )
+    parser.add_argument(
+        "--allow",
+        nargs="+",
+        default=[],
+        metavar="PEER_ID",
+        help="a private run: only these stage peers (and token holders) join",
+    )
+    parser.add_argument(
+        "--private", action="store_true", help="only peers given --allow or a token (python -m peers.token) join"
+    )
     add_threads_arg(parser)
     add_network_args(parser)
+    for action in parser._actions:
+        if (
+            action.dest == "identity_path"
+        ):  # the trainer's identity is the run's owner (its p2p id is its own each start)
+            action.help = (
+                "the run owner's key (created if missing; default $HIVEPIPE_HOME or ~/.hivepipe/owner.key): it signs "
+                "every control call; a trainer started again with the same key takes its run over"
+            )
     return parser
 
 
@@ -88,10 +106,11 @@ def _echoing(writer_cls):
 
 
 async def _publish(node, run_id: str, path: str, overrides: list[str]):
-    """The run's config on the DHT for the whole run, unless the run already published another."""
+    """The run's config on the DHT for the whole run, signed as its owner's, unless the run already
+    published another."""
     from swarm.transport.hivemind.runconfig import PublishedConfig, start_publishing
 
-    return await start_publishing(node, PublishedConfig.of(run_id, Path(path).read_text(), overrides, path))
+    return await start_publishing(node, PublishedConfig.of(run_id, Path(path).read_text(), overrides, path), owned=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.transport.hivemind.loop import LoopThread
     from swarm.transport.hivemind.node import SwarmNode
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+    from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -119,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--steps must be a positive integer, got {args.steps}")
     if args.checkpoint_every is not None and (args.checkpoint_every < 1 or not args.checkpoint_dir):
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
+    if bad := [peer for peer in args.allow if not is_peer_id(peer)]:
+        return fail(f"--allow takes peer ids, got {bad[0]!r}")
     if args.snapshot_every < 0:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
@@ -127,9 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(call_timeout_s=args.timeout, setup_wait_s=args.wait)
     except ValueError as e:
         return fail(f"--timeout / --wait: {e}")
+    try:
+        owner_key = load_identity(args.identity_path or default_owner_path())
+    except IdentityError as e:
+        return fail(str(e))
+    args.identity_path = None  # the owner's key, not the trainer's p2p identity (a restarted trainer's daemon is new)
     loop = LoopThread("trainer-loop")
     try:
-        node = loop.run(SwarmNode.create(node_options(args, client_mode=True, settings=settings)))
+        options = node_options(args, client_mode=True, settings=settings)
+        options.signing_key = owner_key  # the run's config record is the owner's
+        node = loop.run(SwarmNode.create(options))
     except RuntimeError as e:
         loop.stop()
         return fail(str(e))
@@ -138,7 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
-        pipeline = SwarmPipeline(node, loop, cfg, run_id, snapshot_every=args.snapshot_every, fresh=args.fresh)
+        pipeline = SwarmPipeline(
+            node,
+            loop,
+            cfg,
+            run_id,
+            snapshot_every=args.snapshot_every,
+            fresh=args.fresh,
+            owner_key=owner_key,
+            allow=args.allow,
+            private=args.private,
+        )
+        say(f"run {run_id!r} owned by {pipeline.owner.peer_id}: stage peers may pin it with --owner")
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept

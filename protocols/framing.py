@@ -88,6 +88,7 @@ class Frame(NamedTuple):
     kind: str
     head: object
     payload: bytes
+    first: object = None  # the first message (its other fields: a request's signature)
 
 
 async def read_frame(
@@ -95,12 +96,14 @@ async def read_frame(
     head_field: str | None = None,
     max_bytes: int | Callable[[str], int] = MAX_PAYLOAD_BYTES,
     idle_timeout: float | None = None,
+    check: Callable[[str, object], None] | None = None,
 ) -> Frame:
     """One framed message sequence (protobuf messages, or `Received` ones): the head rides on the
     first message, the payload's chunks follow.
 
     The head is checked against `head_field` when given (an `error` head is returned as is, with
     no payload); the payload may be at most `max_bytes`, or `max_bytes(kind)` for the head's kind.
+    `check(kind, first message)` runs before any of the payload is collected (it raises to refuse).
     """
     first = None
     assembler = None
@@ -115,13 +118,15 @@ async def read_frame(
                 raise ProtocolError(f"expected a {head_field} head, got {kind or 'none'}")
             if kind is None:
                 raise ProtocolError("the first message has no head")
+            if check is not None:
+                check(kind, message)
             assembler = Assembler(max_bytes(kind) if callable(max_bytes) else max_bytes)
         elif message.WhichOneof("head") is not None:
             raise ProtocolError("a head arrived in the middle of a payload")
         if not message.HasField("chunk"):
             raise ProtocolError("message without a payload chunk")
         if assembler.add(message.chunk, data):
-            return Frame(kind, getattr(first, kind), assembler.payload())
+            return Frame(kind, getattr(first, kind), assembler.payload(), first)
     if first is None:
         raise ProtocolError("the stream ended before any message")
     assembler.payload()  # raises: truncated
@@ -141,14 +146,17 @@ _DATA = _last_field(pb.Chunk, "data")
 _CHUNK = {message_type: _last_field(message_type, "chunk") for message_type in (pb.StageRequest, pb.StageReply)}
 
 
-def frame_parts(message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple]:
-    """The messages carrying `head` and `payload` (head on the first one; at least one message,
-    even for an empty payload), each serialized as the bytes before its chunk's data and that data,
-    a view of `payload`: written to a stream as they are, the payload is never copied here."""
+def frame_parts(
+    message_type, head_field: str, head, payload: bytes, chunk_bytes: int = CHUNK_BYTES, **extra
+) -> Iterator[tuple]:
+    """The messages carrying `head` and `payload` (head on the first one, with the fields `extra`,
+    e.g. a request's signature; at least one message, even for an empty payload), each serialized as
+    the bytes before its chunk's data and that data, a view of `payload`: written to a stream as
+    they are, the payload is never copied here."""
     total, crc = len(payload), crc32(payload)
     count = max(1, -(-total // chunk_bytes))
     view = memoryview(payload)
-    head_bytes = message_type(**{head_field: head}).SerializeToString()
+    head_bytes = message_type(**{head_field: head}, **extra).SerializeToString()
     for i in range(count):
         data = view[i * chunk_bytes : (i + 1) * chunk_bytes]
         header = pb.Chunk(index=i, count=count, total_length=total, crc32=crc).SerializeToString()

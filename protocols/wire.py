@@ -204,7 +204,10 @@ def _raw_from(msg: pb.Raw, count: int, check: _BufferBytes) -> RawPart:
     dtype = _dtype(msg.wire_dtype, "wire dtype")
     data = check.add(msg.data)
     _expect_length("raw data", data, count * dtype.itemsize)
-    return RawPart(_from_bytes(data, dtype))
+    values = _from_bytes(data, dtype)
+    if count and not bool(torch.isfinite(values).all()):  # a NaN or Inf never reaches a model or an optimizer
+        raise PayloadError("raw values are not finite")
+    return RawPart(values)
 
 
 def _quant_from(msg: pb.Quantized, shape: tuple[int, ...], check: _BufferBytes) -> QuantPart:

@@ -132,13 +132,17 @@ class Receiver:
         return decode_payload(enc, reuse, device), None
 
     def receive(self, payload: bytes, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
-        enc = wire.decode(payload, self.limits)
+        enc = self._parsed(payload)
         tensor, apply = self._decode(enc, sample_ids, reuse, device)
         return Incoming(apply, tensor, selection_of(enc))
 
     def receive_stateless(self, payload: bytes, device=None) -> Incoming:
         """Decode a stateless payload (evaluation): no versions, no state."""
-        return Incoming(None, decode_payload(wire.decode(payload, self.limits), None, device))
+        return Incoming(None, decode_payload(self._parsed(payload), None, device))
+
+    def _parsed(self, payload: bytes | Encoded) -> Encoded:
+        """The payload's message; one the receiver checked already (wire.decode) is taken as it is."""
+        return payload if isinstance(payload, Encoded) else wire.decode(payload, self.limits)
 
     def reset(self) -> None:
         pass

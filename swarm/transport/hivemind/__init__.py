@@ -7,9 +7,9 @@ Shared plumbing, used by both sides:
 - `retry`: the one retry policy; `handoff`: handing a micro-batch to the next stage, failing over
 - `ordering`: link order (epochs, sequence numbers); `pacing`: per-flow pacing; `meter`: link rates
 - `meta`: what travels with a request; `announce`, `routing`: DHT records and choosing peers
-- `survey`: the swarm as a table (peers.status)
+- `survey`: the swarm as a table (peers.status); `trust`: the run's owner, signatures, admissions
 The stage peer's side is `stage/` (host, links, chain, rounds, server), the trainer's `trainer/`
 (pipeline, rounds, adaptive).
 """
 
-PROTOCOL_VERSION = 2  # of protocols/stage.proto: peers of another version are not routed to, and refused
+PROTOCOL_VERSION = 3  # of protocols/stage.proto: peers of another version are not routed to, and refused

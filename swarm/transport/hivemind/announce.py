@@ -1,4 +1,6 @@
-"""Stage announcements on the DHT: one key per (run, stage), one subkey per peer.
+"""Stage announcements on the DHT: one key per (run, stage), one subkey per peer: the peer's public
+key, so that only the peer itself can write its record (hivemind's RSASignatureValidator, which
+every hivepipe node runs), and a reader knows whose record it is.
 
 hivemind's `declare_experts` stores one plain value per uid, so two peers serving a stage would
 overwrite each other; subkeys (as Petals does) keep them all. Records expire unless refreshed, so
@@ -15,6 +17,7 @@ from hivemind.utils import get_dht_time
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
+from swarm.transport.hivemind.trust.keys import peer_id_of
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class StageRecord:
     # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
     download_share: float = 0.0
     leaving: bool = False  # draining: it takes no new micro-batch and leaves at the next step boundary
+    admission: bytes = b""  # the owner's pb.Admission of it to `session` (swarm.transport.hivemind.trust)
+    token: bytes = b""  # the owner's pb.Token letting it into a private run (peers.stage --token)
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:
@@ -63,6 +68,8 @@ class StageRecord:
                 session=str(value.get("session", "")),
                 download_share=max(0.0, float(value.get("download_share", 0.0))),
                 leaving=bool(value.get("leaving", False)),
+                admission=bytes(value.get("admission", b"")),
+                token=bytes(value.get("token", b"")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -77,7 +84,19 @@ async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float
     record.updated = get_dht_time()
     expires = get_dht_time() + ttl
     await node.dht.store(RUNS_KEY, {"num_stages": record.num_stages}, expires, subkey=run_id)
-    return await node.dht.store(stage_key(run_id, record.stage), record.to_value(), expires, subkey=record.peer_id)
+    # the subkey is the peer's key: only it can write its record (RSASignatureValidator), and the
+    # record's peer id is the one that key stands for
+    return await node.dht.store(stage_key(run_id, record.stage), record.to_value(), expires, subkey=node.owned_by)
+
+
+def _owner_of(subkey) -> str | None:
+    """The peer id of a record's `[owner:KEY]` subkey (None: not one)."""
+    if isinstance(subkey, bytes) and subkey.startswith(b"[owner:") and subkey.endswith(b"]"):
+        try:
+            return peer_id_of(subkey[len(b"[owner:") : -1])
+        except ValueError:
+            return None
+    return None
 
 
 async def list_runs(node: SwarmNode) -> dict[str, int]:
@@ -94,13 +113,15 @@ async def list_runs(node: SwarmNode) -> dict[str, int]:
 
 
 async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord]:
-    """Every live peer announcing `stage` of `run_id` (any protocol version: callers filter)."""
+    """Every live peer announcing `stage` of `run_id` in a record signed with its own key (any
+    protocol version: callers filter)."""
     found = await node.dht.get(stage_key(run_id, stage), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
     for subkey, item in found.value.items():
-        record = StageRecord.from_value(str(subkey), getattr(item, "value", None))
+        peer_id = _owner_of(subkey)
+        record = StageRecord.from_value(peer_id, getattr(item, "value", None)) if peer_id else None
         if record is not None and record.stage == stage:
             records.append(record)
     return sorted(records, key=lambda r: r.peer_id)

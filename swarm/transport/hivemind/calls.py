@@ -19,6 +19,7 @@ from swarm.transport.hivemind.errors import RemoteError, TransportError, short
 from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
 from swarm.transport.hivemind.pacing import carrying
 from swarm.transport.hivemind.streams import PeerStream, StreamPool
+from swarm.transport.hivemind.trust.signatures import sign_call
 
 
 class Sending:
@@ -58,8 +59,10 @@ class Exchange:
         sending: Sending | None = None,
         flow=None,
         meter: LinkMeter | None = None,
+        auth: pb.Auth | None = None,
     ) -> None:
         self.streams, self.peer_id = streams, str(peer_id)
+        self.auth = auth  # a control call's signature (swarm.transport.hivemind.trust.signatures)
         self.kind, self.head, self.payload = kind, head, payload
         self.sending, self.flow, self.meter = sending, flow, meter
         self._stream: PeerStream | None = None
@@ -71,7 +74,9 @@ class Exchange:
             # taken only now: the receiver times the payload from its first byte
             self._stream = await self.streams.take(self.peer_id)
             with carrying(self.flow, len(self.payload)):
-                await self._stream.send(frame_parts(pb.StageRequest, self.kind, self.head, self.payload), self.flow)
+                extra = {"auth": self.auth} if self.auth is not None else {}
+                parts = frame_parts(pb.StageRequest, self.kind, self.head, self.payload, **extra)
+                await self._stream.send(parts, self.flow)
         self._replies = self._stream.replies()
         replies = self._replies if self.meter is None else timed_chunks(self._replies, self.meter)
         frame = await read_frame(replies, self.kind)
@@ -121,9 +126,11 @@ class Exchange:
             stream.close()
 
 
-async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: bytes, timeout: float) -> Frame:
-    """A control request (setup, a step round, a checkpoint, a status) and its verified reply."""
-    exchange = Exchange(streams, peer_id, kind, head, payload)
+async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: bytes, timeout: float, owner=None) -> Frame:
+    """A control request (setup, a step round, a checkpoint, a status) and its verified reply;
+    signed with `owner`'s key when given (the calls only a run's owner may make)."""
+    auth = sign_call(owner, kind, head, payload, str(peer_id)) if owner is not None else None
+    exchange = Exchange(streams, peer_id, kind, head, payload, auth=auth)
     frame = await exchange.reply(timeout)
     exchange.finish()
     return frame

@@ -36,7 +36,8 @@ class Handoff:
     its numbering, and drops its link end if it has one); `replies` meters how fast each peer's
     replies arrive (None: not metered); `stateful()`: whether the link's codecs keep state across
     micro-batches (error feedback): then micro-batches keep to one peer while it is not much
-    slower, for load they would split across replicas and change the numbers."""
+    slower, for load they would split across replicas and change the numbers; `admission()`: this
+    peer's admission to the session, shown with every micro-batch."""
 
     def __init__(
         self,
@@ -49,10 +50,12 @@ class Handoff:
         lost: Callable[[str], None],
         replies: dict[str, LinkMeter] | None = None,
         stateful: Callable[[], bool] = lambda: False,
+        admission: Callable[[], pb.Admission | None] = lambda: None,
     ) -> None:
         self.node, self.router, self.run_id, self.stage = node, router, run_id, stage
         self.pacer, self.sending, self.lost, self.replies = pacer, sending, lost, replies
         self.stateful = stateful
+        self.admission = admission  # ours in the current session: the receiver checks it before the payload
         self.settings = node.settings
         self.retry = Retry(node.settings)
         self.sticky: str | None = None  # the peer the micro-batches follow (its link state)
@@ -117,6 +120,8 @@ class Handoff:
                 seq=sent[1],
                 reply_share_bits=offer(target) if offer is not None else 0.0,
             )
+            if (admission := self.admission()) is not None:
+                head.admission.CopyFrom(admission)
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
             exchange = Exchange(

@@ -59,7 +59,10 @@ def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.from_numpy(np.frombuffer(bytearray(raw.data), dtype=np.uint8))
-    return flat.view(dtype).reshape(shape)
+    tensor = flat.view(dtype).reshape(shape)
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError(f"{what}: values are not finite")
+    return tensor
 
 
 def batch_to_meta(batch: MicroBatch) -> pb.BatchMeta:

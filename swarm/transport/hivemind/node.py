@@ -9,17 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.netlab.shaper import TokenBucket
 from swarm.rates import parse_rate
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.streams import StreamPool
+from swarm.transport.hivemind.trust.keys import IdentityError, load_identity
 
 # p2pd's Go threads (GOMAXPROCS). One carries far more than the links hivepipe is for, and Go's
 # default of one per core makes daemons that share a machine with the stages spend more CPU per
@@ -47,6 +51,21 @@ def _go_threads(threads: int):
 def check_daemon_threads(threads: int) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise ValueError(f"--daemon_threads must be 0 (one per core) or a positive integer, got {threads}")
+
+
+@contextlib.contextmanager
+def _identity(path: str | None):
+    """(identity file, its key, whether the file was there before): `path`'s, created if missing,
+    or a new key in a file that lives while the daemon starts (it reads it once). The key is ours:
+    it signs this peer's DHT records, and its peer id is the one the daemon takes."""
+    if path is not None:
+        existed = os.path.exists(path)
+        yield path, load_identity(path), existed
+        return
+    with tempfile.TemporaryDirectory(prefix="hivepipe-identity-") as directory:
+        temporary = os.path.join(directory, "identity.key")
+        key = load_identity(temporary)
+        yield temporary, key, False
 
 
 _STARTING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its lock on daemon starts
@@ -81,6 +100,8 @@ class NodeOptions:
     downlink: str | None = None
     daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core
     settings: Settings = field(default_factory=Settings)  # timeouts and limits of everything this peer does
+    # signs this peer's owned DHT records (a trainer: the run owner's key; default: one per process)
+    signing_key: RSAPrivateKey | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -93,9 +114,13 @@ class SwarmNode:
         uplink_bits: int | None = None,
         downlink_bits: int | None = None,
         settings: Settings | None = None,
+        validator: RSASignatureValidator | None = None,
     ) -> None:
         self.p2p = p2p
         self.dht = dht
+        # a DHT key or subkey holding `owned_by` can only be written with this peer's key (hivemind's
+        # RSASignatureValidator; every node checks the records it stores and the ones it reads)
+        self.owned_by: bytes = validator.local_public_key if validator is not None else b""
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
@@ -124,27 +149,38 @@ class SwarmNode:
         except ValueError as e:
             raise RuntimeError(str(e)) from None
         try:
-            p2p = await start_daemon(
-                options.daemon_threads,
-                initial_peers=initial,
-                host_maddrs=list(options.host_maddrs),
-                announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,
-                identity_path=options.identity_path,
-                use_relay=options.use_relay,
-                use_auto_relay=options.use_auto_relay,
-                startup_timeout=options.startup_timeout,
-                dht_mode="client" if options.client_mode else "server",
-                **options.extra,
-            )
+            with _identity(options.identity_path) as (identity_path, key, existed):
+                p2p = await start_daemon(
+                    options.daemon_threads,
+                    initial_peers=initial,
+                    host_maddrs=list(options.host_maddrs),
+                    announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,
+                    identity_path=identity_path,
+                    check_if_identity_free=existed,
+                    use_relay=options.use_relay,
+                    use_auto_relay=options.use_auto_relay,
+                    startup_timeout=options.startup_timeout,
+                    dht_mode="client" if options.client_mode else "server",
+                    **options.extra,
+                )
+        except IdentityError as e:
+            raise RuntimeError(f"--identity_path: {e}") from None
         except Exception as e:
             raise RuntimeError(f"the p2p daemon did not start: {e} (check --host_maddrs and --identity_path)") from e
+        validator = RSASignatureValidator(options.signing_key or key)
         try:
-            dht = await DHTNode.create(p2p=p2p, initial_peers=initial, client_mode=options.client_mode, num_workers=4)
+            dht = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=initial,
+                client_mode=options.client_mode,
+                num_workers=4,
+                record_validator=validator,
+            )
         except Exception as e:
             await p2p.shutdown()
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
-        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings)
+        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, validator)
 
     @property
     def peer_id(self) -> str:

@@ -1,4 +1,5 @@
-"""Choosing the peer that serves a stage: by throughput and queue, skipping banned peers.
+"""Choosing the peer that serves a stage: by throughput and queue, among the peers the run's owner
+admitted, skipping banned ones.
 
 A peer's score is its measured throughput over one plus its queue (as it last announced it) and
 the micro-batches this caller is waiting on it for; a peer not measured yet (one that just
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord, discover
@@ -52,6 +53,8 @@ class Router:
         self,
         node: SwarmNode,
         run_id: str,
+        routable: Callable[[StageRecord], bool] | None = None,
+        visible: Callable[[StageRecord], bool] | None = None,
         refresh_s: float | None = None,
         seed: int | None = None,
         keep_s: float | None = None,
@@ -59,6 +62,10 @@ class Router:
         settings = node.settings
         self.node = node
         self.run_id = run_id
+        # whether the run's owner admitted a record's peer (swarm.transport.hivemind.trust): anyone
+        # can announce itself on the DHT, only admitted peers are handed micro-batches
+        self.routable = routable or (lambda record: True)
+        self.visible = visible or (lambda record: True)  # the peers it may know of at all (a private run's)
         self.refresh_s = settings.lookup_every_s if refresh_s is None else refresh_s
         self.keep_s = settings.lookup_keep_s if keep_s is None else keep_s
         self.bans = Bans(settings.ban_s, settings.ban_growth, settings.ban_max_s)
@@ -73,7 +80,8 @@ class Router:
         cached = self._cache.get(stage)
         if refresh or cached is None or time.monotonic() - cached[0] > self.refresh_s or not cached[1]:
             now = time.monotonic()
-            records = [r for r in await discover(self.node, self.run_id, stage) if r.version == PROTOCOL_VERSION]
+            found = await discover(self.node, self.run_id, stage)
+            records = [r for r in found if r.version == PROTOCOL_VERSION and self.visible(r)]
             if records:
                 self._found[stage] = (now, records)
             elif stage in self._found and now - self._found[stage][0] <= self.keep_s:
@@ -100,6 +108,7 @@ class Router:
                 and not self.bans.banned(r.peer_id)
                 and r.ready
                 and session in (None, r.session)
+                and self.routable(r)
             ]
             if candidates:
                 break

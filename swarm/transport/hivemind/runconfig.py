@@ -2,7 +2,10 @@
 
 The trainer, and every stage peer started with `--config`, stores the config's YAML text and its
 `--set` overrides under one key per run with one subkey per config digest: two configs published
-for one run stay visible side by side, and a joiner refuses to guess between them. The run is also
+for one run stay visible side by side, and a joiner refuses to guess between them. The trainer's
+subkey also names the run's owner (`[owner:KEY]`): hivemind's RSASignatureValidator, on every
+node, lets only that key write it, so a joiner learns whom to obey from it and nobody can forge
+it; a run claimed by two owners is refused until `--owner` picks one. The run is also
 listed under `RUNS_KEY` as a stage announcement lists it, so `peers.status` and a joiner without
 `--run_id` find a run whose trainer published before any stage peer announced. Records expire
 unless re-published, so a finished run's config drops out on its own.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +26,7 @@ from swarm.engine.build import config_digest
 from swarm.transport.hivemind.announce import RUNS_KEY, list_runs
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
+from swarm.transport.hivemind.trust.keys import peer_id_of
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class PublishedConfig:
     overrides: list[str]
     digest: str
     num_stages: int
+    owner: str = ""  # the peer id of the key that signed the record (the run's owner); "" unsigned
 
     @classmethod
     def of(cls, run_id: str, text: str, overrides: Sequence[str], where: str) -> PublishedConfig:
@@ -91,24 +97,46 @@ class PublishedConfig:
         return cfg
 
 
-async def publish(node: SwarmNode, run_id: str, published: PublishedConfig, ttl: float) -> bool:
+async def publish(node: SwarmNode, run_id: str, published: PublishedConfig, ttl: float, owned: bool = False) -> bool:
+    """Stores the record; `owned`: signed by this node's key as the run's owner's."""
     expires = get_dht_time() + ttl
     # listed as announce() lists a run, so a run is found before any of its stages announces
     await node.dht.store(RUNS_KEY, {"num_stages": published.num_stages}, expires, subkey=run_id)
-    return await node.dht.store(config_key(run_id), published.to_value(), expires, subkey=published.digest)
+    subkey = published.digest.encode() + node.owned_by if owned else published.digest
+    return await node.dht.store(config_key(run_id), published.to_value(), expires, subkey=subkey)
 
 
-async def fetch_configs(node: SwarmNode, run_id: str) -> list[PublishedConfig]:
-    """Every well-formed config published for `run_id`, by digest."""
+_OWNED = re.compile(rb"^([0-9a-f]+)\[owner:(.+)\]$", re.DOTALL)
+
+
+def _digest_and_owner(subkey) -> tuple[str, str]:
+    """A config record's subkey: its digest, and its owner's peer id ("" unsigned or unreadable)."""
+    if isinstance(subkey, bytes) and (match := _OWNED.match(subkey)):
+        try:
+            return match.group(1).decode(), peer_id_of(match.group(2))
+        except ValueError:
+            return "", ""
+    return str(subkey), ""
+
+
+async def fetch_configs(node: SwarmNode, run_id: str, owner: str | None = None) -> list[PublishedConfig]:
+    """Every well-formed config published for `run_id`, one per digest (signed by an owner where one
+    signed it; only `owner`'s and unsigned ones when given)."""
     found = await node.dht.get(config_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    configs = []
+    configs: dict[tuple[str, str], PublishedConfig] = {}
     for subkey, item in found.value.items():
+        digest, signer = _digest_and_owner(subkey)
         record = PublishedConfig.from_value(run_id, getattr(item, "value", None))
-        if record is not None and record.digest == str(subkey):
-            configs.append(record)
-    return sorted(configs, key=lambda c: c.digest)
+        if record is not None and record.digest == digest and owner in (None, signer or owner):
+            record.owner = signer
+            configs[(digest, signer)] = record
+    owned = {digest for digest, signer in configs if signer}
+    return sorted(
+        (c for (digest, signer), c in configs.items() if signer or digest not in owned),
+        key=lambda c: (c.digest, c.owner),
+    )
 
 
 async def published_runs(node: SwarmNode) -> dict[str, list[PublishedConfig]]:
@@ -119,6 +147,11 @@ async def published_runs(node: SwarmNode) -> dict[str, list[PublishedConfig]]:
 
 
 def _one_of(run_id: str, configs: list[PublishedConfig]) -> PublishedConfig:
+    owners = sorted({c.owner for c in configs if c.owner})
+    if len(owners) > 1:
+        raise RunConfigError(
+            f"run {run_id!r} is claimed by {len(owners)} owners ({', '.join(owners)}): pass --owner with the one its trainer printed"
+        )
     if len(configs) > 1:
         digests = ", ".join(c.digest for c in configs)
         raise RunConfigError(
@@ -127,7 +160,7 @@ def _one_of(run_id: str, configs: list[PublishedConfig]) -> PublishedConfig:
     return configs[0]
 
 
-async def resolve_run(node: SwarmNode, run_id: str | None, wait_s: float) -> PublishedConfig:
+async def resolve_run(node: SwarmNode, run_id: str | None, wait_s: float, owner: str | None = None) -> PublishedConfig:
     """The one config to join: of `run_id`, or of the only run on the DHT that published one.
     Waits up to `wait_s` seconds for one to appear (a trainer may be starting); RunConfigError
     when there is none by then, or when there is more than one to choose from."""
@@ -140,7 +173,7 @@ async def resolve_run(node: SwarmNode, run_id: str | None, wait_s: float) -> Pub
                 raise RunConfigError(f"{len(runs)} runs on this DHT: {listed}; pick one with --run_id")
             if runs:
                 return _one_of(*next(iter(runs.items())))
-        elif configs := await fetch_configs(node, run_id):
+        elif configs := await fetch_configs(node, run_id, owner):
             return _one_of(run_id, configs)
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
@@ -160,13 +193,13 @@ async def resolve_run(node: SwarmNode, run_id: str | None, wait_s: float) -> Pub
 class ConfigPublisher(Refresher):
     """Re-publishes a run's config every `announce_every_s` seconds (the node's settings) until stopped."""
 
-    def __init__(self, node: SwarmNode, run_id: str, published: PublishedConfig) -> None:
+    def __init__(self, node: SwarmNode, run_id: str, published: PublishedConfig, owned: bool = False) -> None:
         super().__init__(node)
-        self.run_id, self.published = run_id, published
+        self.run_id, self.published, self.owned = run_id, published, owned
 
     async def publish_now(self) -> None:
         try:
-            if not await publish(self.node, self.run_id, self.published, self.ttl):
+            if not await publish(self.node, self.run_id, self.published, self.ttl, self.owned):
                 # also when another publisher's copy of the same record expires later: not worth a warning
                 log.debug("publishing the config of %s: no DHT peer stored it", self.run_id)
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
@@ -175,16 +208,17 @@ class ConfigPublisher(Refresher):
     refresh = publish_now
 
 
-async def start_publishing(node: SwarmNode, published: PublishedConfig) -> ConfigPublisher:
-    """Publishes `published` for its run from now on, unless the run already has other configs
-    published and not this one (RunConfigError): that peer and this one would not compute alike."""
+async def start_publishing(node: SwarmNode, published: PublishedConfig, owned: bool = False) -> ConfigPublisher:
+    """Publishes `published` for its run from now on (`owned`: as its owner, signed with the
+    node's key), unless the run already has other configs published and not this one
+    (RunConfigError): that peer and this one would not compute alike."""
     others = [c.digest for c in await fetch_configs(node, published.run_id)]
     if others and published.digest not in others:
         raise RunConfigError(
             f"--config differs from run {published.run_id}'s published config: "
             f"digest {published.digest} here, {', '.join(others)} published"
         )
-    publisher = ConfigPublisher(node, published.run_id, published)
+    publisher = ConfigPublisher(node, published.run_id, published, owned)
     await publisher.publish_now()
     publisher.start()
     return publisher

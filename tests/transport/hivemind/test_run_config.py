@@ -306,6 +306,8 @@ def test_the_trainer_publishes_its_config_for_the_run(swarm, lonely):
     try:
         found = swarm.loop.run(resolve_run(lonely, None, 60))
     finally:
-        _, err = trainer.communicate(timeout=60)
+        out, err = trainer.communicate(timeout=60)
+    owner, found.owner = found.owner, ""  # signed by the run's owner, whose id the trainer prints
     assert found == published(run_id, "seed=3")
+    assert f"run {run_id!r} owned by {owner}" in out
     assert trainer.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err  # no stage peers

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _swarm_env import assert_same_run, local_rows, smoke, swarm_rows
 from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
 from swarm.engine.microbatch import MicroBatch, Mode
@@ -22,16 +23,34 @@ from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.streams import StreamPool
+from swarm.transport.hivemind.trust.owner import Owner
+
+OWNER = Owner(RSAPrivateKey.process_wide(), "")
+
+
+def _set_up(loop, hosted: HostedStage) -> None:
+    """The stage set up for session "s" as its owner's signed setup call would do it."""
+    owner = Owner(OWNER.key, hosted.run_id)
+    hosted.gate.owner = owner.peer_id
+    request = pb.SetupRequest(
+        config_digest=hosted.digest,
+        session="s",
+        lr_horizon=10,
+        capacity=400,
+        admission=owner.admit("s", hosted.node.peer_id, hosted.stage),
+    )
+    loop.run(hosted.setup(request))
 
 
 def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data, seq: int) -> Exchange:
-    """An eval micro-batch for a one-stage run: stage 0 answers DONE with its metrics."""
+    """An eval micro-batch for a one-stage run from its trainer: stage 0 answers DONE with its metrics."""
     x = torch.stack([data[1][i][1] for i in range(4)])
     y = torch.tensor([data[1][i][2] for i in range(4)])
     batch = MicroBatch(0, seq, torch.arange(4), y, mode=Mode.EVAL)
     head = pb.MicroBatchHead(
         to=address(run_id, 0), sender=sender, batch=batch_to_meta(batch), budget_s=10, epoch=0, seq=seq
     )
+    head.admission.CopyFrom(Owner(OWNER.key, run_id).admit("s", sender, trainer=True))
     return Exchange(streams, peer, "micro_batch", head, tensor_to_raw(x).SerializeToString())
 
 
@@ -65,13 +84,7 @@ def test_streams_the_server_closed_or_kept_too_long_are_replaced(swarm):
     streams = StreamPool(swarm.trainer.p2p, keep_s=10.0, end_wait_s=2.0, clock=lambda: clock[0])
     try:
         server.host(HostedStage(node, run_id, cfg, 0))
-        swarm.loop.run(
-            server.hosted[(run_id, 0)].setup(
-                pb.SetupRequest(
-                    config_digest=server.hosted[(run_id, 0)].digest, session="s", lr_horizon=10, capacity=400
-                )
-            )
-        )
+        _set_up(swarm.loop, server.hosted[(run_id, 0)])
         data = build_data(cfg)
 
         def one(seq: int) -> pb.ResultHead:
@@ -126,9 +139,7 @@ def test_a_refused_micro_batch_closes_its_stream_and_the_next_one_works(swarm):
     peer = hosted.node.peer_id
     streams = StreamPool(swarm.trainer.p2p, keep_s=20.0, end_wait_s=2.0)
     try:
-        swarm.loop.run(
-            hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))
-        )
+        _set_up(swarm.loop, hosted)
         data = build_data(cfg)
         good = _stage0_call(streams, peer, run_id, swarm.trainer.peer_id, data, 0)
         swarm.loop.run(good.reply(20))
@@ -157,9 +168,7 @@ def test_one_stream_carries_micro_batch_after_micro_batch_until_the_callers_end_
     (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
     streams = StreamPool(swarm.trainer.p2p, keep_s=20.0, end_wait_s=2.0)
     try:
-        swarm.loop.run(
-            hosted.setup(pb.SetupRequest(config_digest=hosted.digest, session="s", lr_horizon=10, capacity=400))
-        )
+        _set_up(swarm.loop, hosted)
         data = build_data(cfg)
         for seq in range(3):
             call = _stage0_call(streams, hosted.node.peer_id, run_id, swarm.trainer.peer_id, data, seq)

@@ -197,6 +197,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
             batch=batch_to_meta(batch),
             budget_s=10,
         )
+        head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, swarm.trainer.peer_id, trainer=True))
         payload = tensor_to_raw(x).SerializeToString()
         good = list(frame(pb.StageRequest, "micro_batch", head, payload))
 
@@ -262,8 +263,9 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
             swarm.loop.run(call(streams, peer, "info", pb.InfoRequest(to=pb.Address(protocol_version=0)), b"", 10))
         with pytest.raises(RemoteError, match="config mismatch"):
             to = pb.Address(protocol_version=PROTOCOL_VERSION, run_id=run_id, stage=0)
-            request = pb.SetupRequest(to=to, config_digest="0" * 16, lr_horizon=2)
-            swarm.loop.run(call(streams, peer, "setup", request, b"", 10))
+            request = pb.SetupRequest(to=to, config_digest="0" * 16, lr_horizon=2, session=pipeline.session)
+            request.admission.CopyFrom(pipeline.owner.admit(pipeline.session, peer, 0))
+            swarm.loop.run(call(streams, peer, "setup", request, b"", 10, pipeline.owner.key))
 
         # the peer kept serving: a good micro-batch still trains
         metrics = pipeline.run_many([(batch, x)])[0]

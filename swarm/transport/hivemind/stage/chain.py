@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
+from protocols import wire
 from protocols.errors import ProtocolError
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
@@ -105,7 +106,10 @@ class Chain:
                     inputs.ParseFromString(payload)
                     data = raw_to_tensor(inputs, "stage 0 input")
                 else:
-                    data, used[0] = payload, links.end_in(sender, fresh)
+                    # checked before a number on our next link is taken: a malformed payload costs
+                    # its sender's link only, never ours to the next stage (the other senders' too)
+                    data = await host.compute(wire.decode, payload)
+                    used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(payload)
                 record = None if host.last else await handoff.choose(host.session_id)
                 if record is not None:

@@ -37,6 +37,7 @@ from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.snapshots import Snapshots
 from swarm.transport.hivemind.stage.status import stage_status
+from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,14 @@ _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: 
 
 class HostedStage:
     def __init__(
-        self, node: SwarmNode, run_id: str, cfg: ExperimentConfig, stage: int, device: str | None = None
+        self,
+        node: SwarmNode,
+        run_id: str,
+        cfg: ExperimentConfig,
+        stage: int,
+        device: str | None = None,
+        owner: str | None = None,
+        token: bytes = b"",
     ) -> None:
         if not 0 <= stage < cfg.model.num_stages:
             raise ValueError(
@@ -71,7 +79,9 @@ class HostedStage:
         self.links = NeighbourLinks(stage, lambda: self.cfg)
         self.sending = Sending(self.settings.sending_per_neighbour)  # activations down, gradients up
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, self.num_stages))
-        self.router = Router(node, run_id)
+        self.gate = Gate(run_id, stage, node.peer_id, owner)  # who may call it (the run's owner, its members)
+        self.token = token  # a private run's allowance (serialized pb.Token), shown in its record
+        self.router = Router(node, run_id, self._routable)
         self.handoff = None
         if not self.last:
             self.handoff = Handoff(
@@ -84,6 +94,7 @@ class HostedStage:
                 self.links.drop_out,
                 self.links.replies,
                 self._feedback_out,
+                lambda: self.gate.admission,
             )
         self.chain = Chain(self)
         self.rounds = StageRounds(self)
@@ -161,6 +172,7 @@ class HostedStage:
             if request.sources:  # mid-run: the state comes from a peer in service
                 self.joining = Joining(self, list(request.sources))
                 self.joining.start()
+        self.gate.set_up(request)
         tied = [
             pb.TiedParam(
                 first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]
@@ -185,6 +197,14 @@ class HostedStage:
             session=self.session_id,
             leaving=self.leaving,
             download_share=self.pacer.download_share,
+            admission=self.gate.admission.SerializeToString() if self.gate.admission is not None else b"",
+            token=self.token,
+        )
+
+    def _routable(self, record: StageRecord) -> bool:
+        """Only peers the run's owner admitted to our session are handed micro-batches."""
+        return self.gate.admissions.routable(
+            record.admission, self.gate.owner, self.session_id, record.peer_id, record.stage
         )
 
     # ---- links --------------------------------------------------------------------------------

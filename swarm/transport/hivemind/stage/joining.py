@@ -122,7 +122,7 @@ class Joining:
                         host.node.streams,
                         source,
                         "state",
-                        pb.StateRequest(to=address(host.run_id, host.stage)),
+                        pb.StateRequest(to=address(host.run_id, host.stage), admission=host.gate.shown()),
                         b"",
                         settings.state_timeout_s,
                     )

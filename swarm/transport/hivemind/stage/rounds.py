@@ -12,6 +12,7 @@ keeps its rounds until its state is installed (swarm.transport.hivemind.stage.jo
 from __future__ import annotations
 
 import io
+import math
 import time
 
 import torch
@@ -87,8 +88,12 @@ class StageRounds:
         self._at(head.step, "apply")
         cfg, changed = switched_config(host.cfg, host.stage, head.codecs)  # checked before anything changes
         runtime = host.runtime
+        if not (math.isfinite(head.scale) and head.scale >= 0):
+            raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
         if head.scale:
             runtime.scale_grads(head.scale)
+        if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):
+            raise RemoteError(f"stage {host.stage}: non-finite gradients at step {head.step}: the step is not applied")
         reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=host.leaving)
         self.told_leaving = host.leaving
         host.steps += 1

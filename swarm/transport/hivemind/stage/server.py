@@ -16,11 +16,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
-from protocols.errors import ProtocolError
+from protocols.errors import PayloadError, ProtocolError
 from protocols.framing import Frame, frame_parts, read_frame
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
@@ -30,10 +31,12 @@ from swarm.transport.hivemind.announce import Announcer
 from swarm.transport.hivemind.errors import RemoteError, one_line
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import carrying, send_paced
+from swarm.transport.hivemind.routing import Bans
 from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
+from swarm.transport.hivemind.trust.signatures import CONTROL, Refused
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
@@ -66,6 +69,10 @@ class StageServer:
         self.averager = ReplicaAverager(node.p2p, AVERAGING_NAMESPACE, self.settings.call_timeout_s)
         self._addrs: list[str] = []
         self._tasks: set[asyncio.Task] = set()
+        # senders of payloads that pass the checksum but not decoding (NaN/Inf, absurd shapes, bad
+        # codec parameters): refused at the head for a while, longer each time
+        self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
+        self.refused: Counter = Counter()  # requests refused or failed, by kind of error
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
@@ -113,6 +120,25 @@ class StageServer:
             )
         return hosted
 
+    def _admit(self, kind: str, message, sender: str) -> None:
+        """Refuses a request its sender may not make, before its payload is read
+        (swarm.transport.hivemind.trust.gate)."""
+        head = getattr(message, kind)
+        if self.banned.banned(sender):
+            raise Refused(f"peer {sender[-8:]} is banned for a while: it sent a malformed payload")
+        if kind == "info":
+            _check_version(head.to)
+            return
+        hosted = self._find(head.to)
+        if kind in CONTROL:
+            hosted.gate.control(kind, head, message.auth, message.chunk)
+        elif kind == "micro_batch":
+            hosted.gate.micro_batch(head, sender, hosted.session_id)
+        elif kind == "state":
+            hosted.gate.state(head, sender, hosted.session_id)
+        else:
+            raise ProtocolError(f"unknown request {kind!r}")
+
     def _limit(self, kind: str) -> int:
         """The largest payload a request of `kind` may carry."""
         return self.settings.max_micro_batch_bytes if kind == "micro_batch" else self.settings.max_payload_bytes
@@ -133,11 +159,19 @@ class StageServer:
     async def _one(self, requests: Requests, sender: str, writer: asyncio.StreamWriter) -> bool:
         """One request and its reply; whether the stream may carry another (not after an error)."""
         kind = "request"
+
+        def check(head_kind: str, message) -> None:
+            nonlocal kind
+            kind = head_kind
+            self._admit(head_kind, message, sender)
+
         try:
-            frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s)
-            kind = frame.kind
+            frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
             reply = await self._dispatch(frame, requests, sender)
         except Exception as e:
+            self.refused[type(e).__name__] += 1
+            if isinstance(e, PayloadError):
+                log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
             log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
             await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)
             await requests.drain(self.settings.drain_s)

@@ -119,7 +119,13 @@ class Snapshots:
         """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that has it."""
         host, errors = self.host, []
         for peer, hosted_stage in sources:
-            request = pb.StateRequest(to=address(host.run_id, hosted_stage), snapshot=True, stage=stage, step=step)
+            request = pb.StateRequest(
+                to=address(host.run_id, hosted_stage),
+                snapshot=True,
+                stage=stage,
+                step=step,
+                admission=host.gate.shown(),
+            )
             try:
                 frame = await call(host.node.streams, peer, "state", request, b"", host.settings.state_timeout_s)
             except (TransportError, RemoteError) as e:

@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
 from swarm.config import ExperimentConfig
@@ -41,6 +42,7 @@ from swarm.transport.hivemind.routing import NoPeerError, Router
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds, codec_changes
+from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,17 @@ class SwarmPipeline:
         in_flight: int | None = None,
         snapshot_every: int = 0,
         fresh: bool = False,
+        owner_key: RSAPrivateKey | None = None,
+        allow=(),
+        private: bool = False,
     ) -> None:
         self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
         self.num_stages = cfg.model.num_stages
         self.in_flight = in_flight or cfg.train.in_flight or 2 * self.num_stages
-        self.router = Router(node, run_id)
+        # the run's owner: signs control calls, admits members (swarm.transport.hivemind.trust)
+        self.owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
         self.session = uuid.uuid4().hex
+        self.router = Router(node, run_id, lambda r: self.owner.routable(r, self.session), self.owner.allows)
         self.members: dict[int, list[str]] = {}  # stage -> peers set up for this run
         self.following: set[str] = set()  # members that joined mid-run and are still catching up
         self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out (older records of it are stale)
@@ -72,7 +79,10 @@ class SwarmPipeline:
         self.numbering = Numbering()  # of our messages to each stage-0 peer
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         sending = Sending(node.settings.sending_per_neighbour)
-        self.handoff = Handoff(node, self.router, run_id, 0, self.pacer, sending, self.numbering.restart)
+        admission = lambda: self.owner.admit(self.session, node.peer_id, trainer=True)  # noqa: E731
+        self.handoff = Handoff(
+            node, self.router, run_id, 0, self.pacer, sending, self.numbering.restart, admission=admission
+        )
         self.retry = Retry(node.settings)
         self.rounds = SwarmRounds(self)
         self.recovery = Recovery(self, snapshot_every)  # the swarm's copies of every stage, every few steps
@@ -144,10 +154,11 @@ class SwarmPipeline:
             capacity=capacity,
             session=self.session,
             sources=sources,
+            admission=self.owner.admit(self.session, peer_id, stage),
         )
         timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
         frame = await self.retry.same_peer(
-            lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout),
+            lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout, self.owner.key),
             f"setup of stage {stage} peer {peer_id[-8:]}",
         )
         return frame.head
@@ -312,7 +323,8 @@ class SwarmPipeline:
         steps (bench throughput leaves the warm-up out) take the compute of the same steps."""
         notes = {"codecs": self.adaptive.ran} if self.adaptive is not None else {}
         if self._counted is not None:
-            notes["stages"] = [_compute_row(status) for status in self._counted]
+            keys = ("stage", "compute_s", "compute_cpu_s", "samples")
+            notes["stages"] = [{key: getattr(status, key) for key in keys} for status in self._counted]
         return notes
 
     def summary_notes(self) -> dict:
@@ -364,8 +376,10 @@ class SwarmPipeline:
         return dict(sorted(totals.items()))
 
     def stage_rows(self) -> list[dict]:
-        """Per stage peer: training compute seconds and samples (a throughput benchmark's compute bound)."""
-        return [{**_compute_row(s), "processed": s.processed, "throughput": s.throughput} for s in self.statuses()]
+        """Per stage peer: training compute seconds, its computing thread's CPU seconds and samples
+        (a throughput benchmark's compute bound)."""
+        keys = ("stage", "compute_s", "compute_cpu_s", "samples", "processed", "throughput")
+        return [{key: getattr(status, key) for key in keys} for status in self.statuses()]
 
     def state_bytes(self) -> int:
         return sum(status.state_bytes for status in self.statuses())
@@ -381,13 +395,3 @@ class SwarmPipeline:
             self.adaptive.restore(saved)
         self.went_back(step)
         return step
-
-
-def _compute_row(status: pb.StageStatus) -> dict:
-    """A stage peer's training compute so far: seconds, its computing thread's CPU seconds, samples."""
-    return {
-        "stage": status.stage,
-        "compute_s": status.compute_s,
-        "compute_cpu_s": status.compute_cpu_s,
-        "samples": status.samples,
-    }

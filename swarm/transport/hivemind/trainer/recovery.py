@@ -149,7 +149,7 @@ class Recovery:
 
         async def one(stage: int, peer: str):
             request = pb.SnapshotRequest(to=address(p.run_id, stage), discard=True, lineage=self.lineage)
-            return await call(p.node.streams, peer, "snapshot", request, b"", timeout)
+            return await call(p.node.streams, peer, "snapshot", request, b"", timeout, p.owner.key)
 
         await asyncio.gather(*(one(s, peer) for s, peer in self.pipeline.rounds.peers()), return_exceptions=True)
 

@@ -48,7 +48,7 @@ class SwarmRounds:
         head = getattr(pb, _REQUESTS[kind])(to=address(p.run_id, stage), **fields)
         timeout = timeout or p.node.settings.call_timeout_s
         frame = await p.retry.same_peer(
-            lambda: call(p.node.streams, peer_id, kind, head, payload, timeout),
+            lambda: call(p.node.streams, peer_id, kind, head, payload, timeout, p.owner.key),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
         )
         self._tally(kind, payload, frame)
@@ -135,7 +135,7 @@ class SwarmRounds:
             to=address(p.run_id, stage), step=p.step_index, micro_batches=sorted(indices), groups=groups
         )
         timeout = 1.5 * p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
-        frame = await call(p.node.streams, peer, "gather", head, b"", timeout)
+        frame = await call(p.node.streams, peer, "gather", head, b"", timeout, p.owner.key)
         self._tally("gather", b"", frame)
         return frame
 

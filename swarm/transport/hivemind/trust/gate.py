@@ -1,0 +1,73 @@
+"""A hosted stage's checks of every call, made on its head before any payload is read.
+
+- control calls (setup, the step's rounds, checkpoints, copies): signed by the run's owner;
+- micro-batches: from a member admitted to the stage before (stage 0: from the session's trainer);
+- state downloads: from a member of the session (a joiner of the stage, a holder of copies);
+- status (`info`): anyone.
+
+The owner is the one given (`--owner`, or the signer of the run's published config), else the
+first to set the stage up (trust on first use: the peer logs whom it trusts and how to pin it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.trust.admissions import Admissions
+from swarm.transport.hivemind.trust.signatures import CONTROL, CallCheck, Refused
+
+log = logging.getLogger(__name__)
+
+
+class Gate:
+    def __init__(self, run_id: str, stage: int, peer_id: str, owner: str | None = None) -> None:
+        self.run_id, self.stage, self.peer_id = run_id, stage, peer_id
+        self.owner = owner
+        self.calls = CallCheck(peer_id)
+        self.admissions = Admissions(run_id)
+        self.admission: pb.Admission | None = None  # ours, from the setup of the current session
+
+    def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
+        assert kind in CONTROL
+        signer = self.calls.signer(kind, head, auth, chunk)
+        if self.owner is None:
+            if kind != "setup":
+                raise Refused(f"{kind} call before any setup: this peer has no owner to check it against")
+            self.owner = signer
+            log.info(
+                "stage %d of run %r: owner %s (the first to set it up; pass --owner %s to pin it)",
+                self.stage,
+                self.run_id,
+                signer,
+                signer,
+            )
+        elif signer != self.owner:
+            raise Refused(f"{kind} call signed by {signer[-8:]}, not by the run's owner {self.owner[-8:]}")
+        if kind == "setup":
+            own = self.admissions.check(head.admission, self.owner, head.session, self.peer_id)
+            if own.trainer or own.stage != self.stage:
+                raise Refused(f"setup admits this peer to stage {own.stage}, it hosts stage {self.stage}")
+
+    def micro_batch(self, head: pb.MicroBatchHead, sender: str, session: str) -> None:
+        admission = self.admissions.check(head.admission, self.owner, session, sender)
+        if self.stage == 0 and not admission.trainer:
+            raise Refused(f"micro-batch for stage 0 from {sender[-8:]}, not the session's trainer")
+        if self.stage > 0 and (admission.trainer or admission.stage != self.stage - 1):
+            who = "the trainer" if admission.trainer else f"a stage {admission.stage} peer"
+            raise Refused(f"micro-batch for stage {self.stage} from {who}; only stage {self.stage - 1} peers send here")
+
+    def state(self, head: pb.StateRequest, sender: str, session: str) -> None:
+        # the copies belong to the owner's lineage, not to one session: a restore may fetch one
+        # from a holder its trainer has not set up again yet
+        admission = self.admissions.check(head.admission, self.owner, None if head.snapshot else session, sender)
+        if admission.trainer or (not head.snapshot and admission.stage != self.stage):
+            raise Refused(f"state of stage {self.stage} asked by a member of stage {admission.stage}")
+
+    def shown(self) -> pb.Admission:
+        """Ours, to show with a call (empty before the first setup: the callee refuses it)."""
+        return self.admission if self.admission is not None else pb.Admission()
+
+    def set_up(self, head: pb.SetupRequest) -> None:
+        self.admission = pb.Admission()
+        self.admission.CopyFrom(head.admission)

@@ -1,0 +1,56 @@
+"""The run's owner as the trainer acts: the key that signs its control calls and admits members."""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind.utils.crypto import RSAPrivateKey
+
+from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.trust import tokens
+from swarm.transport.hivemind.trust.admissions import Admissions, issue
+from swarm.transport.hivemind.trust.keys import own_peer_id
+
+log = logging.getLogger(__name__)
+
+
+class Owner:
+    """`private`: only peers in `allow`, or with a token of this owner, are set up (`allows`)."""
+
+    def __init__(self, key: RSAPrivateKey, run_id: str, allow=(), private: bool = False) -> None:
+        self.key, self.run_id = key, run_id
+        self.peer_id = own_peer_id(key)  # what stage peers pin (`--owner`)
+        self.admissions = Admissions(run_id)
+        self._issued: dict[tuple, pb.Admission] = {}
+        self.allow, self.private = set(allow), private or bool(allow)
+        self._ignored: set[str] = set()  # peers refused (said once)
+
+    def allows(self, record) -> bool:
+        """Whether the run may take this announced peer: any (an open run), or one allowed by name or
+        by a token of ours (a private one). Peers not allowed are never set up nor routed to."""
+        if not self.private or record.peer_id in self.allow:
+            return True
+        if tokens.allows(record.token, self.peer_id, self.run_id, record.peer_id):
+            return True
+        if record.peer_id not in self._ignored:
+            self._ignored.add(record.peer_id)
+            log.warning(
+                "peer %s announced stage %d of private run %r without an allowance: ignored (--allow it, or give it a token: python -m peers.token --run_id %s --peer %s)",
+                record.peer_id,
+                record.stage,
+                self.run_id,
+                self.run_id,
+                record.peer_id,
+            )
+        return False
+
+    def admit(self, session: str, peer_id: str, stage: int = 0, trainer: bool = False) -> pb.Admission:
+        """The admission of `peer_id` to `stage` (or as the trainer) in `session`, signed once."""
+        key = (session, peer_id, stage, trainer)
+        if key not in self._issued:
+            self._issued[key] = issue(self.key, self.run_id, session, peer_id, stage, trainer)
+        return self._issued[key]
+
+    def routable(self, record, session: str) -> bool:
+        """Whether a DHT record's peer is admitted to `session` (micro-batches go only to those)."""
+        return self.admissions.routable(record.admission, self.peer_id, session, record.peer_id, record.stage)

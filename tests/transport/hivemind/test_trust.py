@@ -1,0 +1,165 @@
+"""Only the run's members act on the run: a stranger on the DHT who knows the run id, the config
+and every peer's record is refused at every call (one-line errors, REFUSED), is never routed to,
+and the run goes on with the single-process losses."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from _swarm_env import assert_same_run, local_rows, smoke
+from _util import SMOKE
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from protocols import stage_pb2 as pb
+from protocols import wire
+from protocols.message import Encoded, RawPart
+from swarm.engine.microbatch import MicroBatch
+from swarm.training.experiment import build_data
+from swarm.training.loop import train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.announce import StageRecord, announce, discover
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
+from swarm.transport.hivemind.trust.owner import Owner
+from swarm.transport.hivemind.trust.signatures import sign_call
+
+STEPS = 4
+
+
+def _refused(swarm, node, peer, kind, head, payload=b"", key=None, match=""):
+    with pytest.raises(RemoteError, match=match) as caught:
+        swarm.loop.run(call(node.streams, peer, kind, head, payload, 10, key))
+    assert caught.value.code == pb.REFUSED and "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tmp_path):
+    cfg = smoke()
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
+    stranger = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+    stranger_key = RSAPrivateKey()
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        owner = pipeline.owner
+        first, second = hosted[0], hosted[1]
+        peer = second.node.peer_id
+        to = address(run_id, 1)
+
+        # control calls: unsigned, or signed by anyone but the owner
+        setup = pb.SetupRequest(to=to, config_digest=second.digest, session="mine", lr_horizon=9)
+        setup.admission.CopyFrom(Owner(stranger_key, run_id).admit("mine", peer, 1))
+        _refused(swarm, stranger, peer, "setup", setup, match="unsigned setup")
+        _refused(swarm, stranger, peer, "setup", setup, key=stranger_key, match="not by the run's owner")
+        apply = pb.ApplyRequest(to=to, step=0, scale=1.0)
+        _refused(swarm, stranger, peer, "apply", apply, key=stranger_key, match="not by the run's owner")
+        _refused(swarm, stranger, peer, "save", pb.SaveRequest(to=to), key=stranger_key)
+        _refused(swarm, stranger, peer, "load", pb.LoadRequest(to=to), b"weights of my choosing", stranger_key)
+        restore = pb.RestoreRequest(to=to, step=0, lineage="x")
+        _refused(swarm, stranger, peer, "restore", restore, key=stranger_key)
+        # the owner's own signature does not travel: not to another peer, not twice
+        signed_for_first = pb.ApplyRequest(to=address(run_id, 0), step=99)
+        auth = sign_call(owner.key, "apply", signed_for_first, b"", first.node.peer_id)
+        assert second.gate.calls.peer_id != auth.service
+        with pytest.raises(RemoteError, match="signed for another peer"):
+            second.gate.control("apply", signed_for_first, auth, pb.Chunk())
+        first.gate.calls.signer("apply", signed_for_first, auth, pb.Chunk())
+        with pytest.raises(RemoteError, match="replayed"):
+            first.gate.calls.signer("apply", signed_for_first, auth, pb.Chunk())
+        changed = pb.ApplyRequest(to=address(run_id, 0), step=98)
+        with pytest.raises(RemoteError, match="bad signature"):
+            first.gate.calls.signer("apply", changed, auth, pb.Chunk())
+
+        # payloads: NaN activations from a stranger, with no admission or with a copied one
+        (record,) = swarm.loop.run(discover(stranger, run_id, 1))
+        admission = pb.Admission.FromString(record.admission)
+        nan = tensor_to_raw(torch.full((4, 8), float("nan"))).SerializeToString()
+        batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
+        head = pb.MicroBatchHead(to=to, sender=stranger.peer_id, batch=batch_to_meta(batch), budget_s=5)
+        _refused(swarm, stranger, peer, "micro_batch", head, nan, match="showed no admission")
+        head.admission.CopyFrom(pb.Admission.FromString(swarm.loop.run(discover(stranger, run_id, 0))[0].admission))
+        _refused(swarm, stranger, peer, "micro_batch", head, nan, match="shown by")
+        # the weights stay with the members
+        state = pb.StateRequest(to=to, admission=admission)
+        _refused(swarm, stranger, peer, "state", state, match="shown by")
+        snapshot = pb.StateRequest(to=to, snapshot=True, stage=1, step=0)
+        _refused(swarm, stranger, peer, "state", snapshot, match="showed no admission")
+
+        # a record of its own, as fast as can be, with a member's admission: never routed to
+        fake = StageRecord(stranger.peer_id, 1, cfg.model.num_stages, [], 1e9, 0, ready=True)
+        fake.session, fake.admission = pipeline.session, record.admission
+        assert swarm.loop.run(announce(stranger, run_id, fake, 60))
+        assert stranger.peer_id in [r.peer_id for r in swarm.loop.run(discover(first.node, run_id, 1))]
+        assert not first.router.routable(fake) and first.router.routable(record)
+
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert not first.router.bans.failures, "the stranger's record was never tried"
+        assert sum(h.processed for h in hosted) > 0
+        assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.unhost(run_id)
+        swarm.loop.run(stranger.shutdown())
+
+
+def test_the_runs_config_record_names_its_owner_and_nobody_else_can_write_it(swarm):
+    run_id = uuid.uuid4().hex[:8]
+    owner_key, stranger_key = RSAPrivateKey(), RSAPrivateKey()
+    trainer = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True, signing_key=owner_key)))
+    stranger = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True, signing_key=stranger_key)))
+    owner = Owner(owner_key, run_id).peer_id
+    mine = PublishedConfig.of(run_id, SMOKE.read_text(), [], str(SMOKE))
+    try:
+        assert swarm.loop.run(publish(trainer, run_id, mine, 60, owned=True))
+        found = swarm.loop.run(resolve_run(swarm.hosts[0][0], run_id, 5))
+        assert found.owner == owner and found.digest == mine.digest
+        # the owner's subkey, written with another key: every node refuses to store it
+        forged = {**mine.to_value(), "yaml": mine.yaml + "\n# mine now"}
+        expires = get_dht_time() + 60
+        subkey = mine.digest.encode() + trainer.owned_by
+        assert not swarm.loop.run(stranger.dht.store(config_key(run_id), forged, expires, subkey=subkey))
+        assert swarm.loop.run(resolve_run(swarm.hosts[1][0], run_id, 5)).yaml == mine.yaml
+        # a claim of its own: joiners refuse to guess between owners, --owner picks
+        assert swarm.loop.run(publish(stranger, run_id, mine, 60, owned=True))
+        with pytest.raises(RunConfigError, match="claimed by 2 owners"):
+            swarm.loop.run(resolve_run(swarm.hosts[2][0], run_id, 5))
+        assert swarm.loop.run(resolve_run(swarm.hosts[2][0], run_id, 5, owner)).owner == owner
+    finally:
+        for node in (trainer, stranger):
+            swarm.loop.run(node.shutdown())
+
+
+def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_else(swarm, tmp_path):
+    """A peer admitted to stage 0 (its key stolen, say) sends stage 1 NaN activations: they are
+    refused before any model sees them, the sender is banned, stage 1's link to stage 2 is not
+    reset, and the run's losses stay the single-process ones."""
+    cfg = smoke()
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
+    rogue = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        middle, after = hosted[1], hosted[2].node.peer_id
+        nan = wire.encode(Encoded((4, 32), torch.float32, RawPart(torch.full((4, 32), float("nan")))))
+        batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
+        head = pb.MicroBatchHead(to=address(run_id, 1), sender=rogue.peer_id, batch=batch_to_meta(batch), budget_s=5)
+        head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, rogue.peer_id, 0))
+        with pytest.raises(RemoteError, match="not finite"):
+            swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", head, nan, 10))
+        message = _refused(swarm, rogue, middle.node.peer_id, "micro_batch", head, nan, match="banned")
+        assert rogue.peer_id[-8:] in message
+        assert middle.links.numbering.epoch(after) is None  # its link to stage 2 was not restarted
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.unhost(run_id)
+        swarm.loop.run(rogue.shutdown())
