@@ -80,3 +80,17 @@ def test_stream_bench_times_both_modes_over_real_daemons():
         result.returncode == 2
         and "--payload_kb: expected a positive integer, got '-3'" in result.stderr.strip().splitlines()[-1]
     )
+
+
+def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses():
+    """`bench fuzz` attacks a small training swarm and says how each category of message ended,
+    whether the losses are one process's and how much memory the campaign took."""
+    result = run_cli("bench", "fuzz", "--count", "300", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for category in ("random bytes", "bad chunks", "member's bad payload", "stalled stream", "setup call"):
+        assert category in out
+    assert "hung: 0" in out and "every stage peer still serving: yes" in out
+    assert "largest relative loss difference to one process 0.00e+00" in out
+    result = run_cli("bench", "fuzz", "--count", "0")
+    assert result.returncode == 2 and "--count: expected a positive integer" in result.stderr

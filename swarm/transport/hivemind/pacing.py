@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections import Counter
 
 from hivemind.p2p import P2P
@@ -45,6 +46,7 @@ from swarm.netlab.shaper import TokenBucket
 
 PAYLOAD_SHARE = 0.94  # payload bits per wire bit: what hivemind streams carry over a shaped link (docs/bench)
 PIECE_BYTES = 1 << 18  # most written under the bucket at once: ~10 ms at 200 Mbit/s
+MIN_OFFER_BITS = 64_000.0  # the slowest rate a neighbour's offer can set (a modem's): offers below it count as it
 PIECE_S = 0.01  # a piece leaves in about this long at the flow's rate
 MIN_PIECE_BYTES = 1 << 13  # below this, per-write costs grow and the links are slow anyway
 MIN_WEIGHT_BYTES = 1 << 16  # what a payload weighs at least in the shares (payload_weight)
@@ -135,9 +137,13 @@ class FlowPacer:
 
     def heard(self, peer_id: str, offered: float, fallback: bool = False) -> None:
         """A neighbour's offer from a head or a reply (0 says nothing); `fallback`: its record's
-        static share, used only until it offers something."""
+        static share, used only until it offers something. An offer that is not a rate (infinite,
+        not a number) says nothing; one below MIN_OFFER_BITS counts as that much, so no neighbour can
+        make this peer hold a sending slot for ever."""
+        if not math.isfinite(offered):
+            return
         if offered > 0 and not (fallback and peer_id in self._offered):
-            self._offered[peer_id] = offered
+            self._offered[peer_id] = max(offered, MIN_OFFER_BITS)
 
     def rate(self, peer_id: str) -> float | None:
         """Payload bits/s for the next bytes to `peer_id`; None: not paced."""

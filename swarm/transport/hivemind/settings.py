@@ -55,6 +55,9 @@ class Settings:
     max_micro_batch_bytes: int = 1 << 30  # one boundary's activations or gradients (--max_payload_mb)
     max_payload_bytes: int = MAX_PAYLOAD_BYTES  # stage checkpoints and the step's gradients
     sending_per_neighbour: int = 1  # payloads in transfer at once to one neighbour (calls.Sending)
+    # Requests one peer may have in progress at a stage server at once (the trainer's in-flight
+    # micro-batches are far fewer); more are refused at once, so a flood costs its sender only.
+    max_requests_per_sender: int = 64
     # ---- link order (swarm.transport.hivemind.ordering) ---------------------------------------
     # A message of a link epoch this end has not seen waits this long for the epoch's first
     # message; past it, this end lost the link (it restarted) and says so.

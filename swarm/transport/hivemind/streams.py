@@ -21,11 +21,13 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from protocols import stage_pb2 as pb
-from protocols.framing import Received, parse_message
+from protocols.errors import ProtocolError
+from protocols.framing import CHUNK_BYTES, Received, parse_message
 from swarm.transport.hivemind.errors import RemoteError, short
 from swarm.transport.hivemind.pacing import send_paced
 
 PROTOCOL = "hivepipe.stage.v2"  # the stream protocol of every stage call (protocols/stage.proto)
+MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # one payload chunk and the head riding with the first
 
 
 def peer_id_of(peer_id) -> PeerID:
@@ -34,12 +36,16 @@ def peer_id_of(peer_id) -> PeerID:
 
 async def read_message(reader: asyncio.StreamReader, begun: bool = False) -> bytes | None:
     """The next message's bytes, None at the end of the stream (its end marker, or closed);
-    `begun`: its marker was read already. An error marker raises the peer's error."""
+    `begun`: its marker was read already. An error marker raises the peer's error; a length over
+    MAX_MESSAGE_BYTES is refused before anything of it is read (a message is one chunk and a head)."""
     try:
         marker = P2P.MESSAGE_MARKER if begun else await reader.readexactly(1)
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
             return None  # the end-of-stream marker, or garbage: either way nothing more to read
-        data = await P2P.receive_raw_data(reader)
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        if length > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"a message of {length} bytes: messages are at most {MAX_MESSAGE_BYTES} bytes")
+        data = await reader.readexactly(length)
     except asyncio.IncompleteReadError:  # the peer closed the stream
         return None
     if marker == P2P.ERROR_MARKER:

@@ -73,6 +73,7 @@ class StageServer:
         # codec parameters): refused at the head for a while, longer each time
         self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
         self.refused: Counter = Counter()  # requests refused or failed, by kind of error
+        self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
@@ -126,6 +127,8 @@ class StageServer:
         head = getattr(message, kind)
         if self.banned.banned(sender):
             raise Refused(f"peer {sender[-8:]} is banned for a while: it sent a malformed payload")
+        if self.active[sender] > self.settings.max_requests_per_sender:
+            raise Refused(f"peer {sender[-8:]} has {self.active[sender] - 1} requests in progress here already")
         if kind == "info":
             _check_version(head.to)
             return
@@ -151,8 +154,14 @@ class StageServer:
         with contextlib.closing(writer):
             try:
                 while await requests.next(self.settings.server_idle_s):
-                    if not await self._one(requests, sender, writer):
-                        return
+                    self.active[sender] += 1
+                    try:
+                        if not await self._one(requests, sender, writer):
+                            return
+                    finally:
+                        self.active[sender] -= 1
+                        if not self.active[sender]:
+                            del self.active[sender]
             except Exception as e:  # the stream broke (the caller sees that on its side)
                 log.debug("stream from %s ended: %s", sender[-8:], one_line(e))
 
@@ -170,7 +179,7 @@ class StageServer:
             reply = await self._dispatch(frame, requests, sender)
         except Exception as e:
             self.refused[type(e).__name__] += 1
-            if isinstance(e, PayloadError):
+            if isinstance(e, PayloadError) and _code(e) != pb.LINK_RESET:  # not a link state that fell out of step
                 log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
             log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
             await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)

@@ -1,0 +1,133 @@
+"""`python -m swarm bench fuzz`: malformed messages at a run's stage peers while it trains.
+
+An in-process swarm (a bootstrap peer, one host per stage, the trainer) trains a config while a
+fuzzer, a stranger on the DHT that also holds a stolen admission to each stage's previous stage,
+sends `count` malformed messages (swarm.bench.fuzz_cases) to the stage peers, each on a new stream,
+several at once. Every message must be answered by a one-line error or a closed stream within the
+peer's limits (a hang is counted), no peer may stop serving, the run's losses must equal the
+single-process run's, and this process's memory may grow by at most the documented bound
+(docs/security.md). It prints the outcomes per category.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import resource
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from protocols.errors import ProtocolError
+from protocols.framing import read_frame
+from swarm.bench.fuzz_cases import Case, Cases, Target
+from swarm.transport.hivemind.streams import PeerStream
+
+OUTCOMES = ("refused", "closed", "answered", "hung", "multi-line")
+
+
+@dataclass
+class Tally:
+    """Outcomes per category: `refused` (a one-line error reply), `closed` (the peer closed the
+    stream without one: it could not tell a request in it), `answered` (a reply that is not an
+    error: only a stranger's status call may get one), `hung` (nothing within the limit),
+    `multi-line` (an error reply of more than one line)."""
+
+    counts: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    slowest_s: float = 0.0
+    seconds: Counter = field(default_factory=Counter)  # per category, summed
+    answered_kinds: Counter = field(default_factory=Counter)
+    reasons: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # refusals' first words
+
+    def add(self, category: str, outcome: str, seconds: float, detail: str = "") -> None:
+        self.counts[category][outcome] += 1
+        self.slowest_s = max(self.slowest_s, seconds)
+        self.seconds[category] += seconds
+        if outcome == "answered":
+            self.answered_kinds[detail] += 1
+        elif detail:
+            self.reasons[category][re.sub(r"\b[0-9A-Za-z]{8}\b|\d+", "_", " ".join(detail.split()[:5]))] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(sum(c.values()) for c in self.counts.values())
+
+    def of(self, outcome: str) -> int:
+        return sum(c[outcome] for c in self.counts.values())
+
+    def table(self) -> str:
+        lines = [f"{'category':<24}" + "".join(f"{o:>11}" for o in OUTCOMES) + f"{'ms each':>9}"]
+        for category in sorted(self.counts):
+            n = sum(self.counts[category].values())
+            counts = "".join(f"{self.counts[category][o]:>11}" for o in OUTCOMES)
+            lines.append(f"{category:<24}{counts}{1000 * self.seconds[category] / n:>9.0f}")
+        lines.append(f"{'total':<24}" + "".join(f"{self.of(o):>11}" for o in OUTCOMES))
+        lines.append("most common refusal per category:")
+        for category in sorted(self.reasons):
+            reason, n = self.reasons[category].most_common(1)[0]
+            lines.append(f"  {category:<24} {n:>6}x {reason} ...")
+        return "\n".join(lines)
+
+
+async def send(p2p, peer_id: str, case: Case, limit_s: float) -> tuple[str, str]:
+    """The peer's answer to one case: (outcome, detail)."""
+    stream = await PeerStream.open(p2p, peer_id)
+    try:
+        stream.writer.write(case.data)
+        await stream.writer.drain()
+        if case.hang_up:
+            return "closed", ""
+        if not case.stall:
+            await stream.end()
+        frame = await asyncio.wait_for(read_frame(stream.replies()), limit_s)
+    except TimeoutError:
+        return "hung", ""
+    except ProtocolError:  # the stream ended before a reply: the peer closed it
+        return "closed", ""
+    except (ConnectionError, OSError) as e:
+        return "closed", str(e)[:80]
+    finally:
+        stream.close()
+    if frame.kind != "error":
+        return "answered", frame.kind
+    message = frame.head.message
+    return ("multi-line" if "\n" in message or not message else "refused"), message
+
+
+async def campaign(
+    stranger,
+    member,
+    targets: list[Target],
+    count: int,
+    limit_s: float,
+    stall_limit_s: float,
+    concurrency: int = 8,
+    stalls: int = 4,
+    seed: int = 0,
+) -> Tally:
+    """`count` cases spread over `targets` (plus `stalls` streams left half-written, which the peer
+    must close within `stall_limit_s`), `concurrency` at once, sent by the P2P `stranger` or, for a
+    member's cases, `member`."""
+    tally = Tally()
+    makers = [Cases(t, seed + i) for i, t in enumerate(targets)]
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, stall: bool) -> None:
+        target, maker = targets[i % len(targets)], makers[i % len(targets)]
+        case = maker.stall() if stall else maker.next()
+        async with slots if not stall else contextlib.nullcontext():
+            started = time.monotonic()
+            try:
+                sender = member if case.member else stranger
+                outcome, detail = await send(sender, target.peer_id, case, stall_limit_s if stall else limit_s)
+            except Exception as e:  # opening the stream failed: the peer is gone (a crash)
+                outcome, detail = "hung", f"{type(e).__name__}: {e}"[:120]
+            tally.add(case.category, outcome, time.monotonic() - started, detail)
+
+    await asyncio.gather(*(one(i, False) for i in range(count)), *(one(i, True) for i in range(stalls)))
+    return tally
+
+
+def max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,250 @@
+"""Malformed messages for stage peers, by category (`swarm.bench.fuzz` sends them during a run).
+
+Each case is the bytes a caller writes on one stream of the stage protocol: hivemind's message
+framing (a marker, an 8-byte length, the bytes) around our frames (protocols.framing), broken on
+purpose at every layer: the stream's framing, the frame's chunks, the head's fields and signature,
+and, from a peer admitted to the stage before (a member whose key was stolen), the payload itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+
+from protocols import compressed_tensor_pb2 as cpb
+from protocols import stage_pb2 as pb
+from protocols import wire
+from protocols.framing import frame_parts
+from protocols.message import Encoded, Granularity, QuantPart, RawPart
+from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.trust.admissions import issue
+from swarm.transport.hivemind.trust.signatures import sign_call
+
+CONTROL_HEADS = {
+    "setup": pb.SetupRequest,
+    "gather": pb.GatherRequest,
+    "set_grads": pb.SetGradsRequest,
+    "apply": pb.ApplyRequest,
+    "save": pb.SaveRequest,
+    "load": pb.LoadRequest,
+    "snapshot": pb.SnapshotRequest,
+    "restore": pb.RestoreRequest,
+    "state": pb.StateRequest,
+    "info": pb.InfoRequest,
+}
+
+
+@dataclass
+class Target:
+    """A stage peer under test and what the fuzzer knows: the public run, and (to act as a
+    member admitted to the stage before, or to mutate the owner's signed calls) the owner's key."""
+
+    peer_id: str
+    run_id: str
+    stage: int
+    session: str
+    owner_key: RSAPrivateKey
+    stranger_id: str  # the peer id of the fuzzer's stranger (never admitted)
+    member_id: str  # ... and of its member (admitted to the stage before: its key was stolen)
+    width: int = 32  # activations per sample at this stage's input (stage > 0)
+
+
+@dataclass
+class Case:
+    category: str
+    data: bytes  # written to a new stream as is, then the stream's end marker
+    stall: bool = False  # the fuzzer stops writing half-way and waits for the peer to close the stream
+    hang_up: bool = False  # the fuzzer closes the stream at once (a truncated frame's end never comes)
+    member: bool = False  # sent by the fuzzer's member (else by its stranger)
+    notes: dict = field(default_factory=dict)
+
+
+def framed(message: bytes) -> bytes:
+    """One message as hivemind's streams carry it."""
+    return P2P.MESSAGE_MARKER + len(message).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + message
+
+
+def request_bytes(kind: str, head, payload: bytes = b"", **extra) -> bytes:
+    return b"".join(framed(b"".join(parts)) for parts in frame_parts(pb.StageRequest, kind, head, payload, **extra))
+
+
+class Cases:
+    """Random cases for `target`, reproducible from `seed`."""
+
+    def __init__(self, target: Target, seed: int = 0) -> None:
+        self.t, self.rng = target, random.Random(seed)
+        self.stranger_key = RSAPrivateKey()
+        self._epoch = 0  # the member's link epochs: each bad payload opens a new one (no wait for order)
+        t = target
+        # an admission to the stage before (the trainer's, for stage 0), as if its key were stolen,
+        # and one the stranger made itself
+        self.stolen = issue(t.owner_key, t.run_id, t.session, t.member_id, max(t.stage - 1, 0), trainer=t.stage == 0)
+        self.forged = issue(self.stranger_key, t.run_id, t.session, t.stranger_id, 0)
+
+    def _bytes(self, n: int) -> bytes:
+        return self.rng.randbytes(n)
+
+    def _batch(self, step: int = 0, rows: int = 4) -> MicroBatch:
+        return MicroBatch(step, self.rng.randrange(1 << 16), torch.arange(rows), torch.zeros(rows, dtype=torch.long))
+
+    def _head(self, admitted: bool, **fields) -> pb.MicroBatchHead:
+        t = self.t
+        sender = t.member_id if admitted else t.stranger_id
+        head = pb.MicroBatchHead(
+            to=address(t.run_id, t.stage), sender=sender, batch=batch_to_meta(self._batch()), budget_s=5
+        )
+        for name, value in fields.items():
+            setattr(head, name, value)
+        if admitted:
+            head.admission.CopyFrom(self.stolen)
+        return head
+
+    def _activations(self) -> bytes:
+        if self.t.stage == 0:
+            return tensor_to_raw(torch.randn(4, 1, 8, 8)).SerializeToString()
+        return wire.encode(Encoded((4, self.t.width), torch.float32, RawPart(torch.randn(4, self.t.width))))
+
+    # ---- the categories ----------------------------------------------------------------------
+
+    def random_bytes(self) -> Case:
+        return Case("random bytes", self._bytes(self.rng.randint(1, 4096)))
+
+    def huge_length(self) -> Case:
+        length = self.rng.randint(1 << 22, (1 << 64) - 1)
+        return Case("absurd message length", P2P.MESSAGE_MARKER + length.to_bytes(8, "big") + self._bytes(64))
+
+    def truncated(self) -> Case:
+        whole = request_bytes("micro_batch", self._head(False), self._activations())
+        return Case("truncated frame", whole[: self.rng.randint(1, len(whole) - 1)], hang_up=True)
+
+    def extended(self) -> Case:
+        whole = request_bytes("micro_batch", self._head(False), self._activations())
+        extra = self._bytes(self.rng.randint(1, 512))
+        return Case("extended frame", whole + (framed(extra) if self.rng.random() < 0.5 else extra))
+
+    def bad_chunks(self) -> Case:
+        member = self.rng.random() < 0.5
+        head, payload = self._head(member), self._activations()
+        message = pb.StageRequest(micro_batch=head)
+        message.chunk.index, message.chunk.count = 0, 1
+        message.chunk.total_length, message.chunk.crc32 = len(payload), 0
+        message.chunk.data = payload
+        which = self.rng.randrange(5)
+        if which == 0:
+            message.chunk.crc32 = self.rng.getrandbits(32)  # wrong checksum
+        elif which == 1:
+            message.chunk.total_length = self.rng.randint(0, 1 << 62)  # wrong length
+        elif which == 2:
+            message.chunk.count = self.rng.randint(2, 1 << 30)  # wrong count
+        elif which == 3:
+            message.chunk.index = self.rng.randint(1, 1 << 30)  # out of order
+        else:
+            message.ClearField("chunk")  # none at all
+        return Case("bad chunks", framed(message.SerializeToString()), member=member)
+
+    def stranger_micro_batch(self) -> Case:
+        fields = {
+            "epoch": self.rng.choice([0, 1, (1 << 64) - 1]),
+            "seq": self.rng.getrandbits(64),
+            "budget_s": self.rng.choice([0.0, -1.0, 1e300, float("nan")]),
+            "reply_share_bits": self.rng.choice([float("inf"), 1.0, -5.0, float("nan")]),
+        }
+        head = self._head(False, **fields)
+        head.batch.step = self.rng.getrandbits(64)
+        if self.rng.random() < 0.5:  # an admission it copied, or forged
+            head.admission.CopyFrom(self.forged)
+        payload = torch.full((4, 8), float("nan"))
+        return Case(
+            "stranger's micro-batch", request_bytes("micro_batch", head, tensor_to_raw(payload).SerializeToString())
+        )
+
+    def control(self) -> Case:
+        t = self.t
+        kind = self.rng.choice(list(CONTROL_HEADS))
+        head = CONTROL_HEADS[kind](to=address(t.run_id, t.stage))
+        self._mutate(head)
+        payload = self._bytes(self.rng.choice([0, 16, 4096]))
+        how = self.rng.randrange(4)
+        extra = {}
+        if how == 1:  # signed by a stranger
+            extra["auth"] = sign_call(self.stranger_key, kind, head, payload, t.peer_id)
+        elif how == 2:  # the owner's signature, then the head changed
+            extra["auth"] = sign_call(t.owner_key, kind, head, payload, t.peer_id)
+            head.to.run_id += "x"
+        elif how == 3:  # the owner's signature for another peer
+            extra["auth"] = sign_call(t.owner_key, kind, head, payload, t.stranger_id)
+        return Case(f"{kind} call", request_bytes(kind, head, payload, **extra))
+
+    def _mutate(self, head) -> None:
+        """Random values in a few of the head's scalar fields."""
+        scalars = [f for f in head.DESCRIPTOR.fields if not f.is_repeated and f.message_type is None]
+        for f in self.rng.sample(scalars, min(len(scalars), self.rng.randint(0, 3))):
+            if f.type == f.TYPE_STRING:
+                setattr(head, f.name, self._bytes(8).hex())
+            elif f.type == f.TYPE_BOOL:
+                setattr(head, f.name, True)
+            elif f.type == f.TYPE_DOUBLE:
+                setattr(head, f.name, self.rng.choice([float("inf"), -1.0, 1e308, float("nan")]))
+            elif f.type in (f.TYPE_UINT64, f.TYPE_UINT32):
+                setattr(head, f.name, self.rng.getrandbits(32 if f.type == f.TYPE_UINT32 else 64))
+            elif f.type == f.TYPE_BYTES:
+                setattr(head, f.name, self._bytes(16))
+
+    def member_payload(self) -> Case:
+        """From a member admitted to the stage before: its own link, garbage in the payload."""
+        t = self.t
+        which = self.rng.randrange(6)
+        shape = (4, t.width)
+        if which == 0:  # absurd shape
+            enc = Encoded((1 << 20, 1 << 20), torch.float32, RawPart(torch.zeros(1)))
+        elif which == 1:  # NaN values
+            enc = Encoded(shape, torch.float32, RawPart(torch.full(shape, float("nan"))))
+        elif which == 2:  # quantization ranges that are not finite
+            codes = torch.zeros(4 * t.width, dtype=torch.uint8)
+            ranges = torch.tensor([float("inf")]), torch.ones(1)
+            enc = Encoded(shape, torch.float32, QuantPart(8, Granularity.TENSOR, codes, *ranges))
+        else:
+            enc = Encoded(shape, torch.float32, RawPart(torch.randn(shape)))
+        try:
+            payload = wire.encode(enc)
+        except Exception:
+            payload = self._bytes(64)
+        if which == 3:  # truncated
+            payload = payload[: len(payload) // 2]
+        elif which == 4:  # another format version, checksum made right
+            message = cpb.CompressedTensor.FromString(payload)
+            message.format_version = 99
+            payload = message.SerializeToString()
+        elif which == 5:
+            payload = self._bytes(self.rng.randint(1, 2048))
+        self._epoch += 1
+        head = self._head(True, epoch=self._epoch if self.rng.random() < 0.95 else (1 << 64) - 1)
+        return Case("member's bad payload", request_bytes("micro_batch", head, payload), member=True)
+
+    def stall(self) -> Case:
+        """The member's micro-batch, admitted, whose payload stops coming half-way."""
+        head, payload = self._head(True), os.urandom(3 << 20)
+        whole = request_bytes("micro_batch", head, payload)
+        cut = self.rng.randint(len(whole) // 4, len(whole) // 2)
+        return Case("stalled stream", whole[:cut], stall=True, member=True)
+
+    def next(self) -> Case:
+        return self.rng.choices(
+            [
+                self.random_bytes,
+                self.huge_length,
+                self.truncated,
+                self.extended,
+                self.bad_chunks,
+                self.stranger_micro_batch,
+                self.control,
+                self.member_payload,
+            ],
+            weights=[1, 1, 1, 1, 2, 2, 3, 1],
+        )[0]()

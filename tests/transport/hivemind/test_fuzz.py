@@ -1,0 +1,63 @@
+"""10,000 malformed messages at every stage peer of a training run (swarm.bench.fuzz): none crashes or
+hangs a peer, each is answered by a one-line error or a closed stream, memory stays within the
+bound docs/security.md gives, and the run's losses are the single-process run's."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from _swarm_env import SETTINGS, assert_same_run, local_rows, smoke
+
+from swarm.bench.fuzz import campaign, max_rss_mib
+from swarm.bench.fuzz_cases import Target
+from swarm.training.experiment import build_data
+from swarm.training.loop import train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.node import SwarmNode
+
+STEPS = 6
+COUNT = 10_000
+MEMORY_BOUND_MIB = 512  # docs/security.md: what a campaign may add to the peers' memory
+
+
+def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
+    cfg = smoke("train.epochs=10")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
+    stranger, member = (swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True))) for _ in range(2))
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        targets = [
+            Target(
+                h.node.peer_id, run_id, h.stage, pipeline.session, pipeline.owner.key, stranger.peer_id, member.peer_id
+            )
+            for h in hosted
+        ]
+        rss = max_rss_mib()
+        limit = SETTINGS.read_timeout_s + SETTINGS.drain_s + 10
+        running = asyncio.run_coroutine_threadsafe(
+            campaign(stranger.p2p, member.p2p, targets, COUNT, limit_s=limit, stall_limit_s=limit), swarm.loop.loop
+        )
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        tally = running.result(timeout=600)
+        print(tally.table())
+        assert tally.total == COUNT + 4
+        assert tally.of("hung") == 0 and tally.of("multi-line") == 0, tally.table()
+        # only a stranger's status call gets an answer: everything else is refused or dropped
+        assert set(tally.answered_kinds) <= {"info"}, tally.answered_kinds
+        assert tally.of("refused") > COUNT // 2
+        # the member's payloads reached the decoder (and got it banned), the stranger's never did
+        reasons = " ".join(tally.reasons["member's bad payload"])
+        assert "PayloadError" in reasons and "banned" in reasons, reasons
+        assert not any("finite" in r or "banned" in r for r in tally.reasons["stranger's micro-batch"])
+        assert tally.counts["stalled stream"]["refused"] + tally.counts["stalled stream"]["closed"] == 4
+        assert max_rss_mib() - rss < MEMORY_BOUND_MIB
+        assert all(h.runtime is not None and h.processed > 0 for h in hosted)  # every peer still serves
+        assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.unhost(run_id)
+        for node in (stranger, member):
+            swarm.loop.run(node.shutdown())
