@@ -32,6 +32,7 @@ from swarm.transport.hivemind.runconfig import (
     ConfigPublisher,
     PublishedConfig,
     RunConfigError,
+    fetch_configs,
     resolve_run,
     start_publishing,
 )
@@ -165,7 +166,9 @@ async def _config(node: SwarmNode, args: argparse.Namespace):
         cfg = load_config(args.config, args.overrides + device)
         run_id = args.run_id or cfg.name
         mine = PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
-        return cfg, run_id, mine, args.owner
+        # the run's trainer may have published already: its signed record names the owner
+        owners = {c.owner for c in await fetch_configs(node, run_id, args.owner) if c.owner and c.digest == mine.digest}
+        return cfg, run_id, mine, args.owner or (owners.pop() if len(owners) == 1 else None)
     published = await resolve_run(node, args.run_id, args.wait, args.owner)
     cfg = published.config(device)  # the device is this peer's own: not part of the digest
     owner = args.owner or published.owner or None

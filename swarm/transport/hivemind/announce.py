@@ -80,10 +80,15 @@ class StageRecord:
         return value
 
 
+async def list_run(node: SwarmNode, run_id: str, num_stages: int, expires: float) -> bool:
+    """Lists `run_id` among the runs; the entry's subkey names this peer's key (only it rewrites it)."""
+    return await node.dht.store(RUNS_KEY, {"num_stages": num_stages}, expires, subkey=run_id.encode() + node.owned_by)
+
+
 async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float) -> bool:
     record.updated = get_dht_time()
     expires = get_dht_time() + ttl
-    await node.dht.store(RUNS_KEY, {"num_stages": record.num_stages}, expires, subkey=run_id)
+    await list_run(node, run_id, record.num_stages, expires)
     # the subkey is the peer's key: only it can write its record (RSASignatureValidator), and the
     # record's peer id is the one that key stands for
     return await node.dht.store(stage_key(run_id, record.stage), record.to_value(), expires, subkey=node.owned_by)
@@ -105,10 +110,11 @@ async def list_runs(node: SwarmNode) -> dict[str, int]:
     if found is None or not isinstance(found.value, dict):
         return {}
     runs = {}
-    for run_id, item in found.value.items():
+    for subkey, item in found.value.items():
         value = getattr(item, "value", None)
-        if isinstance(value, dict) and isinstance(value.get("num_stages"), int):
-            runs[str(run_id)] = int(value["num_stages"])
+        run_id, marker, _ = subkey.partition(b"[owner:") if isinstance(subkey, bytes) else (b"", b"", b"")
+        if marker and isinstance(value, dict) and isinstance(value.get("num_stages"), int):
+            runs[run_id.decode(errors="replace")] = int(value["num_stages"])
     return dict(sorted(runs.items()))
 
 

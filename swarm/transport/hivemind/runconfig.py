@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import ConfigError, ExperimentConfig, config_from_text
 from swarm.engine.build import config_digest
-from swarm.transport.hivemind.announce import RUNS_KEY, list_runs
+from swarm.transport.hivemind.announce import list_run, list_runs
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
 from swarm.transport.hivemind.trust.keys import peer_id_of
@@ -101,7 +101,7 @@ async def publish(node: SwarmNode, run_id: str, published: PublishedConfig, ttl:
     """Stores the record; `owned`: signed by this node's key as the run's owner's."""
     expires = get_dht_time() + ttl
     # listed as announce() lists a run, so a run is found before any of its stages announces
-    await node.dht.store(RUNS_KEY, {"num_stages": published.num_stages}, expires, subkey=run_id)
+    await list_run(node, run_id, published.num_stages, expires)
     subkey = published.digest.encode() + node.owned_by if owned else published.digest
     return await node.dht.store(config_key(run_id), published.to_value(), expires, subkey=subkey)
 

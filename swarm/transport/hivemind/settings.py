@@ -58,6 +58,9 @@ class Settings:
     # Requests one peer may have in progress at a stage server at once (the trainer's in-flight
     # micro-batches are far fewer); more are refused at once, so a flood costs its sender only.
     max_requests_per_sender: int = 64
+    # Micro-batch payload bytes one peer may have at a stage server at once (declared in the head,
+    # counted before the payload is read): a member cannot fill the peer's memory.
+    max_held_bytes_per_sender: int = 1 << 31
     # ---- link order (swarm.transport.hivemind.ordering) ---------------------------------------
     # A message of a link epoch this end has not seen waits this long for the epoch's first
     # message; past it, this end lost the link (it restarted) and says so.

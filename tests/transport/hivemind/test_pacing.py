@@ -20,6 +20,7 @@ from swarm.transport.hivemind.announce import StageRecord
 from swarm.transport.hivemind.meta import tensor_to_raw
 from swarm.transport.hivemind.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.pacing import (
+    MIN_OFFER_BITS,
     MIN_PIECE_BYTES,
     PAYLOAD_SHARE,
     PIECE_BYTES,
@@ -55,6 +56,11 @@ def test_a_flow_gets_the_smaller_of_the_senders_share_and_the_receivers_offer():
     assert first.rate("s1") == pytest.approx(94e6)
     first.heard("s1", 10e6)  # a slow receiver
     assert first.rate("s1") == 10e6
+    for nonsense in (float("inf"), float("nan"), -float("inf")):  # not rates: they say nothing
+        first.heard("s1", nonsense)
+        assert first.rate("s1") == 10e6
+    first.heard("s1", 1.0)  # a bit per second would hold the sending slot for ever: the floor instead
+    assert first.rate("s1") == MIN_OFFER_BITS
     assert FlowPacer(None, None, 2).rate("s1") is None and FlowPacer(None, None, 2).flow("s1") is None
     assert FlowPacer(None, None, 2).offer("s0", True) == 0.0
 

@@ -4,6 +4,7 @@ and the run goes on with the single-process losses."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -26,6 +27,9 @@ from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
+from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trust.owner import Owner
 from swarm.transport.hivemind.trust.signatures import sign_call
 
@@ -163,3 +167,55 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
     finally:
         swarm.unhost(run_id)
         swarm.loop.run(rogue.shutdown())
+
+
+def test_a_senders_payload_bytes_and_requests_at_once_are_capped(swarm):
+    """A member's micro-batch declaring more payload bytes than it may have at the peer at once is
+    refused from its head, before any of the payload is read, and the peer goes on serving."""
+    cfg = smoke("model.num_stages=1")
+    run_id = uuid.uuid4().hex[:8]
+    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings(max_held_bytes_per_sender=4096))))
+    server = StageServer(node)
+    swarm.loop.run(server.start())
+    try:
+        hosted = server.host(HostedStage(node, run_id, cfg, 0))
+        swarm.loop.run(server.announcer.announce_now())
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 2, data)
+        head = pb.MicroBatchHead(to=address(run_id, 0), sender=swarm.trainer.peer_id, budget_s=5)
+        head.batch.CopyFrom(batch_to_meta(MicroBatch(0, 0, torch.arange(64), torch.zeros(64, dtype=torch.long))))
+        head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, swarm.trainer.peer_id, trainer=True))
+        big = tensor_to_raw(torch.zeros(64, 1, 8, 8)).SerializeToString()  # 16 KiB
+        assert len(big) > 4096
+        message = _refused(swarm, swarm.trainer, node.peer_id, "micro_batch", head, big, match="at once")
+        assert "limit 4096" in message
+        deadline = time.monotonic() + 10
+        while (server.held or server.active) and time.monotonic() < deadline:  # the refused stream winds down
+            time.sleep(0.05)
+        assert not server.held and not server.active
+        assert hosted.processed == 0  # never reached the stage
+    finally:
+        swarm.loop.run(server.stop())
+        swarm.loop.run(node.shutdown())
+
+
+def test_a_peer_trusts_the_first_setup_that_succeeds_and_nobody_else_after(swarm):
+    """Trust on first use, without --owner: a stranger's setup that fails (another config) pins
+    nothing; the trainer's pins it; a stranger's setup after that is refused."""
+    cfg = smoke("model.num_stages=1")
+    run_id = uuid.uuid4().hex[:8]
+    (hosted,) = swarm.host(cfg, run_id, [(0, 0)])
+    stranger = Owner(RSAPrivateKey(), run_id)
+    peer = hosted.node.peer_id
+    try:
+        setup = pb.SetupRequest(to=address(run_id, 0), config_digest="0" * 16, session="mine", lr_horizon=9)
+        setup.admission.CopyFrom(stranger.admit("mine", peer, 0))
+        with pytest.raises(RemoteError, match="config mismatch"):
+            swarm.loop.run(call(swarm.trainer.streams, peer, "setup", setup, b"", 10, stranger.key))
+        assert hosted.gate.owner is None
+        pipeline = swarm.pipeline(cfg, run_id, 2, build_data(cfg))
+        assert hosted.gate.owner == pipeline.owner.peer_id
+        setup.config_digest = hosted.digest
+        _refused(swarm, swarm.trainer, peer, "setup", setup, key=stranger.key, match="not by the run's owner")
+    finally:
+        swarm.unhost(run_id)

@@ -74,6 +74,7 @@ class StageServer:
         self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
         self.refused: Counter = Counter()  # requests refused or failed, by kind of error
         self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
+        self.held: Counter = Counter()  # their payload bytes (settings.max_held_bytes_per_sender)
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
@@ -167,12 +168,14 @@ class StageServer:
 
     async def _one(self, requests: Requests, sender: str, writer: asyncio.StreamWriter) -> bool:
         """One request and its reply; whether the stream may carry another (not after an error)."""
-        kind = "request"
+        kind, held = "request", 0
 
         def check(head_kind: str, message) -> None:
-            nonlocal kind
+            nonlocal kind, held
             kind = head_kind
             self._admit(head_kind, message, sender)
+            if head_kind == "micro_batch":  # its payload stays here until the reply is written
+                held = self._hold(sender, message.chunk.total_length)
 
         try:
             frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
@@ -185,8 +188,24 @@ class StageServer:
             await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)
             await requests.drain(self.settings.drain_s)
             return False
+        finally:
+            self._release(sender, held)
         await reply(writer)
         return True
+
+    def _hold(self, sender: str, size: int) -> int:
+        """Counts `size` payload bytes against what `sender` may have here at once (refused when over)."""
+        if self.held[sender] + size > self.settings.max_held_bytes_per_sender:
+            raise Refused(
+                f"peer {sender[-8:]} would have {self.held[sender] + size} payload bytes here at once (limit {self.settings.max_held_bytes_per_sender})"
+            )
+        self.held[sender] += size
+        return size
+
+    def _release(self, sender: str, size: int) -> None:
+        self.held[sender] -= size
+        if self.held[sender] <= 0:
+            del self.held[sender]
 
     async def _dispatch(self, frame: Frame, requests: Requests, sender: str):
         """The handler's answer to `frame`, as a coroutine function that writes it."""

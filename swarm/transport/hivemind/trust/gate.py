@@ -31,21 +31,12 @@ class Gate:
     def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
         assert kind in CONTROL
         signer = self.calls.signer(kind, head, auth, chunk)
-        if self.owner is None:
-            if kind != "setup":
-                raise Refused(f"{kind} call before any setup: this peer has no owner to check it against")
-            self.owner = signer
-            log.info(
-                "stage %d of run %r: owner %s (the first to set it up; pass --owner %s to pin it)",
-                self.stage,
-                self.run_id,
-                signer,
-                signer,
-            )
-        elif signer != self.owner:
+        if self.owner is None and kind != "setup":
+            raise Refused(f"{kind} call before any setup: this peer has no owner to check it against")
+        if self.owner is not None and signer != self.owner:
             raise Refused(f"{kind} call signed by {signer[-8:]}, not by the run's owner {self.owner[-8:]}")
-        if kind == "setup":
-            own = self.admissions.check(head.admission, self.owner, head.session, self.peer_id)
+        if kind == "setup":  # the first setup's signer becomes the owner once the setup succeeded (set_up)
+            own = self.admissions.check(head.admission, self.owner or signer, head.session, self.peer_id)
             if own.trainer or own.stage != self.stage:
                 raise Refused(f"setup admits this peer to stage {own.stage}, it hosts stage {self.stage}")
 
@@ -69,5 +60,15 @@ class Gate:
         return self.admission if self.admission is not None else pb.Admission()
 
     def set_up(self, head: pb.SetupRequest) -> None:
+        """A setup (checked by `control`) succeeded: its admission is ours, its signer our owner."""
+        if self.owner is None:
+            self.owner = self.admissions.signer(head.admission)
+            log.info(
+                "stage %d of run %r: owner %s (the first to set it up; pass --owner %s to pin it)",
+                self.stage,
+                self.run_id,
+                self.owner,
+                self.owner,
+            )
         self.admission = pb.Admission()
         self.admission.CopyFrom(head.admission)
