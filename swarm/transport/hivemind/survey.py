@@ -50,6 +50,8 @@ class PeerRow:
     restores: int = 0
     restored_step: int = 0
     paused_s: float = 0.0
+    refused: dict[str, int] = field(default_factory=dict)  # requests it refused, by why (docs/security.md)
+    banned: int = 0  # peers it refuses now for a malformed payload
 
 
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
@@ -91,6 +93,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
             return
         row.rtt_ms = 1000 * (time.perf_counter() - started)
         row.reachable = True
+        row.refused, row.banned = dict(reply.refused), reply.banned
         for status in reply.stages:
             if status.stage != row.stage:
                 continue
@@ -148,6 +151,13 @@ def _state(row: PeerRow) -> str:
     return text
 
 
+def _refused(row: PeerRow) -> str:
+    total = sum(row.refused.values())
+    if not total:
+        return "-"
+    return f"{total}" + (f" ({row.banned} banned)" if row.banned else "")
+
+
 def format_table(rows: list[PeerRow]) -> str:
     if not rows:
         return "no stage peers found (is a run going, and are --initial_peers right?)"
@@ -163,6 +173,7 @@ def format_table(rows: list[PeerRow]) -> str:
         "micro-batches",
         "steps",
         "link bytes out/in (compression)",
+        "refused",
         "last seen",
     ]
     table = [header]
@@ -195,6 +206,7 @@ def format_table(rows: list[PeerRow]) -> str:
                 str(row.processed),
                 str(row.steps),
                 "; ".join(links) or "-",
+                _refused(row),
                 f"{row.last_seen_s:.0f}s ago",
             ]
         )

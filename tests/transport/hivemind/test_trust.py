@@ -30,6 +30,7 @@ from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, 
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
+from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trust.owner import Owner
 from swarm.transport.hivemind.trust.signatures import sign_call
 
@@ -103,6 +104,11 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
         assert stranger.peer_id in [r.peer_id for r in swarm.loop.run(discover(first.node, run_id, 1))]
         assert not first.router.routable(fake) and first.router.routable(record)
 
+        # counted, and shown by peers.status
+        (row,) = [r for r in swarm.loop.run(survey(stranger, run_id)) if r.peer_id == peer]
+        assert row.refused["not allowed"] >= 10 and not row.banned
+        assert "refused" in format_table([row])
+
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert not first.router.bans.failures, "the stranger's record was never tried"
@@ -161,6 +167,8 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
         message = _refused(swarm, rogue, middle.node.peer_id, "micro_batch", head, nan, match="banned")
         assert rogue.peer_id[-8:] in message
         assert middle.links.numbering.epoch(after) is None  # its link to stage 2 was not restarted
+        (row,) = [r for r in swarm.loop.run(survey(swarm.trainer, run_id)) if r.peer_id == middle.node.peer_id]
+        assert row.refused["malformed payload"] >= 1 and row.banned >= 1  # (the hosts serve every test here)
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))

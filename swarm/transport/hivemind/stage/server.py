@@ -59,6 +59,16 @@ def _code(e: BaseException) -> int:
     return pb.ERROR_UNSPECIFIED
 
 
+def _refusal(e: BaseException) -> str | None:
+    """What a failed request says of its sender: not allowed, or malformed; None for the errors of
+    a working swarm (a peer not ready, at another step, a link to restart)."""
+    if isinstance(e, RemoteError):
+        return "not allowed" if e.code == pb.REFUSED else None
+    if isinstance(e, PayloadError):
+        return None if _code(e) == pb.LINK_RESET else "malformed payload"  # not a link state out of step
+    return "malformed request" if isinstance(e, ProtocolError) else None
+
+
 class StageServer:
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
@@ -72,7 +82,7 @@ class StageServer:
         # senders of payloads that pass the checksum but not decoding (NaN/Inf, absurd shapes, bad
         # codec parameters): refused at the head for a while, longer each time
         self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
-        self.refused: Counter = Counter()  # requests refused or failed, by kind of error
+        self.refused: Counter = Counter()  # requests refused, by `_refusal` (status: peers.status)
         self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
         self.held: Counter = Counter()  # their payload bytes (settings.max_held_bytes_per_sender)
 
@@ -181,8 +191,9 @@ class StageServer:
             frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
             reply = await self._dispatch(frame, requests, sender)
         except Exception as e:
-            self.refused[type(e).__name__] += 1
-            if isinstance(e, PayloadError) and _code(e) != pb.LINK_RESET:  # not a link state that fell out of step
+            if category := _refusal(e):
+                self.refused[category] += 1
+            if category == "malformed payload":
                 log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
             log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
             await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)
@@ -277,6 +288,8 @@ class StageServer:
 
     def _info(self, request: pb.InfoRequest) -> pb.InfoReply:
         reply = pb.InfoReply(protocol_version=PROTOCOL_VERSION, peer_id=self.node.peer_id, addrs=self._addrs)
+        reply.refused.update(self.refused)
+        reply.banned = sum(1 for peer in self.banned.until if self.banned.banned(peer))
         for (run_id, _), hosted in sorted(self.hosted.items()):
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())
