@@ -17,11 +17,10 @@ from hivemind.utils import get_dht_time
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
+from swarm.transport.hivemind.schemas import RUNS_KEY
 from swarm.transport.hivemind.trust.keys import peer_id_of
 
 log = logging.getLogger(__name__)
-
-RUNS_KEY = "hivepipe.runs"  # subkey per run id: {"num_stages": n}, so status can list runs
 
 
 def stage_key(run_id: str, stage: int) -> str:

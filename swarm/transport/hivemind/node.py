@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.netlab.shaper import TokenBucket
 from swarm.rates import parse_rate
+from swarm.transport.hivemind.schemas import validators
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.streams import StreamPool
 from swarm.transport.hivemind.trust.keys import IdentityError, load_identity
@@ -114,13 +115,13 @@ class SwarmNode:
         uplink_bits: int | None = None,
         downlink_bits: int | None = None,
         settings: Settings | None = None,
-        validator: RSASignatureValidator | None = None,
+        owned_by: bytes = b"",
     ) -> None:
         self.p2p = p2p
         self.dht = dht
         # a DHT key or subkey holding `owned_by` can only be written with this peer's key (hivemind's
         # RSASignatureValidator; every node checks the records it stores and the ones it reads)
-        self.owned_by: bytes = validator.local_public_key if validator is not None else b""
+        self.owned_by = owned_by
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
@@ -167,7 +168,8 @@ class SwarmNode:
             raise RuntimeError(f"--identity_path: {e}") from None
         except Exception as e:
             raise RuntimeError(f"the p2p daemon did not start: {e} (check --host_maddrs and --identity_path)") from e
-        validator = RSASignatureValidator(options.signing_key or key)
+        signing_key = options.signing_key or key
+        validator = validators(signing_key)
         try:
             dht = await DHTNode.create(
                 p2p=p2p,
@@ -180,7 +182,8 @@ class SwarmNode:
             await p2p.shutdown()
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
-        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, validator)
+        owned_by = RSASignatureValidator(signing_key).local_public_key
+        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by)
 
     @property
     def peer_id(self) -> str:

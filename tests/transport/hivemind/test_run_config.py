@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import ConfigError, config_from_text, load_config
 from swarm.engine.build import config_digest
-from swarm.transport.hivemind.announce import RUNS_KEY, list_runs
+from swarm.transport.hivemind.announce import list_run, list_runs
 from swarm.transport.hivemind.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.runconfig import (
     ConfigPublisher,
@@ -135,7 +135,8 @@ def test_without_a_run_id_one_run_is_joined_and_several_are_listed(swarm, lonely
     a, b = "demo-a", "demo-b"
     swarm.loop.run(publish(lonely, a, published(a), 30))
     # a run listed by a stage's announcement without a published config does not count
-    swarm.loop.run(lonely.dht.store(RUNS_KEY, {"num_stages": 3}, get_dht_time() + 30, subkey="stage-only"))
+    assert swarm.loop.run(list_run(lonely, "stage-only", 3, get_dht_time() + 30))
+    assert "stage-only" in swarm.loop.run(list_runs(lonely))
     assert swarm.loop.run(resolve_run(lonely, None, 1)).run_id == a
     swarm.loop.run(publish(lonely, b, published(b, "model.num_stages=2"), 30))
     with pytest.raises(RunConfigError) as e:

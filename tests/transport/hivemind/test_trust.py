@@ -21,12 +21,13 @@ from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.announce import StageRecord, announce, discover
+from swarm.transport.hivemind.announce import StageRecord, announce, discover, list_run
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
+from swarm.transport.hivemind.schemas import RUNS_KEY
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
@@ -136,6 +137,11 @@ def test_the_runs_config_record_names_its_owner_and_nobody_else_can_write_it(swa
         subkey = mine.digest.encode() + trainer.owned_by
         assert not swarm.loop.run(stranger.dht.store(config_key(run_id), forged, expires, subkey=subkey))
         assert swarm.loop.run(resolve_run(swarm.hosts[1][0], run_id, 5)).yaml == mine.yaml
+        # the run listing every node knows: only well-formed, signed entries are stored
+        for value, entry in (({"num_stages": 0}, b"x"), ({"num_stages": "4"}, b"x"), ({"num_stages": 4}, None)):
+            entry = run_id if entry is None else run_id.encode() + stranger.owned_by
+            assert not swarm.loop.run(stranger.dht.store(RUNS_KEY, value, expires, subkey=entry)), (value, entry)
+        assert swarm.loop.run(list_run(stranger, run_id, 4, expires))
         # a claim of its own: joiners refuse to guess between owners, --owner picks
         assert swarm.loop.run(publish(stranger, run_id, mine, 60, owned=True))
         with pytest.raises(RunConfigError, match="claimed by 2 owners"):
