@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             allow=args.allow,
             private=args.private,
         )
-        say(f"run {run_id!r} owned by {pipeline.owner.peer_id}: stage peers may pin it with --owner")
+        say(f"owner of run {run_id!r}: {pipeline.owner.peer_id} (stage peers may pin it with --owner)")
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept

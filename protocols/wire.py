@@ -204,10 +204,7 @@ def _raw_from(msg: pb.Raw, count: int, check: _BufferBytes) -> RawPart:
     dtype = _dtype(msg.wire_dtype, "wire dtype")
     data = check.add(msg.data)
     _expect_length("raw data", data, count * dtype.itemsize)
-    values = _from_bytes(data, dtype)
-    if count and not bool(torch.isfinite(values).all()):  # a NaN or Inf never reaches a model or an optimizer
-        raise PayloadError("raw values are not finite")
-    return RawPart(values)
+    return RawPart(_from_bytes(data, dtype))
 
 
 def _quant_from(msg: pb.Quantized, shape: tuple[int, ...], check: _BufferBytes) -> QuantPart:
@@ -268,6 +265,17 @@ def _sparse_from(msg: pb.Sparse, shape: tuple[int, ...], check: _BufferBytes) ->
     return SparsePart(k, positions, values, crc32(index_bytes))
 
 
+def _check_finite(part: RawPart | QuantPart, dtype: torch.dtype) -> None:
+    """Every value the part can decode to is finite in the tensor's dtype: raw values as cast, a
+    quantized group's lowest and highest level (a finite range can still overflow a narrower dtype)."""
+    if isinstance(part, RawPart):
+        values = part.data
+    else:
+        values = torch.cat([part.lows, part.lows + part.steps * ((1 << part.bits) - 1)])
+    if values.numel() and not bool(torch.isfinite(values.to(dtype)).all()):
+        raise PayloadError(f"values are not finite as {str(dtype).removeprefix('torch.')}")
+
+
 def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     """Parse and validate a payload; raises PayloadError with a one-line reason."""
     if len(payload) > limits.max_payload_bytes:
@@ -304,6 +312,7 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         raise PayloadError("payload has no body")
     if check.length != msg.buffer_length:
         raise PayloadError(f"payload carries {check.length} buffer bytes, header says {msg.buffer_length}")
+    _check_finite(body.values if isinstance(body, SparsePart) else body, dtype)
     stamp = None
     if msg.HasField("state"):
         stamp = StateStamp(msg.state.version, tuple(msg.state.sample_versions), msg.state.warmup)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ class Target:
     stranger_id: str  # the peer id of the fuzzer's stranger (never admitted)
     member_id: str  # ... and of its member (admitted to the stage before: its key was stolen)
     width: int = 32  # activations per sample at this stage's input (stage > 0)
+    step: Callable[[], int] = lambda: 0  # the step the peer is at (a member's payloads pass its step guard)
 
 
 @dataclass
@@ -96,9 +98,8 @@ class Cases:
     def _head(self, admitted: bool, **fields) -> pb.MicroBatchHead:
         t = self.t
         sender = t.member_id if admitted else t.stranger_id
-        head = pb.MicroBatchHead(
-            to=address(t.run_id, t.stage), sender=sender, batch=batch_to_meta(self._batch()), budget_s=5
-        )
+        batch = self._batch(t.step() if admitted else 0)
+        head = pb.MicroBatchHead(to=address(t.run_id, t.stage), sender=sender, batch=batch_to_meta(batch), budget_s=5)
         for name, value in fields.items():
             setattr(head, name, value)
         if admitted:

@@ -71,7 +71,14 @@ def run(cfg: ExperimentConfig, steps: int, count: int, seed: int = 0, say=print)
         pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=30)
         targets = [
             Target(
-                h.node.peer_id, run_id, h.stage, pipeline.session, pipeline.owner.key, stranger.peer_id, member.peer_id
+                h.node.peer_id,
+                run_id,
+                h.stage,
+                pipeline.session,
+                pipeline.owner.key,
+                stranger.peer_id,
+                member.peer_id,
+                step=lambda h=h: h.steps,
             )
             for h in hosted
         ]

@@ -24,6 +24,14 @@ class RemoteError(RuntimeError):
         return self.code in (pb.NOT_READY, pb.UNAVAILABLE)
 
 
+class SenderFault(RemoteError):
+    """The request's own payload is malformed (it passed its checksum, not its decoding): its sender
+    is to blame, and is banned for a while (swarm.transport.hivemind.stage.server)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"malformed payload: {reason}")
+
+
 class TransportError(RuntimeError):
     """The peer did not answer properly: unreachable, died, timed out or sent a broken reply."""
 

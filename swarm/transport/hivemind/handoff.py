@@ -92,6 +92,7 @@ class Handoff:
         again: Callable[[str], Awaitable[tuple[tuple[int, int], bytes]]],
         deadline: float | None = None,
         offer: Callable[[str], float] | None = None,
+        proof: pb.StepProof | None = None,
     ) -> tuple[Frame, str, tuple[int, int]]:
         """The reply to `payload` (numbered `sent` on the link to `record`'s peer), the peer that
         gave it and the number the payload had on that link. Before each retry `again(peer)`
@@ -99,7 +100,7 @@ class Handoff:
 
         With a `deadline` every try gets what is left of it; without, each gets the call timeout
         (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
-        can take back from it (pacing)."""
+        can take back from it (pacing); `proof`: the owner's word of the run's step, handed on."""
         meta = batch_to_meta(batch)
         tried: set[str] = set()
         target = record.peer_id
@@ -122,6 +123,8 @@ class Handoff:
             )
             if (admission := self.admission()) is not None:
                 head.admission.CopyFrom(admission)
+            if proof is not None:
+                head.step_proof.CopyFrom(proof)
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
             exchange = Exchange(

@@ -44,6 +44,14 @@ class Bans:
     def banned(self, peer_id: str) -> bool:
         return self.until.get(peer_id, 0.0) > time.monotonic()
 
+    def prune(self, keep: int = 4096) -> None:
+        """Forgets peers whose ban ran out, once there are more than `keep` (a table many peer ids fill)."""
+        if len(self.until) > keep:
+            now = time.monotonic()
+            for peer_id in [p for p, until in self.until.items() if until <= now]:
+                self.until.pop(peer_id)
+                self.failures.pop(peer_id, None)
+
 
 class Router:
     """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand (defaults: the

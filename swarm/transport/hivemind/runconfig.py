@@ -120,23 +120,21 @@ def _digest_and_owner(subkey) -> tuple[str, str]:
 
 
 async def fetch_configs(node: SwarmNode, run_id: str, owner: str | None = None) -> list[PublishedConfig]:
-    """Every well-formed config published for `run_id`, one per digest (signed by an owner where one
-    signed it; only `owner`'s and unsigned ones when given)."""
+    """The well-formed configs published for `run_id`: the ones an owner signed (only `owner`'s, when
+    given) or, when none is, the unsigned ones."""
     found = await node.dht.get(config_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    configs: dict[tuple[str, str], PublishedConfig] = {}
+    configs: list[PublishedConfig] = []
     for subkey, item in found.value.items():
         digest, signer = _digest_and_owner(subkey)
         record = PublishedConfig.from_value(run_id, getattr(item, "value", None))
         if record is not None and record.digest == digest and owner in (None, signer or owner):
             record.owner = signer
-            configs[(digest, signer)] = record
-    owned = {digest for digest, signer in configs if signer}
-    return sorted(
-        (c for (digest, signer), c in configs.items() if signer or digest not in owned),
-        key=lambda c: (c.digest, c.owner),
-    )
+            configs.append(record)
+    # an owner's record outranks unsigned ones (a stage peer's with --config, or anyone's)
+    signed = [c for c in configs if c.owner]
+    return sorted(signed or configs, key=lambda c: (c.digest, c.owner))
 
 
 async def published_runs(node: SwarmNode) -> dict[str, list[PublishedConfig]]:

@@ -310,5 +310,5 @@ def test_the_trainer_publishes_its_config_for_the_run(swarm, lonely):
         out, err = trainer.communicate(timeout=60)
     owner, found.owner = found.owner, ""  # signed by the run's owner, whose id the trainer prints
     assert found == published(run_id, "seed=3")
-    assert f"run {run_id!r} owned by {owner}" in out
+    assert f"owner of run {run_id!r}: {owner}" in out
     assert trainer.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err  # no stage peers

@@ -168,6 +168,16 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
         batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
         head = pb.MicroBatchHead(to=address(run_id, 1), sender=rogue.peer_id, batch=batch_to_meta(batch), budget_s=5)
         head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, rogue.peer_id, 0))
+        # steps and epochs must be plausible: a member's word that the run is far ahead moves no one
+        ahead = pb.MicroBatchHead()
+        ahead.CopyFrom(head)
+        ahead.batch.step = 50
+        with pytest.raises(RemoteError, match="at step 0") as caught:
+            swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", ahead, nan, 10))
+        assert caught.value.code == pb.UNAVAILABLE and middle.runtime is not None and middle.session is not None
+        ahead.batch.step, ahead.epoch = 0, (1 << 64) - 1
+        with pytest.raises(RemoteError, match="ahead of this peer's clock"):
+            swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", ahead, nan, 10))
         with pytest.raises(RemoteError, match="not finite"):
             swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", head, nan, 10))
         message = _refused(swarm, rogue, middle.node.peer_id, "micro_batch", head, nan, match="banned")
@@ -201,8 +211,9 @@ def test_a_senders_payload_bytes_and_requests_at_once_are_capped(swarm):
         head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, swarm.trainer.peer_id, trainer=True))
         big = tensor_to_raw(torch.zeros(64, 1, 8, 8)).SerializeToString()  # 16 KiB
         assert len(big) > 4096
-        message = _refused(swarm, swarm.trainer, node.peer_id, "micro_batch", head, big, match="at once")
-        assert "limit 4096" in message
+        with pytest.raises(RemoteError, match="at once") as caught:  # a while later it may: another peer now
+            swarm.loop.run(call(swarm.trainer.streams, node.peer_id, "micro_batch", head, big, 10))
+        assert caught.value.code == pb.UNAVAILABLE and "limit 4096" in str(caught.value)
         deadline = time.monotonic() + 10
         while (server.held or server.active) and time.monotonic() < deadline:  # the refused stream winds down
             time.sleep(0.05)

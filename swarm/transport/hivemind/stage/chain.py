@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
 from protocols import wire
-from protocols.errors import ProtocolError
+from protocols.errors import PayloadError, ProtocolError
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
-from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.errors import RemoteError, SenderFault
 from swarm.transport.hivemind.meta import meta_to_batch, raw_to_tensor
 from swarm.transport.hivemind.ordering import LinkReset, Ordinals, Turnstile
 
@@ -62,7 +62,7 @@ class Chain:
                 pb.NOT_READY,
             )
         batch = meta_to_batch(head.batch)
-        host.serving(batch)
+        host.serving(batch, head.step_proof)
         # from arrival: the sender's clock runs meanwhile
         settings = host.settings
         deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s
@@ -108,7 +108,12 @@ class Chain:
                 else:
                     # checked before a number on our next link is taken: a malformed payload costs
                     # its sender's link only, never ours to the next stage (the other senders' too)
-                    data = await host.compute(wire.decode, payload)
+                    try:
+                        data = await host.compute(wire.decode, payload)
+                    except PayloadError as e:
+                        raise SenderFault(str(e)) from None
+                    if not data.shape or data.shape[0] != batch.size:
+                        raise SenderFault(f"activations of shape {data.shape} for {batch.size} samples")
                     used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(payload)
                 record = None if host.last else await handoff.choose(host.session_id)
@@ -126,7 +131,9 @@ class Chain:
             if record is None:  # the last stage: gradient (training) or metrics (eval)
                 host.measure(batch, time.perf_counter() - started)
                 return Outcome(message.kind, message.payload, dict(message.metrics), [host.node.peer_id])
-            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used, attempt)
+            return await self._downstream(
+                batch, message, record, sent, ticket, started, deadline, used, attempt, head.step_proof
+            )
         finally:
             if ticket is not None:
                 await self.ordinals.finish(ticket)
@@ -142,6 +149,7 @@ class Chain:
         deadline: float,
         used: list,
         attempt: object,
+        proof: pb.StepProof,
     ) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
         runs our backward."""
@@ -170,6 +178,7 @@ class Chain:
             again,
             deadline=deadline,
             offer=lambda peer: host.pacer.offer(peer, more),
+            proof=proof,
         )
         result, reply = frame.head, frame.payload
         route = [host.node.peer_id, *result.route]

@@ -81,6 +81,7 @@ class HostedStage:
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, self.num_stages))
         self.gate = Gate(run_id, stage, node.peer_id, owner)  # who may call it (the run's owner, its members)
         self.token = token  # a private run's allowance (serialized pb.Token), shown in its record
+        self._setup_lock = asyncio.Lock()
         self.router = Router(node, run_id, self._routable)
         self.handoff = None
         if not self.last:
@@ -153,7 +154,13 @@ class HostedStage:
         self.runtime = runtime
 
     async def setup(self, request: pb.SetupRequest) -> pb.SetupReply:
-        """A trainer (re)starts the run: a new session builds the stage afresh."""
+        """A trainer (re)starts the run: a new session builds the stage afresh. One setup at a time:
+        two checked before the owner was known cannot both win (swarm.transport.hivemind.trust.gate)."""
+        async with self._setup_lock:
+            self.gate.confirm(request)
+            return await self._setup(request)
+
+    async def _setup(self, request: pb.SetupRequest) -> pb.SetupReply:
         if request.config_digest != self.digest:
             raise RemoteError(
                 f"config mismatch on stage {self.stage}: this peer has {self.digest}, the trainer {request.config_digest} (start both with the same config and --set)"
@@ -288,14 +295,19 @@ class HostedStage:
         if self.runtime is None:
             raise RemoteError(f"stage {self.stage} of run {self.run_id!r} is not set up yet", pb.NOT_READY)
 
-    def serving(self, batch: MicroBatch) -> None:
+    def serving(self, batch: MicroBatch, proof: pb.StepProof | None = None) -> None:
         """Whether this peer takes `batch`: in service (not joining, not leaving), its weights at
         the micro-batch's step. A peer behind the run missed a step's rounds (its trainer left it out
-        after a failure): it goes idle, and the trainer sets it up afresh as a joiner."""
+        after a failure): shown so by the owner's `proof`, it goes idle, and the trainer sets it up
+        afresh as a joiner."""
         if self.joining is not None or self.leaving:
             raise RemoteError(f"stage {self.stage} peer is {self.role}: it takes no micro-batch", pb.UNAVAILABLE)
         if batch.step != self.steps:
-            if batch.step > self.steps:
+            if (
+                batch.step > self.steps
+                and proof is not None
+                and self.gate.step_shown(proof, self.session_id, batch.step)
+            ):
                 self.abandon_join(f"it is at step {self.steps}, the run at step {batch.step}")
             raise RemoteError(
                 f"stage {self.stage} peer is at step {self.steps}, micro-batch {batch.key} of step {batch.step}",

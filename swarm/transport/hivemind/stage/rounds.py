@@ -90,10 +90,10 @@ class StageRounds:
         runtime = host.runtime
         if not (math.isfinite(head.scale) and head.scale >= 0):
             raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
-        if head.scale:
-            runtime.scale_grads(head.scale)
         if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):
             raise RemoteError(f"stage {host.stage}: non-finite gradients at step {head.step}: the step is not applied")
+        if head.scale:
+            runtime.scale_grads(head.scale)
         reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=host.leaving)
         self.told_leaving = host.leaving
         host.steps += 1

@@ -21,14 +21,14 @@ from collections import Counter
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
-from protocols.errors import PayloadError, ProtocolError
+from protocols.errors import ProtocolError
 from protocols.framing import Frame, frame_parts, read_frame
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import Announcer
-from swarm.transport.hivemind.errors import RemoteError, one_line
+from swarm.transport.hivemind.errors import RemoteError, SenderFault, one_line
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import carrying, send_paced
 from swarm.transport.hivemind.routing import Bans
@@ -36,11 +36,12 @@ from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
-from swarm.transport.hivemind.trust.signatures import CONTROL, Refused
+from swarm.transport.hivemind.trust.signatures import CONTROL
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 AVERAGING_NAMESPACE = "hivepipe.average"  # the all-reduce's p2p handler (swarm.transport.hivemind.stage.averaging)
+MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
 _ROUNDS = ("gather", "set_grads", "apply", "save", "load")  # swarm.transport.hivemind.stage.rounds
 
 
@@ -61,11 +62,11 @@ def _code(e: BaseException) -> int:
 
 def _refusal(e: BaseException) -> str | None:
     """What a failed request says of its sender: not allowed, or malformed; None for the errors of
-    a working swarm (a peer not ready, at another step, a link to restart)."""
+    a working swarm (a peer not ready, at another step, a link to restart, a downstream failure)."""
+    if isinstance(e, SenderFault):  # its own payload: not a reply from further down the chain
+        return "malformed payload"
     if isinstance(e, RemoteError):
         return "not allowed" if e.code == pb.REFUSED else None
-    if isinstance(e, PayloadError):
-        return None if _code(e) == pb.LINK_RESET else "malformed payload"  # not a link state out of step
     return "malformed request" if isinstance(e, ProtocolError) else None
 
 
@@ -132,14 +133,24 @@ class StageServer:
             )
         return hosted
 
+    def _turned_away(self, sender: str) -> pb.ErrorReply | None:
+        """A banned sender's request, or one over its requests in progress, is not read at all."""
+        if self.banned.banned(sender):
+            self.refused["not allowed"] += 1
+            return pb.ErrorReply(
+                message=f"peer {sender[-8:]} is banned for a while: it sent a malformed payload", code=pb.REFUSED
+            )
+        if self.active[sender] >= self.settings.max_requests_per_sender:  # a while later it may
+            message = f"peer {sender[-8:]} has {self.active[sender]} requests in progress here already"
+            return pb.ErrorReply(message=message, code=pb.UNAVAILABLE)
+        return None
+
     def _admit(self, kind: str, message, sender: str) -> None:
         """Refuses a request its sender may not make, before its payload is read
         (swarm.transport.hivemind.trust.gate)."""
         head = getattr(message, kind)
-        if self.banned.banned(sender):
-            raise Refused(f"peer {sender[-8:]} is banned for a while: it sent a malformed payload")
-        if self.active[sender] > self.settings.max_requests_per_sender:
-            raise Refused(f"peer {sender[-8:]} has {self.active[sender] - 1} requests in progress here already")
+        if message.ByteSize() - len(message.chunk.data) > MAX_HEAD_BYTES:
+            raise ProtocolError(f"a head of more than {MAX_HEAD_BYTES} bytes")
         if kind == "info":
             _check_version(head.to)
             return
@@ -165,6 +176,9 @@ class StageServer:
         with contextlib.closing(writer):
             try:
                 while await requests.next(self.settings.server_idle_s):
+                    if (refusal := self._turned_away(sender)) is not None:  # before reading anything of it
+                        await P2P.send_protobuf(pb.StageReply(error=refusal), writer)
+                        return
                     self.active[sender] += 1
                     try:
                         if not await self._one(requests, sender, writer):
@@ -188,27 +202,31 @@ class StageServer:
                 held = self._hold(sender, message.chunk.total_length)
 
         try:
-            frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
-            reply = await self._dispatch(frame, requests, sender)
-        except Exception as e:
-            if category := _refusal(e):
-                self.refused[category] += 1
-            if category == "malformed payload":
-                log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
-            log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
-            await P2P.send_protobuf(pb.StageReply(error=pb.ErrorReply(message=one_line(e), code=_code(e))), writer)
-            await requests.drain(self.settings.drain_s)
-            return False
+            try:
+                frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
+                reply = await self._dispatch(frame, requests, sender)
+            except Exception as e:
+                if category := _refusal(e):
+                    self.refused[category] += 1
+                if category == "malformed payload":
+                    self.banned.prune()
+                    log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
+                log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
+                error = pb.ErrorReply(message=one_line(e), code=_code(e))
+                await P2P.send_protobuf(pb.StageReply(error=error), writer)
+                await requests.drain(self.settings.drain_s)
+                return False
+            await asyncio.wait_for(reply(writer), self.settings.call_timeout_s)  # a caller that stops reading
+            return True
         finally:
             self._release(sender, held)
-        await reply(writer)
-        return True
 
     def _hold(self, sender: str, size: int) -> int:
         """Counts `size` payload bytes against what `sender` may have here at once (refused when over)."""
         if self.held[sender] + size > self.settings.max_held_bytes_per_sender:
-            raise Refused(
-                f"peer {sender[-8:]} would have {self.held[sender] + size} payload bytes here at once (limit {self.settings.max_held_bytes_per_sender})"
+            raise RemoteError(
+                f"peer {sender[-8:]} would have {self.held[sender] + size} payload bytes here at once (limit {self.settings.max_held_bytes_per_sender})",
+                pb.UNAVAILABLE,
             )
         self.held[sender] += size
         return size
@@ -227,6 +245,8 @@ class StageServer:
             _check_version(frame.head.to)
             return self._writer(frame.kind, self._info(frame.head), b"")
         hosted = self._find(frame.head.to)
+        if frame.kind in CONTROL:
+            hosted.gate.calls.payload(frame.kind, frame.first.auth, frame.payload)
         if frame.kind == "setup":
             reply = await hosted.setup(frame.head)
             await self.announcer.announce_now()  # others see it ready now, not at the next refresh

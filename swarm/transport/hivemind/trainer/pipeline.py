@@ -254,7 +254,8 @@ class SwarmPipeline:
         async def again(peer: str) -> tuple[tuple[int, int], bytes]:
             return self.numbering.take(peer), payload  # raw inputs: valid on any link
 
-        frame, _, _ = await self.handoff.send(batch, record, sent, payload, self.session, again)
+        proof = self.owner.step_proof(self.session, batch.step)
+        frame, _, _ = await self.handoff.send(batch, record, sent, payload, self.session, again, proof=proof)
         result = frame.head
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
@@ -267,8 +268,10 @@ class SwarmPipeline:
             self._sent[batch.index] = (batch, payload)
             for stage, peer_id in enumerate(result.route):
                 self.following.discard(peer_id)  # it served a micro-batch: it is in service
-                if peer_id not in self.members.setdefault(stage, []):
-                    self.members[stage].append(peer_id)
+                if peer_id not in self.members.setdefault(stage, []) and self.owner.issued(
+                    self.session, peer_id, stage
+                ):
+                    self.members[stage].append(peer_id)  # (a stage's word alone makes no one a member)
         return dict(result.metrics)
 
     # ---- the synchronous step ----------------------------------------------------------------

@@ -12,28 +12,14 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
+from swarm.transport.hivemind.trust import sealed
+from swarm.transport.hivemind.trust.sealed import seal
 from swarm.transport.hivemind.trust.signatures import Refused
 
 
-def _unsigned(admission: pb.Admission) -> bytes:
-    copy = pb.Admission()
-    copy.CopyFrom(admission)
-    copy.signature = b""
-    return b"hivepipe.admission\0" + copy.SerializeToString(deterministic=True)
-
-
 def issue(key: RSAPrivateKey, run_id: str, session: str, peer_id: str, stage: int = 0, trainer: bool = False):
-    admission = pb.Admission(
-        run_id=run_id,
-        session=session,
-        peer_id=peer_id,
-        stage=stage,
-        trainer=trainer,
-        public_key=key.get_public_key().to_bytes(),
-    )
-    admission.signature = key.sign(_unsigned(admission))
-    return admission
+    admission = pb.Admission(run_id=run_id, session=session, peer_id=peer_id, stage=stage, trainer=trainer)
+    return seal(key, admission, b"admission")
 
 
 class Admissions:
@@ -45,16 +31,15 @@ class Admissions:
 
     def signer(self, admission: pb.Admission) -> str:
         """The peer id that signed `admission` (Refused when its signature is bad)."""
+        if admission.ByteSize() > 4096:  # a real one is under 1 KiB: nothing larger is kept
+            raise Refused("admission of more than 4096 bytes")
         data = admission.SerializeToString(deterministic=True)
         signer = self._verified.get(data)
         if signer is None:
             try:
-                signer = peer_id_of(admission.public_key)
-                valid = public_key(admission.public_key).verify(_unsigned(admission), admission.signature)
-            except Exception:
-                valid = False
-            if not valid:
-                raise Refused("admission with a bad signature")
+                signer = sealed.signer(admission, b"admission")
+            except ValueError:
+                raise Refused("admission with a bad signature") from None
             if len(self._verified) > 4096:
                 self._verified.clear()
             self._verified[data] = signer

@@ -12,12 +12,18 @@ first to set the stage up (trust on first use: the peer logs whom it trusts and 
 from __future__ import annotations
 
 import logging
+import time
 
 from protocols import stage_pb2 as pb
+from protocols.errors import ProtocolError
+from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.trust import sealed
 from swarm.transport.hivemind.trust.admissions import Admissions
 from swarm.transport.hivemind.trust.signatures import CONTROL, CallCheck, Refused
 
 log = logging.getLogger(__name__)
+
+EPOCH_AHEAD_S = 600  # a link epoch further ahead of our clock would make the sender's later epochs stale
 
 
 class Gate:
@@ -30,9 +36,9 @@ class Gate:
 
     def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
         assert kind in CONTROL
-        signer = self.calls.signer(kind, head, auth, chunk)
+        signer = self.calls.signer(kind, head, auth, chunk, self.owner)
         if self.owner is None and kind != "setup":
-            raise Refused(f"{kind} call before any setup: this peer has no owner to check it against")
+            raise RemoteError(f"{kind} call before any setup: this peer has no owner to check it against", pb.NOT_READY)
         if self.owner is not None and signer != self.owner:
             raise Refused(f"{kind} call signed by {signer[-8:]}, not by the run's owner {self.owner[-8:]}")
         if kind == "setup":  # the first setup's signer becomes the owner once the setup succeeded (set_up)
@@ -42,6 +48,8 @@ class Gate:
 
     def micro_batch(self, head: pb.MicroBatchHead, sender: str, session: str) -> None:
         admission = self.admissions.check(head.admission, self.owner, session, sender)
+        if head.epoch > time.time_ns() + EPOCH_AHEAD_S * 10**9:  # epochs are the sender's clock when it began a link
+            raise ProtocolError(f"link epoch {head.epoch} is ahead of this peer's clock by more than {EPOCH_AHEAD_S}s")
         if self.stage == 0 and not admission.trainer:
             raise Refused(f"micro-batch for stage 0 from {sender[-8:]}, not the session's trainer")
         if self.stage > 0 and (admission.trainer or admission.stage != self.stage - 1):
@@ -55,9 +63,23 @@ class Gate:
         if admission.trainer or (not head.snapshot and admission.stage != self.stage):
             raise Refused(f"state of stage {self.stage} asked by a member of stage {admission.stage}")
 
+    def step_shown(self, proof: pb.StepProof, session: str, step: int) -> bool:
+        """Whether `proof` is the owner's word that `session` is at `step` (a neighbour's word is not)."""
+        try:
+            signer = sealed.signer(proof, b"step")
+        except ValueError:
+            return False
+        return signer == self.owner and (proof.run_id, proof.session, proof.step) == (self.run_id, session, step)
+
     def shown(self) -> pb.Admission:
         """Ours, to show with a call (empty before the first setup: the callee refuses it)."""
         return self.admission if self.admission is not None else pb.Admission()
+
+    def confirm(self, head: pb.SetupRequest) -> None:
+        """Before a setup runs (one at a time): one checked while no owner was known is still the
+        owner's, now that another setup may have made someone the owner."""
+        if self.owner is not None and self.admissions.signer(head.admission) != self.owner:
+            raise Refused("setup by someone other than the run's owner, who set this peer up meanwhile")
 
     def set_up(self, head: pb.SetupRequest) -> None:
         """A setup (checked by `control`) succeeded: its admission is ours, its signer our owner."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import base58
@@ -35,17 +36,25 @@ def _wrap(private_key) -> RSAPrivateKey:
     return key
 
 
-def write_identity(path: str | Path, key: RSAPrivateKey) -> None:
-    """`key` as hivemind writes identities (a libp2p PrivateKey message), readable by its owner only."""
+def write_identity(path: str | Path, key: RSAPrivateKey) -> bool:
+    """`key` as hivemind writes identities (a libp2p PrivateKey message), readable by its owner
+    only; written whole, then linked into place: False (and nothing written) if `path` exists."""
     path = Path(path)
     data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(temporary, path)  # atomic, and never over another's key
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temporary)
     except OSError as e:
         raise IdentityError(f"cannot create identity file {path}: {e.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    return True
 
 
 def load_identity(path: str | Path, create: bool = True) -> RSAPrivateKey:

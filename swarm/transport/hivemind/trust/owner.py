@@ -10,6 +10,7 @@ from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.trust import tokens
 from swarm.transport.hivemind.trust.admissions import Admissions, issue
 from swarm.transport.hivemind.trust.keys import own_peer_id
+from swarm.transport.hivemind.trust.sealed import seal
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ class Owner:
         self._issued: dict[tuple, pb.Admission] = {}
         self.allow, self.private = set(allow), private or bool(allow)
         self._ignored: set[str] = set()  # peers refused (said once)
+        self._proof: pb.StepProof | None = None
 
     def allows(self, record) -> bool:
         """Whether the run may take this announced peer: any (an open run), or one allowed by name or
@@ -32,7 +34,7 @@ class Owner:
             return True
         if tokens.allows(record.token, self.peer_id, self.run_id, record.peer_id):
             return True
-        if record.peer_id not in self._ignored:
+        if record.peer_id not in self._ignored and len(self._ignored) < 1000:  # said once, for so many
             self._ignored.add(record.peer_id)
             log.warning(
                 "peer %s announced stage %d of private run %r without an allowance: ignored (--allow it, or give it a token: python -m peers.token --run_id %s --peer %s)",
@@ -50,6 +52,16 @@ class Owner:
         if key not in self._issued:
             self._issued[key] = issue(self.key, self.run_id, session, peer_id, stage, trainer)
         return self._issued[key]
+
+    def issued(self, session: str, peer_id: str, stage: int) -> bool:
+        """Whether this owner admitted `peer_id` to `stage` in `session`."""
+        return (session, peer_id, stage, False) in self._issued
+
+    def step_proof(self, session: str, step: int) -> pb.StepProof:
+        """The owner's word that `session` is at `step` (signed once per step)."""
+        if self._proof is None or (self._proof.session, self._proof.step) != (session, step):
+            self._proof = seal(self.key, pb.StepProof(run_id=self.run_id, session=session, step=step), b"step")
+        return self._proof
 
     def routable(self, record, session: str) -> bool:
         """Whether a DHT record's peer is admitted to `session` (micro-batches go only to those)."""

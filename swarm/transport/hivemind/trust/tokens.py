@@ -14,7 +14,8 @@ import time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
+from swarm.transport.hivemind.trust import sealed
+from swarm.transport.hivemind.trust.sealed import seal
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -27,39 +28,26 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
-def _unsigned(token: pb.Token) -> bytes:
-    copy = pb.Token()
-    copy.CopyFrom(token)
-    copy.signature = b""
-    return b"hivepipe.token\0" + copy.SerializeToString(deterministic=True)
-
-
 def issue_token(key: RSAPrivateKey, run_id: str, peer_id: str, expires_in_s: float | None = None) -> str:
-    token = pb.Token(
-        run_id=run_id,
-        peer_id=peer_id,
-        expires=time.time() + expires_in_s if expires_in_s else 0.0,
-        public_key=key.get_public_key().to_bytes(),
-    )
-    token.signature = key.sign(_unsigned(token))
-    return base64.urlsafe_b64encode(token.SerializeToString()).decode()
+    token = pb.Token(run_id=run_id, peer_id=peer_id, expires=time.time() + expires_in_s if expires_in_s else 0.0)
+    return base64.urlsafe_b64encode(seal(key, token, b"token").SerializeToString()).decode()
 
 
 def read_token(text: str) -> pb.Token:
     """The token in `text` (ValueError with a one-line reason)."""
     try:
         token = pb.Token.FromString(base64.urlsafe_b64decode(text.strip().encode()))
-        signer = peer_id_of(token.public_key)
-        valid = public_key(token.public_key).verify(_unsigned(token), token.signature)
     except Exception:
         raise ValueError("not a hivepipe token (python -m peers.token prints them)") from None
-    if not valid or not signer:
-        raise ValueError("the token's signature is not valid")
+    try:
+        sealed.signer(token, b"token")
+    except ValueError:
+        raise ValueError("the token's signature is not valid") from None
     return token
 
 
 def token_owner(token: pb.Token) -> str:
-    return peer_id_of(token.public_key)
+    return sealed.signer(token, b"token")
 
 
 def allows(data: bytes, owner: str, run_id: str, peer_id: str, now: float | None = None) -> bool:
