@@ -3,8 +3,8 @@
 A signature covers the request's kind and head, the `Auth` fields but the signature (signer's key,
 time, nonce, the peer the call is for) and the payload's length and crc32 as its first chunk
 declares them (the chunks are checked against those as they arrive): a signed call cannot be
-changed, sent to another peer, or accepted twice. Signing costs the trainer about a millisecond
-per call and checking a stage peer a tenth of that (docs/security.md).
+changed, sent to another peer, or accepted twice. What signing and checking cost is measured in
+docs/security.md.
 """
 
 from __future__ import annotations
