@@ -1,9 +1,9 @@
 """Control calls signed by the run's owner, and their check on the peer they are for.
 
 A signature covers the request's kind and head, the `Auth` fields but the signature (signer's key,
-time, nonce, the peer the call is for) and the payload's length and crc32 as its first chunk
-declares them (the chunks are checked against those as they arrive): a signed call cannot be
-changed, sent to another peer, or accepted twice. What signing and checking cost is measured in
+time, nonce, the peer the call is for, the payload's SHA-256, checked once the payload is in) and
+the payload's length and crc32 as its first chunk declares them (the chunks are checked against
+those as they arrive): a signed call cannot be changed, sent to another peer, or accepted twice. What signing and checking cost is measured in
 docs/security.md.
 """
 
