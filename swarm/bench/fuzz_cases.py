@@ -57,6 +57,23 @@ class Target:
     step: Callable[[], int] = lambda: 0  # the step the peer is at (a member's payloads pass its step guard)
 
 
+def targets_of(hosted, pipeline, stranger_id: str, member_id: str) -> list[Target]:
+    """A target per in-process `HostedStage` of `pipeline`'s run (its step read as it goes)."""
+    return [
+        Target(
+            h.node.peer_id,
+            pipeline.run_id,
+            h.stage,
+            pipeline.session,
+            pipeline.owner.key,
+            stranger_id,
+            member_id,
+            step=lambda h=h: h.steps,
+        )
+        for h in hosted
+    ]
+
+
 @dataclass
 class Case:
     category: str

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.bench.fuzz import Tally, campaign, max_rss_mib
-from swarm.bench.fuzz_cases import Target
+from swarm.bench.fuzz_cases import targets_of
 from swarm.config import ExperimentConfig
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
@@ -69,19 +69,7 @@ def run(cfg: ExperimentConfig, steps: int, count: int, seed: int = 0, say=print)
         data = build_data(cfg)
         pipeline = SwarmPipeline(trainer, loop, cfg, run_id)
         pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=30)
-        targets = [
-            Target(
-                h.node.peer_id,
-                run_id,
-                h.stage,
-                pipeline.session,
-                pipeline.owner.key,
-                stranger.peer_id,
-                member.peer_id,
-                step=lambda h=h: h.steps,
-            )
-            for h in hosted
-        ]
+        targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
         say(f"{len(hosted)} stage peers training {steps} steps; {count} malformed messages on their way")
         rss = max_rss_mib()
         limit = SETTINGS.read_timeout_s + SETTINGS.drain_s + 10

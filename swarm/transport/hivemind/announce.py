@@ -17,8 +17,7 @@ from hivemind.utils import get_dht_time
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
-from swarm.transport.hivemind.schemas import RUNS_KEY
-from swarm.transport.hivemind.trust.keys import peer_id_of
+from swarm.transport.hivemind.schemas import RUNS_KEY, owned
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +92,6 @@ async def announce(node: SwarmNode, run_id: str, record: StageRecord, ttl: float
     return await node.dht.store(stage_key(run_id, record.stage), record.to_value(), expires, subkey=node.owned_by)
 
 
-def _owner_of(subkey) -> str | None:
-    """The peer id of a record's `[owner:KEY]` subkey (None: not one)."""
-    if isinstance(subkey, bytes) and subkey.startswith(b"[owner:") and subkey.endswith(b"]"):
-        try:
-            return peer_id_of(subkey[len(b"[owner:") : -1])
-        except ValueError:
-            return None
-    return None
-
-
 async def list_runs(node: SwarmNode) -> dict[str, int]:
     """run id -> number of stages, for every run with a live stage peer."""
     found = await node.dht.get(RUNS_KEY, latest=True)
@@ -111,9 +100,9 @@ async def list_runs(node: SwarmNode) -> dict[str, int]:
     runs = {}
     for subkey, item in found.value.items():
         value = getattr(item, "value", None)
-        run_id, marker, _ = subkey.partition(b"[owner:") if isinstance(subkey, bytes) else (b"", b"", b"")
-        if marker and isinstance(value, dict) and isinstance(value.get("num_stages"), int):
-            runs[run_id.decode(errors="replace")] = int(value["num_stages"])
+        lister = owned(subkey)
+        if lister and isinstance(value, dict) and isinstance(value.get("num_stages"), int):
+            runs[lister[0].decode(errors="replace")] = int(value["num_stages"])
     return dict(sorted(runs.items()))
 
 
@@ -125,7 +114,8 @@ async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord
         return []
     records = []
     for subkey, item in found.value.items():
-        peer_id = _owner_of(subkey)
+        announcer = owned(subkey)  # only the key itself: the record's peer id is the one it stands for
+        peer_id = announcer[1] if announcer and not announcer[0] else None
         record = StageRecord.from_value(peer_id, getattr(item, "value", None)) if peer_id else None
         if record is not None and record.stage == stage:
             records.append(record)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from swarm.engine.build import config_digest
 from swarm.transport.hivemind.announce import list_run, list_runs
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
-from swarm.transport.hivemind.trust.keys import peer_id_of
+from swarm.transport.hivemind.schemas import owned
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +105,10 @@ async def publish(node: SwarmNode, run_id: str, published: PublishedConfig, ttl:
     return await node.dht.store(config_key(run_id), published.to_value(), expires, subkey=subkey)
 
 
-_OWNED = re.compile(rb"^([0-9a-f]+)\[owner:(.+)\]$", re.DOTALL)
-
-
 def _digest_and_owner(subkey) -> tuple[str, str]:
-    """A config record's subkey: its digest, and its owner's peer id ("" unsigned or unreadable)."""
-    if isinstance(subkey, bytes) and (match := _OWNED.match(subkey)):
-        try:
-            return match.group(1).decode(), peer_id_of(match.group(2))
-        except ValueError:
-            return "", ""
-    return str(subkey), ""
+    """A config record's subkey: its digest, and its owner's peer id ("" unsigned)."""
+    signed = owned(subkey)
+    return (signed[0].decode(errors="replace"), signed[1]) if signed else (str(subkey), "")
 
 
 async def fetch_configs(node: SwarmNode, run_id: str, owner: str | None = None) -> list[PublishedConfig]:

@@ -17,6 +17,8 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.transport.hivemind.trust.keys import peer_id_of
+
 RUNS_PREFIX = "hivepipe"
 RUNS_KEY = f"{RUNS_PREFIX}_runs"  # subkey per (run id, lister's key): {"num_stages": n}, so status can list runs
 
@@ -30,6 +32,18 @@ class RunListing(pydantic.BaseModel):
 
 class Listings(pydantic.BaseModel):
     runs: Dict[bytes, RunListing]  # noqa: UP006
+
+
+def owned(subkey) -> tuple[bytes, str] | None:
+    """A subkey `prefix[owner:KEY]` (what RSASignatureValidator checks) as (prefix, the key's peer
+    id); None for any other subkey."""
+    if not isinstance(subkey, bytes) or not subkey.endswith(b"]"):
+        return None
+    prefix, marker, key = subkey.partition(b"[owner:")
+    try:
+        return (prefix, peer_id_of(key[:-1])) if marker else None
+    except ValueError:
+        return None
 
 
 def validators(key: RSAPrivateKey) -> CompositeValidator:

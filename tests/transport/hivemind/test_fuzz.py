@@ -10,7 +10,7 @@ import uuid
 from _swarm_env import SETTINGS, assert_same_run, local_rows, smoke
 
 from swarm.bench.fuzz import campaign, max_rss_mib
-from swarm.bench.fuzz_cases import Target
+from swarm.bench.fuzz_cases import targets_of
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
@@ -29,19 +29,7 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        targets = [
-            Target(
-                h.node.peer_id,
-                run_id,
-                h.stage,
-                pipeline.session,
-                pipeline.owner.key,
-                stranger.peer_id,
-                member.peer_id,
-                step=lambda h=h: h.steps,
-            )
-            for h in hosted
-        ]
+        targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
         rss = max_rss_mib()
         limit = SETTINGS.read_timeout_s + SETTINGS.drain_s + 10
         running = asyncio.run_coroutine_threadsafe(

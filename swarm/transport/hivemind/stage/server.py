@@ -149,7 +149,7 @@ class StageServer:
         """Refuses a request its sender may not make, before its payload is read
         (swarm.transport.hivemind.trust.gate)."""
         head = getattr(message, kind)
-        if message.ByteSize() - len(message.chunk.data) > MAX_HEAD_BYTES:
+        if head.ByteSize() + message.auth.ByteSize() > MAX_HEAD_BYTES:
             raise ProtocolError(f"a head of more than {MAX_HEAD_BYTES} bytes")
         if kind == "info":
             _check_version(head.to)
