@@ -105,7 +105,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def write_tiny_tokenizer(root):
-    """A tiny byte-level BPE in GPT-2's file format (256 bytes, three merges, <|endoftext|>)."""
+    """A tiny byte-level BPE in GPT-2's file format (256 bytes, three merges, <|endoftext|>), with
+    the tokenizer_config.json save_pretrained writes (AutoTokenizer needs it to pick the class)."""
     import json
 
     table = _bytes_to_unicode()
@@ -116,6 +117,7 @@ def write_tiny_tokenizer(root):
     vocab["<|endoftext|>"] = len(vocab)
     (root / "vocab.json").write_text(json.dumps(vocab))
     (root / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
     return root
 
 
@@ -161,3 +163,39 @@ def tied_weight_drift(stages, tied) -> float:
 def frame(message_type, head_field: str, head, payload: bytes) -> list:
     """`framing.frame_parts` as protobuf messages: what a test may alter before sending them as they are."""
     return [message_type.FromString(b"".join(parts)) for parts in frame_parts(message_type, head_field, head, payload)]
+
+
+# ---- tiny random configs of the transformers decoder families the tests check -----------------------
+
+TINY_VOCAB = 97
+_DECODER_COMMON = dict(
+    vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4
+)
+TINY_DECODERS = {
+    "llama": dict(model_type="llama", num_key_value_heads=2, max_position_embeddings=64, **_DECODER_COMMON),
+    # a window shorter than the sequence: the sliding-window mask matters
+    "mistral": dict(
+        model_type="mistral", num_key_value_heads=2, max_position_embeddings=64, sliding_window=5, **_DECODER_COMMON
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        **_DECODER_COMMON,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox", max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, **_DECODER_COMMON
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        vocab_size=TINY_VOCAB,
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+}

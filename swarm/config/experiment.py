@@ -92,9 +92,22 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    name: Literal["digits", "cifar10", "wikitext2"] = "digits"
+    name: str = "digits"  # digits | cifar10 | wikitext2 | text | images | package.module:function
     data_dir: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        # swarm.data.registry.DATASETS' names, written out: importing swarm.data here would make
+        # swarm.config and swarm.data import each other (tests/data/test_local_data.py checks they agree)
+        builtin = ("digits", "cifar10", "wikitext2", "text", "images")
+        module, colon, function = value.partition(":")
+        if value in builtin or (
+            colon and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
+        ):
+            return value
+        raise ValueError(f"unknown dataset {value!r}; choose one of {', '.join(builtin)}, or package.module:function")
 
 
 class OptimizerConfig(_Strict):
@@ -120,6 +133,10 @@ class TrainConfig(_Strict):
     warmup_epochs: float = Field(0, ge=0)  # uncompressed epochs first (fills AQ-SGD buffers)
     max_steps: int | None = Field(None, ge=1)
     in_flight: int | None = Field(None, ge=1)  # micro-batches in a swarm's pipeline at once (default: 2 x stages)
+    precision: Literal["fp32", "bf16", "fp16"] = (
+        "fp32"  # autocast dtype of every stage's forward (swarm.engine.precision)
+    )
+    checkpoint_activations: bool = False  # recompute each stage's forward in its backward: less memory per micro-batch
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> TrainConfig:

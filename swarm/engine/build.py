@@ -10,6 +10,7 @@ import torch
 from swarm.config import ExperimentConfig
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.optim import make_optimizer, make_scheduler
+from swarm.engine.precision import Forward
 from swarm.engine.stage import StageRuntime
 from swarm.models import StagedModel, build_model
 
@@ -60,13 +61,22 @@ def build_runtime(
         staged.metrics if last else None,
         device,
         hold_grads,
+        Forward(cfg.train.precision, cfg.train.checkpoint_activations, device),
     )
 
 
 def config_digest(cfg: ExperimentConfig) -> str:
-    """What a stage's computation depends on (seed, model, optimizer, compression): the trainer and
-    every stage peer must agree on it. Where a peer keeps its AQ-SGD rows is its own business."""
+    """What a stage's computation depends on (seed, model, optimizer, compression, precision): the
+    trainer and every stage peer must agree on it. Where a peer keeps its AQ-SGD rows is its own business."""
     data = cfg.model_dump(
-        mode="json", include={"seed", "model", "optimizer", "compression"}, exclude={"compression": {"store_dir"}}
+        mode="json",
+        include={
+            "seed": True,
+            "model": True,
+            "optimizer": True,
+            "compression": True,
+            "train": {"precision", "checkpoint_activations"},
+        },
+        exclude={"compression": {"store_dir"}},
     )
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -47,6 +47,25 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """Parameters that never train (a LoRA run's base weights): every peer rebuilds them from the
+    config, so states leave them out."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def module_state(module: torch.nn.Module) -> dict:
+    frozen = frozen_names(module)
+    return {k: v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def check_module_state(module: torch.nn.Module, saved: dict, where: str) -> None:
+    """A `module_state` holds exactly the module's trainable parameters and buffers."""
+    expected = set(module_state(module))
+    if set(saved) != expected:
+        missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+        raise ValueError(f"{where} does not fit the module (missing {missing[:3]}, unexpected {extra[:3]})")
+
+
 def stage_state(runtime: StageRuntime, ends: LinkEnds, step: int, in_flight: bool = False) -> dict:
     """What a checkpoint of one stage holds, with `ends` as its link ends. Only a state without
     link ends may be taken with micro-batches in flight (`in_flight`): their activations and held
@@ -60,7 +79,8 @@ def stage_state(runtime: StageRuntime, ends: LinkEnds, step: int, in_flight: boo
         "stage": runtime.index,
         "num_stages": runtime.num_stages,
         "step": int(step),
-        "module": runtime.module.state_dict(),
+        "module": module_state(runtime.module),
+        "names": dict(getattr(runtime.module, "source_names", {})),
         "optimizer": runtime.optimizer.state_dict(),
         "scheduler": None if runtime.scheduler is None else runtime.scheduler.state_dict(),
         "inbound": None if ends.inbound is None else ends.inbound.state_dict(),
@@ -85,7 +105,8 @@ def apply_stage_state(runtime: StageRuntime, ends: LinkEnds, state: dict) -> int
         raise ValueError(
             f"checkpoint is of stage {state['stage']}/{state['num_stages']}, this runtime is stage {runtime.index}/{runtime.num_stages}"
         )
-    for name, end in zip(("inbound", "outbound"), ends, strict=True):  # checked before anything loads
+    check_module_state(runtime.module, state["module"], f"checkpoint of stage {runtime.index}")  # before anything loads
+    for name, end in zip(("inbound", "outbound"), ends, strict=True):
         saved = state[name]
         if (end is None) != (saved is None):
             raise ValueError(
@@ -93,7 +114,7 @@ def apply_stage_state(runtime: StageRuntime, ends: LinkEnds, state: dict) -> int
             )
         if end is not None:
             end.check_state(saved)
-    runtime.module.load_state_dict(state["module"])
+    runtime.module.load_state_dict(state["module"], strict=False)  # frozen parameters are not in it
     runtime.optimizer.load_state_dict(state["optimizer"])
     if runtime.scheduler is not None and state["scheduler"] is not None:
         runtime.scheduler.load_state_dict(state["scheduler"])

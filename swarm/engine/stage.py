@@ -20,6 +20,7 @@ import torch
 
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+from swarm.engine.precision import Forward
 
 
 class StageRuntime:
@@ -34,6 +35,7 @@ class StageRuntime:
         metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None,
         device: torch.device | str = "cpu",
         hold_grads: bool = False,
+        run_forward: Forward | None = None,
     ) -> None:
         self.index = index
         self.num_stages = num_stages
@@ -46,6 +48,7 @@ class StageRuntime:
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hold_grads = hold_grads
         self.held: dict[tuple, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self.run_forward = run_forward or Forward(device=self.device)
 
     @property
     def first(self) -> bool:
@@ -77,7 +80,7 @@ class StageRuntime:
         if training and not self.first:
             x = x.detach().requires_grad_(True)
         with torch.set_grad_enabled(training):
-            y = self.module(x)
+            y = self.run_forward(self.module, x, training)
         if self.last:
             message = self._finish(batch, x, y, ends)
         else:

@@ -7,32 +7,17 @@ when the output looks like class logits).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 
 from torch import nn
 
+from swarm.config.options import resolve_callable
 from swarm.models.base import StagedModel, loss_metrics
 
 
 def resolve(spec: str) -> Callable:
-    """The callable named by "package.module:function" (a dotted attribute path is allowed)."""
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        raise ValueError(f"custom model {spec!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"custom model {spec!r}: cannot import module {module_name!r} ({e})") from None
-    target = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"custom model {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"custom model {spec!r}: {attr!r} is a {type(target).__name__}, not a callable")
-    return target
+    return resolve_callable(spec, "custom model")
 
 
 def _as_staged(spec: str, result) -> StagedModel:

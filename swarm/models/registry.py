@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 from swarm.config.options import accepted_options, reject_unknown
 from swarm.models.base import StagedModel
+from swarm.models.causal_lm import build_transformers, vocab_size
 from swarm.models.custom import build_custom
 from swarm.models.digits import build_digits_cnn, build_digits_mlp
-from swarm.models.gpt2 import build_gpt2
+from swarm.models.gpt2 import build_gpt2, make_config
 from swarm.models.relay import build_relay
 from swarm.models.resnet import build_resnet18
 
@@ -18,6 +19,7 @@ MODELS: dict[str, Callable[..., StagedModel]] = {
     "digits_cnn": build_digits_cnn,
     "digits_mlp": build_digits_mlp,
     "relay": build_relay,
+    "transformers": build_transformers,
 }
 
 
@@ -29,7 +31,7 @@ def model_options(name: str) -> list[str]:
 def build_model(name: str, num_stages: int, **options) -> StagedModel:
     """Build `name` cut into `num_stages` stages, under the caller's torch seed.
 
-    `name` is a built-in model (resnet18, gpt2, digits_cnn, digits_mlp, relay) or "package.module:function".
+    `name` is a built-in model (resnet18, gpt2, digits_cnn, digits_mlp, relay, transformers) or "package.module:function".
     """
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
@@ -39,3 +41,17 @@ def build_model(name: str, num_stages: int, **options) -> StagedModel:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or 'package.module:function'")
     reject_unknown(name, options, model_options(name))
     return MODELS[name](num_stages, **options)
+
+
+def model_vocab_size(name: str, options: dict) -> int | None:
+    """A language model's vocabulary size from its options (None: not a built-in language model)."""
+    if name == "transformers":
+        return vocab_size(**options)
+    if name == "gpt2":
+        if options.get("pretrained") is not None:
+            return vocab_size(pretrained=options["pretrained"])
+        try:
+            return make_config(options.get("config")).vocab_size
+        except (ValueError, TypeError):
+            return None
+    return None

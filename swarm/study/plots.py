@@ -41,7 +41,8 @@ def plot_table(title: str, runs: list[dict], out: Path) -> Path:
             [s["step"] for s in steps], smooth([s["loss"] for s in steps], window), label=name, linewidth=0.9
         )
         color = line[0].get_color()
-        key = "perplexity" if run["config"]["data"]["name"] == "wikitext2" else "accuracy"
+        lm = any("perplexity" in e.get("uncompressed", {}) for e in run["evals"])
+        key = "perplexity" if lm else "accuracy"
         evals = [e for e in run["evals"] if key in e.get("uncompressed", {})]
         scale = 100 if key == "accuracy" else 1
         ax_eval.plot(

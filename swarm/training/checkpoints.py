@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from swarm.engine.checkpoint import FORMAT, atomic_save
+from swarm.engine.checkpoint import FORMAT, atomic_save, read_stage
 from swarm.engine.pipeline import Pipeline
+from swarm.models.lora import ADAPTER_DIR, write_adapters
 
 _RUN_DIR = re.compile(r"step-(\d+)")
 
@@ -48,9 +49,19 @@ def latest_run(directory: str | os.PathLike) -> Path | None:
     return complete[-1] if complete else None
 
 
-def save_run(directory: str | os.PathLike, step: int, pipeline: Pipeline, trainer: dict, keep: int = 2) -> Path:
+def save_run(
+    directory: str | os.PathLike,
+    step: int,
+    pipeline: Pipeline,
+    trainer: dict,
+    keep: int = 2,
+    lora: dict | None = None,
+    base: str | None = None,
+) -> Path:
     """Every stage (through `pipeline.save_checkpoint`) and the trainer's position, as one
-    directory renamed into place when complete; keeps the newest `keep` checkpoints."""
+    directory renamed into place when complete; keeps the newest `keep` checkpoints. A LoRA run
+    (`lora`: the model's lora options, `base`: its pretrained weights) also gets its adapters as a
+    peft directory, `adapter/`."""
     directory = Path(directory)
     final = run_dir(directory, step)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
@@ -58,6 +69,9 @@ def save_run(directory: str | os.PathLike, step: int, pipeline: Pipeline, traine
     tmp.mkdir(parents=True)
     try:
         pipeline.save_checkpoint(tmp, step)
+        if lora is not None:
+            stages = sorted(tmp.glob("stage*.pt"), key=lambda p: int(p.stem.removeprefix("stage")))
+            write_adapters([read_stage(p) for p in stages], lora, base, tmp / ADAPTER_DIR)
         atomic_save({"format": FORMAT, "step": int(step), **trainer}, tmp / "trainer.pt")
         if final.exists():
             shutil.rmtree(final)

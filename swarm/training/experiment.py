@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from swarm.config import ExperimentConfig
 from swarm.data import build_datasets
+from swarm.models.registry import model_vocab_size
 from swarm.training.checkpoints import Checkpointing, latest_run, run_step
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
@@ -12,8 +15,18 @@ from swarm.transport.local import build_local_pipeline
 
 
 def build_data(cfg: ExperimentConfig):
-    """The config's (train, test) datasets."""
-    return build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+    """The config's (train, test) datasets; token ids beyond a language model's vocabulary are
+    refused here, in one line, rather than as an index error inside a stage."""
+    data = build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+    vocab = model_vocab_size(cfg.model.name, cfg.model.options)
+    blocks = [getattr(split, "blocks", None) for split in data]
+    highest = max((int(b.max()) for b in blocks if isinstance(b, torch.Tensor) and b.numel()), default=-1)
+    if vocab is not None and highest >= vocab:
+        raise ValueError(
+            f"data: token id {highest} does not fit the model's vocabulary of {vocab}"
+            " (the tokenizer is not the model's: set the model's vocab_size or use its tokenizer)"
+        )
+    return data
 
 
 def describe(summary: dict, results_path=None) -> list[str]:

@@ -86,7 +86,7 @@ def evaluate(pipeline: Pipeline, cfg: ExperimentConfig, test_set, step: int, exa
             group = []
     for metrics in pipeline.run_many(group):
         sums.update(metrics)
-    return summarize(sums, perplexity=cfg.data.name == "wikitext2")
+    return summarize(sums, perplexity=hasattr(test_set, "vocab_size"))  # token datasets: language models
 
 
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -119,6 +119,8 @@ def train(
     """
     train_set, test_set = data
     schedule = Schedule.of(cfg, len(train_set), max_steps)
+    options = cfg.model.options if cfg.model.name == "transformers" else {}
+    adapters = (options["lora"], options.get("pretrained")) if options.get("lora") is not None else (None, None)
     if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
         results.write(
             {
@@ -225,7 +227,7 @@ def train(
                 if evaluated:
                     run_eval()
                 if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
-                    save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep)
+                    save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, *adapters)
             except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again
                 go_to(rewound.position, f"going back to the copies the swarm kept, from step {step}")
                 results.rewind(step)

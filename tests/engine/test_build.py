@@ -14,3 +14,5 @@ def test_config_digest_covers_what_stages_compute():
     )
     assert config_digest(base) != config_digest(smoke("compression.forward=quant:4", "compression.backward=none"))
     assert config_digest(base) != config_digest(smoke("seed=1"))
+    assert config_digest(base) != config_digest(smoke("train.precision=bf16"))
+    assert config_digest(base) != config_digest(smoke("train.checkpoint_activations=true"))

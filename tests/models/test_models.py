@@ -272,7 +272,7 @@ def test_gpt2_errors():
     with pytest.raises(ValueError, match="1..6 stages, not 7"):
         build_model("gpt2", 7, config=TINY_GPT2)
     staged = build_model("gpt2", 2, config=TINY_GPT2)
-    with pytest.raises(ValueError, match="exceeds n_positions"):
+    with pytest.raises(ValueError, match="exceeds the 64 positions"):
         staged(torch.zeros(1, 65, dtype=torch.long))
 
 

@@ -1,0 +1,142 @@
+"""Your own image folder for classification, read as the cifar10 ImageFolder copy is.
+
+Layouts of `dir`:
+- `dir/train/<class>/*` and `dir/test/<class>/*` (the same class folders in both);
+- `dir/<class>/*`, split per class: the last `test_fraction` (default 0.1; 0 gives an empty test
+  set) of each class's files, in name order, are the test split. A fixed rule rather than a
+  seeded draw, so the split and the ids depend only on the files and the options.
+
+Classes are the sorted folder names (label i = classes[i]). Every image is converted to RGB and
+resized to `image_size` x `image_size` (bilinear; the aspect ratio is not kept) when it has
+another size. Train items get cifar10's crop-and-flip augmentation (random crop with 4 pixels of
+padding, horizontal flip) drawn per (seed, epoch, sample id); every item is normalized with
+`mean`/`std` (default: CIFAR-10's). Ids: 0..n_train-1 for train, n_train.. for test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from swarm.data.augment import CIFAR10_MEAN, CIFAR10_STD, normalize, random_crop, random_hflip, to_tensor
+from swarm.data.base import require_dir
+from swarm.data.cifar import CifarDataset, _image_folder
+
+NAME = "images"
+PADDING = 4  # cifar10's crop padding (swarm.data.augment.cifar_train_transform's default)
+
+
+class ImageFolderDataset(CifarDataset):
+    """CifarDataset over image files resized to one size, normalized with the given statistics."""
+
+    def __init__(self, ids, paths, labels, classes, augment: bool, seed: int, image_size: int, mean, std) -> None:
+        super().__init__(ids, paths, labels, classes, augment, seed, crop_size=image_size)
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def image(self, index: int) -> np.ndarray:
+        image = super().image(index)  # RGB uint8 [H, W, 3]
+        size = self.crop_size
+        if image.shape[:2] != (size, size):
+            image = np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
+        return image
+
+    def load(self, index: int, sample_id: int):
+        # cifar_train_transform's steps, with this folder's mean/std in place of CIFAR-10's fixed ones
+        x = to_tensor(self.image(index))
+        if self.augment:
+            generator = self.generator(sample_id)
+            x = random_hflip(random_crop(x, self.crop_size, PADDING, generator), generator)
+        return normalize(x, self.mean, self.std), self.labels[index]
+
+
+def _check_classes(root: Path) -> None:
+    """One-line errors for what torchvision's ImageFolder would refuse with a long message."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS  # as cifar10: only image runs load torchvision
+
+    classes = sorted(p for p in root.iterdir() if p.is_dir())
+    if not classes:
+        raise ValueError(f"{NAME}: {str(root)!r} has no class folders (expected {root}/<class>/<image files>)")
+    for folder in classes:
+        if not any(f.is_file() and f.name.lower().endswith(IMG_EXTENSIONS) for f in folder.rglob("*")):
+            raise ValueError(
+                f"{NAME}: class {folder.name!r} ({str(folder)!r}) has no images ({', '.join(IMG_EXTENSIONS)})"
+            )
+
+
+def _folder(root: Path) -> tuple[list[str], list[int], list[str]]:
+    _check_classes(root)
+    return _image_folder(root)
+
+
+def _stats(what: str, value) -> tuple[float, ...]:
+    if (
+        not isinstance(value, Sequence)
+        or len(value) != 3
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
+        raise ValueError(f"{NAME}: {what} must be 3 numbers (red, green, blue), got {value!r}")
+    if what == "std" and min(value) <= 0:
+        raise ValueError(f"{NAME}: std must be positive, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def _split_per_class(labels: list[int], fraction: float) -> tuple[list[int], list[int]]:
+    """Indices of train and test: each class's last `fraction` of files (ImageFolder lists them sorted)."""
+    train, test = [], []
+    for label in sorted(set(labels)):
+        members = [i for i, y in enumerate(labels) if y == label]
+        cut = len(members) - int(len(members) * fraction)
+        train.extend(members[:cut])
+        test.extend(members[cut:])
+    return train, test
+
+
+def build_images(
+    data_dir: str | None = None,
+    seed: int = 0,
+    dir: str | None = None,
+    image_size: int = 32,
+    test_fraction: float | None = None,
+    augment: bool = True,
+    mean: Sequence[float] = CIFAR10_MEAN,
+    std: Sequence[float] = CIFAR10_STD,
+) -> tuple[ImageFolderDataset, ImageFolderDataset]:
+    """(train, test) of an image folder; `dir` is relative to `data_dir` when that is set."""
+    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 1:
+        raise ValueError(f"{NAME}: image_size must be a positive integer, got {image_size!r}")
+    if not isinstance(augment, bool):
+        raise ValueError(f"{NAME}: augment must be true or false, got {augment!r}")
+    mean, std = _stats("mean", mean), _stats("std", std)
+    if dir is None and data_dir is None:
+        raise ValueError(f"{NAME}: dir is required (a folder of <class>/ or train/<class>/ and test/<class>/)")
+    base = Path(data_dir).expanduser() if data_dir is not None else Path.cwd()
+    root = require_dir(NAME, base / Path(dir).expanduser() if dir is not None else base, "dir")
+
+    if (root / "train").is_dir():
+        if test_fraction is not None:
+            raise ValueError(
+                f"{NAME}: {str(root)!r} has train/ and test/ folders; test_fraction is for <class>/ folders"
+            )
+        test_root = require_dir(NAME, root / "test", "test folder (next to train/)")
+        paths, labels, classes = _folder(root / "train")
+        test_paths, test_labels, test_classes = _folder(test_root)
+        if test_classes != classes:
+            raise ValueError(f"{NAME}: train classes {classes} differ from test classes {test_classes}")
+    else:
+        fraction = 0.1 if test_fraction is None else test_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+            raise ValueError(f"{NAME}: test_fraction must be a number in [0, 1), got {test_fraction!r}")
+        all_paths, all_labels, classes = _folder(root)
+        keep, held = _split_per_class(all_labels, float(fraction))
+        paths, labels = [all_paths[i] for i in keep], [all_labels[i] for i in keep]
+        test_paths, test_labels = [all_paths[i] for i in held], [all_labels[i] for i in held]
+
+    n = len(paths)
+    train = ImageFolderDataset(np.arange(n), paths, labels, classes, augment, seed, image_size, mean, std)
+    test = ImageFolderDataset(
+        np.arange(n, n + len(test_paths)), test_paths, test_labels, classes, False, seed, image_size, mean, std
+    )
+    return train, test

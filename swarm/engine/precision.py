@@ -1,0 +1,60 @@
+"""How a stage computes its forward: the autocast dtype (`train.precision`) and activation
+checkpointing (`train.checkpoint_activations`).
+
+Weights, optimizer state and parameter gradients stay float32; under bf16/fp16 autocast a stage's
+matrix products run in the lower precision, and its output (what the link's codec sees) has the
+dtype the model's last operation gives it. fp16 runs without loss scaling: gradients below fp16's
+smallest value (6e-8) flush to zero, so bf16 is the safer choice where the device has it.
+
+Activation checkpointing keeps only each micro-batch's stage input and recomputes the stage's
+forward during its backward (with the same random state, so dropout masks repeat): memory per
+micro-batch in flight drops to one boundary tensor, for about one more forward of compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(precision: str, device: torch.device | str) -> None:
+    """One line when `device` cannot autocast to `precision`."""
+    if precision not in DTYPES:
+        raise ValueError(f"train.precision must be one of {', '.join(DTYPES)}, got {precision!r}")
+    dtype = DTYPES[precision]
+    if dtype is None:
+        return
+    device = torch.device(device)
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"train.precision={precision}: {device.type} has no autocast; use fp32")
+    if device.type == "cuda" and dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16 or fp32"
+        )
+
+
+class Forward:
+    """A stage module's forward under the run's precision and checkpointing."""
+
+    def __init__(
+        self, precision: str = "fp32", checkpointing: bool = False, device: torch.device | str = "cpu"
+    ) -> None:
+        check_precision(precision, device)
+        self.dtype = DTYPES[precision]
+        self.checkpointing = checkpointing
+        self.device_type = torch.device(device).type
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def __call__(self, module: torch.nn.Module, x: torch.Tensor, training: bool) -> torch.Tensor:
+        with self.autocast():
+            if self.checkpointing and training:
+                return checkpoint(module, x, use_reentrant=False)
+            return module(x)

@@ -1,0 +1,134 @@
+"""`model: {name: transformers}`: any Hugging Face causal-LM decoder, pretrained or from a config.
+
+    options: {pretrained: PATH_OR_HUB_NAME}            weights and config from a directory / the Hub
+    options: {config: {model_type: llama, ...}}       a fresh model under the run's seed
+    options.split: [3, 6, 9]                           the layer where each stage after the first starts
+    options.lora: {r: 8, alpha: 16, targets: [...]}    adapters only are trained (swarm.models.lora)
+
+Families outside `decoders.CHECKED_FAMILIES` are built only if their staged model computes what
+the unsplit model computes on a probe input (a family may scale embeddings or add parts in its
+forward that a split does not know about).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics
+from swarm.models.decoders import CHECKED_FAMILIES, cut_decoder
+from swarm.models.lora import add_lora
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+
+
+def make_config(config: dict[str, Any]):
+    """A transformers config from {model_type: ..., other keys}; unknown keys are refused (a
+    transformers config would keep a misspelt key silently)."""
+    from transformers import AutoConfig
+
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError("transformers: options.config must be a mapping with a model_type (e.g. llama)")
+    kwargs = dict(config)
+    model_type = kwargs.pop("model_type")
+    try:
+        defaults = AutoConfig.for_model(model_type).to_dict()
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"transformers: unknown model_type {model_type!r} ({_first_line(e)})") from None
+    known = set(defaults)
+    vocab = kwargs.get("vocab_size", defaults.get("vocab_size"))
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults outside a small vocabulary
+        default = defaults.get(token)
+        if token not in kwargs and isinstance(default, int) and isinstance(vocab, int) and default >= vocab:
+            kwargs[token] = None
+    unknown = sorted(set(kwargs) - known - {"attn_implementation"})
+    if unknown:
+        raise ValueError(f"transformers: {model_type} config has no key(s) {', '.join(unknown)}")
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"transformers: bad {model_type} config ({_first_line(e)})") from None
+
+
+def vocab_size(pretrained: str | None = None, config: dict | None = None, **_) -> int | None:
+    """The model's vocabulary size from its options, without building it (None if unknown)."""
+    from transformers import AutoConfig
+
+    try:
+        if pretrained is not None:
+            return int(AutoConfig.from_pretrained(str(pretrained)).vocab_size)
+        if isinstance(config, dict) and isinstance(config.get("model_type"), str):
+            return int(config.get("vocab_size") or AutoConfig.for_model(config["model_type"]).vocab_size)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # building the model says what is wrong, in one line
+    return None
+
+
+def load_model(pretrained: str | None, config: dict | None, attn_implementation: str | None):
+    """The unsplit causal LM in float32 (training keeps fp32 weights; `train.precision` autocasts)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if (pretrained is None) == (config is None):
+        raise ValueError("transformers: give exactly one of options.pretrained (a path or hub name) and options.config")
+    try:
+        if pretrained is not None:
+            return AutoModelForCausalLM.from_pretrained(str(pretrained), dtype=torch.float32, **extra)
+        return AutoModelForCausalLM.from_config(make_config(config), dtype=torch.float32, **extra)
+    except ValueError as e:
+        if str(e).startswith("transformers:"):
+            raise
+        raise ValueError(
+            f"transformers: cannot build {pretrained or config.get('model_type')!r} ({_first_line(e)})"
+        ) from None
+    except (OSError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(
+            f"transformers: cannot load {pretrained or config.get('model_type')!r} ({_first_line(e)})"
+        ) from None
+
+
+def check_split(model, staged: StagedModel) -> None:
+    """Refuse a family whose stages do not compute what the unsplit model computes (on 8 tokens)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randint(0, vocab, (1, 8), generator=generator)
+    modes = [m.training for m in staged.stages]
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = model(input_ids=probe).logits
+            split = staged.eval()(probe)
+    finally:
+        for stage, mode in zip(staged.stages, modes, strict=True):
+            stage.train(mode)
+    if whole.shape != split.shape or not torch.allclose(whole, split, rtol=1e-4, atol=1e-5):
+        difference = (whole - split).abs().max() if whole.shape == split.shape else float("nan")
+        raise ValueError(
+            f"transformers: {model.config.model_type} computes something else when split (largest difference"
+            f" {float(difference):.2e}); families checked: {', '.join(CHECKED_FAMILIES)}"
+        )
+
+
+def build_transformers(
+    num_stages: int,
+    pretrained: str | None = None,
+    config: dict[str, Any] | None = None,
+    split: list[int] | None = None,
+    lora: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+) -> StagedModel:
+    """A causal LM cut into `num_stages` stages, with a causal-LM loss (labels = inputs, shifted)."""
+    model = load_model(pretrained, config, attn_implementation)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"transformers: {model.config.model_type} is an encoder-decoder; only decoders split here")
+    model.train()
+    stages, tied = cut_decoder(model, num_stages, split)
+    staged = StagedModel(list(stages), causal_lm_loss, causal_lm_metrics, tied)
+    if model.config.model_type not in CHECKED_FAMILIES:
+        check_split(model, staged)
+    if lora is not None:
+        add_lora(model, staged, lora)
+    return staged
