@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from swarm.cli import bench_fuzz
+from swarm.cli import bench_fuzz, bench_oracle
 from swarm.cli.allocator import keep_freed_memory
 
 
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--payload_kb", type=_positive_int, default=60, help="request size (KiB)")
     streams.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     bench_fuzz.add_parser(which, _positive_int)
+    bench_oracle.add_parser(which, _positive_int)
     throughput = which.add_parser(
         "throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds"
     )
@@ -375,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_streams(args)
     if args.command == "bench" and args.bench == "fuzz":
         return bench_fuzz.run(args)
+    if args.command == "bench" and args.bench == "oracle":
+        return bench_oracle.run(args)
     if args.command == "run":
         return run_command(args)
     if args.command == "report":

@@ -85,6 +85,10 @@ def add_lora(model: nn.Module, staged, lora: dict[str, Any]) -> None:
         for name, p in stage.named_parameters():
             p.requires_grad_("lora_" in name)
     name_sources(model, staged.stages)
+    # a frozen tied pair never gets a gradient: its copies stay equal with nothing to sum
+    staged.tied = [
+        pair for pair in staged.tied if staged.stages[pair.first[0]].get_parameter(pair.first[1]).requires_grad
+    ]
     if not any(p.requires_grad for stage in staged.stages for p in stage.parameters()):
         raise ValueError(f"lora: no module of the stages matches targets {config.target_modules}")
 

@@ -51,7 +51,8 @@ class Combining:
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
-        return [name for name, _ in self.host.runtime.module.named_parameters() if name not in tied]
+        # frozen parameters (a LoRA run's base) never have a gradient: groups sum only what trains
+        return [name for name, p in self.host.runtime.module.named_parameters() if name not in tied and p.requires_grad]
 
     def _local(self, head: pb.GatherRequest, groups: list[pb.AverageGroup]) -> list[list[torch.Tensor]]:
         """On the computing thread: the micro-batches' summed gradients (none while joining: it
