@@ -5,9 +5,10 @@
     options.split: [3, 6, 9]                           the layer where each stage after the first starts
     options.lora: {r: 8, alpha: 16, targets: [...]}    adapters only are trained (swarm.models.lora)
 
-Families outside `decoders.CHECKED_FAMILIES` are built only if their staged model computes what
-the unsplit model computes on a probe input (a family may scale embeddings or add parts in its
-forward that a split does not know about).
+A model is built only if its stages compute what the unsplit model computes on a probe input:
+families outside `decoders.CHECKED_FAMILIES` may scale embeddings or add parts in their forward
+that a split does not know about, and a config the model cannot run fails here in one line rather
+than inside a stage peer.
 """
 
 from __future__ import annotations
@@ -97,17 +98,29 @@ def check_split(model, staged: StagedModel) -> None:
     probe = torch.randint(0, vocab, (1, 8), generator=generator)
     modes = [m.training for m in staged.stages]
     model.eval()
+    model_type = model.config.model_type
     try:
         with torch.no_grad():
-            whole = model(input_ids=probe).logits
-            split = staged.eval()(probe)
+            try:
+                whole = model(input_ids=probe).logits
+            except Exception as e:  # a config the model itself cannot run
+                raise ValueError(
+                    f"transformers: {model_type} does not run ({type(e).__name__}: {_first_line(e)})"
+                ) from None
+            try:
+                split = staged.eval()(probe)
+            except Exception as e:  # a layer that wants more than a split gives it
+                raise ValueError(
+                    f"transformers: {model_type} cannot run split ({type(e).__name__}: {_first_line(e)});"
+                    f" families checked: {', '.join(CHECKED_FAMILIES)}"
+                ) from None
     finally:
         for stage, mode in zip(staged.stages, modes, strict=True):
             stage.train(mode)
     if whole.shape != split.shape or not torch.allclose(whole, split, rtol=1e-4, atol=1e-5):
         difference = (whole - split).abs().max() if whole.shape == split.shape else float("nan")
         raise ValueError(
-            f"transformers: {model.config.model_type} computes something else when split (largest difference"
+            f"transformers: {model_type} computes something else when split (largest difference"
             f" {float(difference):.2e}); families checked: {', '.join(CHECKED_FAMILIES)}"
         )
 
@@ -127,8 +140,7 @@ def build_transformers(
     model.train()
     stages, tied = cut_decoder(model, num_stages, split)
     staged = StagedModel(list(stages), causal_lm_loss, causal_lm_metrics, tied)
-    if model.config.model_type not in CHECKED_FAMILIES:
-        check_split(model, staged)
+    check_split(model, staged)  # every family, every config: a few ms for small models, seconds for 7B
     if lora is not None:
         add_lora(model, staged, lora)
     return staged
