@@ -11,8 +11,10 @@ from swarm.config import OptimizerConfig
 
 def make_optimizer(cfg: OptimizerConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
     params = [p for p in module.parameters() if p.requires_grad]
+    # a stage with nothing to train (a LoRA run's stage holding only the frozen embedding) still gets
+    # an optimizer: one empty group keeps the schedule, checkpoints and the step's rounds uniform
     if cfg.name == "sgd":  # the paper's ResNet recipe: momentum 0.9, weight decay 5e-4 on everything
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD([{"params": params}], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     # AdamW as HF Trainer sets it up: no decay for biases and norm weights (1-D parameters)
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -20,7 +22,7 @@ def make_optimizer(cfg: OptimizerConfig, module: torch.nn.Module) -> torch.optim
         g
         for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
         if g["params"]
-    ]
+    ] or [{"params": []}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 

@@ -108,6 +108,10 @@ class StageRuntime:
         self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor | None:
         """Backward through this stage; the input's gradient (None for stage 0's input)."""
+        if not output.requires_grad:  # nothing up to here trains (a LoRA run's frozen embedding stage)
+            if self.hold_grads:
+                self.held[batch.key] = []
+            return None
         if not self.hold_grads:
             output.backward(grad_output)
             return x.grad

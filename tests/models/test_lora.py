@@ -31,7 +31,12 @@ def lora_config(root, **changes) -> dict:
         (root / "train.txt").write_text(TEXT)
     raw = {
         "name": "lora-test",
-        "model": {"name": "transformers", "num_stages": 2, "options": {"pretrained": str(root / "base"), "lora": LORA}},
+        # stage 0 holds only the frozen embedding: nothing to train there, nothing to send back
+        "model": {
+            "name": "transformers",
+            "num_stages": 2,
+            "options": {"pretrained": str(root / "base"), "lora": LORA, "split": [0]},
+        },
         "data": {
             "name": "text",
             "options": {"files": [str(root / "train.txt")], "tokenizer": str(root), "block_size": 16},
