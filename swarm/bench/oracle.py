@@ -61,6 +61,8 @@ def _eval_diff(ours: list[dict], theirs: list[dict]) -> float:
 def compare(config_path: str, overrides: list[str], stages: int, steps: int, log=print) -> OracleReport:
     """The lab's run and this process's, `steps` steps each; raises RuntimeError if the lab fails."""
     cfg: ExperimentConfig = load_config(config_path, overrides)
+    if cfg.compression.adaptive is not None:
+        raise ValueError("compression.adaptive decides from measured links: one process has none to compare with")
     threads = peer_threads(stages + 1)
     sets = [a for o in overrides for a in ("--set", o)]
     with tempfile.TemporaryDirectory(prefix="hivepipe-oracle-") as tmp:

@@ -104,7 +104,9 @@ class DataConfig(_Strict):
         builtin = ("digits", "cifar10", "wikitext2", "text", "images")
         module, colon, function = value.partition(":")
         if value in builtin or (
-            colon and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
+            colon
+            and all(p.isidentifier() for p in function.split("."))
+            and all(p.isidentifier() for p in module.split("."))
         ):
             return value
         raise ValueError(f"unknown dataset {value!r}; choose one of {', '.join(builtin)}, or package.module:function")

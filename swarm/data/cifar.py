@@ -47,7 +47,7 @@ class CifarDataset(SampleDataset):
         return x, self.labels[index]
 
 
-def _image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
+def image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
     # torchvision is imported when CIFAR-10 is built: swarm.data's registry imports every dataset
     # module, and runs on the other datasets need not load it.
     from torchvision.datasets import ImageFolder
@@ -61,7 +61,7 @@ def _image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
 
 
 def _torchvision(root: str, train: bool) -> tuple[np.ndarray, list[int], list[str]]:
-    from torchvision.datasets import CIFAR10  # as in _image_folder: only CIFAR-10 runs load torchvision
+    from torchvision.datasets import CIFAR10  # as in image_folder: only CIFAR-10 runs load torchvision
 
     try:
         data = CIFAR10(root=str(Path(root).expanduser()), train=train, download=True)
@@ -92,8 +92,8 @@ def build_cifar10(
         train_dir, test_dir = base / "train", base / "test"
         for part in (train_dir, test_dir):
             require_dir("cifar10", part, "folder")
-        train_images, train_labels, classes = _image_folder(train_dir)
-        test_images, test_labels, test_classes = _image_folder(test_dir)
+        train_images, train_labels, classes = image_folder(train_dir)
+        test_images, test_labels, test_classes = image_folder(test_dir)
         if test_classes != classes:
             raise ValueError(f"cifar10: train classes {classes} differ from test classes {test_classes}")
     else:

@@ -23,7 +23,7 @@ from PIL import Image
 
 from swarm.data.augment import CIFAR10_MEAN, CIFAR10_STD, normalize, random_crop, random_hflip, to_tensor
 from swarm.data.base import require_dir
-from swarm.data.cifar import CifarDataset, _image_folder
+from swarm.data.cifar import CifarDataset, image_folder
 
 NAME = "images"
 PADDING = 4  # cifar10's crop padding (swarm.data.augment.cifar_train_transform's default)
@@ -68,7 +68,7 @@ def _check_classes(root: Path) -> None:
 
 def _folder(root: Path) -> tuple[list[str], list[int], list[str]]:
     _check_classes(root)
-    return _image_folder(root)
+    return image_folder(root)
 
 
 def _stats(what: str, value) -> tuple[float, ...]:

@@ -61,7 +61,7 @@ def build_runtime(
         staged.metrics if last else None,
         device,
         hold_grads,
-        Forward(cfg.train.precision, cfg.train.checkpoint_activations, device),
+        Forward(cfg.train.precision, cfg.train.checkpoint_activations, device, cfg.seed),
     )
 
 

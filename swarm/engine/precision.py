@@ -1,5 +1,9 @@
-"""How a stage computes its forward: the autocast dtype (`train.precision`) and activation
-checkpointing (`train.checkpoint_activations`).
+"""How a stage computes its forward: the autocast dtype (`train.precision`), activation
+checkpointing (`train.checkpoint_activations`) and its random numbers.
+
+Random numbers (dropout masks) come from a generator seeded by (run seed, stage, micro-batch):
+a micro-batch draws the same masks whichever process runs its stage, in whatever order, and when
+it is retried, so a swarm keeps the losses of one process with dropout too.
 
 Weights, optimizer state and parameter gradients stay float32; under bf16/fp16 autocast a stage's
 matrix products run in the lower precision, and its output (what the link's codec sees) has the
@@ -17,6 +21,8 @@ import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from swarm.data.base import mix_seed
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,23 +44,43 @@ def check_precision(precision: str, device: torch.device | str) -> None:
 
 
 class Forward:
-    """A stage module's forward under the run's precision and checkpointing."""
+    """A stage module's forward under the run's precision, checkpointing and random streams."""
 
     def __init__(
-        self, precision: str = "fp32", checkpointing: bool = False, device: torch.device | str = "cpu"
+        self,
+        precision: str = "fp32",
+        checkpointing: bool = False,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
     ) -> None:
         check_precision(precision, device)
         self.dtype = DTYPES[precision]
         self.checkpointing = checkpointing
-        self.device_type = torch.device(device).type
+        self.device = torch.device(device)
+        self.device_type = self.device.type
+        self.seed = int(seed)
+
+    @contextlib.contextmanager
+    def _random(self, stream: tuple | None):
+        """The global generators seeded for `stream` inside, as they were outside."""
+        if stream is None:
+            yield
+            return
+        devices = [self.device.index or 0] if self.device_type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device_type if devices else "cuda"):
+            torch.manual_seed(mix_seed(self.seed, *stream))
+            yield
 
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def __call__(self, module: torch.nn.Module, x: torch.Tensor, training: bool) -> torch.Tensor:
-        with self.autocast():
+    def __call__(
+        self, module: torch.nn.Module, x: torch.Tensor, training: bool, stream: tuple | None = None
+    ) -> torch.Tensor:
+        """`stream`: integers naming the micro-batch at this stage (None: the global generators as they are)."""
+        with self._random(stream), self.autocast():
             if self.checkpointing and training:
                 return checkpoint(module, x, use_reentrant=False)
             return module(x)

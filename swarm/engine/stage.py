@@ -80,7 +80,8 @@ class StageRuntime:
         if training and not self.first:
             x = x.detach().requires_grad_(True)
         with torch.set_grad_enabled(training):
-            y = self.run_forward(self.module, x, training)
+            stream = (self.index, batch.step, batch.index) if training else None
+            y = self.run_forward(self.module, x, training, stream)
         if self.last:
             message = self._finish(batch, x, y, ends)
         else:

@@ -173,14 +173,15 @@ def _size(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def balanced_starts(stem: int, layers: list[int], head: int, num_stages: int) -> list[int]:
+def balanced_starts(stem: int, layers: list[int], head: int, num_stages: int, first_layers: int = 0) -> list[int]:
     """The layer where each stage after the first starts, making the largest stage (in parameters:
     the stem counts in stage 0, the head in the last) as small as possible. Middle stages hold at
-    least one layer; the first may hold only the embedding, the last only the head."""
+    least one layer, the first at least `first_layers`; the last may hold only the head."""
     n = len(layers)
-    if num_stages > n + 2:
+    most = n + 2 - min(first_layers, 1)
+    if num_stages > most:
         raise ValueError(
-            f"transformers: {n} layers + embedding + head can be split into 1..{n + 2} stages, not {num_stages}"
+            f"transformers: {n} layers + embedding + head can be split into 1..{most} stages, not {num_stages}"
         )
     prefix = [0]
     for size in layers:
@@ -190,7 +191,7 @@ def balanced_starts(stem: int, layers: list[int], head: int, num_stages: int) ->
         return prefix[end] - prefix[start] + (stem if stage == 0 else 0) + (head if stage == num_stages - 1 else 0)
 
     # largest[s]: the smallest possible largest stage of stages 0..k-1 when stage k starts at layer s
-    largest = {s: (cost(0, 0, s), [s]) for s in range(n + 1)}
+    largest = {s: (cost(0, 0, s), [s]) for s in range(min(first_layers, n), n + 1)}
     for k in range(1, num_stages - 1):
         largest = {
             s: min((max(largest[p][0], cost(k, p, s)), [*largest[p][1], s]) for p in largest if p < s)
@@ -216,16 +217,21 @@ def check_starts(starts: list[int], num_layers: int, num_stages: int) -> list[in
 
 
 def cut_decoder(
-    model: nn.Module, num_stages: int, starts: list[int] | None = None, where: str = "transformers"
+    model: nn.Module,
+    num_stages: int,
+    starts: list[int] | None = None,
+    where: str = "transformers",
+    first_layers: int = 0,
 ) -> tuple[list[DecoderStage], list[TiedPair]]:
     """Stages sharing `model`'s modules. `starts`: the layer where each later stage starts (default:
-    balanced by parameters). The last stage gets its own copy of a tied LM head."""
+    balanced by parameters, with at least `first_layers` layers in stage 0). The last stage gets its
+    own copy of a tied LM head."""
     parts = find_parts(model, where)
     n = len(parts.layers)
     if starts is None:
         stem = sum(_size(parts.modules.get(role)) for role in ("embed", "positions", "dropout"))
         head = _size(parts.modules["norm"]) + _size(parts.modules["head"])
-        starts = balanced_starts(stem, [_size(layer) for layer in parts.layers], head, num_stages)
+        starts = balanced_starts(stem, [_size(layer) for layer in parts.layers], head, num_stages, first_layers)
     starts = check_starts(starts, n, num_stages)
     head = parts.modules["head"]
     embed = parts.modules["embed"]

@@ -76,6 +76,11 @@ def add_lora(model: nn.Module, staged, lora: dict[str, Any]) -> None:
     from swarm.models.decoders import name_sources
 
     config = lora_config(lora, model.config.model_type)
+    # the embedding, final norm and head sit in the stages themselves: an adapter peft put around
+    # them in the unsplit model would never reach a stage
+    outside = sorted({name for stage in staged.stages for name in stage.roles.values()} & set(config.target_modules))
+    if outside:
+        raise ValueError(f"lora: targets {', '.join(outside)} are not supported (adapters go on the layers' modules)")
     try:
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
     except ValueError as e:

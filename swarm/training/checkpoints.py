@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.engine.checkpoint import FORMAT, atomic_save, read_stage
+from swarm.engine.checkpoint import FORMAT, atomic_save
 from swarm.engine.pipeline import Pipeline
-from swarm.models.lora import ADAPTER_DIR, write_adapters
 
 _RUN_DIR = re.compile(r"step-(\d+)")
 
@@ -70,8 +69,12 @@ def save_run(
     try:
         pipeline.save_checkpoint(tmp, step)
         if lora is not None:
+            from swarm.models.lora import ADAPTER_DIR, write_adapters  # LoRA runs only: peft is heavy
+
             stages = sorted(tmp.glob("stage*.pt"), key=lambda p: int(p.stem.removeprefix("stage")))
-            write_adapters([read_stage(p) for p in stages], lora, base, tmp / ADAPTER_DIR)
+            # mapped, not read: a stage file also holds its links' state (AQ-SGD tables can be large)
+            states = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in stages]
+            write_adapters(states, lora, base, tmp / ADAPTER_DIR)
         atomic_save({"format": FORMAT, "step": int(step), **trainer}, tmp / "trainer.pt")
         if final.exists():
             shutil.rmtree(final)

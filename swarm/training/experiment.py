@@ -7,7 +7,6 @@ import torch
 
 from swarm.config import ExperimentConfig
 from swarm.data import build_datasets
-from swarm.models.registry import model_vocab_size
 from swarm.training.checkpoints import Checkpointing, latest_run, run_step
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
@@ -17,6 +16,8 @@ from swarm.transport.local import build_local_pipeline
 def build_data(cfg: ExperimentConfig):
     """The config's (train, test) datasets; token ids beyond a language model's vocabulary are
     refused here, in one line, rather than as an index error inside a stage."""
+    from swarm.models.registry import model_vocab_size  # the model zoo imports transformers: only once data is in
+
     data = build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
     vocab = model_vocab_size(cfg.model.name, cfg.model.options)
     blocks = [getattr(split, "blocks", None) for split in data]

@@ -60,3 +60,18 @@ def test_checkpointing_repeats_dropout_masks():
         Forward(checkpointing=checkpointing)(stage, ids, training=True).square().mean().backward()
         grads.append([p.grad.clone() for p in stage.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_a_micro_batch_draws_the_same_dropout_masks_wherever_and_whenever_it_runs():
+    layer = torch.nn.Dropout(0.5)
+    x = torch.ones(4, 64)
+    forward = Forward(seed=7)
+    first = forward(layer, x, training=True, stream=(1, 3, 0))
+    torch.rand(100)  # other work in between moves the global generator
+    again = Forward(seed=7)(layer, x, training=True, stream=(1, 3, 0))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, forward(layer, x, training=True, stream=(1, 3, 1)))  # another micro-batch
+    assert not torch.equal(first, Forward(seed=8)(layer, x, training=True, stream=(1, 3, 0)))  # another run
+    state = torch.get_rng_state()
+    forward(layer, x, training=True, stream=(0, 0, 0))
+    assert torch.equal(state, torch.get_rng_state())  # the global generator is left as it was

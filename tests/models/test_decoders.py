@@ -152,3 +152,13 @@ def test_a_split_that_computes_something_else_is_refused():
         staged.stages[1].norm.weight.data = staged.stages[1].norm.weight.data.clone()
     with pytest.raises(ValueError, match="computes something else when split"):
         check_split(whole, staged)
+
+
+def test_configs_transformers_takes_and_outputs_a_split_cannot_keep():
+    legacy = build_model("transformers", 2, config=dict(TINY["llama"], rope_theta=5e5))  # folded into rope_parameters
+    assert legacy.stages[1].config.rope_parameters["rope_theta"] == 5e5
+    gemma2 = dict(TINY["llama"], model_type="gemma2", head_dim=8)
+    with pytest.raises(ValueError, match="final_logit_softcapping set is not supported"):
+        build_model("transformers", 2, config=gemma2)
+    with pytest.raises(ValueError, match="cannot load .*FlashAttention"):
+        build_model("transformers", 2, config=TINY["llama"], attn_implementation="flash_attention_2")

@@ -18,7 +18,7 @@ from swarm.training.loop import Schedule, train
 from swarm.transport.local import build_local_pipeline
 
 LLAMA = dict(TINY_DECODERS["llama"], vocab_size=300)  # the tiny tokenizer has 260 tokens
-LORA = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}
+LORA = {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"], "dropout": 0.1}  # masks per micro-batch
 TEXT = "".join(f"the cat {i} sat on the mat, then the dog {i * 7 % 13} ran.\n" for i in range(200))
 
 
@@ -99,6 +99,7 @@ def test_lora_and_vocabulary_errors_are_one_line(tmp_path):
         ({"lora": {"rank": 4}}, "unknown key"),
         ({"lora": {"targets": ["no_such_module"]}}, "lora: "),
         ({"lora": {"targets": "q_proj"}}, "targets must be a list"),
+        ({"lora": {"targets": ["q_proj", "lm_head"]}}, "targets lm_head are not supported"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message) as caught:
@@ -109,3 +110,13 @@ def test_lora_and_vocabulary_errors_are_one_line(tmp_path):
     cfg = config_from_text(yaml.safe_dump(raw), [], "test")
     with pytest.raises(ValueError, match="does not fit the model's vocabulary of 97"):
         build_data(cfg)
+
+
+def test_lora_keeps_a_layer_in_the_first_stage_by_default(tmp_path):
+    lora_config(tmp_path)
+    for stages in (2, 4):  # balanced by parameters, stage 0 would be the embedding alone here
+        staged = build_model("transformers", stages, pretrained=str(tmp_path / "base"), lora=LORA)
+        assert len(staged.stages[0].layers) >= 1
+        assert any(p.requires_grad for p in staged.stages[0].parameters())
+    plain = build_model("transformers", 4, pretrained=str(tmp_path / "base"))
+    assert len(plain.stages[0].layers) == 0

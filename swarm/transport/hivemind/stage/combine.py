@@ -80,8 +80,8 @@ class Combining:
     async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
         receivers = set(group.receivers)
         contributors = [peer for peer in group.peers if peer not in receivers]
-        if list(group.peers) == [me]:
-            return tensors
+        if list(group.peers) == [me] or not any(t.numel() for t in tensors):
+            return tensors  # alone, or nothing to sum (a replicated stage with nothing to train)
         return await self.host.averager.sum(group.group_id, list(group.peers), tensors, contributors)
 
     def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
