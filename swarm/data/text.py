@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from swarm.data.base import first_line, require_dir
-from swarm.data.wikitext import TokenBlocks, group_texts, tokenize_rows
+from swarm.data.wikitext import TokenBlocks, token_blocks
 
 NAME = "text"
 # format option -> datasets builder (jsonl and tsv are spellings users reach for)
@@ -172,12 +172,9 @@ def build_text(
         train_rows, test_rows = train_rows[:cut], train_rows[cut:]
     tok = load_auto_tokenizer(tokenizer)
 
-    def blocks_of(rows: list[str]) -> tuple[torch.Tensor, int]:
-        tokens = tokenize_rows(tok, rows)
-        blocks = group_texts(tokens, block_size, group_rows)
-        return torch.tensor(blocks, dtype=torch.long).reshape(len(blocks), block_size), sum(map(len, tokens))
-
-    (train_blocks, count), (test_blocks, _) = blocks_of(train_rows), blocks_of(test_rows)
+    (train_blocks, count), (test_blocks, _) = (
+        token_blocks(tok, rows, block_size, group_rows) for rows in (train_rows, test_rows)
+    )
     if count == 0:
         raise ValueError(f"{NAME}: the train files hold no text ({len(train_rows)} rows, 0 tokens)")
     if len(train_blocks) == 0:

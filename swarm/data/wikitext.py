@@ -104,6 +104,23 @@ def tokenize_rows(tokenizer, rows: list[str]) -> list[list[int]]:
         return list(tokenizer(rows)["input_ids"])
 
 
+def token_blocks(
+    tokenizer, rows: list[str], block_size: int, group_rows: int | None = 1000
+) -> tuple[torch.Tensor, int]:
+    """run_clm's blocks [N, block_size] of `rows` and their token count, tokenized one group of rows
+    at a time (the same blocks as tokenizing all first): memory holds one group's tokens as Python
+    ints and the blocks as int64, not the whole corpus as Python lists."""
+    step = group_rows if group_rows is not None else max(len(rows), 1)
+    parts, count = [torch.empty(0, block_size, dtype=torch.long)], 0
+    for start in range(0, len(rows), step):
+        tokens = tokenize_rows(tokenizer, rows[start : start + step])
+        count += sum(map(len, tokens))
+        blocks = group_texts(tokens, block_size, None)
+        if blocks:
+            parts.append(torch.tensor(blocks, dtype=torch.long))
+    return torch.cat(parts), count
+
+
 def _hub_rows(test_split: str) -> tuple[list[str], list[str]]:
     try:
         # Hugging Face datasets is a heavy import used only for the Hub's copy; inside the try, a
@@ -161,11 +178,9 @@ def build_wikitext2(
     tok = load_tokenizer(tokenizer)
     vocab_size = len(tok) if hasattr(tok, "__len__") else None
 
-    def blocks_of(rows: list[str]) -> torch.Tensor:
-        blocks = group_texts(tokenize_rows(tok, rows), block_size, group_rows)
-        return torch.tensor(blocks, dtype=torch.long).reshape(len(blocks), block_size)
-
-    train_blocks, test_blocks = blocks_of(train_rows), blocks_of(test_rows)
+    (train_blocks, _), (test_blocks, _) = (
+        token_blocks(tok, rows, block_size, group_rows) for rows in (train_rows, test_rows)
+    )
     if len(train_blocks) == 0:
         raise ValueError(f"wikitext2: the train text has fewer than block_size={block_size} tokens per group")
     n = len(train_blocks)

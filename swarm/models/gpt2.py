@@ -10,16 +10,19 @@ split: gpt2-small defaults for a config given as keyword arguments, and blocks s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import GPT2Config, GPT2LMHeadModel
+from typing import TYPE_CHECKING, Any
 
 from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, plan_cuts
 from swarm.models.decoders import cut_decoder
 
+if TYPE_CHECKING:  # transformers loads when a GPT-2 is built: a CLI that fails on its config does not wait for it
+    from transformers import GPT2Config, GPT2LMHeadModel
+
 
 def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
     """A GPT2Config from kwargs, a directory / hub name holding config.json, or a config."""
+    from transformers import GPT2Config
+
     if isinstance(config, GPT2Config):
         return config
     if isinstance(config, str):
@@ -41,6 +44,8 @@ def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
 
 def load_full(config=None, pretrained: str | None = None) -> GPT2LMHeadModel:
     """The unsplit model: from `pretrained` (hub name or directory) or freshly initialised."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     if pretrained is not None:
         overrides = dict(config or {}) if not isinstance(config, (str, GPT2Config)) else {}
         if isinstance(config, (str, GPT2Config)):
