@@ -178,6 +178,7 @@ class StageServer:
                 while await requests.next(self.settings.server_idle_s):
                     if (refusal := self._turned_away(sender)) is not None:  # before reading anything of it
                         await P2P.send_protobuf(pb.StageReply(error=refusal), writer)
+                        await _linger(reader)
                         return
                     self.active[sender] += 1
                     try:
@@ -314,3 +315,18 @@ class StageServer:
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())
         return reply
+
+
+LINGER_BYTES = 4 << 20  # what a turned-away caller may still send before the stream closes anyway
+LINGER_S = 2.0
+
+
+async def _linger(reader: asyncio.StreamReader) -> None:
+    """After a reply to a request left unread: drop what the caller still sends until it closes
+    its end (at most LINGER_BYTES or LINGER_S), so that closing ours does not reset the stream
+    before the caller has read the reply."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(LINGER_S):
+            dropped = 0
+            while dropped < LINGER_BYTES and (chunk := await reader.read(1 << 16)):
+                dropped += len(chunk)
