@@ -19,6 +19,12 @@ def reject_unknown(what: str, options: dict, allowed: list[str]) -> None:
         raise ValueError(f"{what}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (the class name when it has none), for one-line errors."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__
+
+
 def resolve_callable(spec: str, what: str) -> Callable:
     """The callable "package.module:function" names (a dotted attribute path is allowed); `what`
     ("custom model", "dataset") starts each one-line error."""

@@ -70,12 +70,6 @@ def collate(items):
     return ids, inputs, torch.tensor(targets, dtype=torch.long if isinstance(targets[0], int) else None)
 
 
-def first_line(error: BaseException) -> str:
-    """An exception's message cut to its first line (the class name when it has none), for one-line errors."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def require_dir(name: str, path: str | Path, what: str = "data_dir") -> Path:
     path = Path(path).expanduser()
     if not path.is_dir():

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from swarm.data.base import first_line, require_dir
+from swarm.config.options import first_line
+from swarm.data.base import require_dir
 from swarm.data.wikitext import TokenBlocks, token_blocks
 
 NAME = "text"

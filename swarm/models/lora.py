@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from swarm.config.options import first_line
+
 ADAPTER_DIR = "adapter"  # in a checkpoint directory of a LoRA run
 _KEYS = {"r", "alpha", "targets", "dropout"}
 _ADAPTER = "default"  # peft's adapter name inside the modules
@@ -84,8 +86,7 @@ def add_lora(model: nn.Module, staged, lora: dict[str, Any]) -> None:
     try:
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
     except ValueError as e:
-        first = (str(e).splitlines() or ["?"])[0][:300]
-        raise ValueError(f"lora: {first}") from None
+        raise ValueError(f"lora: {first_line(e)}") from None
     for stage in staged.stages:
         for name, p in stage.named_parameters():
             p.requires_grad_("lora_" in name)
