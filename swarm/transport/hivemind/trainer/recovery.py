@@ -291,8 +291,10 @@ class Recovery:
                 p.drop(stage, peer, f"its restore failed: {one_line(reply)}")
             elif isinstance(reply, BaseException):
                 raise reply
-            elif position is None and reply.payload:
-                position = torch.load(io.BytesIO(reply.payload), weights_only=True)
+            else:  # it just went back to the copies: failures before the pause (often another peer's) are forgiven
+                p.router.succeeded(peer)
+                if position is None and reply.payload:
+                    position = torch.load(io.BytesIO(reply.payload), weights_only=True)
         if not all(p.members.get(s) for s in range(p.num_stages)):
             return None
         if position is None:
