@@ -9,7 +9,7 @@
 #   IFACE=eth0
 #   NETEM=auto       auto: netem when DELAY is set and the kernel has it; yes: fail without it; no: never
 # The peer:
-#   ROLE=bootstrap | stage | trainer   (empty: run the given command after shaping)
+#   ROLE=bootstrap | stage | trainer | status   (empty: run the given command after shaping)
 #   STAGE=N (stage), CONFIG=configs/smoke.yaml, RUN_ID=docker, STEPS, RESULTS (trainer)
 #   PORT=31337                 every peer listens on /ip4/0.0.0.0/tcp/$PORT
 #   ANNOUNCE=/ip4/PUBLIC/tcp/31337   --announce_maddrs, for peers outside this Docker network
@@ -25,6 +25,11 @@
 #                              flow at its share); default: RATE, and for DOWNLINK only with INGRESS=1
 #   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
 #                              several containers share one host's cores (compose on one machine)
+#   METRICS_PORT=9100          a peer's Prometheus metrics at http://0.0.0.0:$METRICS_PORT/metrics
+#                              (--metrics_port; bootstrap, stage, trainer)
+#   STATUS_PORT=8080           ROLE=status: the swarm's health page (python -m peers.status --serve) at
+#                              http://0.0.0.0:$STATUS_PORT/, a DHT client that only dials out
+#                              (RUN_ID: only that run)
 #   DRY_RUN=1                  print the tc commands and the peer command (quoted); run nothing
 set -eu
 
@@ -85,7 +90,8 @@ case "${ROLE:-}" in
     bootstrap)
         if [ -z "$DRY" ]; then python -m swarm.netlab identity "$BOOTSTRAP_IDENTITY" >/dev/null; fi
         set -- python -m peers.bootstrap --identity_path "$BOOTSTRAP_IDENTITY" \
-            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
+            --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${shape_delay:+--shape_delay "$shape_delay"} \
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
         ;;
     stage)
         [ -n "${STAGE:-}" ] || fail "ROLE=stage needs STAGE (0-based stage index)"
@@ -95,20 +101,27 @@ case "${ROLE:-}" in
         if [ -z "$downlink" ] && [ "${INGRESS:-0}" = "1" ]; then downlink="${RATE:-}"; fi
         set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} \
-            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
+            ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} \
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
         ;;
     trainer)
         peers=$(initial_peers) || exit 1
         uplink="${UPLINK:-${RATE:-}}"  # it paces the inputs it sends stage 0
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${uplink:+--uplink "$uplink"} \
-            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
+            ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} \
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
+        ;;
+    status)  # a DHT client: it listens on its default address and only dials out
+        peers=$(initial_peers) || exit 1
+        set -- python -m peers.status --initial_peers "$peers" --serve "${STATUS_PORT:-8080}" --serve_host 0.0.0.0 \
+            ${RUN_ID:+--run_id "$RUN_ID"} ${shape_delay:+--shape_delay "$shape_delay"} "$@"
         ;;
     "")
-        [ "$#" -gt 0 ] || fail "no ROLE (bootstrap, stage, trainer) and no command to run"
+        [ "$#" -gt 0 ] || fail "no ROLE (bootstrap, stage, trainer, status) and no command to run"
         ;;
     *)
-        fail "ROLE must be bootstrap, stage, trainer or empty, got '$ROLE'"
+        fail "ROLE must be bootstrap, stage, trainer, status or empty, got '$ROLE'"
         ;;
 esac
 

@@ -66,6 +66,29 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     )
 
 
+def add_metrics_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics_port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: none)",
+    )
+
+
+def start_metrics(args: argparse.Namespace, collectors):
+    """The peer's metrics endpoint with `collectors` (swarm.transport.hivemind.monitor), or None
+    without --metrics_port; RuntimeError (one line) when the port cannot be had."""
+    if args.metrics_port is None:
+        return None
+    if not 0 <= args.metrics_port <= 65535:
+        raise RuntimeError(f"--metrics_port must be a TCP port (0-65535), got {args.metrics_port}")
+    from swarm.transport.hivemind.monitor.exporter import MetricsServer
+
+    server = MetricsServer(args.metrics_port, collectors)
+    say(f"metrics at http://127.0.0.1:{server.port}/metrics")
+    return server
+
+
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",

@@ -9,7 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peers._common import add_network_args, fail, node_options, run_until_stopped, say, setup_logging, until_stopped
+from peers._common import (
+    add_metrics_arg,
+    add_network_args,
+    fail,
+    node_options,
+    run_until_stopped,
+    say,
+    setup_logging,
+    start_metrics,
+    until_stopped,
+)
+from swarm.transport.hivemind.monitor.stage_metrics import NodeCollector
 from swarm.transport.hivemind.node import SwarmNode
 
 
@@ -18,18 +29,25 @@ async def serve(args: argparse.Namespace) -> int:
         node = await SwarmNode.create(node_options(args))
     except RuntimeError as e:
         return fail(str(e))
+    metrics = None
     try:
+        metrics = start_metrics(args, [NodeCollector(node)])
         say("bootstrap peer ready; join with --initial_peers and one of:")
         for maddr in await node.maddrs():
             say(maddr)
         await until_stopped()
+    except RuntimeError as e:
+        return fail(str(e))
     finally:
+        if metrics is not None:
+            metrics.close()
         await node.shutdown()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m peers.bootstrap", description=__doc__.splitlines()[0])
+    add_metrics_arg(parser)
     add_network_args(parser)
     args = parser.parse_args(argv)
     setup_logging()

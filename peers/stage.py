@@ -17,6 +17,7 @@ from pathlib import Path
 
 from peers._common import (
     StopSignals,
+    add_metrics_arg,
     add_network_args,
     add_threads_arg,
     apply_threads,
@@ -25,8 +26,10 @@ from peers._common import (
     run_until_stopped,
     say,
     setup_logging,
+    start_metrics,
 )
 from swarm.config import ConfigError, load_config
+from swarm.transport.hivemind.monitor.stage_metrics import StageCollector
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import (
     ConfigPublisher,
@@ -86,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a private run's token for this peer (python -m peers.token prints it; keep --identity_path: it names this peer id)",
     )
     add_threads_arg(parser)
+    add_metrics_arg(parser)
     add_network_args(parser)
     return parser
 
@@ -123,6 +127,7 @@ async def serve(args: argparse.Namespace) -> int:
         )
     server = StageServer(node)
     publisher: ConfigPublisher | None = None
+    metrics = None
     try:
         try:
             cfg, run_id, mine, owner = await _config(node, args)
@@ -143,6 +148,10 @@ async def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             return fail(str(e))
         await server.start()
+        try:
+            metrics = start_metrics(args, [StageCollector(server, asyncio.get_running_loop())])
+        except RuntimeError as e:
+            return fail(str(e))
         say(f"stage {args.stage}/{cfg.model.num_stages} of run {run_id!r} serving as {node.peer_id}")
         for maddr in await node.maddrs():
             say(f"  listening on {maddr}")
@@ -151,6 +160,8 @@ async def serve(args: argparse.Namespace) -> int:
         await _leave(server, signals)
         reporter.cancel()
     finally:
+        if metrics is not None:
+            metrics.close()
         if publisher is not None:
             await publisher.stop()
         await server.stop()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from peers._common import (
+    add_metrics_arg,
     add_network_args,
     add_threads_arg,
     apply_threads,
@@ -20,6 +21,7 @@ from peers._common import (
     node_options,
     say,
     setup_logging,
+    start_metrics,
 )
 from swarm.transport.hivemind.settings import Settings
 
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--private", action="store_true", help="only peers given --allow or a token (python -m peers.token) join"
     )
     add_threads_arg(parser)
+    add_metrics_arg(parser)
     add_network_args(parser)
     for action in parser._actions:
         if (
@@ -84,25 +87,24 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _echoing(writer_cls):
-    """Results that also print one line per step and evaluation (progress under `swarm lab`)."""
+def _echo(progress):
+    """A results listener printing one line per step and evaluation, where no terminal shows a
+    bar (logs, `swarm lab`'s prefixed lines); `progress` has seen the row already."""
 
-    class Echo(writer_cls):
-        def write(self, row):
-            super().write(row)
-            if row.get("type") == "step":
-                say(f"step {row['step']}: loss {row['loss']:.6f} lr {row['lr']:.5f} ({row['time_s']:.1f}s)")
-            elif row.get("type") == "eval":
-                say(
-                    f"eval at step {row['step']}: "
-                    + "; ".join(
-                        f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items())
-                        for mode in ("uncompressed", "compressed")
-                        if mode in row
-                    )
+    def echo(row: dict) -> None:
+        if row.get("type") == "step":
+            say(progress.line())
+        elif row.get("type") == "eval":
+            say(
+                f"eval at step {row['step']}: "
+                + "; ".join(
+                    f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items())
+                    for mode in ("uncompressed", "compressed")
+                    if mode in row
                 )
+            )
 
-    return Echo
+    return echo
 
 
 async def _publish(node, run_id: str, path: str, overrides: list[str]):
@@ -123,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.training.checkpoints import Checkpointing
     from swarm.training.experiment import build_data, describe, open_results
     from swarm.training.loop import Schedule, train
-    from swarm.training.results import ResultsWriter
+    from swarm.training.progress import RunProgress
     from swarm.transport.hivemind.loop import LoopThread
+    from swarm.transport.hivemind.monitor.stage_metrics import NodeCollector
+    from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
     from swarm.transport.hivemind.node import SwarmNode
+    from swarm.transport.hivemind.runstatus import start_status
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
     from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         loop.stop()
         return fail(str(e))
-    publisher = results = None
+    publisher = results = reporter = metrics = None
     try:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
@@ -179,15 +184,21 @@ def main(argv: list[str] | None = None) -> int:
             private=args.private,
         )
         say(f"owner of run {run_id!r}: {pipeline.owner.peer_id} (stage peers may pin it with --owner)")
+        progress = RunProgress(schedule.total_steps)  # for the progress lines, status record and metrics
+        reporter = loop.run(start_status(node, run_id, lambda: run_status(pipeline, progress)))
+        metrics = start_metrics(args, [NodeCollector(node), TrainerCollector(pipeline, progress)])
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept
-        writer = ResultsWriter if sys.stderr.isatty() else _echoing(ResultsWriter)
-        results = open_results(args.results, checkpoint, writer, None if resumed is None else resumed["step"])
+        results = open_results(args.results, checkpoint, resumed=None if resumed is None else resumed["step"])
+        results.listeners.append(progress.observe)
+        if not sys.stderr.isatty():
+            results.listeners.append(_echo(progress))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()
         adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
+        loop.run(reporter.refresh())  # the page shows the run finished
     except KeyboardInterrupt:
         say("interrupted")
         return 130
@@ -196,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if results is not None:
             results.close()
+        if metrics is not None:
+            metrics.close()
         try:
+            if reporter is not None:
+                loop.run(reporter.stop(), timeout=20)
             if publisher is not None:
                 loop.run(publisher.stop(), timeout=20)
             loop.run(node.shutdown(), timeout=20)

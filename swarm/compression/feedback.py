@@ -254,6 +254,13 @@ class _Mirrored:
     def _keys(self, shape, sample_ids):
         return _ids(sample_ids, rows_of(shape)) if self.per_sample else None
 
+    def reset(self) -> None:  # both ends forget together (a new neighbour)
+        self.table.reset()
+
+    @property
+    def state_bytes(self) -> int:  # both ends keep a table: the sender's counts too
+        return self.table.nbytes
+
 
 class _ReceiverKeys:
     """A receiver checks the payload against the micro-batch's ids: a mismatch is a bad payload."""
@@ -263,13 +270,6 @@ class _ReceiverKeys:
             return super()._keys(shape, sample_ids)
         except ValueError as e:
             raise PayloadError(f"payload does not fit the micro-batch: {e}") from None
-
-    def reset(self) -> None:
-        self.table.reset()
-
-    @property
-    def state_bytes(self) -> int:
-        return self.table.nbytes
 
 
 class MirroredSender(_Mirrored, Sender):

@@ -47,7 +47,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
 
 
-_STEP_LINE = re.compile(r"^step (\d+): ")  # the trainer's line per step (peers.trainer)
+_STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)?: ")  # the trainer's line per step (peers.trainer)
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 

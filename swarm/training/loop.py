@@ -24,6 +24,7 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Pipeline, Rewound
 from swarm.models import summarize
 from swarm.training.checkpoints import Checkpointing, latest_run, load_run, run_step, save_run
+from swarm.training.progress import RunProgress
 from swarm.training.results import ResultsWriter
 
 
@@ -155,6 +156,8 @@ def train(
     bar = tqdm(
         total=schedule.total_steps, initial=step, desc=cfg.name, unit="step", disable=not progress, dynamic_ncols=True
     )
+    pace = RunProgress(schedule.total_steps)  # the bar's samples/s (over the last steps)
+    shown: dict[str, float] = {}  # the bar's postfix: samples/s, then the last evaluation's metrics
 
     def run_eval() -> None:
         row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
@@ -163,7 +166,8 @@ def train(
             row["compressed"] = evaluate(pipeline, cfg, test_set, step, False, collate)
         evals.append(row)
         results.write(row)
-        bar.set_postfix({k: round(v, 4) for k, v in row["uncompressed"].items()})
+        shown.update({k: round(v, 4) for k, v in row["uncompressed"].items()})
+        bar.set_postfix(shown)
 
     def position(epoch_start: torch.Tensor) -> dict:
         """What resumes the loop at this step boundary (with the stages' state of the same step)."""
@@ -205,24 +209,26 @@ def train(
                 samples += ids.numel()
                 now = pipeline.link_bytes()
                 notes = pipeline.step_notes()  # a swarm's adaptive codecs, its stages' compute
-                results.write(
-                    {
-                        "type": "step",
-                        "step": step,
-                        "epoch": step / schedule.steps_per_epoch,
-                        "loss": sum(losses),
-                        "lr": lr,
-                        "samples": samples,
-                        "exact": exact,
-                        "bytes": _delta(now, bytes_before),
-                        "time_s": time.perf_counter() - started,
-                        "at": time.time(),
-                        **notes,
-                    }
-                )
+                row = {
+                    "type": "step",
+                    "step": step,
+                    "epoch": step / schedule.steps_per_epoch,
+                    "loss": sum(losses),
+                    "lr": lr,
+                    "samples": samples,
+                    "exact": exact,
+                    "bytes": _delta(now, bytes_before),
+                    "time_s": time.perf_counter() - started,
+                    "at": time.time(),
+                    **notes,
+                }
+                results.write(row)
+                pace.observe(row)
                 bytes_before = now
                 bar.update(1)
                 bar.set_description(f"{cfg.name} loss {sum(losses):.4f}")
+                shown["samples/s"] = round(pace.samples_per_s, 1)
+                bar.set_postfix(shown)
                 evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
                 if evaluated:
                     run_eval()

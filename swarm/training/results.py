@@ -23,6 +23,7 @@ Schema (every line has "type"):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +36,29 @@ class ResultsWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("w")
         self.rows: list[dict[str, Any]] = []
+        # called with every row written or kept, and {"type": "rewind", "step"} when the run goes back
+        # (progress lines, the trainer's progress record and metrics)
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         self._lines([row])
+        self._tell([row])
 
     def keep(self, rows: list[dict[str, Any]]) -> None:
-        """Rows a resumed run keeps from before (written to the file again, not announced as new)."""
+        """Rows a resumed run keeps from before (written to the file again)."""
         self.rows.extend(rows)
         self._lines(rows)
+        self._tell(rows)
+
+    def _tell(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            for listener in self.listeners:
+                listener(row)
 
     def rewind(self, step: int) -> None:
         """The run went back to `step`: its step and eval rows after it go (each step is kept once)."""
+        self._tell([{"type": "rewind", "step": step}])
         self.rows = [r for r in self.rows if r.get("type") not in ("step", "eval") or r.get("step", 0) <= step]
         if self._file is not None:
             self._file.seek(0)

@@ -14,6 +14,8 @@ from _util import REPO
 from swarm.netlab.namespaces import NetLab, NetlabError, require
 
 DOCKER = REPO / "docker"
+PEERS = {"bootstrap", "stage0", "stage1", "stage2", "stage3", "trainer"}
+WATCHERS = {"status", "prometheus"}  # not in the pipeline: the health page and Prometheus
 ENTRYPOINT = DOCKER / "entrypoint.sh"
 # the entrypoint's own variables are what each test sets, never what the calling shell exported
 ENTRYPOINT_VARS = (
@@ -39,6 +41,8 @@ ENTRYPOINT_VARS = (
     "UPLINK",
     "DOWNLINK",
     "THREADS",
+    "METRICS_PORT",
+    "STATUS_PORT",
     "DRY_RUN",
 )
 ENV = {k: v for k, v in os.environ.items() if k not in ENTRYPOINT_VARS}
@@ -55,8 +59,9 @@ def _entrypoint(env: dict, *args: str, wrap=None) -> subprocess.CompletedProcess
 def test_compose_has_the_swarm_with_caps_and_health_checks():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"bootstrap", "stage0", "stage1", "stage2", "stage3", "trainer"}
-    for name, service in services.items():
+    assert set(services) == PEERS | WATCHERS
+    for name in PEERS:
+        service = services[name]
         assert "NET_ADMIN" in service.get("cap_add", []), name
         check = service["healthcheck"]
         assert (
@@ -76,12 +81,51 @@ def test_compose_has_the_swarm_with_caps_and_health_checks():
         assert stage["depends_on"]["bootstrap"]["condition"] == "service_healthy"
     assert set(services["trainer"]["depends_on"]) == {f"stage{i}" for i in range(4)}
     assert "shared" in compose["volumes"]
+    # the health page: the hivepipe image, ROLE=status, checked on its own port (not the p2p PORT)
+    status = services["status"]
+    assert status["environment"]["ROLE"] == "status" and status["environment"]["STATUS_PORT"] == "8080"
+    assert "8080:8080" in status["ports"] and "swarm" in status["networks"]
+    assert status["depends_on"]["bootstrap"]["condition"] == "service_healthy"
+    check = status["healthcheck"]["test"]
+    assert "port-open" in check[-1] and "STATUS_PORT:-8080" in check[-1] and "$${PORT" not in check[-1]
+    assert "NET_ADMIN" not in status.get("cap_add", [])  # an observer: its link is not shaped
+    assert not status["environment"]["RATE"] and not status["environment"]["DELAY"]
+    # Prometheus: not a peer, so nothing of the x-peer anchor (no build, caps, peer health check)
+    prometheus = services["prometheus"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prometheus["image"])  # a pinned version
+    assert not {"build", "cap_add", "healthcheck", "environment", "init"} & set(prometheus)
+    assert "9090:9090" in prometheus["ports"] and prometheus["networks"] == ["swarm"]
+    mounts = {v.split(":")[1]: v.split(":") for v in prometheus["volumes"]}
+    source, _, mode = mounts["/etc/prometheus/prometheus.yml"]
+    assert mode == "ro" and (DOCKER / source).resolve() == (DOCKER / "prometheus.yml").resolve()
+    assert (DOCKER / source).is_file()
+
+
+def test_prometheus_scrapes_every_peer_at_its_metrics_port():
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    port = compose["x-env"]["METRICS_PORT"]
+    assert port == "9100" and all(compose["services"][name]["environment"]["METRICS_PORT"] == port for name in PEERS)
+    config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "hivepipe"]
+    assert job.get("scrape_interval", config.get("global", {}).get("scrape_interval")) == "5s"
+    targets = [t for static in job["static_configs"] for t in static["targets"]]
+    assert sorted(targets) == sorted(f"{name}:{port}" for name in PEERS)  # each once, no watcher
+    # the `peer` label: the host name of the address, unless a static_config gives one
+    (relabel,) = job["relabel_configs"]
+    assert relabel["source_labels"] == ["peer", "__address__"] and relabel["target_label"] == "peer"
+    for target in targets:
+        joined = ";".join(["", target])  # what Prometheus matches: the source labels joined by ";"
+        match = re.fullmatch(relabel["regex"], joined)
+        assert match and relabel["replacement"].replace("$1", match.group(1)) == target.split(":")[0]
+    assert not re.fullmatch(relabel["regex"], "stage2-remote;203.0.113.9:9100")  # a label given is kept
 
 
 def test_public_override_gives_every_peer_a_published_port_and_its_public_address():
     base = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
     public = yaml.safe_load((DOCKER / "compose.public.yaml").read_text())["services"]
-    assert set(public) == set(base) - {"trainer"}  # the trainer is a DHT client: nobody dials it
+    # the trainer is a DHT client: nobody dials it. Neither is in the swarm what watches it: the health
+    # page (status) only dials out, and Prometheus scrapes the peers on the Docker network
+    assert set(public) == set(base) - {"trainer"} - WATCHERS
     ports = {name: service["environment"]["PORT"] for name, service in public.items()}
     assert (
         len(set(ports.values())) == len(ports)
@@ -215,13 +259,37 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     assert "peers.trainer" in paced.stdout and "--uplink 20mbit" in paced.stdout, paced.stdout + paced.stderr
 
 
+def test_entrypoint_metrics_port_and_the_status_page():
+    peers = "/ip4/1.2.3.4/tcp/1/p2p/Qm"
+    for role in ("bootstrap", "stage", "trainer"):
+        env = {"DRY_RUN": "1", "ROLE": role, "STAGE": "0", "INITIAL_PEERS": peers}
+        out = _entrypoint({**env, "METRICS_PORT": "9100"}, "--set", "train.epochs=2")
+        assert out.returncode == 0, out.stderr
+        assert f"+ exec python -m peers.{role} " in out.stdout, out.stdout
+        # before the arguments given, which come last
+        assert out.stdout.rstrip().endswith("--metrics_port 9100 --set train.epochs=2"), out.stdout + out.stderr
+        plain = _entrypoint(env)
+        assert plain.returncode == 0 and "--metrics_port" not in plain.stdout, plain.stdout + plain.stderr
+    status = _entrypoint({"DRY_RUN": "1", "ROLE": "status", "METRICS_PORT": "9100", "INITIAL_PEERS": peers})
+    assert status.returncode == 0, status.stderr
+    assert (
+        status.stdout.strip()
+        == f"+ exec python -m peers.status --initial_peers {peers} --serve 8080 --serve_host 0.0.0.0 --run_id docker"
+    ), status.stdout
+    derived = _entrypoint({"DRY_RUN": "1", "ROLE": "status", "STATUS_PORT": "8081", "RUN_ID": "demo"})
+    assert (
+        "peers.status --initial_peers /ip4/bootstrap_IP/tcp/31337/p2p/ID_FROM_/shared/bootstrap.id "
+        "--serve 8081 --serve_host 0.0.0.0 --run_id demo" in derived.stdout
+    ), derived.stdout + derived.stderr
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"RATE": "fast"}, "bad rate"),
         ({"RATE": "10mbps"}, "ambiguous"),
         ({"ROLE": "stage", "STAGE": ""}, "needs STAGE"),
-        ({"ROLE": "bogus"}, "ROLE must be"),
+        ({"ROLE": "bogus"}, "ROLE must be bootstrap, stage, trainer, status or empty, got 'bogus'"),
     ],
 )
 def test_entrypoint_bad_input_is_one_line(env, message):

@@ -15,6 +15,7 @@ import contextlib
 
 from protocols import stage_pb2 as pb
 from protocols.framing import Frame, frame_parts, read_frame
+from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.errors import RemoteError, TransportError, short
 from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
 from swarm.transport.hivemind.pacing import carrying
@@ -34,12 +35,17 @@ class Sending:
     def __init__(self, per_neighbour: int = 1) -> None:
         self.per_neighbour = per_neighbour
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self.busy = Busy()  # seconds with a payload being sent to any neighbour (its metrics' "sending")
 
-    def to(self, peer_id: str) -> asyncio.Semaphore:
+    @contextlib.asynccontextmanager
+    async def to(self, peer_id: str):
+        """Holds a send slot to `peer_id` (waiting for one first) while the payload is written."""
         slot = self._slots.get(peer_id)
         if slot is None:
             slot = self._slots[peer_id] = asyncio.Semaphore(self.per_neighbour)
-        return slot
+        async with slot:
+            with self.busy.during():
+                yield
 
 
 class Exchange:

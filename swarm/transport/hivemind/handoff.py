@@ -59,6 +59,7 @@ class Handoff:
         self.settings = node.settings
         self.retry = Retry(node.settings)
         self.sticky: str | None = None  # the peer the micro-batches follow (its link state)
+        self.retries = 0  # micro-batches sent again after a failure (metrics)
         self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers) ...
         self.waiting: Counter = Counter()  # ... per peer (routing)
 
@@ -154,6 +155,7 @@ class Handoff:
                 target = record.peer_id
                 sent, payload = await again(target)
                 attempt += 1
+                self.retries += 1
         self.pacer.heard(target, frame.head.share_bits)
         self.pacer.arrived(target, len(frame.payload))
         exchange.finish()

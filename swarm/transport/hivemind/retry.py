@@ -28,6 +28,7 @@ T = TypeVar("T")
 class Retry:
     def __init__(self, settings: Settings) -> None:
         self.attempts, self.backoff_s = settings.attempts, settings.backoff_s
+        self.retries = 0  # calls tried again by same_peer (metrics)
 
     def again(self, error: Exception, attempt: int, deadline: float | None = None) -> bool:
         """Whether a call that failed with `error` on its `attempt`-th try (from 0) is tried again."""
@@ -49,5 +50,6 @@ class Retry:
                 if n + 1 == self.attempts:
                     raise
                 log.warning("%s failed (%s); retrying", what, e)
+                self.retries += 1
                 await asyncio.sleep(self.backoff_s * (n + 1))
         raise AssertionError("unreachable")

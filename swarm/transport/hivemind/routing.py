@@ -77,6 +77,8 @@ class Router:
         self.refresh_s = settings.lookup_every_s if refresh_s is None else refresh_s
         self.keep_s = settings.lookup_keep_s if keep_s is None else keep_s
         self.bans = Bans(settings.ban_s, settings.ban_growth, settings.ban_max_s)
+        self.events = None  # a swarm.transport.hivemind.events.EventLog its bans go to
+        self.banned_total = 0  # bans so far (metrics)
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
         self._found: dict[int, tuple[float, list[StageRecord]]] = {}  # the last lookup that found someone
         self._random = random.Random(seed)
@@ -137,7 +139,12 @@ class Router:
         return (record.throughput or typical) / (1 + record.queue + waiting)
 
     def failed(self, peer_id: str) -> float:
-        return self.bans.fail(peer_id)
+        """Stops routing to `peer_id` for a while (longer each time it fails); the ban's seconds."""
+        seconds = self.bans.fail(peer_id)
+        self.banned_total += 1
+        if self.events is not None:
+            self.events.add("ban", f"peer {peer_id[-8:]} failed: not routed to for {seconds:.0f}s")
+        return seconds
 
     def succeeded(self, peer_id: str) -> None:
         self.bans.succeed(peer_id)

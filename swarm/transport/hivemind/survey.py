@@ -14,6 +14,7 @@ from protocols import stage_pb2 as pb
 from swarm.rates import format_rate
 from swarm.transport.hivemind.announce import discover, list_runs
 from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.events import KEEP, Event
 from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.node import SwarmNode
 
@@ -52,6 +53,8 @@ class PeerRow:
     paused_s: float = 0.0
     refused: dict[str, int] = field(default_factory=dict)  # requests it refused, by why (docs/security.md)
     banned: int = 0  # peers it refuses now for a malformed payload
+    codecs: str = ""  # its inbound link's "forward|backward" codecs, as its record says
+    events: list[Event] = field(default_factory=list)  # its recent events, oldest first
 
 
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
@@ -79,6 +82,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
                         record.ready,
                         max(0.0, get_dht_time() - record.updated),
                         leaving=record.leaving,
+                        codecs="|".join(record.codecs.get(d, "") for d in ("forward", "backward")).strip("|"),
                     )
                 )
             stage += 1
@@ -94,6 +98,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
         row.rtt_ms = 1000 * (time.perf_counter() - started)
         row.reachable = True
         row.refused, row.banned = dict(reply.refused), reply.banned
+        row.events = [e for e in (Event.of(x.time, x.kind, x.text) for x in reply.events[-KEEP:]) if e is not None]
         for status in reply.stages:
             if status.stage != row.stage:
                 continue
@@ -131,7 +136,7 @@ def _size(n: float) -> str:
     return f"{n:.1f}GB"
 
 
-def _state(row: PeerRow) -> str:
+def state_text(row: PeerRow) -> str:
     """What a peer is doing: its role, how it joined, the downloads it served."""
     if not row.reachable:
         return "left" if row.leaving else f"unreachable ({row.error[:40]})"
@@ -190,7 +195,7 @@ def format_table(rows: list[PeerRow]) -> str:
             links.append(
                 f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}"
             )
-        state = _state(row)
+        state = state_text(row)
         address = row.addrs[0] if row.addrs else "-"
         rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
         table.append(

@@ -153,17 +153,17 @@ DROP_AFTER = 3
 
 
 def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch):
-    import swarm.transport.hivemind.trainer.pipeline as pipeline_module
+    import swarm.transport.hivemind.trainer.accounts as accounts_module
 
     asked = []  # status calls, as the trainer makes them
-    real_call = pipeline_module.call
+    real_call = accounts_module.call
 
     async def counted_call(streams, peer_id, kind, *args, **kwargs):
         if kind == "info":
             asked.append(peer_id)
         return await real_call(streams, peer_id, kind, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline_module, "call", counted_call)
+    monkeypatch.setattr(accounts_module, "call", counted_call)
     asked_by_step = []
 
     def drop(step: int, egress) -> None:

@@ -70,6 +70,7 @@ class Chain:
         attempt = self.attempts[batch.key] = object()
         host.queue += 1
         host.peak_queue = max(host.peak_queue, host.queue)
+        host.occupied.enter()
         try:
             outcome = await self._chain(head, batch, payload, sender, deadline, used, attempt)
         except BaseException:
@@ -78,6 +79,7 @@ class Chain:
             raise
         finally:
             host.queue -= 1
+            host.occupied.leave()
             if self.attempts.get(batch.key) is attempt:
                 del self.attempts[batch.key]
         host.processed += 1

@@ -24,8 +24,10 @@ from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord
+from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.calls import Sending
 from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.events import EventLog
 from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import FlowPacer, stage_flows
@@ -82,7 +84,9 @@ class HostedStage:
         self.gate = Gate(run_id, stage, node.peer_id, owner)  # who may call it (the run's owner, its members)
         self.token = token  # a private run's allowance (serialized pb.Token), shown in its record
         self._setup_lock = asyncio.Lock()
+        self.events = EventLog()  # the server's, once hosted (its status shows them)
         self.router = Router(node, run_id, self._routable)
+        self.router.events = self.events
         self.handoff = None
         if not self.last:
             self.handoff = Handoff(
@@ -102,6 +106,8 @@ class HostedStage:
         self.joining: Joining | None = None  # set up mid-run: catching up (swarm.transport.hivemind.stage.joining)
         self.joined: tuple[int, int, float] | None = None  # (step, state bytes, seconds) of its join
         self.set_up_at = 0.0  # when it was set up (monotonic): a joiner's first micro-batch is timed from it
+        self.serving_since = 0.0  # when it was first set up (monotonic): its idle seconds count from then
+        self.occupied = Busy()  # seconds with a micro-batch in this stage (the rest since set up: idle)
         self.first_batch_s: float | None = None  # seconds from being set up to the first micro-batch
         self.source = StateSource(self)  # its state for joiners
         self.snapshots = Snapshots(self)  # the swarm's copies it keeps (its stage's and a neighbour's)
@@ -176,6 +182,9 @@ class HostedStage:
             self.steps = 0
             self.rounds.restart()
             self.set_up_at, self.first_batch_s = time.monotonic(), None
+            self.serving_since = self.serving_since or self.set_up_at
+            how = f" to join from {len(request.sources)} peer(s) in service" if request.sources else ""
+            self.events.add("setup", f"stage {self.stage}: set up by trainer session {request.session[:8]}{how}")
             if request.sources:  # mid-run: the state comes from a peer in service
                 self.joining = Joining(self, list(request.sources))
                 self.joining.start()
@@ -231,6 +240,9 @@ class HostedStage:
     def switch_codecs(self, cfg: ExperimentConfig, changed: list[int]) -> None:
         """Adaptive compression: `cfg`'s codecs from now on; the ends of the `changed` boundaries go."""
         self.cfg = cfg
+        for boundary in changed:
+            link = cfg.compression.link(boundary)
+            self.events.add("codec", f"boundary {boundary}: {link.forward} forward, {link.backward} backward")
         self.links.switch(changed)
         if self.handoff is not None and self.stage in changed:
             self.handoff.sticky = None
@@ -322,7 +334,9 @@ class HostedStage:
 
     def abandon_join(self, reason: str) -> None:
         """Out of the run until its trainer sets it up again (as a joiner)."""
-        log.warning("stage %d of run %r leaves the session: %s", self.stage, self.run_id, reason)
+        self.events.add(
+            "leave", f"stage {self.stage} of run {self.run_id!r} leaves the session: {reason}", logging.WARNING, log
+        )
         if self.joining is not None and self.joining.task is not asyncio.current_task():
             self.joining.cancel()
         self.joining = None

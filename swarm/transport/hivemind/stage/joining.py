@@ -149,13 +149,11 @@ class Joining:
             return
         self.seconds = time.monotonic() - started
         host.joined = (int(frame.head.step), self.bytes_in, self.seconds)
-        log.info(
-            "stage %d: joined with the state of step %d from %s (%d bytes, %.1fs)",
-            host.stage,
-            frame.head.step,
-            source[-8:],
-            len(frame.payload),
-            self.seconds,
+        host.events.add(
+            "join",
+            f"stage {host.stage}: joined with the state of step {frame.head.step} from {source[-8:]} "
+            f"({len(frame.payload)} bytes, {self.seconds:.1f}s)",
+            logger=log,
         )
         host.changed()
 

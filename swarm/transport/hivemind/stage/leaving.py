@@ -45,6 +45,7 @@ async def drain(host, say: Callable[[str], None]) -> None:
         if host.runtime is None:  # the run left it out meanwhile
             return
     host.leaving = True
+    host.events.add("leave", f"stage {host.stage}: leaving after this step (draining)")
     announced = time.monotonic()
     host.changed()
     say(f"stage {host.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")

@@ -29,6 +29,7 @@ from swarm.engine.microbatch import Kind
 from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import Announcer
 from swarm.transport.hivemind.errors import RemoteError, SenderFault, one_line
+from swarm.transport.hivemind.events import EventLog
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import carrying, send_paced
 from swarm.transport.hivemind.routing import Bans
@@ -84,6 +85,7 @@ class StageServer:
         # codec parameters): refused at the head for a while, longer each time
         self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
         self.refused: Counter = Counter()  # requests refused, by `_refusal` (status: peers.status)
+        self.events = EventLog()  # what happened to this peer and its stages (status, metrics)
         self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
         self.held: Counter = Counter()  # their payload bytes (settings.max_held_bytes_per_sender)
 
@@ -111,6 +113,7 @@ class StageServer:
         self.hosted[(hosted.run_id, hosted.stage)] = hosted
         hosted.changed = self._announce_soon
         hosted.averager = self.averager
+        hosted.events = hosted.router.events = self.events
         return hosted
 
     def _announce_soon(self) -> None:
@@ -211,7 +214,13 @@ class StageServer:
                     self.refused[category] += 1
                 if category == "malformed payload":
                     self.banned.prune()
-                    log.warning("%s from %s banned for %.0fs", kind, sender[-8:], self.banned.fail(sender))
+                    seconds = self.banned.fail(sender)
+                    self.events.add(
+                        "ban",
+                        f"{kind} from {sender[-8:]} was malformed: refused for {seconds:.0f}s",
+                        logging.WARNING,
+                        log,
+                    )
                 log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
                 error = pb.ErrorReply(message=one_line(e), code=_code(e))
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
@@ -307,10 +316,15 @@ class StageServer:
 
         return write
 
+    def status(self) -> pb.InfoReply:
+        """The status of this peer and every stage it hosts (what peers.status and its metrics read)."""
+        return self._info(pb.InfoRequest())
+
     def _info(self, request: pb.InfoRequest) -> pb.InfoReply:
         reply = pb.InfoReply(protocol_version=PROTOCOL_VERSION, peer_id=self.node.peer_id, addrs=self._addrs)
         reply.refused.update(self.refused)
         reply.banned = sum(1 for peer in self.banned.until if self.banned.banned(peer))
+        reply.events.extend(event.to_pb() for event in self.events.last())
         for (run_id, _), hosted in sorted(self.hosted.items()):
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())

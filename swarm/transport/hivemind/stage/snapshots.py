@@ -168,7 +168,11 @@ class Snapshots:
                 task.cancel()
         self.restores += 1
         self.restored_step, self.paused_s = step, float(head.paused_s)
-        log.info("stage %d: restored the copy of step %d", host.stage, step)
+        host.events.add(
+            "resume",
+            f"stage {host.stage}: went back to the copy of step {step} after a {self.paused_s:.1f}s pause",
+            logger=log,
+        )
         host.changed()
         return pb.RestoreReply(step=step), trainer
 

@@ -4,6 +4,7 @@ how fast the neighbour's payloads arrived, and the codecs of the end in use."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from protocols import stage_pb2 as pb
@@ -27,7 +28,12 @@ def stage_status(host) -> pb.StageStatus:
         role=host.role,
         states_served=host.source.served,
         state_bytes_out=host.source.bytes_out,
+        sending_s=host.sending.busy.seconds,
+        retries=host.handoff.retries if host.handoff is not None else 0,
+        bans=host.router.banned_total,
     )
+    if host.serving_since:
+        out.waiting_s = max(0.0, time.monotonic() - host.serving_since - host.occupied.seconds)
     host.snapshots.status(out)
     if host.joined is not None:
         out.joined_step, out.state_bytes_in, out.state_seconds = host.joined

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 from hivemind.utils import get_dht_time
@@ -29,8 +29,10 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
+from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.calls import Sending, call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.events import EventLog
 from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.loop import LoopThread
 from swarm.transport.hivemind.meta import address, tensor_to_raw
@@ -39,6 +41,7 @@ from swarm.transport.hivemind.ordering import Numbering
 from swarm.transport.hivemind.pacing import FlowPacer
 from swarm.transport.hivemind.retry import Retry
 from swarm.transport.hivemind.routing import NoPeerError, Router
+from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds, codec_changes
@@ -68,6 +71,10 @@ class SwarmPipeline:
         self.owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
         self.session = uuid.uuid4().hex
         self.router = Router(node, run_id, lambda r: self.owner.routable(r, self.session), self.owner.allows)
+        self.events = EventLog()  # joins, leaves, bans, pauses: its progress record and metrics show them
+        self.router.events = self.events
+        self.state = "starting"  # training, paused: why, finished (its progress record)
+        self.in_swarm = Busy()  # seconds the training loop waited on the swarm (micro-batches, rounds)
         self.members: dict[int, list[str]] = {}  # stage -> peers set up for this run
         self.following: set[str] = set()  # members that joined mid-run and are still catching up
         self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out (older records of it are stale)
@@ -89,11 +96,7 @@ class SwarmPipeline:
         self.fresh = fresh  # start at step 0 even where the swarm kept copies of an earlier trainer's run
         self._resumed: dict | None = None  # the position of a run taken over from an earlier trainer
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
-        self._step_statuses: list[pb.StageStatus] | None = None  # this step's adaptive decision read them
-        self._counted: list[pb.StageStatus] | None = None  # what link_bytes last read (its stages' compute)
-        # the last status of every stage peer heard from, by (peer, stage, the step it joined at):
-        # the bytes of peers that left still count in the totals
-        self._reported: dict[tuple[str, int, int], pb.StageStatus] = {}
+        self.accounts = Accounts(self)  # the stage peers' statuses: link bytes, compute, state
 
     # ---- joining -----------------------------------------------------------------------------
 
@@ -142,7 +145,11 @@ class SwarmPipeline:
                 )
             self._resumed = position
             self.recovery.took_over(position, step)
-            log.info("run %r: the swarm kept copies of every stage at step %d; resuming there", self.run_id, step)
+            text = f"run {self.run_id!r}: the swarm kept copies of every stage at step {step}; resuming there"
+            self.events.add("resume", text, logger=log)
+        peers = ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(self.members.items()))
+        self.events.add("setup", f"session {self.session[:8]} set up {peers}")
+        self.state = "training"
         return dict(self.members)
 
     async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
@@ -185,7 +192,7 @@ class SwarmPipeline:
                 self.members[stage].append(peer)
                 self.following.add(peer)
                 admitted.append((stage, peer))
-                log.info("stage %d: peer %s joins at step %d", stage, peer[-8:], self.step_index)
+                self.events.add("join", f"stage {stage}: peer {peer[-8:]} joins at step {self.step_index}", logger=log)
         return admitted
 
     async def candidates(self, stage: int, refresh: bool = True, ours: bool = False) -> list[str]:
@@ -207,7 +214,8 @@ class SwarmPipeline:
             self.members[stage].remove(peer)
         self.following.discard(peer)
         self._dropped[peer] = get_dht_time()
-        log.log(logging.INFO if left else logging.WARNING, "stage %d peer %s left the run (%s)", stage, peer[-8:], why)
+        level = logging.INFO if left else logging.WARNING
+        self.events.add("leave", f"stage {stage}: peer {peer[-8:]} left the run ({why})", level, log)
 
     # ---- micro-batches -----------------------------------------------------------------------
 
@@ -221,7 +229,8 @@ class SwarmPipeline:
         back to the swarm's copies (swarm.transport.hivemind.trainer.recovery) and the loop hears
         where from (`Rewound`)."""
         try:
-            return work()
+            with self.in_swarm.during():
+                return work()
         except (TransportError, RemoteError, NoPeerError) as e:
             position = self.loop.run(self.recovery.recover(e))
             if position is None:
@@ -233,7 +242,7 @@ class SwarmPipeline:
         await self._run_many([self._sent[i] for i in indices])
 
     async def _run_many(self, items: list[tuple[MicroBatch, bytes]]) -> list[dict[str, float]]:
-        self._step_statuses = None
+        self.accounts.step_statuses = None
         window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
 
         async def one(batch: MicroBatch, payload: bytes) -> dict[str, float]:
@@ -287,6 +296,7 @@ class SwarmPipeline:
 
     def finish(self) -> None:
         """The run is done: the copies the swarm kept of it go."""
+        self.state = "finished"
         self.loop.run(self.recovery.discard())
 
     def went_back(self, step: int) -> None:
@@ -312,12 +322,12 @@ class SwarmPipeline:
         self.adaptive.step_done()
         if not self.adaptive.due(self.step_index + 1):
             return []
-        self._step_statuses = await self._statuses()  # after the last micro-batch: also this step's link bytes
-        changes = self.adaptive.observe(self._step_statuses, self.step_index + 1)
+        # after the last micro-batch: also this step's link bytes
+        statuses = self.accounts.step_statuses = await self.accounts.statuses()
+        changes = self.adaptive.observe(statuses, self.step_index + 1)
         for boundary in changes:
-            log.info(
-                "after step %d: adaptive compression, %s", self.step_index + 1, self.adaptive.last[boundary].describe()
-            )
+            decision = self.adaptive.last[boundary].describe()
+            self.events.add("codec", f"after step {self.step_index + 1}: adaptive compression, {decision}", logger=log)
         return codec_changes(changes)
 
     def step_notes(self) -> dict:
@@ -325,9 +335,8 @@ class SwarmPipeline:
         and every stage peer's compute so far (with link_bytes' statuses), so that figures over some
         steps (bench throughput leaves the warm-up out) take the compute of the same steps."""
         notes = {"codecs": self.adaptive.ran} if self.adaptive is not None else {}
-        if self._counted is not None:
-            keys = ("stage", "compute_s", "compute_cpu_s", "samples")
-            notes["stages"] = [{key: getattr(status, key) for key in keys} for status in self._counted]
+        if (stages := self.accounts.compute_notes()) is not None:
+            notes["stages"] = stages
         return notes
 
     def summary_notes(self) -> dict:
@@ -346,37 +355,10 @@ class SwarmPipeline:
     # ---- accounting --------------------------------------------------------------------------
 
     def statuses(self) -> list[pb.StageStatus]:
-        return self.loop.run(self._statuses())
-
-    async def _statuses(self) -> list[pb.StageStatus]:
-        request = pb.InfoRequest(to=address(self.run_id))
-        timeout = self.node.settings.call_timeout_s
-        peers = [peer for _, peer in self.rounds.peers()]
-        replies = await asyncio.gather(
-            *(call(self.node.streams, peer, "info", request, b"", timeout) for peer in peers),
-            return_exceptions=True,
-        )
-        statuses = []
-        for peer, reply in zip(peers, replies, strict=True):
-            if isinstance(reply, BaseException):  # it left: its last status stays in _reported
-                continue
-            for status in reply.head.stages:
-                self._reported[(peer, status.stage, status.joined_step)] = status
-                statuses.append(status)
-        return statuses
+        return self.loop.run(self.accounts.statuses())
 
     def link_bytes(self) -> dict[str, int]:
-        """Bytes sent per boundary, direction and mode, summed over peers (as LocalPipeline counts),
-        those that left included (as they last reported)."""
-        totals: Counter = Counter()
-        statuses, self._step_statuses = self._step_statuses, None
-        self._counted = statuses if statuses is not None else self.statuses()
-        for status in self._reported.values():
-            for link in status.links:
-                for key, n in link.sent.items():
-                    direction, mode = key.split(".", 1)
-                    totals[f"boundary{link.boundary}.{direction}.{mode}"] += n
-        return dict(sorted(totals.items()))
+        return self.accounts.link_bytes()
 
     def stage_rows(self) -> list[dict]:
         """Per stage peer: training compute seconds, its computing thread's CPU seconds and samples

@@ -202,7 +202,9 @@ class Recovery:
         if all(p.serving(s) for s in range(p.num_stages)):
             return None
         started, at = time.monotonic(), p.step_index
-        log.warning("step %d: %s", at, one_line(error))
+        lacking = ", ".join(str(s) for s in range(p.num_stages) if not p.serving(s))
+        p.state = f"paused at step {at}: stage {lacking} has no peer in service"
+        p.events.add("pause", f"{p.state} ({one_line(error)})", logging.WARNING, log)
         while True:
             await self._wait_for_peers(at)
             choice = newest_complete(
@@ -218,9 +220,9 @@ class Recovery:
                 break
         paused = time.monotonic() - started
         self.pauses.append({"from_step": at, "to_step": step, "paused_s": paused})
-        log.warning(
-            "run resumed after %.1fs: every stage went back to step %d, replaying %d step(s)", paused, step, at - step
-        )
+        text = f"run resumed after {paused:.1f}s: every stage went back to step {step}, replaying {at - step} step(s)"
+        p.events.add("resume", text, logging.WARNING, log)
+        p.state = "training"
         return position
 
     async def probe(self) -> None:

@@ -1,0 +1,153 @@
+"""The swarm as the health page shows it (`python -m peers.status --serve`, `--json`): every run
+with its trainer's status record, each stage as a column of its peers, each link between two
+peers with the rate each direction arrives at and its compression ratio, and the recent events of
+the trainer and the peers, newest first.
+
+`read_swarm` asks the DHT and the peers (as `peers.status` does); `health_data` shapes what they
+said into plain JSON data (the page's format: swarm/transport/hivemind/monitor/page.html).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.utils import get_dht_time
+
+from swarm.transport.hivemind.announce import list_runs
+from swarm.transport.hivemind.events import Event
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.runconfig import fetch_configs
+from swarm.transport.hivemind.runstatus import RunStatus, fetch_status
+from swarm.transport.hivemind.survey import PeerRow, state_text, survey
+
+EVENTS_SHOWN = 100  # per run, newest first
+REFRESH_S = 2.0  # the page asks for new data this often
+
+
+def short(peer_id: str) -> str:
+    return "..." + peer_id[-8:]
+
+
+async def read_swarm(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> dict:
+    """What the page shows, read now from the DHT and the peers."""
+    rows = await survey(node, run_id, timeout)
+    runs = await list_runs(node)
+    if run_id is not None:
+        runs = {run_id: runs.get(run_id, 0)}
+    for row in rows:
+        runs[row.run_id] = max(runs.get(row.run_id, 0), row.num_stages)
+
+    async def trainer(run: str) -> tuple[str, RunStatus | None]:
+        owners = {c.owner for c in await fetch_configs(node, run) if c.owner}
+        owner = owners.pop() if len(owners) == 1 else None  # a run claimed by two owners: whichever is newest
+        return owner or "", await fetch_status(node, run, owner)
+
+    found = await asyncio.gather(*(trainer(run) for run in runs))
+    return health_data(rows, runs, dict(zip(runs, found, strict=True)), time.time(), get_dht_time())
+
+
+def _peer(row: PeerRow) -> dict:
+    return {
+        "peer_id": row.peer_id,
+        "short": short(row.peer_id),
+        "address": row.addrs[0] if row.addrs else "",
+        "role": row.role or ("left" if row.leaving else ""),
+        "state": state_text(row),
+        "reachable": row.reachable,
+        "error": row.error,
+        "throughput": row.throughput,
+        "queue": row.queue,
+        "micro_batches": row.processed,
+        "steps": row.steps,
+        "last_seen_s": row.last_seen_s,
+        "rtt_ms": row.rtt_ms,
+        "codecs": row.codecs,
+        "refused": sum(row.refused.values()),
+    }
+
+
+def _of(counts: dict, direction: str) -> int:
+    """Bytes of one direction ("<direction>.<mode>" keys: training and evaluation together)."""
+    return sum(n for key, n in counts.items() if key.split(".", 1)[0] == direction)
+
+
+def _links(rows: list[PeerRow]) -> list[dict]:
+    """One entry per (boundary, sender of activations, receiver). Each end tells what it sent (bytes
+    and their compression) and the rate at which what it receives arrives."""
+    links: dict[tuple[int, str, str], dict] = {}
+    for row in rows:
+        for link in row.links:
+            if link["upstream"]:  # this peer sends activations to its neighbour and hears gradients back
+                key, sends, hears = (link["boundary"], row.peer_id, link["neighbour"]), "forward", "backward"
+            else:
+                key, sends, hears = (link["boundary"], link["neighbour"], row.peer_id), "backward", "forward"
+            entry = links.setdefault(key, {d: {"mbit_s": None, "ratio": None, "bytes": 0} for d in (sends, hears)})
+            sent, raw = _of(link["sent"], sends), _of(link["raw"], sends)
+            entry[sends].update(bytes=sent, ratio=raw / sent if sent and raw else None)
+            if link["busy_s"]:
+                entry[hears]["mbit_s"] = link["busy_bytes"] * 8 / link["busy_s"] / 1e6
+    return [
+        {"boundary": boundary, "from": sender, "to": receiver, **entry}
+        for (boundary, sender, receiver), entry in sorted(links.items())
+    ]
+
+
+def _event(event: Event, source: str, now: float) -> dict:
+    return {
+        "time": event.time,
+        "age_s": max(0.0, now - event.time),
+        "kind": event.kind,
+        "source": source,
+        "text": event.text,
+    }
+
+
+def health_data(
+    rows: list[PeerRow],
+    runs: dict[str, int],
+    trainers: dict[str, tuple[str, RunStatus | None]],
+    now: float,
+    dht_now: float,
+) -> dict:
+    """The page's data: `runs` (run id -> stages), the peers' `rows` (a survey), per run its owner
+    and trainer status record; `now` is this machine's clock, `dht_now` the DHT's."""
+    out = []
+    for run_id, num_stages in sorted(runs.items()):
+        mine = sorted((r for r in rows if r.run_id == run_id), key=lambda r: (r.stage, r.peer_id))
+        num_stages = max([num_stages, *(r.num_stages for r in mine)])
+        owner, status = trainers.get(run_id, ("", None))
+        progress = None
+        events = []
+        if status is not None:
+            progress = {
+                "step": status.step,
+                "total_steps": status.total_steps,
+                "loss": status.loss,
+                "samples_per_s": status.samples_per_s,
+                "eta_s": status.eta_s,
+                "state": status.state,
+                "age_s": max(0.0, dht_now - status.updated),
+                "trainer": status.trainer,
+                "members": {str(stage): n for stage, n in sorted(status.members.items())},
+            }
+            events = [_event(e, "trainer", now) for e in status.events]
+        for row in mine:
+            source = f"stage {row.stage} peer {short(row.peer_id)}"
+            events += [_event(e, source, now) for e in row.events]
+        events.sort(key=lambda e: -e["time"])
+        stages = [
+            {"stage": stage, "peers": [_peer(r) for r in mine if r.stage == stage]} for stage in range(num_stages)
+        ]
+        out.append(
+            {
+                "run_id": run_id,
+                "num_stages": num_stages,
+                "owner": owner,
+                "progress": progress,
+                "stages": stages,
+                "links": _links(mine),
+                "events": events[:EVENTS_SHOWN],
+            }
+        )
+    return {"generated": now, "refresh_s": REFRESH_S, "error": "", "runs": out}
