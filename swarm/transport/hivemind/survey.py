@@ -17,6 +17,7 @@ from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.events import KEEP, Event
 from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.trust.admissions import Admissions
 
 
 @dataclass
@@ -54,7 +55,19 @@ class PeerRow:
     refused: dict[str, int] = field(default_factory=dict)  # requests it refused, by why (docs/security.md)
     banned: int = 0  # peers it refuses now for a malformed payload
     codecs: str = ""  # its inbound link's "forward|backward" codecs, as its record says
+    admitted_by: str = ""  # the peer id whose signed admission its record shows (the run's owner, if it is a member)
     events: list[Event] = field(default_factory=list)  # its recent events, oldest first
+
+
+def _admitted_by(record, run_id: str) -> str:
+    """Who admitted the record's peer to `run_id`, by a valid signature; "" when nobody did."""
+    try:
+        admission = pb.Admission.FromString(record.admission)
+        if admission.run_id != run_id or admission.peer_id != record.peer_id or not admission.signature:
+            return ""
+        return Admissions(run_id).signer(admission)
+    except Exception:  # anything a stranger may have put there
+        return ""
 
 
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
@@ -83,6 +96,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
                         max(0.0, get_dht_time() - record.updated),
                         leaving=record.leaving,
                         codecs="|".join(record.codecs.get(d, "") for d in ("forward", "backward")).strip("|"),
+                        admitted_by=_admitted_by(record, run),
                     )
                 )
             stage += 1

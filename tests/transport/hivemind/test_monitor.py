@@ -9,6 +9,7 @@ import urllib.request
 import uuid
 
 from _swarm_env import STEPS, smoke
+from hivemind.utils.crypto import RSAPrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.training.experiment import build_data
@@ -47,6 +48,10 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
     servers = [swarm.hosts[s][1] for s in range(stages)]
     exporters = [MetricsServer(0, [StageCollector(server, swarm.loop.loop)], "127.0.0.1") for server in servers]
     publisher = trainer_metrics = None
+    # signs as the run's owner, as peers.trainer's node does (the pipeline's owner key)
+    reporter = swarm.loop.run(
+        SwarmNode.create(swarm.options(client_mode=True, signing_key=RSAPrivateKey.process_wide()))
+    )
     started = time.monotonic()
     try:
         data = build_data(cfg)
@@ -54,7 +59,7 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
         progress = RunProgress(Schedule.of(cfg, len(data[0]), STEPS).total_steps)
         results = ResultsWriter(None)
         results.listeners.append(progress.observe)
-        publisher = swarm.loop.run(start_status(swarm.trainer, run_id, lambda: run_status(pipeline, progress)))
+        publisher = swarm.loop.run(start_status(reporter, run_id, lambda: run_status(pipeline, progress)))
         collectors = [NodeCollector(swarm.trainer), TrainerCollector(pipeline, progress)]
         trainer_metrics = MetricsServer(0, collectors, "127.0.0.1")
         train(cfg, pipeline, data, results, STEPS, progress=False)
@@ -117,7 +122,8 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
 
         # the trainer's status record: the owner's only
         swarm.loop.run(publisher.refresh())
-        mine = owned(swarm.trainer.owned_by)[1]
+        mine = owned(reporter.owned_by)[1]
+        assert mine == pipeline.owner.peer_id
         record = swarm.loop.run(fetch_status(swarm.boot, run_id, mine))
         assert (record.step, record.total_steps, record.state, record.owner) == (STEPS, STEPS, "training", mine)
         assert record.members == dict.fromkeys(range(stages), 1) and "setup" in {e.kind for e in record.events}
@@ -129,14 +135,14 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
             assert swarm.loop.run(fetch_status(swarm.boot, run_id)).step == 999  # why readers name the owner
             # nobody else can write under the owner's key (every node validates signatures)
             assert not swarm.loop.run(
-                stranger.dht.store(
-                    status_key(run_id), forged.to_value(), time.time() + 30, subkey=swarm.trainer.owned_by
-                )
+                stranger.dht.store(status_key(run_id), forged.to_value(), time.time() + 30, subkey=reporter.owned_by)
             )
         finally:
             swarm.loop.run(stranger.shutdown())
 
-        # the health page's data: every stage's peer, every link, progress and events
+        # the health page's data: every stage's peer, every link, progress (the owner's record, the
+        # stranger's newer one notwithstanding: no config is published here, the owner is the one who
+        # admitted the stage peers) and events
         page = swarm.loop.run(read_swarm(swarm.trainer, run_id))
         (shown,) = page["runs"]
         peers = {s["stage"]: [p["peer_id"] for p in s["peers"]] for s in shown["stages"]}
@@ -145,7 +151,7 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
             (b, peers[b][0], peers[b + 1][0]) for b in range(stages - 1)
         ]
         assert all(link["forward"]["ratio"] > 1.5 and link["forward"]["mbit_s"] > 0 for link in shown["links"])
-        assert shown["progress"]["step"] == STEPS
+        assert shown["progress"]["step"] == STEPS and shown["owner"] == mine
         sources = {e["source"] for e in shown["events"] if e["kind"] == "setup"}
         assert "trainer" in sources and len(sources) == stages + 1
     finally:
@@ -154,4 +160,5 @@ def test_metrics_status_record_and_page_data_of_a_running_swarm(swarm):
                 exporter.close()
         if publisher is not None:
             swarm.loop.run(publisher.stop())
+        swarm.loop.run(reporter.shutdown())
         swarm.unhost(run_id)

@@ -39,9 +39,15 @@ async def read_swarm(node: SwarmNode, run_id: str | None = None, timeout: float 
         runs[row.run_id] = max(runs.get(row.run_id, 0), row.num_stages)
 
     async def trainer(run: str) -> tuple[str, RunStatus | None]:
+        """The run's owner and its status record: the owner who signed the run's config, else the one
+        who admitted its stage peers; none when that is not one key (a stranger's record is not shown)."""
         owners = {c.owner for c in await fetch_configs(node, run) if c.owner}
-        owner = owners.pop() if len(owners) == 1 else None  # a run claimed by two owners: whichever is newest
-        return owner or "", await fetch_status(node, run, owner)
+        if not owners:
+            owners = {row.admitted_by for row in rows if row.run_id == run and row.admitted_by}
+        if len(owners) != 1:
+            return "", None
+        owner = owners.pop()
+        return owner, await fetch_status(node, run, owner)
 
     found = await asyncio.gather(*(trainer(run) for run in runs))
     return health_data(rows, runs, dict(zip(runs, found, strict=True)), time.time(), get_dht_time())
