@@ -26,7 +26,7 @@
 #   THREADS=N                  torch CPU threads of a stage peer or trainer (--threads); set it when
 #                              several containers share one host's cores (compose on one machine)
 #   METRICS_PORT=9100          a peer's Prometheus metrics at http://0.0.0.0:$METRICS_PORT/metrics
-#                              (--metrics_port; bootstrap, stage, trainer)
+#                              (--metrics_port, on every interface; bootstrap, stage, trainer)
 #   STATUS_PORT=8080           ROLE=status: the swarm's health page (python -m peers.status --serve) at
 #                              http://0.0.0.0:$STATUS_PORT/, a DHT client that only dials out
 #                              (RUN_ID: only that run)
@@ -91,7 +91,7 @@ case "${ROLE:-}" in
         if [ -z "$DRY" ]; then python -m swarm.netlab identity "$BOOTSTRAP_IDENTITY" >/dev/null; fi
         set -- python -m peers.bootstrap --identity_path "$BOOTSTRAP_IDENTITY" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${shape_delay:+--shape_delay "$shape_delay"} \
-            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT" --metrics_host 0.0.0.0} "$@"
         ;;
     stage)
         [ -n "${STAGE:-}" ] || fail "ROLE=stage needs STAGE (0-based stage index)"
@@ -102,7 +102,7 @@ case "${ROLE:-}" in
         set -- python -m peers.stage --stage "$STAGE" --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} \
             ${uplink:+--uplink "$uplink"} ${downlink:+--downlink "$downlink"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} \
-            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT" --metrics_host 0.0.0.0} "$@"
         ;;
     trainer)
         peers=$(initial_peers) || exit 1
@@ -110,7 +110,7 @@ case "${ROLE:-}" in
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${uplink:+--uplink "$uplink"} \
             ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} \
-            ${METRICS_PORT:+--metrics_port "$METRICS_PORT"} "$@"
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT" --metrics_host 0.0.0.0} "$@"
         ;;
     status)  # a DHT client: it listens on its default address and only dials out
         peers=$(initial_peers) || exit 1

@@ -73,19 +73,25 @@ def add_metrics_arg(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: none)",
     )
+    parser.add_argument(
+        "--metrics_host",
+        default="127.0.0.1",
+        help="address the metrics listen on (0.0.0.0: every interface, for a Prometheus on another machine)",
+    )
 
 
-def start_metrics(args: argparse.Namespace, collectors):
-    """The peer's metrics endpoint with `collectors` (swarm.transport.hivemind.monitor), or None
-    without --metrics_port; RuntimeError (one line) when the port cannot be had."""
+def start_metrics(args: argparse.Namespace, collectors=()):
+    """The peer's metrics endpoint (collectors: swarm.transport.hivemind.monitor; more may be
+    added once the peer runs), or None without --metrics_port; RuntimeError (one line) when the
+    port cannot be had."""
     if args.metrics_port is None:
         return None
     if not 0 <= args.metrics_port <= 65535:
         raise RuntimeError(f"--metrics_port must be a TCP port (0-65535), got {args.metrics_port}")
     from swarm.transport.hivemind.monitor.exporter import MetricsServer
 
-    server = MetricsServer(args.metrics_port, collectors)
-    say(f"metrics at http://127.0.0.1:{server.port}/metrics")
+    server = MetricsServer(args.metrics_port, collectors, args.metrics_host)
+    say(f"metrics at http://{args.metrics_host}:{server.port}/metrics")
     return server
 
 

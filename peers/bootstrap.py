@@ -20,24 +20,28 @@ from peers._common import (
     start_metrics,
     until_stopped,
 )
-from swarm.transport.hivemind.monitor.stage_metrics import NodeCollector
+from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
 from swarm.transport.hivemind.node import SwarmNode
 
 
 async def serve(args: argparse.Namespace) -> int:
     try:
-        node = await SwarmNode.create(node_options(args))
+        metrics = start_metrics(args)
     except RuntimeError as e:
         return fail(str(e))
-    metrics = None
     try:
-        metrics = start_metrics(args, [NodeCollector(node)])
+        node = await SwarmNode.create(node_options(args))
+    except RuntimeError as e:
+        if metrics is not None:
+            metrics.close()
+        return fail(str(e))
+    try:
+        if metrics is not None:
+            metrics.add(NodeCollector(node))
         say("bootstrap peer ready; join with --initial_peers and one of:")
         for maddr in await node.maddrs():
             say(maddr)
         await until_stopped()
-    except RuntimeError as e:
-        return fail(str(e))
     finally:
         if metrics is not None:
             metrics.close()

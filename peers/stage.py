@@ -116,18 +116,23 @@ async def serve(args: argparse.Namespace) -> int:
         settings = Settings(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
         return fail(f"--timeout / --max_payload_mb: {e}")
+    metrics = None
     try:
+        metrics = start_metrics(args)  # its port first: a bad one fails before the peer joins anything
         node = await SwarmNode.create(node_options(args, settings=settings))
     except RuntimeError as e:
+        if metrics is not None:
+            metrics.close()
         return fail(str(e))
     if token is not None and token.peer_id != node.peer_id:
         await node.shutdown()
+        if metrics is not None:
+            metrics.close()
         return fail(
             f"--token is for peer {token.peer_id}, this peer is {node.peer_id}: start it with the --identity_path the token was made for"
         )
     server = StageServer(node)
     publisher: ConfigPublisher | None = None
-    metrics = None
     try:
         try:
             cfg, run_id, mine, owner = await _config(node, args)
@@ -148,10 +153,8 @@ async def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             return fail(str(e))
         await server.start()
-        try:
-            metrics = start_metrics(args, [StageCollector(server, asyncio.get_running_loop())])
-        except RuntimeError as e:
-            return fail(str(e))
+        if metrics is not None:
+            metrics.add(StageCollector(server, asyncio.get_running_loop()))
         say(f"stage {args.stage}/{cfg.model.num_stages} of run {run_id!r} serving as {node.peer_id}")
         for maddr in await node.maddrs():
             say(f"  listening on {maddr}")

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 
 from peers._common import StopSignals, add_network_args, fail, node_options, say, setup_logging
-from swarm.transport.hivemind.monitor.health import REFRESH_S, read_swarm
+from swarm.transport.hivemind.monitor.health import REFRESH_S, read_swarm, to_json
 from swarm.transport.hivemind.monitor.page import HealthServer
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.survey import format_table, survey
@@ -30,7 +29,7 @@ async def show(args: argparse.Namespace) -> int:
         if args.serve is not None:
             return await _serve(node, args, signals)
         if args.json:
-            print(json.dumps(await read_swarm(node, args.run_id, args.timeout), indent=1))
+            print(to_json(await read_swarm(node, args.run_id, args.timeout), indent=1))
         else:
             print(format_table(await survey(node, args.run_id, args.timeout)))
     finally:
@@ -44,17 +43,24 @@ async def _serve(node: SwarmNode, args: argparse.Namespace, signals: StopSignals
     except RuntimeError as e:
         return fail(str(e))
     say(f"health page at http://{args.serve_host}:{page.port}/ (Ctrl-C to stop)")
-    stopped = asyncio.create_task(signals.next())
+    stopped = asyncio.create_task(signals.next())  # a read in progress is dropped at once
     last: dict | None = None
     try:
-        while not stopped.done():
+        while True:
+            reading = asyncio.create_task(read_swarm(node, args.run_id, args.timeout))
+            await asyncio.wait({reading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stopped.done():
+                reading.cancel()
+                break
             try:
-                last = await read_swarm(node, args.run_id, args.timeout)
+                last = reading.result()
                 page.update(last)
             except Exception as e:  # the DHT or a peer misbehaving: the page says so and keeps its data
                 log.warning("reading the swarm failed: %s", e)
                 page.update({**(last or {"generated": 0, "refresh_s": REFRESH_S, "runs": []}), "error": str(e)})
             await asyncio.wait({stopped}, timeout=REFRESH_S)
+            if stopped.done():
+                break
     finally:
         stopped.cancel()
         page.close()

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.training.loop import Schedule, train
     from swarm.training.progress import RunProgress
     from swarm.transport.hivemind.loop import LoopThread
-    from swarm.transport.hivemind.monitor.stage_metrics import NodeCollector
+    from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
     from swarm.transport.hivemind.node import SwarmNode
     from swarm.transport.hivemind.runstatus import start_status
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     except IdentityError as e:
         return fail(str(e))
     args.identity_path = None  # the owner's key, not the trainer's p2p identity (a restarted trainer's daemon is new)
+    try:
+        metrics = start_metrics(args)  # its port first: a bad one fails before the run is touched
+    except RuntimeError as e:
+        return fail(str(e))
     loop = LoopThread("trainer-loop")
     try:
         options = node_options(args, client_mode=True, settings=settings)
@@ -166,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         node = loop.run(SwarmNode.create(options))
     except RuntimeError as e:
         loop.stop()
+        if metrics is not None:
+            metrics.close()
         return fail(str(e))
-    publisher = results = reporter = metrics = None
+    publisher = results = reporter = pipeline = None
     try:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"owner of run {run_id!r}: {pipeline.owner.peer_id} (stage peers may pin it with --owner)")
         progress = RunProgress(schedule.total_steps)  # for the progress lines, status record and metrics
         reporter = loop.run(start_status(node, run_id, lambda: run_status(pipeline, progress)))
-        metrics = start_metrics(args, [NodeCollector(node), TrainerCollector(pipeline, progress)])
+        if metrics is not None:
+            metrics.add(NodeCollector(node), TrainerCollector(pipeline, progress))
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept
@@ -198,19 +205,24 @@ def main(argv: list[str] | None = None) -> int:
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()
         adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
-        loop.run(reporter.refresh())  # the page shows the run finished
     except KeyboardInterrupt:
+        if pipeline is not None:
+            pipeline.state = "interrupted"
         say("interrupted")
         return 130
     except Exception as e:
-        return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if pipeline is not None:
+            pipeline.state = f"failed: {message}"
+        return fail(message)
     finally:
         if results is not None:
             results.close()
         if metrics is not None:
             metrics.close()
         try:
-            if reporter is not None:
+            if reporter is not None:  # its last word: finished, interrupted or failed
+                loop.run(reporter.refresh(), timeout=10)
                 loop.run(reporter.stop(), timeout=20)
             if publisher is not None:
                 loop.run(publisher.stop(), timeout=20)

@@ -62,16 +62,17 @@ class RunProgress:
         return max(0, self.total_steps - step) * span[2] / span[0]
 
     def snapshot(self) -> dict:
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "samples": self.samples,
-            "loss": self.loss,
-            "lr": self.lr,
-            "samples_per_s": self.samples_per_s,
-            "eta_s": self.eta_s,
-            "evaluation": dict(self.evaluation),
-        }
+        """Everything at once, from one row (another thread may be adding the next)."""
+        with self._lock:
+            now = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "samples": self.samples,
+                "loss": self.loss,
+                "lr": self.lr,
+                "evaluation": dict(self.evaluation),
+            }
+        return {**now, "samples_per_s": self.samples_per_s, "eta_s": self.eta_s}
 
     def line(self) -> str:
         """One plain progress line (for logs: no terminal to draw a bar on)."""

@@ -10,6 +10,7 @@ a dead peer drops out on its own.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 
 from hivemind.utils import get_dht_time
@@ -20,6 +21,16 @@ from swarm.transport.hivemind.periodic import Refresher
 from swarm.transport.hivemind.schemas import RUNS_KEY, owned
 
 log = logging.getLogger(__name__)
+
+
+MAX_STAGES = 1024  # a record or listing claiming more stages is a stranger's garbage
+
+
+def _finite(value, least: float = 0.0) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number < least:
+        raise ValueError(f"{value!r} is not a finite number >= {least}")
+    return number
 
 
 def stage_key(run_id: str, stage: int) -> str:
@@ -52,24 +63,27 @@ class StageRecord:
         if not isinstance(value, dict):
             return None
         try:
+            num_stages, stage = int(value["num_stages"]), int(value["stage"])
+            if not 0 <= stage < num_stages <= MAX_STAGES:
+                return None
             return cls(
                 peer_id=peer_id,
-                stage=int(value["stage"]),
-                num_stages=int(value["num_stages"]),
-                addrs=[str(a) for a in value.get("addrs", [])],
-                throughput=float(value.get("throughput", 0.0)),
-                queue=int(value.get("queue", 0)),
+                stage=stage,
+                num_stages=num_stages,
+                addrs=[str(a) for a in value.get("addrs", [])][:16],
+                throughput=_finite(value.get("throughput", 0.0)),
+                queue=max(0, int(value.get("queue", 0))),
                 codecs={str(k): str(v) for k, v in dict(value.get("codecs", {})).items()},
                 version=int(value.get("version", 0)),
                 ready=bool(value.get("ready", False)),
-                updated=float(value.get("updated", 0.0)),
+                updated=_finite(value.get("updated", 0.0)),
                 session=str(value.get("session", "")),
-                download_share=max(0.0, float(value.get("download_share", 0.0))),
+                download_share=_finite(value.get("download_share", 0.0)),
                 leaving=bool(value.get("leaving", False)),
                 admission=bytes(value.get("admission", b"")),
                 token=bytes(value.get("token", b"")),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
 
     def to_value(self) -> dict:
@@ -102,7 +116,8 @@ async def list_runs(node: SwarmNode) -> dict[str, int]:
         value = getattr(item, "value", None)
         lister = owned(subkey)
         if lister and isinstance(value, dict) and isinstance(value.get("num_stages"), int):
-            runs[lister[0].decode(errors="replace")] = int(value["num_stages"])
+            if 1 <= value["num_stages"] <= MAX_STAGES:
+                runs[lister[0].decode(errors="replace")] = int(value["num_stages"])
     return dict(sorted(runs.items()))
 
 

@@ -2,7 +2,8 @@
 
 Activities that overlap count their common time once, so a peer's sending seconds plus its idle
 seconds never exceed the wall time: the step-time split its metrics show (`--metrics_port`).
-Entered and left on one thread (the peer's event loop); `seconds` may be read from any thread.
+Entered and left on one thread at a time; `seconds` may be read from any thread (a metrics scrape):
+the state is one tuple, replaced in one assignment, so a reader never sees half an update.
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ import time
 class Busy:
     def __init__(self, clock=time.monotonic) -> None:
         self.clock = clock
-        self.active = 0
-        self._since = 0.0
-        self._done = 0.0
+        self._state = (0.0, 0.0, 0)  # (seconds of finished busy spells, when the current one began, activities now)
+
+    @property
+    def active(self) -> int:
+        return self._state[2]
 
     def enter(self) -> None:
-        if self.active == 0:
-            self._since = self.clock()
-        self.active += 1
+        done, since, active = self._state
+        self._state = (done, self.clock() if active == 0 else since, active + 1)
 
     def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self._done += self.clock() - self._since
+        done, since, active = self._state
+        if active == 1:
+            self._state = (done + self.clock() - since, since, 0)
+        else:
+            self._state = (done, since, active - 1)
 
     @contextlib.contextmanager
     def during(self):
@@ -39,5 +43,5 @@ class Busy:
     @property
     def seconds(self) -> float:
         """Busy seconds so far, the activity going on now included."""
-        since, active = self._since, self.active
-        return self._done + (self.clock() - since if active else 0.0)
+        done, since, active = self._state
+        return done + (self.clock() - since if active else 0.0)

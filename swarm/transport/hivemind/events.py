@@ -48,7 +48,9 @@ def _line(text: str) -> str:
 class EventLog:
     def __init__(self, keep: int = KEEP, clock=time.time) -> None:
         self.recent: deque[Event] = deque(maxlen=keep)
-        self.counts: Counter = Counter()  # kind -> events since the peer started
+        self.counts: Counter = Counter(
+            dict.fromkeys(KINDS, 0)
+        )  # kind -> events since the peer started (every kind, from 0)
         self.clock = clock
 
     def add(self, kind: str, text: str, level: int | None = None, logger: logging.Logger | None = None) -> Event:

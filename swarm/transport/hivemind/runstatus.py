@@ -88,7 +88,7 @@ class RunStatus:
             owner=owner,
         )
         for stage, n in members.items():
-            if str(stage).isdigit() and (count := _number(n, True)) is not None:
+            if str(stage).isascii() and str(stage).isdigit() and (count := _number(n, True)) is not None:
                 status.members[int(stage)] = count
         for item in list(events)[-KEEP:]:
             if isinstance(item, list | tuple) and len(item) == 3 and (event := Event.of(*item)) is not None:
@@ -102,15 +102,15 @@ async def publish_status(node: SwarmNode, run_id: str, status: RunStatus, ttl: f
     return await node.dht.store(status_key(run_id), status.to_value(), get_dht_time() + ttl, subkey=node.owned_by)
 
 
-async def fetch_status(node: SwarmNode, run_id: str, owner: str | None = None) -> RunStatus | None:
-    """The run's status record signed by `owner` (None: the newest one any key signed)."""
+async def fetch_status(node: SwarmNode, run_id: str, owner: str) -> RunStatus | None:
+    """The run's status record signed by `owner` (anyone may sign one for any run: name the owner)."""
     found = await node.dht.get(status_key(run_id), latest=True)
     if found is None or not isinstance(found.value, dict):
         return None
     best = None
     for subkey, item in found.value.items():
         signer = owned(subkey)
-        if signer is None or signer[0] or (owner and signer[1] != owner):
+        if signer is None or signer[0] or signer[1] != owner:
             continue
         status = RunStatus.from_value(getattr(item, "value", None), signer[1])
         if status is not None and (best is None or status.updated > best.updated):

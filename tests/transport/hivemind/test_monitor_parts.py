@@ -8,7 +8,7 @@ import math
 import pytest
 
 from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.events import KEEP, TEXT_CHARS, Event, EventLog
+from swarm.transport.hivemind.events import KEEP, KINDS, TEXT_CHARS, Event, EventLog
 from swarm.transport.hivemind.monitor.health import health_data
 from swarm.transport.hivemind.runstatus import RunStatus
 from swarm.transport.hivemind.survey import PeerRow
@@ -28,7 +28,7 @@ def test_an_event_log_keeps_the_newest_counts_all_and_says_one_line():
         log.add("join", f"peer {i}\njoined")
     log.add("ban", "x" * 1000)
     assert [e.text for e in log.last()] == ["peer 3 joined", "peer 4 joined", "x" * (TEXT_CHARS - 3) + "..."]
-    assert log.counts == {"join": 5, "ban": 1}
+    assert +log.counts == {"join": 5, "ban": 1} and log.counts["pause"] == 0 and set(log.counts) == set(KINDS)
     assert len(log.last(1)) == 1 and log.last(0) == []
     with pytest.raises(ValueError, match="unknown event kind"):
         log.add("explode", "no")
@@ -166,3 +166,46 @@ def test_the_page_data_of_a_run_without_a_trainer_record_or_peers():
             "events": [],
         }
     ]
+
+
+def test_the_page_server_serves_the_page_its_latest_data_as_strict_json_and_nothing_else():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from swarm.transport.hivemind.monitor.page import HealthServer
+
+    server = HealthServer(0)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        page = urllib.request.urlopen(base + "/", timeout=10)
+        assert page.headers["Content-Type"].startswith("text/html") and b"data.json" in page.read()
+        assert json.loads(urllib.request.urlopen(base + "/data.json", timeout=10).read())["runs"] == []
+        # a peer that reported NaN or infinity: null on the page, never a bare NaN its parser refuses
+        server.update({"generated": 1.0, "runs": [{"throughput": float("nan"), "eta": [float("inf"), 2.0]}]})
+        text = urllib.request.urlopen(base + "/data.json?x=1", timeout=10).read().decode()
+        assert json.loads(text)["runs"] == [{"throughput": None, "eta": [None, 2.0]}] and "NaN" not in text
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(base + "/../etc/passwd", timeout=10)
+        assert missing.value.code == 404
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"throughput": float("nan")},
+        {"throughput": float("inf")},
+        {"num_stages": 10**9},
+        {"stage": 5},
+        {"updated": float("nan")},
+        {"queue": float("inf")},
+    ],
+)
+def test_a_stage_record_with_absurd_numbers_is_dropped(change):
+    from swarm.transport.hivemind.announce import StageRecord
+
+    good = {"stage": 1, "num_stages": 3, "addrs": [], "throughput": 2.0, "queue": 1, "updated": 5.0}
+    assert StageRecord.from_value("peer", good) is not None
+    assert StageRecord.from_value("peer", {**good, **change}) is None

@@ -27,6 +27,8 @@ class Families:
         if name not in self._families:
             self._families[name] = (kind(name, doc, labels=sorted(labels)), tuple(sorted(labels)))
         family, names = self._families[name]
+        if names != tuple(sorted(labels)):  # two series that differ only in a dropped label would clash
+            raise ValueError(f"{name}: labels {sorted(labels)}, the family has {list(names)}")
         family.add_metric([str(labels[n]) for n in names], float(value))
 
     def gauge(self, name: str, doc: str, value: float, **labels) -> None:
@@ -61,7 +63,7 @@ class Collector:
 class MetricsServer:
     """Serves /metrics on `port` (0: any free one) at `host` in a thread of its own."""
 
-    def __init__(self, port: int, collectors, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, collectors=(), host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         for collector in collectors:
@@ -71,6 +73,11 @@ class MetricsServer:
         except OSError as e:
             raise RuntimeError(f"--metrics_port {port}: {e.strerror or e}") from None
         self.port = self.httpd.server_port
+
+    def add(self, *collectors: Collector) -> None:
+        """More collectors (the peer's parts exist only once it runs; the port is taken before)."""
+        for collector in collectors:
+            self.registry.register(collector)
 
     def close(self) -> None:
         self.httpd.shutdown()  # waits for its thread's loop (half a second at most)

@@ -10,6 +10,8 @@ said into plain JSON data (the page's format: swarm/transport/hivemind/monitor/p
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import time
 
 from hivemind.utils import get_dht_time
@@ -19,10 +21,27 @@ from swarm.transport.hivemind.events import Event
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import fetch_configs
 from swarm.transport.hivemind.runstatus import RunStatus, fetch_status
+from swarm.transport.hivemind.stage.status import by_direction
 from swarm.transport.hivemind.survey import PeerRow, state_text, survey
 
 EVENTS_SHOWN = 100  # per run, newest first
 REFRESH_S = 2.0  # the page asks for new data this often
+
+
+def to_json(data, indent: int | None = None) -> str:
+    """`data` as strict JSON: a number a peer reported as NaN or infinite becomes null (a browser's
+    JSON parser refuses NaN, and one such number would freeze the page)."""
+
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(item) for item in value]
+        return value
+
+    return json.dumps(clean(data), indent=indent, allow_nan=False)
 
 
 def short(peer_id: str) -> str:
@@ -39,11 +58,12 @@ async def read_swarm(node: SwarmNode, run_id: str | None = None, timeout: float 
         runs[row.run_id] = max(runs.get(row.run_id, 0), row.num_stages)
 
     async def trainer(run: str) -> tuple[str, RunStatus | None]:
-        """The run's owner and its status record: the owner who signed the run's config, else the one
-        who admitted its stage peers; none when that is not one key (a stranger's record is not shown)."""
-        owners = {c.owner for c in await fetch_configs(node, run) if c.owner}
-        if not owners:
-            owners = {row.admitted_by for row in rows if row.run_id == run and row.admitted_by}
+        """The run's owner and its status record: the one who signed the run's config and admitted
+        its stage peers (either, when the other says nothing); none when that is not one key, so a
+        stranger's record never passes for the trainer's."""
+        signed = {c.owner for c in await fetch_configs(node, run) if c.owner}
+        admitting = {row.admitted_by for row in rows if row.run_id == run and row.admitted_by}
+        owners = (signed & admitting) or (signed if len(signed) == 1 else set() if signed else admitting)
         if len(owners) != 1:
             return "", None
         owner = owners.pop()
@@ -73,11 +93,6 @@ def _peer(row: PeerRow) -> dict:
     }
 
 
-def _of(counts: dict, direction: str) -> int:
-    """Bytes of one direction ("<direction>.<mode>" keys: training and evaluation together)."""
-    return sum(n for key, n in counts.items() if key.split(".", 1)[0] == direction)
-
-
 def _links(rows: list[PeerRow]) -> list[dict]:
     """One entry per (boundary, sender of activations, receiver). Each end tells what it sent (bytes
     and their compression) and the rate at which what it receives arrives."""
@@ -89,9 +104,9 @@ def _links(rows: list[PeerRow]) -> list[dict]:
             else:
                 key, sends, hears = (link["boundary"], link["neighbour"], row.peer_id), "backward", "forward"
             entry = links.setdefault(key, {d: {"mbit_s": None, "ratio": None, "bytes": 0} for d in (sends, hears)})
-            sent, raw = _of(link["sent"], sends), _of(link["raw"], sends)
+            sent, raw = by_direction(link["sent"])[sends], by_direction(link["raw"])[sends]
             entry[sends].update(bytes=sent, ratio=raw / sent if sent and raw else None)
-            if link["busy_s"]:
+            if link["busy_s"] > 0:
                 entry[hears]["mbit_s"] = link["busy_bytes"] * 8 / link["busy_s"] / 1e6
     return [
         {"boundary": boundary, "from": sender, "to": receiver, **entry}
@@ -138,9 +153,11 @@ def health_data(
                 "members": {str(stage): n for stage, n in sorted(status.members.items())},
             }
             events = [_event(e, "trainer", now) for e in status.events]
+        told = set()  # a peer hosting two stages of the run reports its events once
         for row in mine:
-            source = f"stage {row.stage} peer {short(row.peer_id)}"
-            events += [_event(e, source, now) for e in row.events]
+            if row.peer_id not in told:
+                told.add(row.peer_id)
+                events += [_event(e, f"stage {row.stage} peer {short(row.peer_id)}", now) for e in row.events]
         events.sort(key=lambda e: -e["time"])
         stages = [
             {"stage": stage, "peers": [_peer(r) for r in mine if r.stage == stage]} for stage in range(num_stages)

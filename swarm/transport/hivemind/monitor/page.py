@@ -12,6 +12,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from swarm.transport.hivemind.monitor.health import to_json
+
 PAGE = Path(__file__).with_name("page.html")
 
 
@@ -35,9 +37,12 @@ class HealthServer:
                         404, "text/plain; charset=utf-8", b"not found: the page is at /, its data at /data.json\n"
                     )
 
+            timeout = 10  # an idle connection does not hold its thread for ever
+
             def _send(self, code: int, kind: str, body: bytes) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", kind)
+                self.send_header("X-Content-Type-Options", "nosniff")
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
                 self.end_headers()
@@ -56,7 +61,7 @@ class HealthServer:
         self._thread.start()
 
     def update(self, data: dict) -> None:
-        self._data = json.dumps(data).encode()
+        self._data = to_json(data).encode()  # one assignment: a request reads the old or the new
 
     def close(self) -> None:
         self.httpd.shutdown()

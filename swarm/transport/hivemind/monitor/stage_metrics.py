@@ -1,6 +1,6 @@
 """A stage peer's metrics, from the status it gives `peers.status` (read on its event loop at each
 scrape): per hosted stage its micro-batches, samples/s, queue, error-feedback state, the split of
-its time (computing, sending, idle), retries and bans; per link and direction the bytes out and
+its time (computing, sending, waiting), retries and bans; per link and direction the bytes out and
 in, what they weighed uncompressed, the compression ratio and the rate payloads arrive at; for the
 peer its refusals, the callers it bans and its events by kind (joins, leaves, bans, pauses)."""
 
@@ -10,18 +10,10 @@ import asyncio
 
 from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.monitor.exporter import Collector, Families
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.monitor.peer_metrics import fill_events, fill_node
+from swarm.transport.hivemind.stage.status import by_direction
 
 READ_TIMEOUT_S = 5.0  # a scrape gives up on a peer whose event loop is this busy
-
-
-def _by_direction(counts) -> dict[str, int]:
-    """{"<direction>.<mode>": bytes} summed per direction (training and evaluation together)."""
-    out: dict[str, int] = {}
-    for key, n in counts.items():
-        direction = key.split(".", 1)[0]
-        out[direction] = out.get(direction, 0) + n
-    return out
 
 
 def fill_stage(families: Families, status: pb.StageStatus) -> None:
@@ -35,12 +27,12 @@ def fill_stage(families: Families, status: pb.StageStatus) -> None:
         **labels,
     )
     f.counter("stage_micro_batches", "micro-batches processed (training and evaluation)", status.processed, **labels)
-    f.counter("stage_steps", "optimizer steps taken", status.steps, **labels)
+    f.gauge("stage_step", "the step its weights are at (goes back when the run does)", status.steps, **labels)
     f.counter("stage_samples", "training samples computed", status.samples, **labels)
     f.gauge("stage_samples_per_second", "throughput (moving average)", status.throughput, **labels)
     f.gauge("stage_queue", "micro-batches inside this stage now", status.queue, **labels)
     f.gauge("stage_feedback_state_bytes", "error-feedback state kept for its links", status.state_bytes, **labels)
-    for part, seconds in (("compute", status.compute_s), ("sending", status.sending_s), ("idle", status.waiting_s)):
+    for part, seconds in (("compute", status.compute_s), ("sending", status.sending_s), ("waiting", status.waiting_s)):
         f.counter(
             "stage_seconds", "time computing, sending payloads, or with nothing to do", seconds, part=part, **labels
         )
@@ -54,7 +46,7 @@ def fill_stage(families: Families, status: pb.StageStatus) -> None:
         # the direction this peer sends on this link, and the one that arrives here
         out_dir, in_dir = ("forward", "backward") if link.upstream else ("backward", "forward")
         at = {**labels, "neighbour": link.neighbour, "boundary": link.boundary}
-        sent, raw, received = _by_direction(link.sent), _by_direction(link.raw), _by_direction(link.received)
+        sent, raw, received = by_direction(link.sent), by_direction(link.raw), by_direction(link.received)
         f.counter(
             "link_sent_bytes", "payload bytes sent to the neighbour", sent.get(out_dir, 0), direction=out_dir, **at
         )
@@ -68,26 +60,6 @@ def fill_stage(families: Families, status: pb.StageStatus) -> None:
         if link.busy_s > 0:
             doc = "rate the neighbour's payloads arrive at while arriving"
             f.gauge("link_arrival_bits_per_second", doc, link.busy_bytes * 8 / link.busy_s, direction=in_dir, **at)
-
-
-def fill_events(families: Families, counts: dict[str, int], role: str) -> None:
-    for kind, n in sorted(counts.items()):
-        families.counter("events", "joins, leaves, bans, pauses... since it started", n, kind=kind, role=role)
-
-
-def fill_node(families: Families, node: SwarmNode) -> None:
-    table = node.dht.protocol.routing_table
-    families.gauge("dht_peers", "DHT peers in this node's routing table", len(table.uid_to_peer_id))
-
-
-class NodeCollector(Collector):
-    """What every peer has: its DHT view (a bootstrap peer's only metric besides its process)."""
-
-    def __init__(self, node: SwarmNode) -> None:
-        self.node = node
-
-    def fill(self, families: Families) -> None:
-        fill_node(families, self.node)
 
 
 class StageCollector(Collector):

@@ -1,5 +1,5 @@
 """The trainer's metrics and its status record, from its `SwarmPipeline` and the run's progress
-(`swarm.training.progress.RunProgress`): step, loss, samples/s, time left, the split of its time
+(a `swarm.training.progress.RunProgress`, fed the run's results rows): step, loss, samples/s, time left, the split of its time
 (its own work, sending inputs, waiting on the swarm), peers in service per stage, retries, bans,
 pauses, its events by kind, and the bytes every link of the run carried as the stage peers last
 reported them (those that left included)."""
@@ -9,15 +9,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from swarm.training.progress import RunProgress
 from swarm.transport.hivemind.monitor.exporter import Collector, Families
-from swarm.transport.hivemind.monitor.stage_metrics import fill_events
+from swarm.transport.hivemind.monitor.peer_metrics import fill_events
 from swarm.transport.hivemind.runstatus import RunStatus
+from swarm.transport.hivemind.stage.status import by_direction
 
 EVENTS_SHOWN = 20  # of the trainer's recent events, in its status record
 
 
-def run_status(pipeline, progress: RunProgress) -> RunStatus:
+def run_status(pipeline, progress) -> RunStatus:
     """The record the trainer publishes for the health page (`runstatus.StatusPublisher`)."""
     return RunStatus(
         step=progress.step,
@@ -38,13 +38,13 @@ def run_link_bytes(pipeline) -> tuple[Counter, Counter]:
     for status in list(pipeline.accounts.reported.values()):
         for link in status.links:
             for counts, into in ((link.sent, sent), (link.raw, raw)):
-                for key, n in counts.items():
-                    into[(link.boundary, key.split(".", 1)[0])] += n
+                for direction, n in by_direction(counts).items():
+                    into[(link.boundary, direction)] += n
     return sent, raw
 
 
 class TrainerCollector(Collector):
-    def __init__(self, pipeline, progress: RunProgress) -> None:
+    def __init__(self, pipeline, progress) -> None:
         self.pipeline, self.progress = pipeline, progress
         self.started = time.monotonic()
 
@@ -55,7 +55,9 @@ class TrainerCollector(Collector):
         f.gauge("trainer_step", "optimizer steps done", now["step"], **run)
         if now["total_steps"]:
             f.gauge("trainer_total_steps", "steps the run will take", now["total_steps"], **run)
-        f.counter("trainer_samples", "training samples fed to the swarm", now["samples"], **run)
+        f.gauge(
+            "trainer_samples", "training samples the run is at (goes back when the run does)", now["samples"], **run
+        )
         f.gauge(
             "trainer_samples_per_second", "training samples per second over the last steps", now["samples_per_s"], **run
         )

@@ -86,6 +86,7 @@ class StageServer:
         self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
         self.refused: Counter = Counter()  # requests refused, by `_refusal` (status: peers.status)
         self.events = EventLog()  # what happened to this peer and its stages (status, metrics)
+        self._told: set[tuple[str, str]] = set()  # (sender, refusal) pairs already in the events
         self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
         self.held: Counter = Counter()  # their payload bytes (settings.max_held_bytes_per_sender)
 
@@ -167,6 +168,15 @@ class StageServer:
         else:
             raise ProtocolError(f"unknown request {kind!r}")
 
+    def _tell_refusal(self, sender: str, category: str, kind: str, e: BaseException) -> None:
+        """An event for a sender's first refusal of each kind (a stranger retrying makes no flood)."""
+        if (sender, category) in self._told:
+            return
+        if len(self._told) > 4096:
+            self._told.clear()
+        self._told.add((sender, category))
+        self.events.add("refuse", f"{kind} from {sender[-8:]} refused ({category}): {one_line(e)}")
+
     def _limit(self, kind: str) -> int:
         """The largest payload a request of `kind` may carry."""
         return self.settings.max_micro_batch_bytes if kind == "micro_batch" else self.settings.max_payload_bytes
@@ -212,6 +222,7 @@ class StageServer:
             except Exception as e:
                 if category := _refusal(e):
                     self.refused[category] += 1
+                    self._tell_refusal(sender, category, kind, e)
                 if category == "malformed payload":
                     self.banned.prune()
                     seconds = self.banned.fail(sender)

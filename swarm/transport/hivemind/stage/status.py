@@ -10,6 +10,14 @@ from collections import Counter
 from protocols import stage_pb2 as pb
 
 
+def by_direction(counts) -> Counter:
+    """A link's byte counts ("<direction>.<mode>" keys) summed per direction (every mode)."""
+    out: Counter = Counter()
+    for key, n in counts.items():
+        out[key.split(".", 1)[0]] += n
+    return out
+
+
 def stage_status(host) -> pb.StageStatus:
     """`host`: a `HostedStage`."""
     clock = host.clock

@@ -228,14 +228,14 @@ class SwarmPipeline:
         """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
         back to the swarm's copies (swarm.transport.hivemind.trainer.recovery) and the loop hears
         where from (`Rewound`)."""
-        try:
-            with self.in_swarm.during():
+        with self.in_swarm.during():  # a pause waits on the swarm too
+            try:
                 return work()
-        except (TransportError, RemoteError, NoPeerError) as e:
-            position = self.loop.run(self.recovery.recover(e))
-            if position is None:
-                raise
-            raise Rewound(position) from None
+            except (TransportError, RemoteError, NoPeerError) as e:
+                position = self.loop.run(self.recovery.recover(e))
+                if position is None:
+                    raise
+                raise Rewound(position) from None
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
