@@ -78,7 +78,7 @@ class StageRecord:
                 ready=bool(value.get("ready", False)),
                 updated=_finite(value.get("updated", 0.0)),
                 session=str(value.get("session", "")),
-                download_share=_finite(value.get("download_share", 0.0)),
+                download_share=max(0.0, _finite(value.get("download_share", 0.0), -math.inf)),
                 leaving=bool(value.get("leaving", False)),
                 admission=bytes(value.get("admission", b"")),
                 token=bytes(value.get("token", b"")),
