@@ -91,7 +91,7 @@ def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losse
     results = tmp_path / "churn.jsonl"
     overrides = ["train.epochs=100", "train.eval_every=1000"]  # smoke: topk 20% forward, its indices backward
     sets = [a for o in overrides for a in ("--set", o)]
-    steps = 150
+    steps = 110
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--churn", "join:1@0,join:2@0,kill:1@step70,stop:2@step80"]

@@ -62,18 +62,24 @@ class Peer:
             time.sleep(0.1)
         raise AssertionError(f"{self.name} never printed /{pattern}/; it printed:\n" + "\n".join(self.lines[-30:]))
 
-    def stop(self) -> None:
-        """SIGTERM, and again (a stage peer's second signal skips draining), then the whole group."""
-        for wait_s in (3, 15):
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(wait_s)
-                except subprocess.TimeoutExpired:
-                    continue
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+
+def stop_all(peers: list[Peer]) -> None:
+    """SIGTERM to every peer, again to those still there (a stage peer's second signal skips
+    draining), then SIGKILL to what is left of each one's process group."""
+    for wait_s in (3.0, 15.0):
+        alive = [p for p in peers if p.proc.poll() is None]
+        for peer in alive:
+            peer.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        for peer in alive:
+            try:
+                peer.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    for peer in peers:
+        if peer.proc.poll() is None:
+            os.killpg(peer.proc.pid, signal.SIGKILL)
+            peer.proc.wait(10)
 
 
 def metrics(url: str) -> str:
@@ -91,7 +97,7 @@ def chromium():
     return ensure_chromium()  # apt-get install chromium where it is missing (root); one line if it cannot
 
 
-def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_metrics(chromium):
+def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_metrics(chromium, capsys):
     peers: list[Peer] = []
     try:
         boot = Peer("bootstrap", "peers.bootstrap", *LOCAL[:2], "--metrics_port", "0")
@@ -121,16 +127,13 @@ def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_me
         peers += [trainer, status]
         trainer.wait_line(r"^step 3/")
         page = status.wait_line(r"health page at (http://\S+/)").group(1)
-        # --json: the page's data once
-        once = subprocess.run(
-            [sys.executable, "-m", "peers.status", "--initial_peers", maddr, "--json"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert once.returncode == 0, once.stderr
-        (run,) = json.loads(once.stdout)["runs"]
+        # --json: the page's data once (its main in this process: no interpreter to start)
+        from peers.status import main as status_main
+
+        capsys.readouterr()
+        assert status_main(["--initial_peers", maddr, "--json"]) == 0
+        once = capsys.readouterr()
+        (run,) = json.loads(once.out)["runs"]
         assert [[p["peer_id"] for p in s["peers"]] for s in run["stages"]] == [[ids[0]], [ids[1]]]
 
         with Browser() as browser:
@@ -162,5 +165,4 @@ def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_me
         text = metrics(urls["trainer"])
         assert value(text, "hivepipe_trainer_step") >= 3 and value(text, "hivepipe_trainer_samples_per_second") > 0
     finally:
-        for peer in reversed(peers):
-            peer.stop()
+        stop_all(peers)
