@@ -18,6 +18,7 @@ micro-batch in flight drops to one boundary tensor, for about one more forward o
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -41,6 +42,13 @@ def check_precision(precision: str, device: torch.device | str) -> None:
         raise ValueError(
             f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16 or fp32"
         )
+
+
+# The global generators are one per process: stages computing on threads of one process (a peer
+# hosting several, the tests' in-process swarms) fork them one at a time. Concurrent get/set of a
+# generator's state from two threads can also deadlock inside torch (seen: one waits for the
+# generator's mutex holding the GIL, the other holds the mutex freeing a tensor, waiting for the GIL).
+RNG_LOCK = threading.RLock()
 
 
 class Forward:
@@ -67,9 +75,13 @@ class Forward:
             yield
             return
         devices = [self.device.index or 0] if self.device_type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device_type if devices else "cuda"):
+        with RNG_LOCK, torch.random.fork_rng(devices=devices, device_type=self.device_type if devices else "cuda"):
             torch.manual_seed(mix_seed(self.seed, *stream))
             yield
+
+    def recomputing(self):
+        """Held around a backward that recomputes a checkpointed forward (it forks the generators too)."""
+        return RNG_LOCK if self.checkpointing else contextlib.nullcontext()
 
     def autocast(self):
         if self.dtype is None:

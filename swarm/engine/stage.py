@@ -114,11 +114,13 @@ class StageRuntime:
                 self.held[batch.key] = []
             return None
         if not self.hold_grads:
-            output.backward(grad_output)
+            with self.run_forward.recomputing():
+                output.backward(grad_output)
             return x.grad
         params = [p for p in self.module.parameters() if p.requires_grad]
         wants_x = x.requires_grad
-        grads = torch.autograd.grad(output, [*params, x] if wants_x else params, grad_output, allow_unused=True)
+        with self.run_forward.recomputing():
+            grads = torch.autograd.grad(output, [*params, x] if wants_x else params, grad_output, allow_unused=True)
         self.held[batch.key] = [(p, g) for p, g in zip(params, grads, strict=False) if g is not None]
         return grads[-1] if wants_x else None
 
