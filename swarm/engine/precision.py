@@ -51,6 +51,24 @@ def check_precision(precision: str, device: torch.device | str) -> None:
 RNG_LOCK = threading.RLock()
 
 
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout_p", "dropout_rate")
+
+
+def stochastic(module: torch.nn.Module) -> bool:
+    """Whether `module` draws random numbers in training: dropout layers with p > 0, or the
+    functional dropout rates transformers' attention modules keep as attributes. Remembered per
+    module (a model's layers do not change during a run)."""
+    known = getattr(module, "_hivepipe_stochastic", None)
+    if known is None:
+        known = any(
+            (isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+            or any(isinstance(getattr(m, name, None), float) and getattr(m, name) > 0 for name in _DROPOUT_ATTRIBUTES)
+            for m in module.modules()
+        )
+        module._hivepipe_stochastic = known
+    return known
+
+
 class Forward:
     """A stage module's forward under the run's precision, checkpointing and random streams."""
 
@@ -79,9 +97,9 @@ class Forward:
             torch.manual_seed(mix_seed(self.seed, *stream))
             yield
 
-    def recomputing(self):
+    def recomputing(self, module: torch.nn.Module):
         """Held around a backward that recomputes a checkpointed forward (it forks the generators too)."""
-        return RNG_LOCK if self.checkpointing else contextlib.nullcontext()
+        return RNG_LOCK if self.checkpointing and stochastic(module) else contextlib.nullcontext()
 
     def autocast(self):
         if self.dtype is None:
@@ -91,7 +109,10 @@ class Forward:
     def __call__(
         self, module: torch.nn.Module, x: torch.Tensor, training: bool, stream: tuple | None = None
     ) -> torch.Tensor:
-        """`stream`: integers naming the micro-batch at this stage (None: the global generators as they are)."""
+        """`stream`: integers naming the micro-batch at this stage (None: the global generators as they
+        are). A module that draws no random numbers in training leaves the generators alone."""
+        if not (training and stochastic(module)):
+            stream = None
         with self._random(stream), self.autocast():
             if self.checkpointing and training:
                 return checkpoint(module, x, use_reentrant=False)

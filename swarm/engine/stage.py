@@ -114,12 +114,12 @@ class StageRuntime:
                 self.held[batch.key] = []
             return None
         if not self.hold_grads:
-            with self.run_forward.recomputing():
+            with self.run_forward.recomputing(self.module):
                 output.backward(grad_output)
             return x.grad
         params = [p for p in self.module.parameters() if p.requires_grad]
         wants_x = x.requires_grad
-        with self.run_forward.recomputing():
+        with self.run_forward.recomputing(self.module):
             grads = torch.autograd.grad(output, [*params, x] if wants_x else params, grad_output, allow_unused=True)
         self.held[batch.key] = [(p, g) for p, g in zip(params, grads, strict=False) if g is not None]
         return grads[-1] if wants_x else None
