@@ -87,26 +87,6 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _echo(progress):
-    """A results listener printing one line per step and evaluation, where no terminal shows a
-    bar (logs, `swarm lab`'s prefixed lines); `progress` has seen the row already."""
-
-    def echo(row: dict) -> None:
-        if row.get("type") == "step":
-            say(progress.line())
-        elif row.get("type") == "eval":
-            say(
-                f"eval at step {row['step']}: "
-                + "; ".join(
-                    f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items())
-                    for mode in ("uncompressed", "compressed")
-                    if mode in row
-                )
-            )
-
-    return echo
-
-
 async def _publish(node, run_id: str, path: str, overrides: list[str]):
     """The run's config on the DHT for the whole run, signed as its owner's, unless the run already
     published another."""
@@ -125,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.training.checkpoints import Checkpointing
     from swarm.training.experiment import build_data, describe, open_results
     from swarm.training.loop import Schedule, train
-    from swarm.training.progress import RunProgress
+    from swarm.training.progress import RunProgress, echo_lines
     from swarm.transport.hivemind.loop import LoopThread
     from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
@@ -200,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         results = open_results(args.results, checkpoint, resumed=None if resumed is None else resumed["step"])
         results.listeners.append(progress.observe)
         if not sys.stderr.isatty():
-            results.listeners.append(_echo(progress))
+            results.listeners.append(echo_lines(progress, say))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()

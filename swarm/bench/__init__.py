@@ -6,4 +6,7 @@ throughput            `bench throughput`: samples/s of a shaped swarm per codec 
 throughput_figures    one point's row: what it achieved and what bounded it
 throughput_table      the rows as a table, speed-ups, target lines, a plot and JSON
 bounds, fluid         the link and compute bounds; what the schedule allows on ideal links
+time_to_target        `bench time-to-target`: training seconds until the evaluation reaches a target
+time_to_target_table  its rows as a table, against the targets, a plot and JSON
+gloo/                 the torch.distributed baseline (`--codecs torch:gloo`): the same stages over gloo
 """

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from swarm.bench.gloo.launch import GLOO, GlooLab
 from swarm.bench.throughput_figures import WARMUP_STEPS, ThroughputRow, measure_run
 from swarm.bench.throughput_table import cpu_breakdown
+from swarm.compression import parse
 from swarm.config import load_config
 from swarm.lab.launch import Lab, available_cores
 from swarm.models.registry import MODELS, build_model
@@ -30,8 +32,11 @@ MAX_STEPS = 64  # what --seconds may raise a point's steps to
 
 
 def codec_overrides(codec: str) -> tuple[str, str, list[str]]:
-    """(forward, backward, config overrides) of a --codecs entry: a spec, `FW|BW`, or `adaptive:LADDER`
-    (compression.adaptive with that ladder, starting uncompressed; the row's backward says so)."""
+    """(forward, backward, config overrides) of a --codecs entry: a spec, `FW|BW`, `adaptive:LADDER`
+    (compression.adaptive with that ladder, starting uncompressed; the row's backward says so), or
+    `torch:gloo` (the torch.distributed baseline, swarm.bench.gloo)."""
+    if codec == GLOO:  # torch.distributed: the same stages, uncompressed
+        return GLOO, "none", ["compression.forward=none", "compression.backward=none"]
     if codec.startswith("adaptive:"):
         ladder = codec.split(":", 1)[1]
         if ladder not in ("topk", "quant"):
@@ -43,6 +48,38 @@ def codec_overrides(codec: str) -> tuple[str, str, list[str]]:
         )
     forward, backward = codec.split("|", 1)[0], backward_spec(codec)
     return forward, backward, [f"compression.forward={forward}", f"compression.backward={backward}"]
+
+
+def check_codecs(codecs: list[str]) -> None:
+    """ValueError (one line) for a --codecs entry that is not a spec, `FW|BW`, adaptive:* or torch:gloo."""
+    for codec in codecs:
+        if codec.startswith("adaptive:") or codec == GLOO:
+            codec_overrides(codec)
+        else:
+            for spec in codec.split("|"):
+                parse(spec)
+
+
+def run_point(
+    codec: str, config: str, stages: int, results: Path, steps: int | None, sets: list[str], log, **shaping
+) -> Lab:
+    """Runs one point in the lab, hivepipe's swarm or for torch:gloo the same stages over
+    torch.distributed; the lab it ran (RuntimeError if the run failed). A whole step can take
+    minutes on a slow link, every micro-batch of it in flight."""
+    lab = (GlooLab if codec == GLOO else Lab)(
+        config,
+        stages,
+        str(results),
+        steps,
+        sets,
+        probe=False,
+        out=LabLines(log),
+        trainer_args=["--timeout", "900"],
+        **shaping,
+    )
+    if (code := lab.run()) != 0:
+        raise RuntimeError(f"the run of {codec} at {shaping.get('bandwidth')} failed (exit code {code})")
+    return lab
 
 
 def backward_spec(forward: str) -> str:
@@ -138,23 +175,18 @@ def run_throughput(
                     seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps
                 )
                 log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {run_steps} steps")
-                # a whole step can take minutes on a slow link, and every micro-batch of it is in flight
-                lab = Lab(
+                lab = run_point(
+                    codec,
                     config,
                     stages,
-                    str(results),
+                    results,
                     run_steps,
                     sets,
+                    log,
                     bandwidth=bandwidth,
                     shaping=shaping,
-                    probe=False,
                     pacing=pacing,
-                    out=_Quiet(log),
-                    trainer_args=["--timeout", "900"],
                 )
-                code = lab.run()
-                if code != 0:
-                    raise RuntimeError(f"the swarm for {codec} at {bandwidth} failed (exit code {code})")
                 figures = measure_run(
                     read_results(results),
                     stages,
@@ -177,7 +209,7 @@ def run_throughput(
     return rows
 
 
-class _Quiet:
+class LabLines:
     """Keeps a lab's netlab lines and errors, drops the peers' chatter."""
 
     def __init__(self, log) -> None:

@@ -120,8 +120,10 @@ def measure_run(
     achieved = samples / (last["time_s"] - first["time_s"])
     forward, backward = [0.0] * (stages - 1), [0.0] * (stages - 1)
     for row in steps[warmup:]:
-        for key, n in row["bytes"].items():  # "boundary<i>.<direction>.train"
-            boundary, direction = key.split(".")[:2]
+        for key, n in row["bytes"].items():  # "boundary<i>.<direction>.<mode>"
+            boundary, direction, mode = key.split(".")[:3]
+            if mode != "train":  # an evaluation's traffic, counted in the next step's row
+                continue
             (forward if direction == "forward" else backward)[int(boundary.removeprefix("boundary"))] += n / samples
     per_stage = stage_compute(rows, first, last)
     stage_s = [seconds / count for seconds, _, count in per_stage.values() if count] or None

@@ -12,7 +12,7 @@ import math
 import sys
 from pathlib import Path
 
-from swarm.cli import bench_fuzz, bench_oracle
+from swarm.cli import bench_fuzz, bench_oracle, bench_target
 from swarm.cli.allocator import keep_freed_memory
 
 
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
     bench_fuzz.add_parser(which, _positive_int)
     bench_oracle.add_parser(which, _positive_int)
+    bench_target.add_parser(which, _positive_int)
     throughput = which.add_parser(
         "throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds"
     )
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument(
         "--codecs",
         default="none,quant:4,topk:0.1",
-        help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive)",
+        help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive; torch:gloo for the same stages over torch.distributed, uncompressed)",
     )
     throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
     throughput.add_argument(
@@ -285,7 +286,6 @@ def bench_streams(args: argparse.Namespace) -> int:
 
 def bench_throughput(args: argparse.Namespace) -> int:
     from swarm.bench import throughput, throughput_table
-    from swarm.compression import parse
     from swarm.rates import parse_rate
 
     def log(line: str) -> None:
@@ -296,12 +296,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
     try:
         for rate in bandwidths:
             parse_rate(rate)
-        for codec in codecs:
-            if codec.startswith("adaptive:"):
-                throughput.codec_overrides(codec)
-                continue
-            for spec in codec.split("|"):
-                parse(spec)
+        throughput.check_codecs(codecs)
         rows = throughput.run_throughput(
             args.config,
             bandwidths,
@@ -378,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_fuzz.run(args)
     if args.command == "bench" and args.bench == "oracle":
         return bench_oracle.run(args)
+    if args.command == "bench" and args.bench == "time-to-target":
+        return bench_target.run(args)
     if args.command == "run":
         return run_command(args)
     if args.command == "report":

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarm.compression.spec import SpecError, parse
+from swarm.config.target import Target
 
 
 class ConfigError(ValueError):
@@ -139,6 +140,14 @@ class TrainConfig(_Strict):
         "fp32"  # autocast dtype of every stage's forward (swarm.engine.precision)
     )
     checkpoint_activations: bool = False  # recompute each stage's forward in its backward: less memory per micro-batch
+    target: str | None = None  # METRIC=VALUE: stop once an evaluation reaches it (swarm.config.target)
+
+    @field_validator("target")
+    @classmethod
+    def _target_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            Target.parse(value)
+        return value
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> TrainConfig:

@@ -29,6 +29,7 @@ from swarm.data.wikitext import TokenBlocks, token_blocks
 NAME = "text"
 # format option -> datasets builder (jsonl and tsv are spellings users reach for)
 FORMATS = {"text": "text", "json": "json", "jsonl": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet"}
+BYTES = "bytes"  # the tokenizer option for UTF-8 bytes
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 
 
@@ -110,7 +111,13 @@ def load_auto_tokenizer(tokenizer):
 
     Unlike wikitext2 (GPT-2's tokenizer), any tokenizer transformers can load is accepted; a
     directory needs what `save_pretrained` writes (tokenizer_config.json names the class).
+    `bytes` is ByT5's byte-level tokenizer, which needs no files: a small vocabulary keeps a small
+    model's output layer small.
     """
+    if tokenizer == BYTES:
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer()  # UTF-8 bytes: a 384-token vocabulary, nothing to download
     if not isinstance(tokenizer, (str, Path)):
         if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
             raise ValueError(f"{NAME}: tokenizer must be a directory, a hub name or a tokenizer, got {tokenizer!r}")

@@ -20,7 +20,6 @@ cost).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import queue
@@ -36,12 +35,10 @@ from pathlib import Path
 from swarm.config import ConfigError, load_config
 from swarm.lab.bandwidth import parse_rates
 from swarm.lab.churn import Churn, ChurnRunner
-from swarm.lab.probe import probe_in_process
-from swarm.lab.probe_namespaces import probe_netlab
+from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
-from swarm.netlab.shaper import TokenBucket
-from swarm.rates import parse_delay, parse_rate
+from swarm.rates import parse_delay
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 SHAPINGS = ("netns", "inprocess")
@@ -199,7 +196,7 @@ class Lab:
             if self.shaped:
                 self._print("lab", f"in-process shaping: {self._describe_inprocess()}")
                 if self.probe:
-                    self._probe_inprocess()
+                    probe_inprocess(self)
             return self._run_swarm(cfg)
         try:
             with NetLab(self.names, self.rates, self.delay) as net:
@@ -207,7 +204,7 @@ class Lab:
                 for line in net.summary().splitlines():
                     self._print("netlab", line)
                 if self.probe:
-                    self._probe()
+                    probe_namespaces(self)
                 return self._run_swarm(cfg)
         except NetlabError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -221,72 +218,48 @@ class Lab:
         rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
         return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
 
-    def _probe_bytes(self) -> int:
-        """About half a second's worth on the slowest link."""
-        slowest = min((parse_rate(r) for r in (self.rates or {}).values()), default=10**9)
-        return int(min(max(slowest / 8 * 0.5, 256 * 1024), 8 * 2**20))
-
-    def _print_probe(self, tag: str, results: dict, nbytes: int) -> None:
-        for name, measured in results.items():
-            text = ", ".join(f"{r.direction} {r.mbit_per_s:.1f} Mbit/s" for r in measured)
-            self._print(tag, f"probe trainer<->{name}: {text or 'no result'} (payload over libp2p, {nbytes} bytes)")
-
-    def _probe(self) -> None:
-        """Measures the trainer's link to every other process (both directions) before the run:
-        between them, those paths cross every access link."""
-        nbytes, others = self._probe_bytes(), self.names[:-1]
-        try:
-            results = probe_netlab(self.net, "trainer", others, nbytes)
-        except Exception as e:  # a diagnostic: the run goes on without it
-            self._print("netlab", f"probe failed: {type(e).__name__}: {e}")
-            return
-        self._print_probe("netlab", {name: results.get(name, []) for name in others}, nbytes)
-
-    def _probe_inprocess(self) -> None:
-        """The same probe through the shapers the peers will use: two loopback peers in this process,
-        each pacing its sends as the trainer and one stage will (up: the trainer's, down: the stage's)."""
-
-        def bucket(name: str) -> TokenBucket:
-            # the rate of the peer's --shape_rate only: the probe measures throughput, not delay
-            return TokenBucket((self.rates or {}).get(name) or "100gbit")
-
-        nbytes, results = self._probe_bytes(), {}
-        try:
-            for name in self.names[1:-1]:
-                results[name] = asyncio.run(
-                    probe_in_process(nbytes, bucket=bucket("trainer"), server_bucket=bucket(name))
-                )
-        except Exception as e:  # a diagnostic: the run goes on without it
-            self._print("lab", f"probe failed: {type(e).__name__}: {e}")
-            return
-        self._print_probe("lab", results, nbytes)
-
-    def _run_swarm(self, cfg) -> int:
+    def _start_peers(self, cfg) -> ChurnRunner | None:
+        """The bootstrap, the stage peers and the trainer (and the churn that will come and go)."""
         run_id = f"{cfg.name}-{secrets.token_hex(3)}"
         sets = [arg for item in self.overrides for arg in ("--set", item)]
+        boot = self._start("bootstrap", "peers.bootstrap")
+        initial = self._bootstrap_address(boot)
+        common = [
+            "--config",
+            self.config,
+            "--run_id",
+            run_id,
+            "--initial_peers",
+            initial,
+            "--threads",
+            str(self.threads),
+            *sets,
+        ]
+        self._print(
+            "lab",
+            f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)",
+        )
+        for stage in range(self.stages):
+            self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
+        self.trainer_command = [*common, *self._results_args(), *self.trainer_args]
+        self._start("trainer", "peers.trainer", *self.trainer_command)
+        if self.churn is None:
+            return None
+        join = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads)]
+        return ChurnRunner(self, self.churn, join + (["--device", self.device] if self.device else []))
+
+    def _results_args(self) -> list[str]:
+        return [
+            *(["--results", str(self.results)] if self.results else []),
+            *(["--steps", str(self.steps)] if self.steps else []),
+        ]
+
+    def _may_exit(self, process: subprocess.Popen) -> bool:
+        """Whether a peer other than the trainer may end before the trainer (never, in a swarm)."""
+        return False
+
+    def _run_swarm(self, cfg) -> int:
         try:
-            boot = self._start("bootstrap", "peers.bootstrap")
-            initial = self._bootstrap_address(boot)
-            common = [
-                "--config",
-                self.config,
-                "--run_id",
-                run_id,
-                "--initial_peers",
-                initial,
-                "--threads",
-                str(self.threads),
-                *sets,
-            ]
-            self._print(
-                "lab",
-                f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)",
-            )
-            for stage in range(self.stages):
-                self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
-            extra = (["--results", str(self.results)] if self.results else []) + (
-                ["--steps", str(self.steps)] if self.steps else []
-            )
             # each peer leads its own process group, its p2p daemon in it
             processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})
             counters = (
@@ -294,18 +267,14 @@ class Lab:
                 if self.results
                 else None
             )
-            self.trainer_command = [*common, *extra, *self.trainer_args]
-            self._start("trainer", "peers.trainer", *self.trainer_command)
-            churn = None
-            if self.churn is not None:
-                join = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads)]
-                churn = ChurnRunner(self, self.churn, join + (["--device", self.device] if self.device else []))
+            churn = self._start_peers(cfg)
             gone = churn.gone if churn is not None else set()  # peers the churn took: their exit is expected
             while self.trainer.poll() is None or getattr(churn, "restarting", False):
                 if churn is not None:  # its clock starts once the trainer has set the stages up
                     churn.poll(time.monotonic(), self.trainer_step)
                 for name, process in list(self.processes):
-                    if process is not self.trainer and process.poll() is not None and name not in gone:
+                    ended = process.poll() is not None and name not in gone and not self._may_exit(process)
+                    if process is not self.trainer and ended:
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
                 if counters is not None:
                     counters.poll()

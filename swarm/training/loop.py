@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from swarm.config import ExperimentConfig
+from swarm.config.target import Target
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Pipeline, Rewound
@@ -132,6 +133,8 @@ def train(
             }
         )
     generator = torch.Generator().manual_seed(cfg.seed)
+    target = Target.parse(cfg.train.target) if cfg.train.target else None
+    reached = False
     step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
 
@@ -159,15 +162,19 @@ def train(
     pace = RunProgress(schedule.total_steps)  # the bar's samples/s (over the last steps)
     shown: dict[str, float] = {}  # the bar's postfix: samples/s, then the last evaluation's metrics
 
-    def run_eval() -> None:
+    def run_eval() -> dict:
         row = {"type": "eval", "step": step, "epoch": step / schedule.steps_per_epoch}
+        began = time.perf_counter()
         row["uncompressed"] = evaluate(pipeline, cfg, test_set, step, True, collate)
         if cfg.train.eval_compressed:
             row["compressed"] = evaluate(pipeline, cfg, test_set, step, False, collate)
+        # its own duration, so that training time can leave evaluations out (bench time-to-target)
+        row["time_s"], row["eval_s"] = time.perf_counter() - started, time.perf_counter() - began
         evals.append(row)
         results.write(row)
         shown.update({k: round(v, 4) for k, v in row["uncompressed"].items()})
         bar.set_postfix(shown)
+        return row
 
     def position(epoch_start: torch.Tensor) -> dict:
         """What resumes the loop at this step boundary (with the stages' state of the same step)."""
@@ -182,7 +189,7 @@ def train(
             "time_s": time.perf_counter() - started,
         }
 
-    while step < schedule.total_steps:
+    while step < schedule.total_steps and not reached:
         if hasattr(train_set, "set_epoch"):
             train_set.set_epoch(epoch)
         epoch_start = generator.get_state()  # what replays this epoch's order on resume
@@ -230,8 +237,8 @@ def train(
                 shown["samples/s"] = round(pace.samples_per_s, 1)
                 bar.set_postfix(shown)
                 evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
-                if evaluated:
-                    run_eval()
+                measured = run_eval()["uncompressed"] if evaluated else None
+                reached = measured is not None and target is not None and target.reached(measured)
                 if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
                     save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, *adapters)
             except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again
@@ -241,7 +248,7 @@ def train(
                 bar.n = step
                 bar.refresh()
                 break  # the epoch of that position starts over (its order replayed, its done batches skipped)
-            if step >= schedule.total_steps:
+            if step >= schedule.total_steps or reached:
                 break
         else:
             epoch, done_in_epoch = epoch + 1, 0
@@ -265,6 +272,7 @@ def train(
             )
             for mode in ("uncompressed", "compressed")
         },
+        **({"target": str(target), "reached": reached} if target is not None else {}),
         **pipeline.summary_notes(),
     }
     results.write(summary)

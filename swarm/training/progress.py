@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 
 class RunProgress:
@@ -90,3 +91,23 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def echo_lines(progress: RunProgress, say) -> Callable[[dict], None]:
+    """A results listener that `say`s one line per step and evaluation, where no terminal shows a
+    bar (logs, `swarm lab`'s prefixed lines); `progress` must have seen the row already."""
+
+    def echo(row: dict) -> None:
+        if row.get("type") == "step":
+            say(progress.line())
+        elif row.get("type") == "eval":
+            say(
+                f"eval at step {row['step']}: "
+                + "; ".join(
+                    f"{mode} " + ", ".join(f"{k} {v:.4f}" for k, v in row[mode].items())
+                    for mode in ("uncompressed", "compressed")
+                    if mode in row
+                )
+            )
+
+    return echo

@@ -72,6 +72,13 @@ def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
     assert figures["stage_ms_per_sample"] == pytest.approx([10.0, 20.0, 5.0])
     # one step of 8 micro-batches cannot beat the slowest stage's compute: 64 x 20 ms
     assert 0 < figures["schedule_bound"] < figures["compute_bound"]
+    # an evaluation's traffic (counted in the next step's row) is not a training sample's
+    rows = _rows()
+    for row in rows[2:4]:
+        row["bytes"]["boundary0.forward.eval"] = 10**6
+    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["forward_bytes"] == pytest.approx(
+        [1000, 1000]
+    )
 
 
 def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
@@ -341,13 +348,23 @@ def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
         ),
         ThroughputRow("topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base),
     ]
-    lines = target_lines(rows)
+    lines = target_lines(rows, target=0.8)
     assert lines[0] == "link-bound points at >= 80% of the bound: 1 of 2 (lowest: none at 500 Mbit/s 79%)"
     assert (
         lines[1] == "bound by cores (2 shared): quant:4 at 500 Mbit/s 60%; the stages' compute used 63% of the busy CPU"
     )
     assert len(lines) == 2  # a point without a fraction is not judged
-    assert target_lines(rows[:1], target=0.9)[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
+    assert target_lines(rows[:1])[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
+    # torch.distributed's row is not one of hivepipe's points: it is compared with none
+    gloo = ThroughputRow("torch:gloo", bandwidth_mbit=10, fraction_of_bound=0.5, binding="link stage1 up", **base)
+    gloo.samples_per_s = 0.8
+    lines = target_lines([rows[0], gloo])
+    assert lines[0].startswith("link-bound points at >= 90% of the bound: 0 of 1 (lowest: none at 10")
+    assert lines[1] == (
+        "none against torch:gloo at 10 Mbit/s: 1.0 against 0.8 samples/s, 1.25x (target >= 1x: met); gloo at 50% of its bound"
+    )
+    gloo.samples_per_s = 1.25
+    assert target_lines([rows[0], gloo])[1].split("(")[1].startswith("target >= 1x: missed by 20%")
 
 
 def test_the_setup_line_names_the_real_boundary_sizes_and_the_small_compute():

@@ -395,3 +395,13 @@ def test_run_on_a_jsonl_text_file(tmp_path, tok_dir):
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     evals = [r for r in rows if r["type"] == "eval"]
     assert evals and math.isfinite(evals[-1]["uncompressed"]["loss"])
+
+
+def test_the_bytes_tokenizer_needs_no_files_and_reads_utf8_bytes(tmp_path):
+    (tmp_path / "t.txt").write_text("héllo wörld\n" * 4, encoding="utf-8")
+    train, _ = build_datasets(
+        "text", data_dir=str(tmp_path), files=["t.txt"], tokenizer="bytes", block_size=8, test_fraction=0
+    )
+    assert train.vocab_size == 384  # ByT5's: 256 bytes after 3 special tokens, and its extra ids
+    first = train.blocks[0].tolist()
+    assert first == [b + 3 for b in "héllo wörld".encode()[:8]]  # é is two bytes

@@ -9,11 +9,19 @@ import torch
 from _util import REPO, SMOKE
 
 from peers._common import apply_threads
+from swarm.cli.main import main
 from swarm.training.results import read_results
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The same command in this process: for its errors, a new process would cost seconds of imports."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def test_run_writes_the_documented_results(tmp_path):
@@ -62,33 +70,33 @@ def test_report_writes_tables_and_curves(tmp_path):
     assert pngs and pngs[0].stat().st_size > 1000
 
 
-def test_bad_configs_fail_with_one_line(tmp_path):
+def test_bad_configs_fail_with_one_line(tmp_path, capsys):
     result = cli("run", str(SMOKE), "--set", "train.bogus=1")
     assert result.returncode == 2
     assert result.stderr.strip() == "error: train.bogus: Extra inputs are not permitted"
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: [unclosed\n")
-    result = cli("run", str(broken))
+    result = cli_here(capsys, "run", str(broken))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "not valid YAML" in result.stderr
-    result = cli("run", str(SMOKE), "--set", "compression.forward=topk:7")
+    result = cli_here(capsys, "run", str(SMOKE), "--set", "compression.forward=topk:7")
     assert (
         result.returncode == 2
         and "compression.forward" in result.stderr
         and len(result.stderr.strip().splitlines()) == 1
     )
-    result = cli("run", str(tmp_path / "missing.yaml"))
+    result = cli_here(capsys, "run", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2 and "does not exist" in result.stderr
-    result = cli("report", str(broken))
+    result = cli_here(capsys, "report", str(broken))
     assert result.returncode == 2 and result.stderr.startswith("error:")
 
 
-def test_bad_options_and_paths_fail_with_one_line(tmp_path):
-    result = cli("run", str(SMOKE), "--set", "model.options={bogus: 1}")
+def test_bad_options_and_paths_fail_with_one_line(tmp_path, capsys):
+    result = cli_here(capsys, "run", str(SMOKE), "--set", "model.options={bogus: 1}")
     assert (
         result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
     )
     assert "bogus" in result.stderr
-    result = cli("run", str(SMOKE), "--set", "data.options={train_size: 10}")
+    result = cli_here(capsys, "run", str(SMOKE), "--set", "data.options={train_size: 10}")
     assert result.returncode == 2 and "smaller than one batch" in result.stderr
 
 

@@ -1,0 +1,182 @@
+"""`python -m swarm bench time-to-target CONFIG --bandwidth RATES --delay D --codecs SPECS --target
+METRIC=VALUE`: how long until a shaped swarm's evaluation reaches the target, per codec and bandwidth.
+
+Each point trains the config in the lab (bootstrap, stage peers and trainer as processes on shaped
+links; `torch:gloo` runs the same stages over torch.distributed instead, swarm.bench.gloo) with
+`train.target` set, so the trainer stops at the first evaluation that reaches it, or at the step
+limit. Evaluations are uncompressed and the same for every codec; their time is left out of the
+training seconds (each eval row carries its own `eval_s`), so a codec is not charged for how often
+the config evaluates. Samples/s and the bounds come from swarm.bench.throughput_figures, over the
+steps after the first.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from swarm.bench.throughput import codec_overrides, describe_setup, input_bytes_per_sample, run_point
+from swarm.bench.throughput_figures import measure_run
+from swarm.config import load_config
+from swarm.config.target import Target
+from swarm.lab.launch import available_cores
+from swarm.rates import parse_delay, parse_rate
+from swarm.training.results import read_results
+
+
+@dataclass
+class TargetRow:
+    codec: str
+    backward: str
+    bandwidth_mbit: float
+    delay_ms: float
+    target: str
+    reached: bool
+    steps_to_target: int | None  # the step of the first evaluation that reached the target
+    seconds_to_target: float | None  # training seconds until then (evaluations left out)
+    steps: int  # steps the run took
+    train_seconds: float  # its training seconds in all
+    samples_per_s: float
+    link_bound: float
+    compute_bound: float
+    fraction_of_bound: float
+    binding: str
+    final: float | None  # the metric at the last evaluation
+    curve: list[list[float]] = field(default_factory=list)  # [training seconds, step, metric] per evaluation
+    shaping: str = "netns"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def training_seconds(rows: list[dict]) -> list[dict]:
+    """The rows with each step's and evaluation's `time_s` made training seconds: the evaluations
+    before it (their `eval_s`) taken out."""
+    spent, out = 0.0, []
+    for row in rows:
+        if row.get("type") in ("step", "eval") and "time_s" in row:
+            own = row.get("eval_s", 0.0) if row["type"] == "eval" else 0.0
+            row = {**row, "time_s": row["time_s"] - spent - own}
+            spent += own
+        out.append(row)
+    return out
+
+
+def reaching(rows: list[dict], target: Target) -> tuple[list[list[float]], dict | None]:
+    """([training seconds, step, metric] of every evaluation, the first evaluation that reached the target)."""
+    curve, first = [], None
+    for row in training_seconds(rows):
+        if row.get("type") != "eval":
+            continue
+        metrics = row.get("uncompressed", {})
+        value = metrics.get(target.metric)
+        if value is None:
+            raise ValueError(f"the evaluations have no {target.metric!r}: they give {', '.join(sorted(metrics))}")
+        curve.append([row["time_s"], row["step"], value])
+        if first is None and target.reached(metrics):
+            first = row
+    return curve, first
+
+
+def target_row(
+    rows: list[dict],
+    codec: str,
+    bandwidth: str,
+    delay: str | None,
+    target: Target,
+    stages: int,
+    input_bytes: float,
+    shaping: str,
+) -> TargetRow:
+    forward, backward, _ = codec_overrides(codec)
+    curve, first = reaching(rows, target)
+    # the links' own counts (the meter) would take in the evaluations' traffic: the payload of the
+    # training steps alone bounds the links here
+    trained = [row for row in training_seconds(rows) if row["type"] != "meter"]
+    steps = [r for r in trained if r["type"] == "step"]
+    figures = measure_run(
+        trained,
+        stages,
+        parse_rate(bandwidth),
+        input_bytes,
+        download_limited=shaping == "netns",
+        cores=available_cores(),
+    )
+    return TargetRow(
+        forward,
+        backward,
+        parse_rate(bandwidth) / 1e6,
+        1000 * parse_delay(delay) if delay else 0.0,
+        str(target),
+        first is not None,
+        first["step"] if first else None,
+        first["time_s"] if first else None,
+        len(steps),
+        steps[-1]["time_s"] if steps else 0.0,
+        figures["samples_per_s"],
+        figures["link_bound"],
+        figures["compute_bound"],
+        figures["fraction_of_bound"],
+        figures["binding"],
+        curve[-1][2] if curve else None,
+        curve,
+        shaping,
+    )
+
+
+def run_time_to_target(
+    config: str,
+    bandwidths: list[str],
+    codecs: list[str],
+    target: str,
+    delay: str | None = None,
+    stages: int = 4,
+    max_steps: int | None = None,
+    shaping: str | None = None,
+    overrides: list[str] | None = None,
+    log=print,
+) -> list[TargetRow]:
+    goal = Target.parse(target)
+    overrides = [*(overrides or []), f"train.target={target}"]
+    setup = [*overrides, f"model.num_stages={stages}"]
+    load_config(config, setup)  # a bad config or target: one line before any swarm starts
+    input_bytes = input_bytes_per_sample(config, setup)
+    log(describe_setup(config, setup, available_cores()))
+    rows: list[TargetRow] = []
+    with tempfile.TemporaryDirectory(prefix="hivepipe-time-to-target-") as tmp:
+        for bandwidth in sorted(bandwidths, key=parse_rate):
+            for codec in codecs:
+                forward, backward, codec_sets = codec_overrides(codec)
+                results = Path(tmp) / f"{len(rows)}.jsonl"
+                limit = f"at most {max_steps} steps" if max_steps else "the config's steps at most"
+                log(f"== {forward} / {backward} at {bandwidth}, delay {delay or 'none'}: until {goal}, {limit}")
+                sets = [*overrides, *codec_sets]
+                lab = run_point(
+                    codec,
+                    config,
+                    stages,
+                    results,
+                    max_steps,
+                    sets,
+                    log,
+                    bandwidth=bandwidth,
+                    delay=delay,
+                    shaping=shaping,
+                )
+                row = target_row(read_results(results), codec, bandwidth, delay, goal, stages, input_bytes, lab.shaping)
+                log("   " + describe_row(row))
+                rows.append(row)
+    return rows
+
+
+def describe_row(row: TargetRow) -> str:
+    if row.reached:
+        got = f"{row.target} at step {row.steps_to_target} after {row.seconds_to_target:.1f}s of training"
+    else:
+        final = f"{row.final:.4f}" if row.final is not None else "no evaluation"
+        got = f"{row.target} not reached in {row.steps} steps ({row.train_seconds:.1f}s; last: {final})"
+    bound = min(row.link_bound, row.compute_bound)
+    fraction = f"{100 * row.fraction_of_bound:.0f}% of" if math.isfinite(bound) else "no"
+    return f"{got}; {row.samples_per_s:.1f} samples/s, {fraction} the bound ({row.binding})"

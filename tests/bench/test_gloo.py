@@ -1,0 +1,125 @@
+"""The torch.distributed baseline (swarm.bench.gloo): real gloo process groups, one process per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swarm.bench.gloo.launch import GlooLab
+from swarm.bench.gloo.trainer import own_storage
+from swarm.config import load_config
+from swarm.engine.microbatch import MicroBatch
+from swarm.training.experiment import run_experiment
+from swarm.training.results import read_results
+
+SETS = ["train.eval_every=0.5", "model.num_stages=3"]
+
+
+def test_the_gloo_ranks_train_the_one_process_runs_losses(tmp_path):
+    lab = GlooLab("configs/smoke.yaml", 3, str(tmp_path / "gloo.jsonl"), 6, SETS, out=open(os.devnull, "w"))
+    assert lab.threads == 1 and lab.names == ["stage0", "stage1", "stage2", "trainer"]
+    assert lab.run() == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(lab.threads)  # the oracle: the same thread count everywhere
+    try:
+        run_experiment(load_config("configs/smoke.yaml", SETS), tmp_path / "one.jsonl", 6, False)
+    finally:
+        torch.set_num_threads(threads)
+    gloo, one = read_results(tmp_path / "gloo.jsonl"), read_results(tmp_path / "one.jsonl")
+    steps = [[r for r in rows if r["type"] == "step"] for rows in (gloo, one)]
+    assert len(steps[0]) == 6 and [r["loss"] for r in steps[0]] == [r["loss"] for r in steps[1]]
+    assert [r["bytes"] for r in steps[0]] == [r["bytes"] for r in steps[1]]  # uncompressed, the same payloads
+    evals = [[r["uncompressed"] for r in rows if r["type"] == "eval"] for rows in (gloo, one)]
+    assert len(evals[0]) == 2 and evals[0] == evals[1]
+    # each stage's compute, as the swarm's step rows carry it (bench throughput's compute bound)
+    assert [s["stage"] for s in steps[0][-1]["stages"]] == [0, 1, 2]
+    assert all(s["samples"] == steps[0][-1]["samples"] and s["compute_s"] > 0 for s in steps[0][-1]["stages"])
+
+
+def test_the_gloo_baseline_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="namespaces"):
+        GlooLab("configs/smoke.yaml", 2, bandwidth="10mbit", shaping="inprocess")
+    with pytest.raises(ValueError, match="churn"):
+        GlooLab("configs/smoke.yaml", 2, churn="kill stage1 at 5s")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "swarm.bench.gloo",
+            "--rank",
+            "3",
+            "--world",
+            "2",
+            "--master",
+            "127.0.0.1:1",
+            "--config",
+            "configs/smoke.yaml",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        done.returncode == 2
+        and done.stderr.startswith("error: --rank must be in 0..1")
+        and done.stderr.count("\n") == 1
+    )
+
+
+def test_time_to_target_runs_hivepipe_and_gloo_on_the_same_shaped_links(tmp_path):
+    """The whole benchmark, small: shaped links (namespaces as root), hivepipe's codecs and gloo."""
+    plot = tmp_path / "ttt.png"
+    command = [sys.executable, "-m", "swarm", "bench", "time-to-target", "configs/smoke.yaml", "--stages", "2"]
+    command += ["--bandwidth", "50mbit", "--delay", "5ms", "--codecs", "none,torch:gloo"]
+    command += [
+        "--target",
+        "loss=2.28",
+        "--max_steps",
+        "8",
+        "--set",
+        "train.eval_every=0.2",
+        "--json",
+        "--plot",
+        str(plot),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert [r["codec"] for r in rows] == ["none", "torch:gloo"]
+    for r in rows:
+        assert r["bandwidth_mbit"] == 50 and r["delay_ms"] == 5 and r["target"] == "loss<=2.28"
+        assert r["samples_per_s"] > 0 and r["link_bound"] > 0 and r["compute_bound"] > 0
+        reached = [point for point in r["curve"] if point[2] <= 2.28]
+        assert r["reached"] == bool(reached)
+        if reached:  # the first evaluation at the target, in training seconds
+            assert [r["seconds_to_target"], r["steps_to_target"]] == reached[0][:2] and r["steps"] == reached[0][1]
+        else:
+            assert r["steps"] == 8 and r["steps_to_target"] is None
+        assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(r["curve"], r["curve"][1:], strict=False))
+    # uncompressed over hivemind and over gloo: the same model, the same evaluations (each to float
+    # tolerance of the one-process run: the swarm's sums of held gradients round a little differently)
+    assert [p[1] for p in rows[0]["curve"]] == [p[1] for p in rows[1]["curve"]]
+    assert [p[2] for p in rows[0]["curve"]] == pytest.approx([p[2] for p in rows[1]["curve"]], rel=1e-6)
+    assert "against torch:gloo" in done.stderr and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_micro_batch_travels_without_the_rest_of_its_batch():
+    """A micro-batch split off a batch is a view of the batch's storage: pickled as it is, every
+    message would carry the whole batch (found as 824 KB per sample over the trainer's link)."""
+    inputs, targets = torch.randn(512, 3, 32, 32), torch.arange(512)
+    ids, pieces, labels = torch.arange(512).tensor_split(64), inputs.tensor_split(64), targets.tensor_split(64)
+    batch = MicroBatch(0, 1, ids[1], labels[1])
+    whole = len(pickle.dumps(("forward", batch, pieces[1])))
+    sent = len(pickle.dumps(("forward", *own_storage(batch, pieces[1]))))
+    assert whole > 6 * 2**20 and sent < 8 * 3 * 32 * 32 * 4 + 4096
+    sent_batch, sent_inputs = pickle.loads(pickle.dumps(own_storage(batch, pieces[1])))
+    assert (
+        torch.equal(sent_inputs, pieces[1])
+        and torch.equal(sent_batch.targets, labels[1])
+        and sent_batch.key == batch.key
+    )
