@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+REPLY_GRACE_S = 1.0  # after its last apply reply, for the reply to reach the trainer
 POLL_S = 0.05
 
 
@@ -54,4 +55,7 @@ async def drain(host, say: Callable[[str], None]) -> None:
         if host.runtime is None or (host.rounds.told_leaving and not host.queue and not host.runtime.held):
             break  # the trainer has its last apply reply (leaving) and will not count on it again
         await asyncio.sleep(POLL_S)
-    await asyncio.sleep(max(0.0, announced + settings.lookup_every_s - time.monotonic()))
+    # its last apply reply is built, not yet delivered (a shaped link delays it): a peer that closed
+    # its connections at once could leave the trainer with a failed round instead of its goodbye
+    grace = REPLY_GRACE_S if host.rounds.told_leaving else 0.0
+    await asyncio.sleep(max(grace, announced + settings.lookup_every_s - time.monotonic()))
