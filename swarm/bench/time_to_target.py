@@ -66,8 +66,12 @@ def training_seconds(rows: list[dict]) -> list[dict]:
 
 def reaching(rows: list[dict], target: Target) -> tuple[list[list[float]], dict | None]:
     """([training seconds, step, metric] of every evaluation, the first evaluation that reached the target)."""
+    return _reaching(training_seconds(rows), target)
+
+
+def _reaching(trained: list[dict], target: Target) -> tuple[list[list[float]], dict | None]:
     curve, first = [], None
-    for row in training_seconds(rows):
+    for row in trained:
         if row.get("type") != "eval":
             continue
         metrics = row.get("uncompressed", {})
@@ -91,10 +95,10 @@ def target_row(
     shaping: str,
 ) -> TargetRow:
     forward, backward, _ = codec_overrides(codec)
-    curve, first = reaching(rows, target)
     # the links' own counts (the meter) would take in the evaluations' traffic: the payload of the
     # training steps alone bounds the links here
     trained = [row for row in training_seconds(rows) if row["type"] != "meter"]
+    curve, first = _reaching(trained, target)
     steps = [r for r in trained if r["type"] == "step"]
     figures = measure_run(
         trained,
