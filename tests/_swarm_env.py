@@ -1,7 +1,7 @@
 """A swarm on real hivemind in this process (loopback): bootstrap, stage hosts and a trainer node,
 and the oracle helpers (a run through the swarm vs. the same run in one process).
 
-Shared by the swarm tests; each test module gets its own `Swarm` (the `swarm` fixture, conftest.py).
+Shared by the swarm tests: one `Swarm` for the whole session (the `swarm` fixture, conftest.py).
 """
 
 from __future__ import annotations

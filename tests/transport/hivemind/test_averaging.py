@@ -198,6 +198,22 @@ def test_a_member_whose_node_dies_midway_makes_the_others_fail_fast(env):
     env.loop.run(averager.stop())
 
 
+def test_a_dead_member_that_only_sends_to_us_is_found_unreachable_before_the_timeout(env):
+    """With one element and the order [B, M, A], A reduces the only slice and sends nothing to M, so
+    no call of A's fails when M is gone: A dials the members it waits for and fails the group at
+    once, naming M, where it would otherwise wait out its timeout."""
+    mortal = env.loop.run(SwarmNode.create(NodeOptions(initial_peers=env.maddrs)))
+    averager = env.averager(mortal)
+    env.loop.run(averager.stop())
+    env.loop.run(mortal.shutdown())
+    a_id, b_id = env.ids[:2]
+    peers = [b_id, mortal.peer_id, a_id]
+    results = env.sums([(env.averagers[i], b"gone", peers, [torch.full((1,), 1.0 + i)]) for i in range(2)])
+    assert all(isinstance(r, AveragingError) for r in results), results
+    assert f"{mortal.peer_id}: unreachable" in str(results[0]), results  # A's own finding
+    assert "no result within" not in str(results[0]) and "\n" not in str(results[0])
+
+
 def test_a_banned_sender_fails_the_group_instead_of_leaving_a_partial_sum(env):
     """With one element and the order [B, M, A], A reduces the only slice; B and M only send. M
     never calls; A's reducer bans it by hivemind's own `_ban_sender` (as its sender timeout would).

@@ -40,6 +40,17 @@ def _wait(what, condition, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _seen_ready(swarm, router, peer_id: str, stage: int = 1) -> None:
+    """Waits until `router`'s fresh DHT lookup shows `peer_id` ready: the peer's new record is stored
+    by a task it starts when it goes into service, so the record can lag its role."""
+
+    def ready() -> bool:
+        records = swarm.loop.run(router.peers(stage, refresh=True))
+        return any(r.peer_id == peer_id and r.ready for r in records)
+
+    _wait(f"the DHT shows {peer_id[-8:]} ready", ready)
+
+
 def _cfg():
     """Codecs without state across micro-batches: a micro-batch computes the same on any pair of peers."""
     return smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
@@ -134,6 +145,7 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
                 assert joiner.role == "following" and joiner.steps == 0 and len(joiner.joining.kept) == 4
                 release.set()
                 _wait("the joiner serves", lambda j=joiner: j.role == "serving")
+                _seen_ready(swarm, hosted[0].router, joiner.node.peer_id)
                 _only(hosted[0].router, joiner.node.peer_id, pipeline.members[1])
                 hosted[0].handoff.sticky = None
             run.step(n)

@@ -35,6 +35,11 @@ from swarm.transport.hivemind.errors import one_line
 # Tensors travel as float64 (twice float32's bytes) so that a member's result is exact: see `sum`.
 WIRE_DTYPE = torch.float64
 REMEMBERED_GROUPS = 4096  # finished group ids kept: a late stream for one is refused at once
+# Members start a group within a round trip of one another. One the run still waits for after this
+# long is dialed (again every as long): a member that only sends to us and died would otherwise
+# cost the whole timeout, as nothing of ours goes to it.
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 5.0
 
 
 class AveragingError(RuntimeError):
@@ -179,6 +184,7 @@ class ReplicaAverager(ServicerBase):
         )
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         slot.set_result(runner)
+        watch = asyncio.create_task(self._watch(runner))
         try:
             deltas = await asyncio.wait_for(self._deltas(runner), self.timeout_s)
         except TimeoutError:
@@ -189,6 +195,7 @@ class ReplicaAverager(ServicerBase):
         except Exception as e:
             raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, e)}") from None
         finally:
+            watch.cancel()
             runner.close()
             self._groups.pop(group_id, None)
             self._finished[group_id] = None
@@ -200,6 +207,28 @@ class ReplicaAverager(ServicerBase):
         return [
             ((x + d) * k).to(device=t.device, dtype=t.dtype) for x, d, t in zip(local, deltas, tensors, strict=True)
         ]
+
+    async def _watch(self, runner: _Runner) -> None:
+        """Fails `runner` as soon as a member it waits for cannot be dialed (its daemon is gone).
+        A dial that is only slow proves nothing (a saturated link): the timeout decides then."""
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            for peer in runner.waiting_for():
+                if peer == self.peer_id:
+                    continue
+                try:
+                    await asyncio.wait_for(self._dial(peer), PROBE_TIMEOUT_S)
+                except TimeoutError:
+                    continue
+                except Exception as e:
+                    runner.fail(peer, f"unreachable ({one_line(e)})")
+                    return
+
+    async def _dial(self, peer: PeerID) -> None:
+        """Opens a stream to `peer`'s averager and ends it empty: its handler returns at once."""
+        stub = ReplicaAverager.get_stub(self.p2p, peer, namespace=self.namespace)
+        async for _ in await stub.rpc_aggregate_part(as_aiter()):
+            pass
 
     @staticmethod
     async def _deltas(runner: _Runner) -> list[torch.Tensor]:
