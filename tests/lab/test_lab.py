@@ -7,13 +7,14 @@ import re
 import subprocess
 import sys
 
-import pytest
 from _swarm_env import assert_same_run, local_rows, p2pd_count
 from _util import REPO, SMOKE
 
 from swarm.config import load_config
 from swarm.netlab.namespaces import list_namespaces
 from swarm.training.results import read_results
+
+SHAPED = ["--bandwidth", "stage1=20mbit,*=50mbit", "--delay", "5ms"]
 
 
 def _lab(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -22,7 +23,10 @@ def _lab(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
+def test_lab_runs_separate_processes_shaped_in_process_and_matches_single_process(tmp_path):
+    """Two stage peers and a trainer, each process pacing what it sends (the shaping a user without
+    root gets); checkpoints, the stages' compute rows, and the single-process losses. (The lab
+    without shaping: tests/lab/test_lab_models.py; in namespaces: the test below.)"""
     before = p2pd_count()
     results = tmp_path / "lab.jsonl"
     overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
@@ -34,11 +38,19 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
         str(tmp_path / "ck"),
         "--checkpoint_every",
         "1",
+        *SHAPED,
+        "--shaping",
+        "inprocess",
         *sets,
         timeout=150,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
+    assert "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms" in out.stdout
+    probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+    # up: the trainer's 50mbit shaper, down: stage1's 20mbit
+    assert probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
+    _peers_worked(results)
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
     assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
@@ -65,62 +77,53 @@ def test_lab_runs_separate_processes_and_matches_single_process(tmp_path):
     assert p2pd_count() == before  # every daemon the lab started is gone
 
 
-@pytest.mark.parametrize("shaping", ["netns", "inprocess"])
-def test_shaped_lab_reports_its_links_and_keeps_the_numerics(tmp_path, shaping):
-    results = tmp_path / "shaped.jsonl"
-    namespaces = set(list_namespaces("hp"))
-    out = _lab(
-        "--results",
-        str(results),
-        "--bandwidth",
-        "stage1=20mbit,*=50mbit",
-        "--delay",
-        "5ms",
-        "--shaping",
-        shaping,
-        "--set",
-        "train.eval_every=100",
-        timeout=200,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    if shaping == "netns":
-        assert (
-            "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
-            and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
-        )
-        probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
-        assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
-        assert set(list_namespaces("hp")) == namespaces  # all torn down
-        rows = read_results(results)
-        meter = next(r for r in rows if r["type"] == "meter")["samples"]
-        counted = {
-            name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)]
-            for name in ("stage0", "stage1")
-        }
-        payload = {
-            d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step")
-            for d in ("forward", "backward")
-        }
-        assert payload["forward"] > 0 and payload["backward"] > 0
-        # what each link's qdisc metered covers the payload that crossed it, headers on top
-        assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
-        assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
-        assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
-    else:
-        assert (
-            "in-process shaping: bootstrap 50mbit, stage0 50mbit, stage1 20mbit, trainer 50mbit; delay 5ms"
-            in out.stdout
-        )
-        probe = re.search(r"\[lab\] probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
-        # up: the trainer's 50mbit shaper, down: stage1's 20mbit
-        assert probe and 30 < float(probe[1]) <= 55 and 12 < float(probe[2]) <= 22
+def _peers_worked(results) -> None:
+    """Each peer and its p2p daemon used CPU while the lab metered them."""
     meter = next(r for r in read_results(results) if r["type"] == "meter")["samples"]
     used = {
         name: [meter[-1]["cpu"][name][i] - meter[0]["cpu"][name][i] for i in (0, 1)]
         for name in ("stage0", "stage1", "trainer")
     }
-    # each peer and its p2p daemon worked while metered
     assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used
+
+
+def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
+    results = tmp_path / "shaped.jsonl"
+    namespaces = set(list_namespaces("hp"))
+    out = _lab(
+        "--results",
+        str(results),
+        *SHAPED,
+        "--shaping",
+        "netns",
+        "--set",
+        "train.eval_every=100",
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (
+        "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
+        and "trainer    10.77.0.5       up tbf 50mbit" in out.stdout
+    )
+    probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
+    assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
+    assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
+    assert set(list_namespaces("hp")) == namespaces  # all torn down
+    rows = read_results(results)
+    meter = next(r for r in rows if r["type"] == "meter")["samples"]
+    counted = {
+        name: [meter[-1]["links"][name][i] - meter[0]["links"][name][i] for i in (0, 1)]
+        for name in ("stage0", "stage1")
+    }
+    payload = {
+        d: sum(r["bytes"].get(f"boundary0.{d}.train", 0) for r in rows if r["type"] == "step")
+        for d in ("forward", "backward")
+    }
+    assert payload["forward"] > 0 and payload["backward"] > 0
+    # what each link's qdisc metered covers the payload that crossed it, headers on top
+    assert counted["stage0"][0] > payload["forward"] and counted["stage1"][1] > payload["forward"]
+    assert counted["stage1"][0] > payload["backward"] and counted["stage0"][1] > payload["backward"]
+    assert all(later["at"] > earlier["at"] for earlier, later in zip(meter, meter[1:], strict=False))
+    _peers_worked(results)
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))

@@ -42,11 +42,13 @@ def test_run_writes_the_documented_results(tmp_path):
     assert summary["wall_time_s"] > 0
 
 
-def test_report_writes_tables_and_curves(tmp_path):
+def test_report_writes_tables_and_curves(tmp_path, capsys):
+    """In this process (the command line as a process: test_run_writes_the_documented_results)."""
     runs = []
     for spec in ("none", "topk:0.2"):
         out = tmp_path / f"{spec.replace(':', '')}.jsonl"
-        result = cli(
+        result = cli_here(
+            capsys,
             "run",
             str(SMOKE),
             "--steps",
@@ -62,7 +64,7 @@ def test_report_writes_tables_and_curves(tmp_path):
         )
         assert result.returncode == 0, result.stderr
         runs.append(str(out))
-    result = cli("report", *runs, "--out", str(tmp_path / "report"))
+    result = cli_here(capsys, "report", *runs, "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     md = (tmp_path / "report" / "results.md").read_text()
     assert "run-none" in md and "run-topk:0.2" in md and "test acc % (on)" in md
