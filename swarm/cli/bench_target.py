@@ -25,7 +25,7 @@ def add_parser(which, positive_int) -> None:
     )
     ttt.add_argument(
         "--target",
-        default="loss=2.5",
+        default="loss=2.6",
         help="METRIC=VALUE of the evaluation (loss and perplexity: at most; else at least)",
     )
     ttt.add_argument(
