@@ -13,10 +13,11 @@ import torch
 from swarm.bench.gloo.__main__ import interface_of
 from swarm.bench.gloo.__main__ import main as gloo_main
 from swarm.bench.gloo.launch import GlooLab
+from swarm.bench.gloo.stage import StageRank
 from swarm.bench.gloo.trainer import own_storage
 from swarm.config import load_config
-from swarm.engine.microbatch import MicroBatch
-from swarm.training.experiment import run_experiment
+from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.training.experiment import build_data, run_experiment
 from swarm.training.results import read_results
 
 SETS = ["train.eval_every=0.5", "model.num_stages=3"]
@@ -98,3 +99,29 @@ def test_a_micro_batch_travels_without_the_rest_of_its_batch():
         and torch.equal(sent_batch.targets, labels[1])
         and sent_batch.key == batch.key
     )
+
+
+class _Outbox:
+    """The messages a stage rank hands its mailbox (the network side is the benchmark's test above)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, tuple]] = []
+
+    def send(self, rank: int, message: tuple) -> None:
+        self.sent.append((rank, message))
+
+
+def test_a_stage_rank_counts_training_compute_only():
+    """As a swarm's stage peer does: an evaluation's forward would lower the compute bound."""
+    cfg = load_config("configs/smoke.yaml", ["model.num_stages=2"])
+    train = build_data(cfg)[0]
+    samples = [train[i] for i in range(8)]
+    ids = torch.tensor([s[0] for s in samples])
+    inputs, targets = torch.stack([s[1] for s in samples]), torch.tensor([s[2] for s in samples])
+    outbox = _Outbox()
+    rank = StageRank(cfg, 0, outbox, total_steps=2)
+    rank._compute("forward", MicroBatch(0, 0, ids, targets, mode=Mode.EVAL, exact=True), inputs)
+    assert rank.compute_s == rank.compute_cpu_s == 0 and rank.samples == 0
+    rank._compute("forward", MicroBatch(0, 0, ids, targets), inputs)
+    assert rank.compute_s > 0 and rank.compute_cpu_s > 0 and rank.samples == 8
+    assert [(to, message[0]) for to, message in outbox.sent] == [(2, "forward"), (2, "forward")]

@@ -52,14 +52,17 @@ class StageRank:
                 self.mailbox.send(TRAINER, (kind, self.stage, getattr(self, f"_{kind}")(*args)))
 
     def _compute(self, kind: str, batch, payload, metrics=None) -> None:
+        """Training's compute only is counted, as a swarm's stage peer counts it (its ComputeClock):
+        evaluation forwards would lower the compute bound the benchmark divides by."""
         began, began_cpu = time.perf_counter(), time.thread_time()
         if kind == "forward":
             out = self.runtime.forward(batch, payload, self.ends)
-            self.samples += batch.size if batch.mode is Mode.TRAIN else 0
         else:
             out = self.runtime.backward(batch, payload, metrics, self.ends)
-        self.compute_s += time.perf_counter() - began
-        self.compute_cpu_s += time.thread_time() - began_cpu
+        if batch.mode is Mode.TRAIN:
+            self.samples += batch.size if kind == "forward" else 0
+            self.compute_s += time.perf_counter() - began
+            self.compute_cpu_s += time.thread_time() - began_cpu
         self._route(out)
 
     def _route(self, out: Message) -> None:
