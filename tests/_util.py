@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -14,6 +15,20 @@ from swarm.engine.step import tie
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout the tests run in
 SMOKE = REPO / "configs" / "smoke.yaml"  # a 4-stage digits pipeline that runs in seconds
+
+
+def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`python -m swarm ARGS` run in this process, as a finished process would report it: for a
+    refusal or a short command a new interpreter would cost seconds of imports."""
+    from swarm.cli.main import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}

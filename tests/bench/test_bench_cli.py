@@ -5,24 +5,15 @@ import subprocess
 import sys
 
 import pytest
+from _util import cli_here
 
 from swarm.bench.codecs import CODECS
-from swarm.cli.main import main
 
 REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600)
-
-
-def refused(capsys, *args: str) -> tuple[int, str]:
-    """The command's exit code and stderr, run in this process: a refusal needs no new interpreter."""
-    try:
-        code = main(list(args))
-    except SystemExit as e:  # argparse's own errors
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +60,10 @@ def test_store_rows_report_memory(rows):
 
 
 def test_bad_cli_values_get_one_line_errors(capsys):
-    code, err = refused(capsys, "bench", "codecs", "--scale", "2")
-    assert code == 2 and "expected a number in (0, 1]" in err
-    code, err = refused(capsys, "bench", "nothing")
-    assert code == 2 and "invalid choice" in err
+    result = cli_here(capsys, "bench", "codecs", "--scale", "2")
+    assert result.returncode == 2 and "expected a number in (0, 1]" in result.stderr
+    result = cli_here(capsys, "bench", "nothing")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
 def test_stream_bench_times_both_modes_over_real_daemons(capsys):
@@ -84,8 +75,11 @@ def test_stream_bench_times_both_modes_over_real_daemons(capsys):
     assert [r["mode"] for r in rows] == ["new stream each", "one stream"]
     for row in rows:
         assert row["exchanges"] == 20 and row["wall_ms"] > 0 and row["cpu_ms"] > 0
-    code, err = refused(capsys, "bench", "streams", "--payload_kb", "-3")
-    assert code == 2 and "--payload_kb: expected a positive integer, got '-3'" in err.strip().splitlines()[-1]
+    result = cli_here(capsys, "bench", "streams", "--payload_kb", "-3")
+    assert (
+        result.returncode == 2
+        and "--payload_kb: expected a positive integer, got '-3'" in result.stderr.strip().splitlines()[-1]
+    )
 
 
 def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses(capsys):
@@ -98,5 +92,5 @@ def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses(capsys):
         assert category in out
     assert "hung: 0" in out and "every stage peer still serving: yes" in out
     assert "largest relative loss difference to one process 0.00e+00" in out
-    code, err = refused(capsys, "bench", "fuzz", "--count", "0")
-    assert code == 2 and "--count: expected a positive integer" in err
+    result = cli_here(capsys, "bench", "fuzz", "--count", "0")
+    assert result.returncode == 2 and "--count: expected a positive integer" in result.stderr

@@ -6,22 +6,14 @@ import subprocess
 import sys
 
 import torch
-from _util import REPO, SMOKE
+from _util import REPO, SMOKE, cli_here
 
 from peers._common import apply_threads
-from swarm.cli.main import main
 from swarm.training.results import read_results
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=REPO)
-
-
-def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """The same command in this process: for its errors, a new process would cost seconds of imports."""
-    code = main(list(args))
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def test_run_writes_the_documented_results(tmp_path):
