@@ -23,6 +23,11 @@ from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePa
 
 FORMAT_VERSION = 1
 
+# torch.frombuffer warns on every read-only buffer (received bytes are): the decoders copy before
+# writing. A filter, not `catch_warnings` around each call: that is not thread-safe, and leaving it
+# resets every module's record of warnings already shown, so each warning came back on every payload.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 _DTYPES = {
     torch.float32: pb.FLOAT32,
     torch.float16: pb.FLOAT16,
@@ -44,10 +49,11 @@ class DecodeLimits:
     """What a receiver accepts; anything larger is refused before allocation.
 
     `max_elements` bounds the decoded tensor (a TopK payload of a few bytes can describe a huge
-    dense tensor): 2**28 elements is 1 GiB of fp32, far above any stage boundary we train.
+    dense tensor): 2**29 elements, what a 1 GiB payload holds of an exact fp16/bf16 tensor (a stage
+    peer derives both from its `max_micro_batch_bytes`: Settings.decode_limits).
     """
 
-    max_elements: int = 1 << 28
+    max_elements: int = 1 << 29
     max_payload_bytes: int = 1 << 31
     max_rank: int = 8
 
@@ -84,9 +90,7 @@ def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     """A read-only view of received bytes; every decoder copies before writing."""
     if not data:
         return torch.empty(0, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
 
 
 class _BufferBytes:

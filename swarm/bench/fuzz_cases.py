@@ -17,13 +17,14 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
+from protocols import carried as envelope
 from protocols import compressed_tensor_pb2 as cpb
 from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.framing import frame_parts
 from protocols.message import Encoded, Granularity, QuantPart, RawPart
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.trust.admissions import issue
 from swarm.transport.hivemind.trust.signatures import sign_call
 
@@ -115,7 +116,7 @@ class Cases:
     def _head(self, admitted: bool, **fields) -> pb.MicroBatchHead:
         t = self.t
         sender = t.member_id if admitted else t.stranger_id
-        batch = self._batch(t.step() if admitted else 0)
+        batch = self.batch = self._batch(t.step() if admitted else 0)
         head = pb.MicroBatchHead(to=address(t.run_id, t.stage), sender=sender, batch=batch_to_meta(batch), budget_s=5)
         for name, value in fields.items():
             setattr(head, name, value)
@@ -124,9 +125,11 @@ class Cases:
         return head
 
     def _activations(self) -> bytes:
+        """A well-formed payload for the micro-batch of the last `_head`."""
         if self.t.stage == 0:
-            return tensor_to_raw(torch.randn(4, 1, 8, 8)).SerializeToString()
-        return wire.encode(Encoded((4, self.t.width), torch.float32, RawPart(torch.randn(4, self.t.width))))
+            return micro_batch_payload(self.batch, inputs=torch.randn(4, 1, 8, 8))
+        body = wire.encode(Encoded((4, self.t.width), torch.float32, RawPart(torch.randn(4, self.t.width))))
+        return micro_batch_payload(self.batch, body)
 
     # ---- the categories ----------------------------------------------------------------------
 
@@ -177,10 +180,14 @@ class Cases:
         head.batch.step = self.rng.getrandbits(64)
         if self.rng.random() < 0.5:  # an admission it copied, or forged
             head.admission.CopyFrom(self.forged)
-        payload = torch.full((4, 8), float("nan"))
-        return Case(
-            "stranger's micro-batch", request_bytes("micro_batch", head, tensor_to_raw(payload).SerializeToString())
-        )
+        payload = micro_batch_payload(self.batch, inputs=torch.full((4, 8), float("nan")))
+        return Case("stranger's micro-batch", request_bytes("micro_batch", head, payload))
+
+    def big_head(self) -> Case:
+        """A head far over the limit (up to 1 MiB), refused before anything else of it is read."""
+        head = self._head(False)
+        head.sender = "x" * self.rng.randint(65 << 10, 1 << 20)
+        return Case("oversized head", request_bytes("micro_batch", head, self._activations()))
 
     def control(self) -> Case:
         t = self.t
@@ -243,7 +250,21 @@ class Cases:
             payload = self._bytes(self.rng.randint(1, 2048))
         self._epoch += 1
         head = self._head(True, epoch=self._epoch if self.rng.random() < 0.95 else (1 << 64) - 1)
-        return Case("member's bad payload", request_bytes("micro_batch", head, payload), member=True)
+        return Case("member's bad payload", request_bytes("micro_batch", head, self._carrying(payload)), member=True)
+
+    def _carrying(self, body: bytes) -> bytes:
+        """`body` behind the tensors the micro-batch carries, or behind broken ones."""
+        which = self.rng.randrange(8)
+        payload = micro_batch_payload(self.batch, body)
+        if which == 0:  # an absurd length of the carried tensors
+            return self.rng.getrandbits(64).to_bytes(8, "little") + payload[8:]
+        if which == 1:  # too few bytes to hold even that length
+            return payload[: self.rng.randrange(8)]
+        if which == 2:  # targets in a type that cannot hold them, or the wrong number of bytes
+            carried, rest = envelope.unpack(payload)
+            carried.targets.stored = self.rng.choice(["float32", "int64", "uint16", "bogus"])
+            return envelope.pack(carried, rest)
+        return payload
 
     def stall(self) -> Case:
         """The member's micro-batch, admitted, whose payload stops coming half-way."""
@@ -263,6 +284,7 @@ class Cases:
                 self.stranger_micro_batch,
                 self.control,
                 self.member_payload,
+                self.big_head,
             ],
-            weights=[1, 1, 1, 1, 2, 2, 3, 1],
+            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1],
         )[0]()

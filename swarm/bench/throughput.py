@@ -22,11 +22,14 @@ from swarm.bench.throughput_figures import WARMUP_STEPS, ThroughputRow, measure_
 from swarm.bench.throughput_table import cpu_breakdown
 from swarm.compression import parse
 from swarm.config import load_config
+from swarm.data import collate
+from swarm.engine.microbatch import MicroBatch
 from swarm.lab.launch import Lab, available_cores
 from swarm.models.registry import MODELS, build_model
 from swarm.rates import parse_rate
 from swarm.training.experiment import build_data
 from swarm.training.results import read_results
+from swarm.transport.hivemind.meta import micro_batch_payload
 
 MAX_STEPS = 64  # what --seconds may raise a point's steps to
 
@@ -90,16 +93,24 @@ def backward_spec(forward: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
+def _train_set(config: str, overrides: tuple[str, ...]):
+    """`config`'s training set: the data is built once per benchmark."""
+    return build_data(load_config(config, list(overrides)))[0]
+
+
 def _first_sample(config: str, overrides: tuple[str, ...]):
-    """(config, the first training input) of `config`: the data is built once per benchmark."""
-    cfg = load_config(config, list(overrides))
-    return cfg, build_data(cfg)[0][0][1]
+    """(config, the first training input) of `config`."""
+    return load_config(config, list(overrides)), _train_set(config, overrides)[0][1]
 
 
 def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
-    """What the trainer sends stage 0 per sample (its raw input tensor)."""
-    _, x = _first_sample(config, tuple(overrides))
-    return float(x.numel() * x.element_size())
+    """What the trainer sends stage 0 per sample: a training micro-batch's payload (its input,
+    targets and sample ids, as they travel: swarm.transport.hivemind.meta) over its samples."""
+    cfg = load_config(config, list(overrides))
+    train_set = _train_set(config, tuple(overrides))
+    size = min(math.ceil(cfg.train.batch_size / cfg.train.micro_batches), len(train_set))
+    ids, x, y = collate([train_set[i] for i in range(size)])
+    return len(micro_batch_payload(MicroBatch(0, 0, ids, y), inputs=x)) / size
 
 
 def describe_setup(config: str, overrides: list[str], cores: int) -> str:

@@ -17,6 +17,8 @@ shared weight receives them.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -91,15 +93,32 @@ def _mask_kind(config, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
-def _masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+@functools.cache
+def _mask_makers() -> tuple[dict, frozenset]:
+    """transformers' mask functions by layer type, and the names of their arguments, which moved
+    within 5.x (`input_embeds` -> `inputs_embeds`, `past_key_values` -> `cache`, `cache_position`
+    dropped): the old names still work in 5.24 with a FutureWarning on every call."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return makers, frozenset(inspect.signature(create_causal_mask).parameters)
+
+
+def _masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    makers, names = _mask_makers()
     unknown = sorted(kinds - set(makers))
     if unknown:
         raise ValueError(f"transformers: layer type(s) {', '.join(unknown)} are not supported")
-    common = dict(config=config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
-    return {kind: makers[kind](**common, position_ids=position_ids) for kind in kinds}
+    common = {
+        "config": config,
+        "inputs_embeds" if "inputs_embeds" in names else "input_embeds": hidden,
+        "attention_mask": None,
+        "cache" if "cache" in names else "past_key_values": None,
+        "position_ids": position_ids,
+    }
+    if "cache_position" in names:
+        common["cache_position"] = position_ids[0]
+    return {kind: makers[kind](**common) for kind in kinds}
 
 
 class DecoderStage(nn.Module):

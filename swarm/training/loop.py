@@ -76,13 +76,27 @@ def split_micro_batches(step: int, ids, inputs, targets, count: int, mode: Mode,
 EVAL_GROUP = 16  # evaluation micro-batches handed to the pipeline at once (a swarm overlaps them)
 
 
+def eval_micro_batch_size(cfg: ExperimentConfig) -> int:
+    """Evaluation runs in micro-batches no larger than training's: what fits a stage's memory in
+    training fits in evaluation (a language model's logits for a whole evaluation batch of
+    1024-token blocks would not), and no payload is larger than a training one."""
+    return math.ceil(cfg.train.batch_size / cfg.train.micro_batches)
+
+
 def evaluate(pipeline: Pipeline, cfg: ExperimentConfig, test_set, step: int, exact: bool, collate) -> dict[str, float]:
     loader = DataLoader(test_set, batch_size=cfg.train.eval_batch_size, shuffle=False, collate_fn=collate)
+    size = eval_micro_batch_size(cfg)
     sums: Counter = Counter()
     group: list = []
-    for index, (ids, inputs, targets) in enumerate(loader):
-        group.append((MicroBatch(step, index, ids, targets, Mode.EVAL, 1.0, exact), inputs))
-        if len(group) == EVAL_GROUP:
+    index = 0
+    for ids, inputs, targets in loader:
+        count = math.ceil(ids.numel() / size)
+        for i, x, y in zip(
+            ids.tensor_split(count), inputs.tensor_split(count), targets.tensor_split(count), strict=True
+        ):
+            group.append((MicroBatch(step, index, i, y, Mode.EVAL, 1.0, exact), x))
+            index += 1
+        if len(group) >= EVAL_GROUP:
             for metrics in pipeline.run_many(group):
                 sums.update(metrics)
             group = []

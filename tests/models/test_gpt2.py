@@ -46,8 +46,9 @@ def test_gpt2_split_equals_hf_model(num_stages):
 
     def keep(index):
         def hook(_module, _inputs, output):
-            output.retain_grad()
-            captured[index] = output
+            hidden = output[0] if isinstance(output, tuple) else output  # a tuple before transformers 5.x's layers
+            hidden.retain_grad()
+            captured[index] = hidden
 
         return hook
 

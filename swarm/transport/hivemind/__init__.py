@@ -12,4 +12,4 @@ The stage peer's side is `stage/` (host, links, chain, rounds, server), the trai
 (pipeline, rounds, adaptive).
 """
 
-PROTOCOL_VERSION = 3  # of protocols/stage.proto: peers of another version are not routed to, and refused
+PROTOCOL_VERSION = 4  # of protocols/stage.proto: peers of another version are not routed to, and refused

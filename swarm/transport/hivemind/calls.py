@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 
 from protocols import stage_pb2 as pb
-from protocols.framing import Frame, frame_parts, read_frame
+from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
 from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.errors import RemoteError, TransportError, short
 from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
@@ -53,7 +53,8 @@ class Exchange:
     stream to the pool once the reply has been read (a failed exchange closes it).
 
     `sending`: the send slot per neighbour to take for the payload; `flow`: its pacing;
-    `meter`: times the reply's arrival (the link's backward direction)."""
+    `meter`: times the reply's arrival (the link's backward direction); `max_reply_bytes`: the
+    largest reply payload taken (refused from its first chunk when declared larger)."""
 
     def __init__(
         self,
@@ -66,11 +67,13 @@ class Exchange:
         flow=None,
         meter: LinkMeter | None = None,
         auth: pb.Auth | None = None,
+        max_reply_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
         self.streams, self.peer_id = streams, str(peer_id)
         self.auth = auth  # a control call's signature (swarm.transport.hivemind.trust.signatures)
         self.kind, self.head, self.payload = kind, head, payload
         self.sending, self.flow, self.meter = sending, flow, meter
+        self.max_reply_bytes = max_reply_bytes
         self._stream: PeerStream | None = None
         self._replies = None
         self._complete = False  # the whole reply was read: the stream may carry another exchange
@@ -85,7 +88,7 @@ class Exchange:
                 await self._stream.send(parts, self.flow)
         self._replies = self._stream.replies()
         replies = self._replies if self.meter is None else timed_chunks(self._replies, self.meter)
-        frame = await read_frame(replies, self.kind)
+        frame = await read_frame(replies, self.kind, self.max_reply_bytes)
         if frame.kind == "error":
             raise RemoteError(frame.head.message, frame.head.code)
         self._complete = True

@@ -12,13 +12,14 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.framing import Frame
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.announce import StageRecord
 from swarm.transport.hivemind.calls import Exchange, Sending
 from swarm.transport.hivemind.errors import RemoteError, TransportError
-from swarm.transport.hivemind.meta import address, batch_to_meta
+from swarm.transport.hivemind.meta import address, batch_to_meta, carried_of
 from swarm.transport.hivemind.meter import LinkMeter
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.pacing import FlowPacer
@@ -88,21 +89,25 @@ class Handoff:
         batch: MicroBatch,
         record: StageRecord,
         sent: tuple[int, int],
-        payload: bytes,
+        body: bytes,
         session: str,
         again: Callable[[str], Awaitable[tuple[tuple[int, int], bytes]]],
         deadline: float | None = None,
         offer: Callable[[str], float] | None = None,
         proof: pb.StepProof | None = None,
+        inputs=None,
     ) -> tuple[Frame, str, tuple[int, int]]:
-        """The reply to `payload` (numbered `sent` on the link to `record`'s peer), the peer that
-        gave it and the number the payload had on that link. Before each retry `again(peer)`
-        numbers and encodes the payload for that peer's link.
+        """The reply to `batch` with its activations `body` (numbered `sent` on the link to
+        `record`'s peer), the peer that gave it and the number the payload had on that link.
+        Before each retry `again(peer)` numbers and encodes the activations for that peer's link.
+        The payload carries the micro-batch's sample ids and targets ahead of `body`, and stage 0's
+        `inputs` when given (the trainer's).
 
         With a `deadline` every try gets what is left of it; without, each gets the call timeout
         (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
         can take back from it (pacing); `proof`: the owner's word of the run's step, handed on."""
         meta = batch_to_meta(batch)
+        carried = carried_of(batch, inputs)
         tried: set[str] = set()
         target = record.peer_id
         attempt = 0
@@ -129,7 +134,15 @@ class Handoff:
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
             exchange = Exchange(
-                self.node.streams, target, "micro_batch", head, payload, self.sending, self.pacer.flow(target), meter
+                self.node.streams,
+                target,
+                "micro_batch",
+                head,
+                envelope.pack(carried, body),
+                self.sending,
+                self.pacer.flow(target),
+                meter,
+                max_reply_bytes=self.settings.max_micro_batch_bytes,
             )
             try:
                 frame = await self._reply(exchange, timeout)
@@ -153,7 +166,7 @@ class Handoff:
                     record.peer_id[-8:],
                 )
                 target = record.peer_id
-                sent, payload = await again(target)
+                sent, body = await again(target)
                 attempt += 1
                 self.retries += 1
         self.pacer.heard(target, frame.head.share_bits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocols.framing import MAX_PAYLOAD_BYTES
+from protocols.wire import DecodeLimits
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,13 @@ class Settings:
     # link the DHT's requests can time out while the peers serve on.
     lookup_keep_s: float = 60.0
     setup_wait_s: float = 60.0  # the trainer waits this long for every stage to have a peer (--wait)
+
+    @property
+    def decode_limits(self) -> DecodeLimits:
+        """What a micro-batch's activations or gradient may decode to: every tensor whose dense
+        form fits `max_micro_batch_bytes` in a 16-bit float (an exact fp16/bf16 payload), so the
+        byte limit is the one knob; a compressed payload of a few bytes cannot describe more."""
+        return DecodeLimits(max_elements=self.max_micro_batch_bytes // 2, max_payload_bytes=self.max_micro_batch_bytes)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

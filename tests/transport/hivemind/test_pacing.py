@@ -17,7 +17,7 @@ from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.announce import StageRecord
-from swarm.transport.hivemind.meta import tensor_to_raw
+from swarm.transport.hivemind.meta import micro_batch_payload
 from swarm.transport.hivemind.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.pacing import (
     MIN_OFFER_BITS,
@@ -238,7 +238,7 @@ def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swar
         pipeline.setup(Schedule.of(cfg, len(data[0]), 1).lr_horizon, len(data[0]), wait_s=20)
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)
-        inputs = sum(len(tensor_to_raw(x).SerializeToString()) for _, x in items)
+        inputs = sum(len(micro_batch_payload(batch, inputs=x)) for batch, x in items)
         ((peer, flow),) = pipeline.pacer._flows.items()
         assert peer == hosted[0].node.peer_id
         assert flow.bucket.rate_bits == int(300e6 * PAYLOAD_SHARE)

@@ -7,12 +7,17 @@ import importlib
 import time
 
 import pytest
+import torch
 from _util import SMOKE
 
 from protocols import stage_pb2 as pb
+from protocols import wire
+from protocols.errors import PayloadError
+from protocols.message import Encoded, RawPart, SparsePart
 from swarm.transport.hivemind.errors import RemoteError, TransportError
 from swarm.transport.hivemind.retry import Retry
 from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.trainer.pipeline import micro_batches_in_flight
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "30"])
@@ -20,6 +25,27 @@ def test_a_setting_that_is_not_a_positive_number_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=r"^setting call_timeout_s must be a positive number"):
         Settings(call_timeout_s=bad)
     assert Settings(call_timeout_s=30).call_timeout_s == 30 and Settings().call_timeout_s == 120
+
+
+def test_decoding_limits_follow_the_micro_batch_payload_limit():
+    limits = Settings(max_micro_batch_bytes=4096).decode_limits
+    assert limits.max_payload_bytes == 4096 and limits.max_elements == 2048
+    assert Settings().decode_limits.max_elements == 1 << 29  # 1 GiB: an exact fp16 tensor that fills it
+    fits = wire.encode(Encoded((2000,), torch.float16, RawPart(torch.ones(2000, dtype=torch.float16))))
+    assert len(fits) < 4096 and wire.decode(fits, limits).shape == (2000,)
+    # a sparse payload of a few bytes that would decode to one element more
+    values = RawPart(torch.ones(1))
+    sparse = wire.encode(Encoded((2049,), torch.float32, SparsePart(1, torch.tensor([0]), values)))
+    with pytest.raises(PayloadError, match="tensor of 2049 elements exceeds the limit of 2048"):
+        wire.decode(sparse, limits)
+
+
+def test_micro_batches_in_flight_stay_within_what_a_stage_peer_takes_from_one_sender():
+    settings = Settings()
+    assert micro_batches_in_flight(None, 4, settings) == 8 and micro_batches_in_flight(12, 4, settings) == 12
+    assert micro_batches_in_flight(None, 40, settings) == 64  # two per stage, up to the peer's limit
+    with pytest.raises(ValueError, match=r"^train.in_flight=65: a stage peer takes at most 64 micro-batches"):
+        micro_batches_in_flight(65, 4, settings)
 
 
 @pytest.mark.parametrize("peer, flag", [("stage", "--timeout"), ("trainer", "--timeout"), ("trainer", "--wait")])

@@ -17,7 +17,7 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.training.experiment import build_data
 from swarm.transport.hivemind.calls import Exchange
 from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
@@ -51,7 +51,7 @@ def _stage0_call(streams: StreamPool, peer: str, run_id: str, sender: str, data,
         to=address(run_id, 0), sender=sender, batch=batch_to_meta(batch), budget_s=10, epoch=0, seq=seq
     )
     head.admission.CopyFrom(Owner(OWNER.key, run_id).admit("s", sender, trainer=True))
-    return Exchange(streams, peer, "micro_batch", head, tensor_to_raw(x).SerializeToString())
+    return Exchange(streams, peer, "micro_batch", head, micro_batch_payload(batch, inputs=x))
 
 
 def test_a_run_opens_about_one_stream_per_micro_batch_in_flight_and_stays_exact(swarm, tmp_path):

@@ -18,6 +18,7 @@ import torch
 from _swarm_env import assert_same_run, local_rows, smoke, split_batches, swarm_rows
 from _util import frame
 
+from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.framing import ProtocolError, read_frame
 from swarm.engine.microbatch import MicroBatch
@@ -28,7 +29,14 @@ from swarm.transport.hivemind import PROTOCOL_VERSION, loop
 from swarm.transport.hivemind.announce import discover
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import batch_to_meta, meta_to_batch, raw_to_tensor, tensor_to_raw
+from swarm.transport.hivemind.meta import (
+    batch_to_meta,
+    carried_of,
+    meta_to_batch,
+    micro_batch_payload,
+    raw_to_tensor,
+    tensor_to_raw,
+)
 from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions, SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
@@ -147,9 +155,10 @@ def test_p2p_daemons_run_on_the_threads_a_peer_is_given(swarm):
 
 def test_raw_tensors_and_batch_meta_round_trip_and_validate():
     batch = MicroBatch(3, 1, torch.arange(5), torch.tensor([1, 0, 2, 9, 4]), weight=0.25, exact=True)
-    back = meta_to_batch(batch_to_meta(batch))
+    back = meta_to_batch(batch_to_meta(batch), carried_of(batch))
     assert back.key == batch.key and back.weight == 0.25 and back.exact
     assert torch.equal(back.sample_ids, batch.sample_ids) and torch.equal(back.targets, batch.targets)
+    assert back.targets.dtype == back.sample_ids.dtype == torch.int64
     x = torch.randn(2, 3, dtype=torch.float64)
     assert torch.equal(raw_to_tensor(tensor_to_raw(x)), x)
     raw = tensor_to_raw(x)
@@ -158,10 +167,10 @@ def test_raw_tensors_and_batch_meta_round_trip_and_validate():
         raw_to_tensor(raw)
     with pytest.raises(ProtocolError, match="unknown dtype"):
         raw_to_tensor(pb.RawTensor(dtype="complex32", shape=[1], data=b"12345678"))
-    meta = batch_to_meta(batch)
-    meta.targets.CopyFrom(tensor_to_raw(torch.tensor([1, 2])))
+    carried = carried_of(batch)
+    carried.targets.CopyFrom(tensor_to_raw(torch.tensor([1, 2])))
     with pytest.raises(ProtocolError, match="do not match"):
-        meta_to_batch(meta)
+        meta_to_batch(batch_to_meta(batch), carried)
 
 
 async def _raw_call(p2p, peer_id: str, messages):
@@ -198,7 +207,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
             budget_s=10,
         )
         head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, swarm.trainer.peer_id, trainer=True))
-        payload = tensor_to_raw(x).SerializeToString()
+        payload = micro_batch_payload(batch, inputs=x)
         good = list(frame(pb.StageRequest, "micro_batch", head, payload))
 
         corrupted = [pb.StageRequest() for _ in good]
@@ -225,7 +234,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, huge))
         assert "exceeds this peer's limit" in error.message or "here at once (limit" in error.message
 
-        fewer_rows = list(frame(pb.StageRequest, "micro_batch", head, tensor_to_raw(x[:3]).SerializeToString()))
+        fewer_rows = list(frame(pb.StageRequest, "micro_batch", head, micro_batch_payload(batch, inputs=x[:3])))
         error, _ = swarm.loop.run(_raw_call(p2p, peer, fewer_rows))
         assert "for 4 samples" in error.message
 
@@ -241,11 +250,26 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", elsewhere, payload)))
         assert "does not host stage 5" in error.message
 
-        bad_targets = pb.MicroBatchHead()
-        bad_targets.CopyFrom(head)
-        bad_targets.batch.targets.data = b"\x00"
-        error, _ = swarm.loop.run(_raw_call(p2p, peer, frame(pb.StageRequest, "micro_batch", bad_targets, payload)))
-        assert "targets" in error.message
+        # targets that do not fit their shape: a malformed payload, its sender banned (not the trainer here)
+        member = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+        try:
+            from_member = pb.MicroBatchHead()
+            from_member.CopyFrom(head)
+            from_member.sender = member.peer_id
+            from_member.admission.CopyFrom(pipeline.owner.admit(pipeline.session, member.peer_id, trainer=True))
+            carried, _ = envelope.unpack(payload)
+            carried.targets.data = b"\x00"
+            bad = envelope.pack(carried)
+            error, _ = swarm.loop.run(
+                _raw_call(member.p2p, peer, frame(pb.StageRequest, "micro_batch", from_member, bad))
+            )
+            assert error.message.startswith("malformed payload: targets: 1 bytes for shape (4,)")
+            error, _ = swarm.loop.run(
+                _raw_call(member.p2p, peer, frame(pb.StageRequest, "micro_batch", from_member, payload))
+            )
+            assert "is banned for a while" in error.message
+        finally:
+            swarm.loop.run(member.shutdown())
 
         headless = [pb.StageRequest(chunk=good[0].chunk)]  # a request of no kind this peer knows
         error, _ = swarm.loop.run(_raw_call(p2p, peer, headless))
@@ -298,7 +322,7 @@ def test_in_process_shaping_paces_every_payload_a_peer_sends(swarm):
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)
         pipeline.step()
-        inputs = sum(len(tensor_to_raw(x).SerializeToString()) for _, x in items)
+        inputs = sum(len(micro_batch_payload(batch, inputs=x)) for batch, x in items)
         sent = pipeline.link_bytes()
         stage0, stage1, trainer = (node.egress.stats() for node in shaped)
         assert trainer.bytes > inputs and trainer.rate_bits == 200_000_000 and trainer.delay_s == 0.001

@@ -24,7 +24,7 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.announce import StageRecord, announce, discover, list_run
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import address, batch_to_meta, tensor_to_raw
+from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
 from swarm.transport.hivemind.schemas import RUNS_KEY
@@ -86,8 +86,10 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
         # payloads: NaN activations from a stranger, with no admission or with a copied one
         (record,) = swarm.loop.run(discover(stranger, run_id, 1))
         admission = pb.Admission.FromString(record.admission)
-        nan = tensor_to_raw(torch.full((4, 8), float("nan"))).SerializeToString()
         batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
+        nan = micro_batch_payload(
+            batch, wire.encode(Encoded((4, 8), torch.float32, RawPart(torch.full((4, 8), float("nan")))))
+        )
         head = pb.MicroBatchHead(to=to, sender=stranger.peer_id, batch=batch_to_meta(batch), budget_s=5)
         _refused(swarm, stranger, peer, "micro_batch", head, nan, match="showed no admission")
         head.admission.CopyFrom(pb.Admission.FromString(swarm.loop.run(discover(stranger, run_id, 0))[0].admission))
@@ -164,8 +166,10 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
         middle, after = hosted[1], hosted[2].node.peer_id
-        nan = wire.encode(Encoded((4, 32), torch.float32, RawPart(torch.full((4, 32), float("nan")))))
         batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
+        nan = micro_batch_payload(
+            batch, wire.encode(Encoded((4, 32), torch.float32, RawPart(torch.full((4, 32), float("nan")))))
+        )
         head = pb.MicroBatchHead(to=address(run_id, 1), sender=rogue.peer_id, batch=batch_to_meta(batch), budget_s=5)
         head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, rogue.peer_id, 0))
         # steps and epochs must be plausible: a member's word that the run is far ahead moves no one
@@ -207,9 +211,10 @@ def test_a_senders_payload_bytes_and_requests_at_once_are_capped(swarm):
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, 2, data)
         head = pb.MicroBatchHead(to=address(run_id, 0), sender=swarm.trainer.peer_id, budget_s=5)
-        head.batch.CopyFrom(batch_to_meta(MicroBatch(0, 0, torch.arange(64), torch.zeros(64, dtype=torch.long))))
+        batch = MicroBatch(0, 0, torch.arange(64), torch.zeros(64, dtype=torch.long))
+        head.batch.CopyFrom(batch_to_meta(batch))
         head.admission.CopyFrom(pipeline.owner.admit(pipeline.session, swarm.trainer.peer_id, trainer=True))
-        big = tensor_to_raw(torch.zeros(64, 1, 8, 8)).SerializeToString()  # 16 KiB
+        big = micro_batch_payload(batch, inputs=torch.zeros(64, 1, 8, 8))  # 16 KiB
         assert len(big) > 4096
         with pytest.raises(RemoteError, match="at once") as caught:  # a while later it may: another peer now
             swarm.loop.run(call(swarm.trainer.streams, node.peer_id, "micro_batch", head, big, 10))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.errors import PayloadError, ProtocolError
@@ -61,7 +62,7 @@ class Chain:
                 f"stage {host.stage} of run {host.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
                 pb.NOT_READY,
             )
-        batch = meta_to_batch(head.batch)
+        batch, carried, body = _unpack(head, payload)
         host.serving(batch, head.step_proof)
         # from arrival: the sender's clock runs meanwhile
         settings = host.settings
@@ -72,7 +73,7 @@ class Chain:
         host.peak_queue = max(host.peak_queue, host.queue)
         host.occupied.enter()
         try:
-            outcome = await self._chain(head, batch, payload, sender, deadline, used, attempt)
+            outcome = await self._chain(head, batch, carried, body, sender, deadline, used, attempt)
         except BaseException:
             if runtime is host.runtime and self.attempts.get(batch.key) is attempt:
                 await host.compute(runtime.drop, batch, LinkEnds(*used))
@@ -89,7 +90,8 @@ class Chain:
         self,
         head: pb.MicroBatchHead,
         batch: MicroBatch,
-        payload: bytes,
+        carried: pb.Carried,
+        body: memoryview,
         sender: str,
         deadline: float,
         used: list,
@@ -104,20 +106,20 @@ class Chain:
                 head.epoch, head.seq, max(deadline - time.monotonic(), host.settings.min_budget_s), host.link_grace
             ) as fresh:
                 if host.first:
-                    inputs = pb.RawTensor()
-                    inputs.ParseFromString(payload)
-                    data = raw_to_tensor(inputs, "stage 0 input")
+                    data = _inputs(carried, body)
                 else:
                     # checked before a number on our next link is taken: a malformed payload costs
                     # its sender's link only, never ours to the next stage (the other senders' too)
+                    if carried.HasField("inputs"):
+                        raise SenderFault(f"stage 0's input sent to stage {host.stage}")
                     try:
-                        data = await host.compute(wire.decode, payload)
+                        data = await host.compute(wire.decode, body, host.settings.decode_limits)
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
                     if not data.shape or data.shape[0] != batch.size:
                         raise SenderFault(f"activations of shape {data.shape} for {batch.size} samples")
                     used[0] = links.end_in(sender, fresh)
-                    links.received[(sender, "forward", batch.mode.value)] += len(payload)
+                    links.received[(sender, "forward", batch.mode.value)] += len(body)
                 record = None if host.last else await handoff.choose(host.session_id)
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
@@ -220,3 +222,23 @@ class Chain:
                 f"micro-batch {batch.key} reached stage {self.host.stage} again through another peer: this attempt is void",
                 pb.UNAVAILABLE,
             )
+
+
+def _unpack(head: pb.MicroBatchHead, payload: bytes) -> tuple[MicroBatch, pb.Carried, memoryview]:
+    """The micro-batch of `head` and its payload, what it carries and a view of its activations;
+    a malformed payload is its sender's fault."""
+    try:
+        carried, body = envelope.unpack(payload)
+        return meta_to_batch(head.batch, carried), carried, body
+    except (PayloadError, ProtocolError) as e:
+        raise SenderFault(str(e)) from None
+
+
+def _inputs(carried: pb.Carried, body: memoryview):
+    """Stage 0's input: carried, with no activations after it."""
+    if not carried.HasField("inputs") or len(body):
+        raise SenderFault("a micro-batch for stage 0 carries its input and nothing after it")
+    try:
+        return raw_to_tensor(carried.inputs, "stage 0 input")
+    except ProtocolError as e:
+        raise SenderFault(str(e)) from None

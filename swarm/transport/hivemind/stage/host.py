@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from protocols import stage_pb2 as pb
+from protocols import wire
 from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
@@ -283,7 +284,8 @@ class HostedStage:
 
     def backward(self, batch: MicroBatch, payload: bytes, metrics: dict, ends: LinkEnds) -> Message:
         started = self.clock.start()
-        message = self.runtime.backward(batch, payload, metrics, ends)
+        gradient = wire.decode(payload, self.settings.decode_limits)
+        message = self.runtime.backward(batch, gradient, metrics, ends)
         message.delivered()
         self.clock.stop(started)
         return message

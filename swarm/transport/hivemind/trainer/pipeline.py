@@ -19,6 +19,7 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+import torch
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -35,7 +36,7 @@ from swarm.transport.hivemind.errors import RemoteError, TransportError, one_lin
 from swarm.transport.hivemind.events import EventLog
 from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.meta import address, tensor_to_raw
+from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.ordering import Numbering
 from swarm.transport.hivemind.pacing import FlowPacer
@@ -66,7 +67,7 @@ class SwarmPipeline:
     ) -> None:
         self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
         self.num_stages = cfg.model.num_stages
-        self.in_flight = in_flight or cfg.train.in_flight or 2 * self.num_stages
+        self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, self.num_stages, node.settings)
         # the run's owner: signs control calls, admits members (swarm.transport.hivemind.trust)
         self.owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
         self.session = uuid.uuid4().hex
@@ -82,7 +83,8 @@ class SwarmPipeline:
         self.tied: list[TiedPair] = []
         self.step_index = 0  # optimizer steps done
         self.routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
-        self._sent: dict[int, tuple[MicroBatch, bytes]] = {}  # ... and what they were, to re-run if a peer leaves
+        # ... and what they were, to re-run if a peer leaves
+        self._sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
         self.numbering = Numbering()  # of our messages to each stage-0 peer
         self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         sending = Sending(node.settings.sending_per_neighbour)
@@ -221,8 +223,8 @@ class SwarmPipeline:
 
     def run_many(self, items) -> list[dict[str, float]]:
         """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time."""
-        raw = [(batch, tensor_to_raw(x).SerializeToString()) for batch, x in items]
-        return self._mended(lambda: self.loop.run(self._run_many(raw)))
+        items = list(items)
+        return self._mended(lambda: self.loop.run(self._run_many(items)))
 
     def _mended(self, work):
         """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
@@ -241,30 +243,30 @@ class SwarmPipeline:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
         await self._run_many([self._sent[i] for i in indices])
 
-    async def _run_many(self, items: list[tuple[MicroBatch, bytes]]) -> list[dict[str, float]]:
+    async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
         self.accounts.step_statuses = None
         window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
 
-        async def one(batch: MicroBatch, payload: bytes) -> dict[str, float]:
+        async def one(batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
             async with window:  # both locks are fair: micro-batches leave in the order given
-                return await self._one(batch, payload, order)
+                return await self._one(batch, inputs, order)
 
-        results = await asyncio.gather(*(one(b, p) for b, p in items), return_exceptions=True)
+        results = await asyncio.gather(*(one(b, x) for b, x in items), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return results
 
-    async def _one(self, batch: MicroBatch, payload: bytes, order: asyncio.Lock) -> dict[str, float]:
+    async def _one(self, batch: MicroBatch, inputs: torch.Tensor, order: asyncio.Lock) -> dict[str, float]:
         async with order:  # numbers are taken in the order the micro-batches were given
             record = await self.handoff.choose(self.session)
             sent = self.numbering.take(record.peer_id)
 
         async def again(peer: str) -> tuple[tuple[int, int], bytes]:
-            return self.numbering.take(peer), payload  # raw inputs: valid on any link
+            return self.numbering.take(peer), b""  # raw inputs, carried: valid on any link
 
         proof = self.owner.step_proof(self.session, batch.step)
-        frame, _, _ = await self.handoff.send(batch, record, sent, payload, self.session, again, proof=proof)
+        frame, _, _ = await self.handoff.send(batch, record, sent, b"", self.session, again, proof=proof, inputs=inputs)
         result = frame.head
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
@@ -274,7 +276,7 @@ class SwarmPipeline:
             )
         if batch.mode is Mode.TRAIN:
             self.routes[batch.index] = list(result.route)
-            self._sent[batch.index] = (batch, payload)
+            self._sent[batch.index] = (batch, inputs)
             for stage, peer_id in enumerate(result.route):
                 self.following.discard(peer_id)  # it served a micro-batch: it is in service
                 if peer_id not in self.members.setdefault(stage, []) and self.owner.issued(
@@ -380,3 +382,14 @@ class SwarmPipeline:
             self.adaptive.restore(saved)
         self.went_back(step)
         return step
+
+
+def micro_batches_in_flight(asked: int | None, num_stages: int, settings) -> int:
+    """Micro-batches in the pipeline at once: `asked`, or two per stage; never more than a stage
+    peer takes from one sender at once (it refuses the rest)."""
+    limit = settings.max_requests_per_sender
+    if asked is not None and asked > limit:
+        raise ValueError(
+            f"train.in_flight={asked}: a stage peer takes at most {limit} micro-batches of one sender at once (max_requests_per_sender)"
+        )
+    return asked or min(2 * num_stages, limit)
