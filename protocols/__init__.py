@@ -6,12 +6,13 @@
 
 from protocols.errors import PayloadError
 from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
-from protocols.wire import FORMAT_VERSION, DecodeLimits, decode, encode
+from protocols.version import PROTOCOL_VERSION
+from protocols.wire import DecodeLimits, decode, encode
 
 __all__ = [
     "DecodeLimits",
     "Encoded",
-    "FORMAT_VERSION",
+    "PROTOCOL_VERSION",
     "Granularity",
     "PayloadError",
     "QuantPart",

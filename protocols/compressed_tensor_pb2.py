@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63ompressed_tensor.proto\x12\x10hivepipe.wire.v1\"@\n\x03Raw\x12+\n\nwire_dtype\x18\x01 \x01(\x0e\x32\x17.hivepipe.wire.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"y\n\tQuantized\x12\x0c\n\x04\x62its\x18\x01 \x01(\r\x12\x32\n\x0bgranularity\x18\x02 \x01(\x0e\x32\x1d.hivepipe.wire.v1.Granularity\x12\r\n\x05\x63odes\x18\x03 \x01(\x0c\x12\x0c\n\x04lows\x18\x04 \x01(\x0c\x12\r\n\x05steps\x18\x05 \x01(\x0c\"\xed\x01\n\x06Sparse\x12\x17\n\x0fkept_per_sample\x18\x01 \x01(\x04\x12\x33\n\x0cindex_coding\x18\x02 \x01(\x0e\x32\x1d.hivepipe.wire.v1.IndexCoding\x12\x0f\n\x07indices\x18\x03 \x01(\x0c\x12\x14\n\x0cindex_digest\x18\x04 \x01(\x07\x12+\n\nraw_values\x18\x05 \x01(\x0b\x32\x15.hivepipe.wire.v1.RawH\x00\x12\x37\n\x10quantized_values\x18\x06 \x01(\x0b\x32\x1b.hivepipe.wire.v1.QuantizedH\x00\x42\x08\n\x06values\"F\n\nStateStamp\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fsample_versions\x18\x02 \x03(\x04\x12\x0e\n\x06warmup\x18\x03 \x01(\x08\"\xec\x02\n\x10\x43ompressedTensor\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\r\n\x05shape\x18\x02 \x03(\x04\x12&\n\x05\x64type\x18\x03 \x01(\x0e\x32\x17.hivepipe.wire.v1.DType\x12$\n\x03raw\x18\x04 \x01(\x0b\x32\x15.hivepipe.wire.v1.RawH\x00\x12\x30\n\tquantized\x18\x05 \x01(\x0b\x32\x1b.hivepipe.wire.v1.QuantizedH\x00\x12*\n\x06sparse\x18\x06 \x01(\x0b\x32\x18.hivepipe.wire.v1.SparseH\x00\x12+\n\x05state\x18\x07 \x01(\x0b\x32\x1c.hivepipe.wire.v1.StateStamp\x12\x1a\n\rbuffer_length\x18\x0e \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08\x63hecksum\x18\x0f \x01(\x07H\x02\x88\x01\x01\x42\x06\n\x04\x62odyB\x10\n\x0e_buffer_lengthB\x0b\n\t_checksum*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04*[\n\x0bGranularity\x12\x1b\n\x17GRANULARITY_UNSPECIFIED\x10\x00\x12\x0e\n\nPER_TENSOR\x10\x01\x12\x0e\n\nPER_SAMPLE\x10\x02\x12\x0f\n\x0bPER_CHANNEL\x10\x03*U\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\n\n\x06\x42ITMAP\x10\x01\x12\x10\n\x0c\x44\x45LTA_VARINT\x10\x02\x12\n\n\x06REUSED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63ompressed_tensor.proto\x12\rhivepipe.wire\"=\n\x03Raw\x12(\n\nwire_dtype\x18\x01 \x01(\x0e\x32\x14.hivepipe.wire.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"v\n\tQuantized\x12\x0c\n\x04\x62its\x18\x01 \x01(\r\x12/\n\x0bgranularity\x18\x02 \x01(\x0e\x32\x1a.hivepipe.wire.Granularity\x12\r\n\x05\x63odes\x18\x03 \x01(\x0c\x12\x0c\n\x04lows\x18\x04 \x01(\x0c\x12\r\n\x05steps\x18\x05 \x01(\x0c\"\xe4\x01\n\x06Sparse\x12\x17\n\x0fkept_per_sample\x18\x01 \x01(\x04\x12\x30\n\x0cindex_coding\x18\x02 \x01(\x0e\x32\x1a.hivepipe.wire.IndexCoding\x12\x0f\n\x07indices\x18\x03 \x01(\x0c\x12\x14\n\x0cindex_digest\x18\x04 \x01(\x07\x12(\n\nraw_values\x18\x05 \x01(\x0b\x32\x12.hivepipe.wire.RawH\x00\x12\x34\n\x10quantized_values\x18\x06 \x01(\x0b\x32\x18.hivepipe.wire.QuantizedH\x00\x42\x08\n\x06values\"F\n\nStateStamp\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fsample_versions\x18\x02 \x03(\x04\x12\x0e\n\x06warmup\x18\x03 \x01(\x08\"\xdd\x02\n\x10\x43ompressedTensor\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\r\n\x05shape\x18\x02 \x03(\x04\x12#\n\x05\x64type\x18\x03 \x01(\x0e\x32\x14.hivepipe.wire.DType\x12!\n\x03raw\x18\x04 \x01(\x0b\x32\x12.hivepipe.wire.RawH\x00\x12-\n\tquantized\x18\x05 \x01(\x0b\x32\x18.hivepipe.wire.QuantizedH\x00\x12\'\n\x06sparse\x18\x06 \x01(\x0b\x32\x15.hivepipe.wire.SparseH\x00\x12(\n\x05state\x18\x07 \x01(\x0b\x32\x19.hivepipe.wire.StateStamp\x12\x1a\n\rbuffer_length\x18\x0e \x01(\x04H\x01\x88\x01\x01\x12\x15\n\x08\x63hecksum\x18\x0f \x01(\x07H\x02\x88\x01\x01\x42\x06\n\x04\x62odyB\x10\n\x0e_buffer_lengthB\x0b\n\t_checksum*S\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04*[\n\x0bGranularity\x12\x1b\n\x17GRANULARITY_UNSPECIFIED\x10\x00\x12\x0e\n\nPER_TENSOR\x10\x01\x12\x0e\n\nPER_SAMPLE\x10\x02\x12\x0f\n\x0bPER_CHANNEL\x10\x03*U\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\n\n\x06\x42ITMAP\x10\x01\x12\x10\n\x0c\x44\x45LTA_VARINT\x10\x02\x12\n\n\x06REUSED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'compressed_tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=913
-  _globals['_DTYPE']._serialized_end=996
-  _globals['_GRANULARITY']._serialized_start=998
-  _globals['_GRANULARITY']._serialized_end=1089
-  _globals['_INDEXCODING']._serialized_start=1091
-  _globals['_INDEXCODING']._serialized_end=1176
-  _globals['_RAW']._serialized_start=45
-  _globals['_RAW']._serialized_end=109
-  _globals['_QUANTIZED']._serialized_start=111
-  _globals['_QUANTIZED']._serialized_end=232
-  _globals['_SPARSE']._serialized_start=235
-  _globals['_SPARSE']._serialized_end=472
-  _globals['_STATESTAMP']._serialized_start=474
-  _globals['_STATESTAMP']._serialized_end=544
-  _globals['_COMPRESSEDTENSOR']._serialized_start=547
-  _globals['_COMPRESSEDTENSOR']._serialized_end=911
+  _globals['_DTYPE']._serialized_start=880
+  _globals['_DTYPE']._serialized_end=963
+  _globals['_GRANULARITY']._serialized_start=965
+  _globals['_GRANULARITY']._serialized_end=1056
+  _globals['_INDEXCODING']._serialized_start=1058
+  _globals['_INDEXCODING']._serialized_end=1143
+  _globals['_RAW']._serialized_start=42
+  _globals['_RAW']._serialized_end=103
+  _globals['_QUANTIZED']._serialized_start=105
+  _globals['_QUANTIZED']._serialized_end=223
+  _globals['_SPARSE']._serialized_start=226
+  _globals['_SPARSE']._serialized_end=454
+  _globals['_STATESTAMP']._serialized_start=456
+  _globals['_STATESTAMP']._serialized_end=526
+  _globals['_COMPRESSEDTENSOR']._serialized_start=529
+  _globals['_COMPRESSEDTENSOR']._serialized_end=878
 # @@protoc_insertion_point(module_scope)

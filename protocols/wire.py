@@ -20,8 +20,7 @@ from protocols import compressed_tensor_pb2 as pb
 from protocols.checksum import crc32
 from protocols.errors import PayloadError
 from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
-
-FORMAT_VERSION = 1
+from protocols.version import PROTOCOL_VERSION
 
 # torch.frombuffer warns on every read-only buffer (received bytes are): the decoders copy before
 # writing. A filter, not `catch_warnings` around each call: that is not thread-safe, and leaving it
@@ -179,7 +178,7 @@ def encode(enc: Encoded) -> bytes:
         tail.state.warmup = enc.stamp.warmup
     segments = [
         pb.CompressedTensor(
-            format_version=FORMAT_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype]
+            format_version=PROTOCOL_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype]
         ).SerializeToString(),
         *segments,
         tail.SerializeToString(),
@@ -293,8 +292,8 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         msg.ParseFromString(payload)
     except (DecodeError, RuntimeError, ValueError) as e:
         raise PayloadError(f"payload is not a CompressedTensor: {e}") from None
-    if msg.format_version != FORMAT_VERSION:
-        raise PayloadError(f"unsupported format version {msg.format_version} (this peer reads {FORMAT_VERSION})")
+    if msg.format_version != PROTOCOL_VERSION:
+        raise PayloadError(f"unsupported format version {msg.format_version} (this peer reads {PROTOCOL_VERSION})")
     shape = tuple(int(d) for d in msg.shape)
     if len(shape) > limits.max_rank:
         raise PayloadError(f"tensor rank {len(shape)} exceeds the limit of {limits.max_rank}")

@@ -21,6 +21,7 @@ from protocols import carried as envelope
 from protocols import compressed_tensor_pb2 as cpb
 from protocols import stage_pb2 as pb
 from protocols import wire
+from protocols.calls import CALLS, Trust
 from protocols.framing import frame_parts
 from protocols.message import Encoded, Granularity, QuantPart, RawPart
 from swarm.engine.microbatch import MicroBatch
@@ -28,18 +29,8 @@ from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_pa
 from swarm.transport.hivemind.trust.admissions import issue
 from swarm.transport.hivemind.trust.signatures import sign_call
 
-CONTROL_HEADS = {
-    "setup": pb.SetupRequest,
-    "gather": pb.GatherRequest,
-    "set_grads": pb.SetGradsRequest,
-    "apply": pb.ApplyRequest,
-    "save": pb.SaveRequest,
-    "load": pb.LoadRequest,
-    "snapshot": pb.SnapshotRequest,
-    "restore": pb.RestoreRequest,
-    "state": pb.StateRequest,
-    "info": pb.InfoRequest,
-}
+# every call but the micro-batch (its own categories below)
+CONTROL_HEADS = {kind: call.request for kind, call in CALLS.items() if call.trust is not Trust.NEIGHBOUR}
 
 
 @dataclass

@@ -12,7 +12,7 @@ from _util import buffers_of, make, parse_pb, seal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocols import FORMAT_VERSION, DecodeLimits, Encoded, PayloadError, RawPart, checksum, wire
+from protocols import PROTOCOL_VERSION, DecodeLimits, Encoded, PayloadError, RawPart, checksum, wire
 from protocols import compressed_tensor_pb2 as pb
 from swarm.compression import Receiver, parse
 
@@ -228,7 +228,7 @@ def test_random_bytes_with_valid_prefix_rejected(tail, item):
 
 def raw_msg(shape=(2, 3), dtype=pb.FLOAT32, data=None):
     n = math.prod(shape)
-    m = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=shape, dtype=dtype)
+    m = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=shape, dtype=dtype)
     m.raw.wire_dtype = pb.FLOAT32
     m.raw.data = data if data is not None else struct.pack(f"<{n}f", *range(n))
     return m
@@ -237,7 +237,7 @@ def raw_msg(shape=(2, 3), dtype=pb.FLOAT32, data=None):
 def quant_msg(shape=(2, 4), bits=4, granularity=pb.PER_SAMPLE):
     n = math.prod(shape)
     groups = shape[0]
-    m = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=shape, dtype=pb.FLOAT32)
+    m = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=shape, dtype=pb.FLOAT32)
     m.quantized.bits = bits
     m.quantized.granularity = granularity
     m.quantized.codes = bytes(-(-n * 4 // 8))
@@ -248,7 +248,7 @@ def quant_msg(shape=(2, 4), bits=4, granularity=pb.PER_SAMPLE):
 
 def sparse_msg(shape=(2, 8), k=2, positions=(0, 3, 8, 15)):
     total = math.prod(shape)
-    m = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=shape, dtype=pb.FLOAT32)
+    m = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=shape, dtype=pb.FLOAT32)
     m.sparse.kept_per_sample = k
     m.sparse.index_coding = pb.BITMAP
     bits = bytearray(-(-total // 8))
@@ -279,7 +279,7 @@ def test_handmade_messages_are_valid():
     assert enc.body.positions.tolist() == [0, 3, 8, 15]
 
 
-@pytest.mark.parametrize("version", [0, 2, 3, 999, 2**32 - 1])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 999, 2**32 - 1])
 def test_unknown_format_version(version):
     m = raw_msg()
     m.format_version = version
@@ -367,7 +367,7 @@ def test_sparse_validations():
 
 
 def test_no_body():
-    m = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=(2,), dtype=pb.FLOAT32)
+    m = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=(2,), dtype=pb.FLOAT32)
     assert_rejected(m)
 
 

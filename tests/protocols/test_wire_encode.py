@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from _util import seal
 
-from protocols import FORMAT_VERSION, Encoded, RawPart, bitpack, indices, wire
+from protocols import PROTOCOL_VERSION, Encoded, RawPart, bitpack, indices, wire
 from protocols import compressed_tensor_pb2 as pb
 from protocols.message import Granularity, QuantPart, SparsePart, StateStamp
 
@@ -41,7 +41,7 @@ def _protobuf_encode(enc: Encoded) -> bytes:
             data(part.steps.float()),
         )
 
-    msg = pb.CompressedTensor(format_version=FORMAT_VERSION, shape=enc.shape, dtype=dtypes[enc.dtype])
+    msg = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=enc.shape, dtype=dtypes[enc.dtype])
     body = enc.body
     if isinstance(body, RawPart):
         fill_raw(msg.raw, body)

@@ -11,5 +11,3 @@ Shared plumbing, used by both sides:
 The stage peer's side is `stage/` (host, links, chain, rounds, server), the trainer's `trainer/`
 (pipeline, rounds, adaptive).
 """
-
-PROTOCOL_VERSION = 4  # of protocols/stage.proto: peers of another version are not routed to, and refused

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from hivemind.utils import get_dht_time
 
-from swarm.transport.hivemind import PROTOCOL_VERSION
+from protocols.version import PROTOCOL_VERSION
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.periodic import Refresher
 from swarm.transport.hivemind.schemas import RUNS_KEY, owned

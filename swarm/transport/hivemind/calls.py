@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 
 from protocols import stage_pb2 as pb
+from protocols.calls import CALLS
 from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
 from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.errors import RemoteError, TransportError, short
@@ -136,9 +137,10 @@ class Exchange:
 
 
 async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: bytes, timeout: float, owner=None) -> Frame:
-    """A control request (setup, a step round, a checkpoint, a status) and its verified reply;
-    signed with `owner`'s key when given (the calls only a run's owner may make)."""
-    auth = sign_call(owner, kind, head, payload, str(peer_id)) if owner is not None else None
+    """A request other than a micro-batch (setup, a step round, a checkpoint, a copy, a state
+    download, a status) and its verified reply; a call only the run's owner makes
+    (protocols.calls) is signed with `owner`'s key."""
+    auth = sign_call(owner, kind, head, payload, str(peer_id)) if owner is not None and CALLS[kind].signed else None
     exchange = Exchange(streams, peer_id, kind, head, payload, auth=auth)
     frame = await exchange.reply(timeout)
     exchange.finish()

@@ -20,8 +20,8 @@ import torch
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
+from protocols.version import PROTOCOL_VERSION
 from swarm.engine.microbatch import MicroBatch, Mode
-from swarm.transport.hivemind import PROTOCOL_VERSION
 
 _DTYPES = {
     name: getattr(torch, name)

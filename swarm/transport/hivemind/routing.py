@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
-from swarm.transport.hivemind import PROTOCOL_VERSION
+from protocols.version import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord, discover
 from swarm.transport.hivemind.node import SwarmNode
 

@@ -23,10 +23,11 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
 from protocols.framing import CHUNK_BYTES, Received, parse_message
+from protocols.version import STREAM
 from swarm.transport.hivemind.errors import RemoteError, short
 from swarm.transport.hivemind.pacing import send_paced
 
-PROTOCOL = "hivepipe.stage.v2"  # the stream protocol of every stage call (protocols/stage.proto)
+PROTOCOL = STREAM  # the stream protocol of every stage call (protocols/stage.proto)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # one payload chunk and the head riding with the first
 
 

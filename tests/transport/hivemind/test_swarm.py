@@ -21,11 +21,12 @@ from _util import frame
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.framing import ProtocolError, read_frame
+from protocols.version import PROTOCOL_VERSION
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind import PROTOCOL_VERSION, loop
+from swarm.transport.hivemind import loop
 from swarm.transport.hivemind.announce import discover
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError

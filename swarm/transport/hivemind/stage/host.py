@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from protocols import stage_pb2 as pb
 from protocols import wire
+from protocols.version import PROTOCOL_VERSION
 from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
-from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord
 from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.calls import Sending

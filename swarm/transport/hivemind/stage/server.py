@@ -21,12 +21,13 @@ from collections import Counter
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
+from protocols.calls import CALLS, Trust
 from protocols.errors import ProtocolError
 from protocols.framing import Frame, frame_parts, read_frame
+from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
-from swarm.transport.hivemind import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import Announcer
 from swarm.transport.hivemind.errors import RemoteError, SenderFault, one_line
 from swarm.transport.hivemind.events import EventLog
@@ -37,13 +38,11 @@ from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
-from swarm.transport.hivemind.trust.signatures import CONTROL
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 AVERAGING_NAMESPACE = "hivepipe.average"  # the all-reduce's p2p handler (swarm.transport.hivemind.stage.averaging)
 MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
-_ROUNDS = ("gather", "set_grads", "apply", "save", "load")  # swarm.transport.hivemind.stage.rounds
 
 
 def _check_version(address: pb.Address) -> None:
@@ -155,18 +154,19 @@ class StageServer:
         head = getattr(message, kind)
         if head.ByteSize() + message.auth.ByteSize() > MAX_HEAD_BYTES:
             raise ProtocolError(f"a head of more than {MAX_HEAD_BYTES} bytes")
-        if kind == "info":
+        call = CALLS.get(kind)
+        if call is None:
+            raise ProtocolError(f"unknown request {kind!r}")
+        if call.trust is Trust.OPEN:
             _check_version(head.to)
             return
         hosted = self._find(head.to)
-        if kind in CONTROL:
+        if call.trust is Trust.OWNER:
             hosted.gate.control(kind, head, message.auth, message.chunk)
-        elif kind == "micro_batch":
+        elif call.trust is Trust.NEIGHBOUR:
             hosted.gate.micro_batch(head, sender, hosted.session_id)
-        elif kind == "state":
-            hosted.gate.state(head, sender, hosted.session_id)
         else:
-            raise ProtocolError(f"unknown request {kind!r}")
+            hosted.gate.state(head, sender, hosted.session_id)
 
     def _tell_refusal(self, sender: str, category: str, kind: str, e: BaseException) -> None:
         """An event for a sender's first refusal of each kind (a stranger retrying makes no flood)."""
@@ -258,33 +258,54 @@ class StageServer:
             del self.held[sender]
 
     async def _dispatch(self, frame: Frame, requests: Requests, sender: str):
-        """The handler's answer to `frame`, as a coroutine function that writes it."""
-        arrived = time.monotonic()
+        """The handler's answer to `frame` (`rpc_<kind>`, one per kind of protocols.calls), as a
+        coroutine function that writes it."""
         if frame.kind == "micro_batch":
-            return await self._micro_batch(frame, requests.started, arrived, sender)
+            return await self.rpc_micro_batch(frame, requests.started, time.monotonic(), sender)
         if frame.kind == "info":
             _check_version(frame.head.to)
-            return self._writer(frame.kind, self._info(frame.head), b"")
+            return self.rpc_info(frame.head)
         hosted = self._find(frame.head.to)
-        if frame.kind in CONTROL:
+        if CALLS[frame.kind].signed:
             hosted.gate.calls.payload(frame.kind, frame.first.auth, frame.payload)
-        if frame.kind == "setup":
-            reply = await hosted.setup(frame.head)
-            await self.announcer.announce_now()  # others see it ready now, not at the next refresh
-            return self._writer(frame.kind, reply, b"")
-        if frame.kind in _ROUNDS:
-            head, payload = await hosted.rounds.handle(frame.kind, frame.head, frame.payload)
-            return self._writer(frame.kind, head, payload)
-        if frame.kind in ("snapshot", "restore"):
-            head, payload = await getattr(hosted.snapshots, frame.kind)(frame.head, frame.payload)
-            return self._writer(frame.kind, head, payload)
-        if frame.kind == "state" and frame.head.snapshot:
-            head, payload = hosted.snapshots.serve(frame.head)
-            return self._writer(frame.kind, head, payload)
-        if frame.kind == "state":
-            head, payload = await hosted.source.serve()
-            return self._writer(frame.kind, head, payload, hosted.source.done)
-        raise ProtocolError(f"unknown request {frame.kind!r}")
+        return await getattr(self, f"rpc_{frame.kind}")(hosted, frame.head, frame.payload)
+
+    # ---- the handlers: one per kind of call (protocols.calls) ----------------------------------
+
+    def rpc_info(self, head: pb.InfoRequest):
+        return self._writer("info", self._info(head), b"")
+
+    async def rpc_setup(self, hosted: HostedStage, head: pb.SetupRequest, payload: bytes):
+        reply = await hosted.setup(head)
+        await self.announcer.announce_now()  # others see it ready now, not at the next refresh
+        return self._writer("setup", reply, b"")
+
+    async def rpc_gather(self, hosted: HostedStage, head: pb.GatherRequest, payload: bytes):
+        return self._writer("gather", *await hosted.rounds.handle("gather", head, payload))
+
+    async def rpc_set_grads(self, hosted: HostedStage, head: pb.SetGradsRequest, payload: bytes):
+        return self._writer("set_grads", *await hosted.rounds.handle("set_grads", head, payload))
+
+    async def rpc_apply(self, hosted: HostedStage, head: pb.ApplyRequest, payload: bytes):
+        return self._writer("apply", *await hosted.rounds.handle("apply", head, payload))
+
+    async def rpc_save(self, hosted: HostedStage, head: pb.SaveRequest, payload: bytes):
+        return self._writer("save", *await hosted.rounds.handle("save", head, payload))
+
+    async def rpc_load(self, hosted: HostedStage, head: pb.LoadRequest, payload: bytes):
+        return self._writer("load", *await hosted.rounds.handle("load", head, payload))
+
+    async def rpc_snapshot(self, hosted: HostedStage, head: pb.SnapshotRequest, payload: bytes):
+        return self._writer("snapshot", *await hosted.snapshots.snapshot(head, payload))
+
+    async def rpc_restore(self, hosted: HostedStage, head: pb.RestoreRequest, payload: bytes):
+        return self._writer("restore", *await hosted.snapshots.restore(head, payload))
+
+    async def rpc_state(self, hosted: HostedStage, head: pb.StateRequest, payload: bytes):
+        if head.snapshot:  # a copy the swarm keeps
+            return self._writer("state", *hosted.snapshots.serve(head))
+        head, payload = await hosted.source.serve()
+        return self._writer("state", head, payload, hosted.source.done)
 
     def _writer(self, kind: str, head, payload: bytes, done=None):
         """`done(bytes sent)`: called once the reply is written, or failed to be."""
@@ -301,7 +322,7 @@ class StageServer:
 
         return write
 
-    async def _micro_batch(self, frame: Frame, started: float, arrived: float, sender: str):
+    async def rpc_micro_batch(self, frame: Frame, started: float, arrived: float, sender: str):
         head = frame.head
         if head.sender and head.sender != sender:
             raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")

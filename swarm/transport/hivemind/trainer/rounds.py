@@ -23,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from protocols import stage_pb2 as pb
+from protocols.calls import request
 from protocols.framing import Frame
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
@@ -45,7 +46,7 @@ class SwarmRounds:
     ) -> Frame:
         """One round on one peer, retried there when its reply is lost."""
         p = self.pipeline
-        head = getattr(pb, _REQUESTS[kind])(to=address(p.run_id, stage), **fields)
+        head = request(kind, to=address(p.run_id, stage), **fields)
         timeout = timeout or p.node.settings.call_timeout_s
         frame = await p.retry.same_peer(
             lambda: call(p.node.streams, peer_id, kind, head, payload, timeout, p.owner.key),
@@ -271,14 +272,3 @@ class SwarmRounds:
 
 def codec_changes(codecs: dict[int, tuple[str, str]]) -> list[pb.BoundaryCodecs]:
     return [pb.BoundaryCodecs(boundary=b, forward=fw, backward=bw) for b, (fw, bw) in sorted(codecs.items())]
-
-
-_REQUESTS = {
-    "gather": "GatherRequest",
-    "set_grads": "SetGradsRequest",
-    "apply": "ApplyRequest",
-    "save": "SaveRequest",
-    "load": "LoadRequest",
-    "snapshot": "SnapshotRequest",
-    "restore": "RestoreRequest",
-}

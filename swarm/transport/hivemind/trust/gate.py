@@ -15,11 +15,12 @@ import logging
 import time
 
 from protocols import stage_pb2 as pb
+from protocols.calls import OWNER_CALLS
 from protocols.errors import ProtocolError
 from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.trust import sealed
 from swarm.transport.hivemind.trust.admissions import Admissions
-from swarm.transport.hivemind.trust.signatures import CONTROL, CallCheck, Refused
+from swarm.transport.hivemind.trust.signatures import CallCheck, Refused
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class Gate:
         self.admission: pb.Admission | None = None  # ours, from the setup of the current session
 
     def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
-        assert kind in CONTROL
+        assert kind in OWNER_CALLS
         signer = self.calls.signer(kind, head, auth, chunk, self.owner)
         if self.owner is None and kind != "setup":
             raise RemoteError(f"{kind} call before any setup: this peer has no owner to check it against", pb.NOT_READY)

@@ -21,8 +21,6 @@ from protocols.checksum import crc32
 from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
 
-# calls only the run's owner makes (the trainer); `micro_batch`, `state` and `info` are checked otherwise
-CONTROL = frozenset({"setup", "gather", "set_grads", "apply", "save", "load", "snapshot", "restore"})
 WINDOW_S = 60.0  # a signed call is accepted within this many seconds of its time (clocks may differ a little)
 MAX_KEY_BYTES = 1024  # an RSA-2048 key in hivemind's format is about 380 bytes; longer ones are refused unread
 NONCE_BYTES = 16
