@@ -206,11 +206,10 @@ async def _report(hosted: HostedStage, every: float) -> None:
     last = (-1, -1)
     while True:
         await asyncio.sleep(every)
-        now = (hosted.processed, hosted.steps)
+        meters = hosted.meters
+        now = (meters.processed, hosted.state.steps)
         if now != last:
-            say(
-                f"stage {hosted.stage}: {hosted.processed} micro-batches, {hosted.steps} steps, {hosted.throughput:.1f} samples/s"
-            )
+            say(f"stage {hosted.stage}: {now[0]} micro-batches, {now[1]} steps, {meters.throughput:.1f} samples/s")
             last = now
 
 

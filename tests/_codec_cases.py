@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from protocols import wire
-from protocols.message import Granularity
-from swarm.compression import Cast, Quantize, TopK
+from protocols.message import Encoded, Granularity, QuantPart, SparsePart
+from swarm.compression import Cast, Codec, Quantize, TopK, TopKReuse
 
 G = Granularity
 CODECS = {
@@ -55,6 +55,17 @@ def shape_id(case):
 
 def through_wire(enc):
     return wire.decode(wire.encode(enc))
+
+
+def codec_of(enc: Encoded) -> Codec:
+    """A codec of the payload's own kind (a receiver decodes only its link codec's payloads):
+    `none` for raw values, which takes them in any dtype; a TopK's ratio does not matter to decode."""
+    body = enc.body
+    values = body.values if isinstance(body, SparsePart) else body
+    inner = Quantize(values.bits, values.granularity) if isinstance(values, QuantPart) else Cast()
+    if not isinstance(body, SparsePart):
+        return inner
+    return TopK(1.0, inner) if body.positions is not None else TopKReuse(inner)
 
 
 def rows_of(shape):

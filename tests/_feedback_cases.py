@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from protocols import wire
 from swarm.compression import parse
 
 MIRRORED = [
@@ -51,7 +52,7 @@ class Link:
 
     def step(self, x, ids, warmup=False, commit=True):
         out = self.sender.send(x, sample_ids=ids, warmup=warmup)
-        inc = self.receiver.receive(out.payload, sample_ids=ids)
+        inc = self.receiver.receive(wire.decode(out.payload), sample_ids=ids)
         if commit:
             out.commit()
             inc.commit()

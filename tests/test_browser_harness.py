@@ -1,14 +1,19 @@
-"""The CDP harness of tests/_browser.py against a real page in a real headless Chromium: a page that polls
-the server every 300 ms and shows the number it gets, which the server increases on every request."""
+"""tests/_browser.py against a real page in a real headless Chromium: a page that polls the server every
+300 ms and shows the number it gets, which the server increases on every request; and no browser process
+outlives the helper's block."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
-from _browser import Browser
+from _browser import chromium_page, expect
 
 PAGE = b"""<!doctype html>
 <html><head><title>counter</title></head>
@@ -22,7 +27,6 @@ PAGE = b"""<!doctype html>
   setInterval(poll, 300);
 </script></body></html>
 """
-SHOWN = "document.getElementById('count').textContent"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -60,33 +64,54 @@ def server():
     thread.join()
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with Browser() as b:
-        yield b
+def processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, name, state) of every process on the machine, from /proc/<pid>/stat."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        name_end = stat.rindex(")")  # the name is in parentheses and may hold spaces and parentheses
+        state, parent = stat[name_end + 2 :].split()[:2]
+        found[int(entry)] = (int(parent), stat[stat.index("(") + 1 : name_end], state)
+    return found
 
 
-def test_page_shows_a_number_that_grows_without_reloading(server, browser):
+def running_chromium(table: dict[int, tuple[int, str, str]]) -> set[int]:
+    return {pid for pid, (_, name, state) in table.items() if name == "chromium" and state != "Z"}
+
+
+def descendants(table: dict[int, tuple[int, str, str]], root: int) -> set[int]:
+    below: set[int] = set()
+    while more := {pid for pid, (parent, _, _) in table.items() if parent in below | {root}} - below:
+        below |= more
+    return below
+
+
+def test_page_shows_a_number_that_grows_without_reloading(server):
     loads = _Handler.page_loads
-    browser.open(server)
-    assert browser.evaluate("document.title") == "counter"
-    first = browser.wait_for(f"/^[0-9]+$/.test({SHOWN}) && Number({SHOWN})", timeout=10)
-    assert isinstance(first, int) and first >= 1
-    browser.evaluate("window.marker = 'same document'")  # a reload would lose it
-    later = browser.wait_for(f"Number({SHOWN}) > {first} && Number({SHOWN})", timeout=10)
-    assert later > first
-    assert browser.evaluate("window.marker") == "same document"
+    with chromium_page() as page:
+        page.goto(server)
+        expect(page).to_have_title("counter")
+        count = page.locator("#count")
+        expect(count).to_have_text(re.compile(r"^[0-9]+$"))
+        first = int(count.inner_text())
+        assert first >= 1
+        page.evaluate("window.marker = 'same document'")  # a reload would lose it
+        page.wait_for_function("first => Number(document.getElementById('count').textContent) > first", arg=first)
+        assert page.evaluate("window.marker") == "same document"
     assert _Handler.page_loads == loads + 1
 
 
-def test_evaluate_raises_on_javascript_exceptions_and_wait_for_times_out(server, browser):
-    browser.open(server)
-    assert browser.evaluate("Promise.resolve([1, {a: 2}])") == [1, {"a": 2}]
-    with pytest.raises(RuntimeError, match="boom"):
-        browser.evaluate("(() => { throw new Error('boom') })()")
-    with pytest.raises(RuntimeError, match="rejected"):
-        browser.evaluate("Promise.reject(new Error('rejected'))")
-    with pytest.raises(RuntimeError, match="ReferenceError"):
-        browser.evaluate("no_such_variable")
-    with pytest.raises(AssertionError, match=r"1 === 2.*last value: False"):
-        browser.wait_for("1 === 2", timeout=0.5, interval=0.1)
+def test_no_browser_process_outlives_the_block(server):
+    with chromium_page() as page:
+        page.goto(server)
+        table = processes()
+        browser = running_chromium(table) & descendants(table, os.getpid())
+        assert browser, "no chromium process below this one"
+    # Its helper processes, orphaned by then, end just after it: give them a moment; then none may still run.
+    deadline = time.monotonic() + 5
+    while (left := browser & running_chromium(processes())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"chromium processes {sorted(left)} still run"

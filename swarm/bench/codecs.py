@@ -19,6 +19,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2
 from tqdm import tqdm
 
+from protocols import wire
 from swarm.bench.tensors import activation_gradient, benchmark_tensors
 from swarm.compression import parse
 from swarm.compression.spec import DEFAULT_STORE
@@ -116,7 +117,7 @@ def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
         name,
         x,
         lambda: sender.send(target, reuse=reuse).payload,
-        lambda payload: receiver.receive(payload, reuse=reuse).tensor,
+        lambda payload: receiver.receive(wire.decode(payload), reuse=reuse).tensor,
         lambda payload, y: (len(payload) * 8 / x.numel(), _rel_error(target, y), None),
     )
 

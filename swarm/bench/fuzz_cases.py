@@ -60,7 +60,7 @@ def targets_of(hosted, pipeline, stranger_id: str, member_id: str) -> list[Targe
             pipeline.owner.key,
             stranger_id,
             member_id,
-            step=lambda h=h: h.steps,
+            step=lambda h=h: h.state.steps,
         )
         for h in hosted
     ]

@@ -4,6 +4,11 @@
 - `Quantize`: k-bit min-max codes, per tensor, sample or channel.
 - `TopK`: per-sample TopK; its values go through an inner `Cast` or `Quantize`.
 - `TopKReuse`: values at the positions of the forward message on the same link (values only).
+
+`decode` is each codec's one way back, for received payloads and for a sender's own error
+feedback alike; it refuses, with a one-line `PayloadError`, a payload this codec does not produce
+(a quant:4 payload on a topk:0.1 link), so nothing is decoded with a codec the link does not run.
+Exact payloads (`EXACT`, what warmup and uncompressed evaluation send) are the receiver's to route.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from swarm.compression.quantize import dequantize, quantize
 from swarm.compression.topk import Selection, gather, scatter, top_positions
 
 _FP16_MAX = 65504.0
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
 class Codec:
@@ -30,11 +36,15 @@ class Codec:
         raise NotImplementedError
 
     def decode(self, enc: Encoded, device=None, reuse: Selection | None = None) -> torch.Tensor:
+        """The tensor `enc` stands for; PayloadError if this codec does not produce such payloads."""
         raise NotImplementedError
 
     @property
     def sparse(self) -> bool:
         return False
+
+    def _refuse(self, enc: Encoded) -> PayloadError:
+        return PayloadError(f"a {describe(enc)} payload on a {self.spec} link")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec}>"
@@ -46,13 +56,21 @@ class DenseCodec(Codec):
     def values(self, x: torch.Tensor) -> RawPart | QuantPart:
         raise NotImplementedError
 
+    def holds(self, part: RawPart | QuantPart) -> bool:
+        """Whether `part` is values of this codec (a dense body, or a TopK message's values)."""
+        raise NotImplementedError
+
+    def decode_values(self, part, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+        """Inverts `values`: a tensor of `shape` and `dtype` from a part this codec `holds`."""
+        raise NotImplementedError
+
     def encode(self, x: torch.Tensor, reuse: Selection | None = None) -> Encoded:
         return Encoded(tuple(x.shape), x.dtype, self.values(x))
 
     def decode(self, enc: Encoded, device=None, reuse: Selection | None = None) -> torch.Tensor:
-        if isinstance(enc.body, SparsePart):
-            raise PayloadError("dense codec got a TopK payload")
-        return decode_values(enc.body, enc.shape, enc.dtype, device)
+        if isinstance(enc.body, SparsePart) or not self.holds(enc.body):
+            raise self._refuse(enc)
+        return self.decode_values(enc.body, enc.shape, enc.dtype, device)
 
 
 # ---- value codecs (dense bodies; also the values of a TopK message) ----------------------------
@@ -78,6 +96,21 @@ class Cast(DenseCodec):
             x = wide.clamp(-_FP16_MAX, _FP16_MAX)
         return RawPart(x.to(self.wire_dtype))
 
+    def holds(self, part: RawPart | QuantPart) -> bool:
+        # `none` sends values in whatever dtype they are in: error feedback's fp32 sums of a bf16 tensor too
+        return isinstance(part, RawPart) and self.wire_dtype in (None, part.data.dtype)
+
+    def decode_values(self, part: RawPart, shape, dtype, device=None) -> torch.Tensor:
+        return part.data.to(device=device, dtype=dtype).reshape(shape)
+
+
+EXACT = Cast()  # what warmup and uncompressed evaluation send on any link
+
+
+def is_exact(enc: Encoded) -> bool:
+    """Whether `enc` is an exact payload: raw values in the tensor's own dtype (`EXACT`'s)."""
+    return isinstance(enc.body, RawPart) and enc.body.data.dtype == enc.dtype
+
 
 @dataclass(frozen=True, repr=False)
 class Quantize(DenseCodec):
@@ -97,14 +130,30 @@ class Quantize(DenseCodec):
     def values(self, x: torch.Tensor) -> QuantPart:
         return quantize(x, self.bits, self.granularity, self.stochastic)
 
+    def holds(self, part: RawPart | QuantPart) -> bool:
+        return isinstance(part, QuantPart) and (part.bits, part.granularity) == (self.bits, self.granularity)
+
+    def decode_values(self, part: QuantPart, shape, dtype, device=None) -> torch.Tensor:
+        return dequantize(part, shape, dtype, device)
+
 
 ValueCodec = Cast | Quantize
 
 
-def decode_values(part: RawPart | QuantPart, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
-    if isinstance(part, QuantPart):
-        return dequantize(part, shape, dtype, device)
-    return part.data.to(device=device, dtype=dtype).reshape(shape)
+def describe(enc: Encoded) -> str:
+    """A payload's kind in the spec grammar's words, for refusals: fp16, quant:4/sample, topk/q8."""
+    body = enc.body
+    if isinstance(body, SparsePart):
+        values = body.values
+        kind = f"q{values.bits}" if isinstance(values, QuantPart) else _dtype_name(values.data.dtype)
+        return f"{'topk' if body.positions is not None else 'topk:reuse'}/{kind}"
+    if isinstance(body, QuantPart):
+        return f"quant:{body.bits}/{body.granularity.value}"
+    return _dtype_name(body.data.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 # ---- sparse codecs ------------------------------------------------------------------------------
@@ -115,31 +164,37 @@ def _sparse_values(inner: ValueCodec, x: torch.Tensor, positions: torch.Tensor, 
     return inner.values(gather(x, positions).view(rows, kept))
 
 
-def decode_sparse(enc: Encoded, reuse: Selection | None = None, device=None) -> torch.Tensor:
-    """Decode a TopK body, with its own indices or with the forward message's (reuse)."""
-    part = enc.body
-    assert isinstance(part, SparsePart)
-    if part.positions is None:
-        if reuse is None:
-            raise PayloadError("reused-index payload, but this link remembers no forward indices")
-        rows = rows_of(enc.shape)
-        if (
-            part.index_digest != reuse.digest
-            or part.kept_per_sample != reuse.kept_per_sample
-            or reuse.positions.numel() != rows * part.kept_per_sample
-            or (reuse.positions.numel() and int(reuse.positions[-1]) >= enc.numel)
+class _Sparse(Codec):
+    """TopK bodies: values through the `inner` codec at positions the payload carries (`TopK`) or
+    at the forward message's (`TopKReuse`, `reused`)."""
+
+    reused = False
+
+    @property
+    def sparse(self) -> bool:
+        return True
+
+    @property
+    def _values_spec(self) -> str:
+        return "" if self.inner == Cast() else f"/{_inner_spec(self.inner)}"
+
+    def _positions(self, enc: Encoded, reuse: Selection | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded, device=None, reuse: Selection | None = None) -> torch.Tensor:
+        part = enc.body
+        if not (
+            isinstance(part, SparsePart) and (part.positions is None) == self.reused and self.inner.holds(part.values)
         ):
-            raise PayloadError("reused-index payload does not match the forward message's indices")
-        positions = reuse.positions
-    else:
-        positions = part.positions
-    rows = rows_of(enc.shape)
-    values = decode_values(part.values, (rows, part.kept_per_sample), enc.dtype, device)
-    return scatter(values.reshape(-1), positions, enc.shape, enc.dtype, device)
+            raise self._refuse(enc)
+        positions = self._positions(enc, reuse)
+        shape = (rows_of(enc.shape), part.kept_per_sample)
+        values = self.inner.decode_values(part.values, shape, enc.dtype, device)
+        return scatter(values.reshape(-1), positions, enc.shape, enc.dtype, device)
 
 
 @dataclass(frozen=True, repr=False)
-class TopK(Codec):
+class TopK(_Sparse):
     """Keep ceil(ratio * n) largest-magnitude values of every sample."""
 
     ratio: float
@@ -150,12 +205,8 @@ class TopK(Codec):
             raise ValueError(f"TopK ratio must be in (0, 1], got {self.ratio}")
 
     @property
-    def sparse(self) -> bool:
-        return True
-
-    @property
     def spec(self) -> str:
-        return f"topk:{self.ratio:g}" + ("" if self.inner == Cast() else f"/{_inner_spec(self.inner)}")
+        return f"topk:{self.ratio:g}{self._values_spec}"
 
     def encode_at(self, x: torch.Tensor, positions: torch.Tensor, kept: int) -> Encoded:
         """Encode the values of x at sorted flat positions (EF-mixed chooses its own)."""
@@ -166,26 +217,20 @@ class TopK(Codec):
         positions, kept = top_positions(x, self.ratio)
         return self.encode_at(x, positions, kept)
 
-    def decode(self, enc: Encoded, device=None, reuse: Selection | None = None) -> torch.Tensor:
-        part = enc.body
-        if not isinstance(part, SparsePart) or part.positions is None:
-            raise PayloadError("TopK codec got a payload without indices")
-        return decode_sparse(enc, None, device)
+    def _positions(self, enc: Encoded, reuse: Selection | None) -> torch.Tensor:
+        return enc.body.positions  # protocols.wire checked them against the shape
 
 
 @dataclass(frozen=True, repr=False)
-class TopKReuse(Codec):
+class TopKReuse(_Sparse):
     """Gradient values at the forward activation's positions: the payload carries no indices."""
 
     inner: ValueCodec = Cast()
-
-    @property
-    def sparse(self) -> bool:
-        return True
+    reused = True
 
     @property
     def spec(self) -> str:
-        return "topk:reuse" + ("" if self.inner == Cast() else f"/{_inner_spec(self.inner)}")
+        return f"topk:reuse{self._values_spec}"
 
     def encode(self, x: torch.Tensor, reuse: Selection | None = None) -> Encoded:
         if reuse is None:
@@ -195,11 +240,19 @@ class TopKReuse(Codec):
         values = _sparse_values(self.inner, x, reuse.positions, reuse.kept_per_sample)
         return Encoded(tuple(x.shape), x.dtype, SparsePart(reuse.kept_per_sample, None, values, reuse.digest))
 
-    def decode(self, enc: Encoded, device=None, reuse: Selection | None = None) -> torch.Tensor:
+    def _positions(self, enc: Encoded, reuse: Selection | None) -> torch.Tensor:
+        """The forward message's positions, if the payload names them (digest) and they fit its shape."""
+        if reuse is None:
+            raise PayloadError("reused-index payload, but this link remembers no forward indices")
         part = enc.body
-        if not isinstance(part, SparsePart) or part.positions is not None:
-            raise PayloadError("expected a reused-index TopK payload")
-        return decode_sparse(enc, reuse, device)
+        if (
+            part.index_digest != reuse.digest
+            or part.kept_per_sample != reuse.kept_per_sample
+            or reuse.positions.numel() != rows_of(enc.shape) * part.kept_per_sample
+            or (reuse.positions.numel() and int(reuse.positions[-1]) >= enc.numel)
+        ):
+            raise PayloadError("reused-index payload does not match the forward message's indices")
+        return reuse.positions
 
 
 def _inner_spec(inner: ValueCodec) -> str:

@@ -1,6 +1,8 @@
 """The two ends of a compressed link direction, with optional error feedback.
 
-A `Sender` turns a tensor into payload bytes, a `Receiver` turns them back. Stateful variants:
+A `Sender` turns a tensor into payload bytes; a `Receiver` turns the message the transport parsed
+from them (`protocols.wire.decode`, with the transport's limits) back into a tensor, with the
+link's codec (`Codec.decode`), or with `EXACT` for exact payloads. Stateful variants:
 
 - `ef`      Seide EF, sender only: send C(x + e), keep e = (x + e) - C(x + e).
 - `efmixed` EF for TopK: K/2 largest of x plus K/2 largest of e, sent from x + e.
@@ -21,13 +23,11 @@ import torch
 
 from protocols import wire
 from protocols.errors import PayloadError
-from protocols.message import Encoded, SparsePart, StateStamp
-from protocols.wire import DEFAULT_LIMITS, DecodeLimits, rows_of
-from swarm.compression.codecs import Cast, Codec, TopK, decode_sparse, decode_values, selection_of
+from protocols.message import Encoded, StateStamp
+from protocols.wire import rows_of
+from swarm.compression.codecs import EXACT, Codec, TopK, describe, is_exact, selection_of
 from swarm.compression.state import GlobalState, SampleStore, StaleStateError
 from swarm.compression.topk import Selection, kept_per_sample
-
-_EXACT = Cast()
 
 
 class StateMismatchError(PayloadError):
@@ -56,13 +56,6 @@ class Outgoing(_Delivery):
 class Incoming(_Delivery):
     tensor: torch.Tensor | None = None
     selection: Selection | None = None
-
-
-def decode_payload(enc: Encoded, reuse: Selection | None, device) -> torch.Tensor:
-    """Decode any body: dense, TopK with indices, or TopK values at reused indices."""
-    if isinstance(enc.body, SparsePart):
-        return decode_sparse(enc, reuse, device)
-    return decode_values(enc.body, enc.shape, enc.dtype, device)
 
 
 def _ids(sample_ids, rows: int) -> list[int]:
@@ -94,7 +87,7 @@ class Sender:
     def _encode(
         self, x: torch.Tensor, sample_ids, reuse: Selection | None, warmup: bool
     ) -> tuple[Encoded, Callable | None]:
-        return (_EXACT if warmup else self.codec).encode(x, reuse), None
+        return (EXACT if warmup else self.codec).encode(x, reuse), None
 
     def send(self, x: torch.Tensor, sample_ids=None, reuse: Selection | None = None, warmup: bool = False) -> Outgoing:
         """Encode x. `reuse`: the forward selection (topk:reuse); `warmup`: send exact values."""
@@ -104,7 +97,7 @@ class Sender:
 
     def send_stateless(self, x: torch.Tensor, exact: bool = False) -> Outgoing:
         """Encode with the plain codec (or exactly), touching no state: for evaluation."""
-        return Outgoing(None, wire.encode((_EXACT if exact else self.codec).encode(x)))
+        return Outgoing(None, wire.encode((EXACT if exact else self.codec).encode(x)))
 
     def reset(self) -> None:
         """Forget all state (a new peer on the other end)."""
@@ -122,27 +115,27 @@ class Sender:
 
 
 class Receiver:
-    def __init__(self, codec: Codec, limits: DecodeLimits = DEFAULT_LIMITS) -> None:
+    """Plain codec, no state. Takes the message the transport parsed and checked (wire.decode)."""
+
+    def __init__(self, codec: Codec) -> None:
         self.codec = codec
-        self.limits = limits
+
+    def _codec(self, enc: Encoded) -> Codec:
+        """Exact payloads (warmup, uncompressed evaluation) come on any link; the rest must be the link codec's."""
+        return EXACT if is_exact(enc) else self.codec
 
     def _decode(
         self, enc: Encoded, sample_ids, reuse: Selection | None, device
     ) -> tuple[torch.Tensor, Callable | None]:
-        return decode_payload(enc, reuse, device), None
+        return self._codec(enc).decode(enc, device, reuse), None
 
-    def receive(self, payload: bytes, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
-        enc = self._parsed(payload)
+    def receive(self, enc: Encoded, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
         tensor, apply = self._decode(enc, sample_ids, reuse, device)
         return Incoming(apply, tensor, selection_of(enc))
 
-    def receive_stateless(self, payload: bytes, device=None) -> Incoming:
+    def receive_stateless(self, enc: Encoded, device=None) -> Incoming:
         """Decode a stateless payload (evaluation): no versions, no state."""
-        return Incoming(None, decode_payload(self._parsed(payload), None, device))
-
-    def _parsed(self, payload: bytes | Encoded) -> Encoded:
-        """The payload's message; one the receiver checked already (wire.decode) is taken as it is."""
-        return payload if isinstance(payload, Encoded) else wire.decode(payload, self.limits)
+        return Incoming(None, self._codec(enc).decode(enc, device))
 
     def reset(self) -> None:
         pass
@@ -211,7 +204,7 @@ class ErrorFeedbackSender(Sender):
         ids = _ids(sample_ids, rows_of(shape)) if self.per_sample else None
         error, versions = self.table.load(shape, ids, x.device)
         if warmup:  # exact values leave no error
-            return _EXACT.encode(x), _commit_if_current(
+            return EXACT.encode(x), _commit_if_current(
                 self.table,
                 shape,
                 ids,
@@ -225,7 +218,7 @@ class ErrorFeedbackSender(Sender):
         else:
             enc = self.codec.encode(corrected, reuse)
         enc.dtype = x.dtype
-        residual = corrected - decode_payload(enc, reuse, x.device).float()
+        residual = corrected - self.codec.decode(enc, x.device, reuse).float()
         new_versions = tuple(v + 1 for v in versions)
         return enc, _commit_if_current(
             self.table, shape, ids, versions, lambda: self.table.save(ids, residual, new_versions)
@@ -284,12 +277,12 @@ class MirroredSender(_Mirrored, Sender):
         ids = self._keys(shape, sample_ids)
         state, versions = self.table.load(shape, ids, x.device)
         if warmup:  # AQ-SGD warmup: exact values fill the buffers on both ends
-            enc = _EXACT.encode(x)
+            enc = EXACT.encode(x)
             updated = x.detach().to(torch.float32, copy=True)  # the caller may change x before commit
         else:
             enc = self.codec.encode(x.detach().float() - state, reuse)
             enc.dtype = x.dtype
-            updated = state.add_(decode_payload(enc, reuse, x.device).float())
+            updated = state.add_(self.codec.decode(enc, x.device, reuse).float())
         enc.stamp = self._stamp(versions, warmup)
         new_versions = tuple(v + 1 for v in versions)
         return enc, _commit_if_current(
@@ -298,16 +291,8 @@ class MirroredSender(_Mirrored, Sender):
 
 
 class MirroredReceiver(_ReceiverKeys, _Mirrored, Receiver):
-    def __init__(
-        self,
-        codec: Codec,
-        per_sample: bool,
-        store: str = "fp32",
-        path=None,
-        capacity=None,
-        limits: DecodeLimits = DEFAULT_LIMITS,
-    ) -> None:
-        Receiver.__init__(self, codec, limits)
+    def __init__(self, codec: Codec, per_sample: bool, store: str = "fp32", path=None, capacity=None) -> None:
+        Receiver.__init__(self, codec)
         self._setup(per_sample, store, path, capacity)
 
     def _decode(self, enc, sample_ids, reuse, device):
@@ -321,10 +306,12 @@ class MirroredReceiver(_ReceiverKeys, _Mirrored, Receiver):
             raise StateMismatchError(
                 f"mirrored state versions differ: sender {tuple(theirs)[:4]}, receiver {versions[:4]}"
             )
-        if stamp.warmup:
-            updated = decode_payload(enc, reuse, device).float()
-        else:
-            updated = state.add_(decode_payload(enc, reuse, device).float())
+        if stamp.warmup:  # the sender's buffers take exact values (MirroredSender): so must ours
+            if not is_exact(enc):
+                raise PayloadError(f"a warmup payload of {describe(enc)} values, not exact ones")
+            updated = EXACT.decode(enc, device).float()
+        else:  # a difference C(x - m) in the link's codec: nothing else was computed against m
+            updated = state.add_(self.codec.decode(enc, device, reuse).float())
         new_versions = tuple(v + 1 for v in versions)
         out = updated.to(enc.dtype, copy=True)  # the caller may change the output before commit
         return out, _commit_if_current(

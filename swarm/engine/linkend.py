@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from protocols.message import Encoded
 from swarm.compression.spec import CompressionSpec, parse
 from swarm.compression.topk import Selection
 from swarm.engine.microbatch import MicroBatch, Mode
@@ -63,8 +64,9 @@ class LinkEnd:
         self.raw[key] += tensor.numel() * tensor.element_size()
         return out
 
-    def receive(self, batch: MicroBatch, payload: bytes, device):
-        """Decode from the neighbour; returns the Incoming (commit it once processed)."""
+    def receive(self, batch: MicroBatch, payload: Encoded, device):
+        """Decode the neighbour's message (the transport parsed it: protocols.wire.decode); returns
+        the Incoming (commit it once processed)."""
         if batch.mode is Mode.EVAL:
             return self.receiver.receive_stateless(payload, device=device)
         reuse = self.selections.pop(batch.key, None) if self.upstream else None

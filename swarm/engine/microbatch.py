@@ -8,6 +8,8 @@ from enum import StrEnum
 
 import torch
 
+from protocols.errors import PayloadError
+
 
 class Mode(StrEnum):
     TRAIN = "train"
@@ -37,6 +39,15 @@ class MicroBatch:
     @property
     def size(self) -> int:
         return int(self.sample_ids.numel())
+
+    def check_input(self, shape) -> None:
+        """Raises PayloadError unless a stage input of `shape` (stage 0's input, or the activations
+        a message carries, checked before they are decoded) and the targets have a row per sample."""
+        shape = tuple(shape)
+        if not shape or shape[0] != self.size or self.targets.shape[:1] != (self.size,):
+            raise PayloadError(
+                f"micro-batch {self.key}: input of shape {shape} and targets of shape {tuple(self.targets.shape)} for {self.size} samples"
+            )
 
 
 class Kind(StrEnum):

@@ -3,8 +3,10 @@
 `forward` and `backward` each take one incoming message and the link ends to decode and encode
 it with (`LinkEnds`, chosen by the transport per call), and return the next message; they never
 deliver anything themselves, so the same runtime serves the in-process transport and the
-hivemind one. Receiver-side compression state commits when the stage has processed a message;
-sender-side state commits through `Message.delivered` once the transport has delivered it.
+hivemind one. Both transports parse the bytes they receive at their edge (`protocols.wire.decode`,
+with their own limits): the runtime takes `Encoded` messages only. Receiver-side compression state
+commits when the stage has processed a message; sender-side state commits through
+`Message.delivered` once the transport has delivered it.
 
 With `hold_grads` (the swarm), each micro-batch's parameter gradients are kept apart until the
 step says which micro-batches count (`accumulate`): a micro-batch retried after a failure further
@@ -18,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from protocols.errors import PayloadError
+from protocols.message import Encoded
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
@@ -60,20 +64,17 @@ class StageRuntime:
 
     # ---- forward ---------------------------------------------------------------------------
 
-    def _input(self, batch: MicroBatch, payload, ends: LinkEnds) -> tuple[torch.Tensor, Callable[[], None]]:
+    def _input(
+        self, batch: MicroBatch, payload: torch.Tensor | Encoded, ends: LinkEnds
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        batch.check_input(payload.shape)  # a message's shape before anything is decoded
         if self.first:
-            x, commit = payload.to(self.device), lambda: None
-        else:
-            incoming = ends.inbound.receive(batch, payload, self.device)
-            x, commit = incoming.tensor, incoming.commit
-        if x.dim() == 0 or x.shape[0] != batch.size or batch.targets.shape[:1] != (batch.size,):
-            raise ValueError(
-                f"micro-batch {batch.key}: input of shape {tuple(x.shape)} and targets of shape {tuple(batch.targets.shape)} for {batch.size} samples"
-            )
-        return x, commit
+            return payload.to(self.device), lambda: None
+        incoming = ends.inbound.receive(batch, payload, self.device)
+        return incoming.tensor, incoming.commit
 
-    def forward(self, batch: MicroBatch, payload, ends: LinkEnds) -> Message:
-        """Stage 0 gets the input tensor, later stages the payload bytes of their boundary."""
+    def forward(self, batch: MicroBatch, payload: torch.Tensor | Encoded, ends: LinkEnds) -> Message:
+        """Stage 0 gets the input tensor, later stages their boundary's message."""
         x, commit_received = self._input(batch, payload, ends)
         training = batch.mode is Mode.TRAIN
         self.module.train(training)
@@ -153,11 +154,15 @@ class StageRuntime:
         out = ends.inbound.send(batch, grad)
         return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
 
-    def backward(self, batch: MicroBatch, payload: bytes, metrics: dict | None, ends: LinkEnds) -> Message:
+    def backward(self, batch: MicroBatch, payload: Encoded, metrics: dict | None, ends: LinkEnds) -> Message:
         saved = self._saved.pop(batch.key, None)
         if saved is None:
             raise KeyError(f"stage {self.index} has no forward state for micro-batch {batch.key}")
         x, y = saved
+        if tuple(payload.shape) != tuple(y.shape):  # else autograd's error, from deep inside torch
+            raise PayloadError(
+                f"micro-batch {batch.key}: gradient of shape {payload.shape} for output {tuple(y.shape)}"
+            )
         incoming = ends.outbound.receive(batch, payload, self.device)
         x_grad = self._backprop(batch, y, incoming.tensor.to(y.dtype), x)
         message = self._gradient_message(batch, x, x_grad, ends, metrics)

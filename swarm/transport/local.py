@@ -2,7 +2,8 @@
 
 Micro-batches run one after another (forward through all stages, then backward); with
 synchronous steps that is the same computation any schedule performs, and it makes runs
-deterministic. Bytes and numerics are exactly what the network would carry.
+deterministic. Bytes and numerics are exactly what the network would carry: every message is
+parsed from its bytes here, at the transport's edge, as a stage peer parses what it receives.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import Counter
 
 import torch
 
+from protocols import wire
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, link_ends
 from swarm.engine.checkpoint import checkpoint_codecs, load_stage, save_stage, stage_file
@@ -38,10 +40,11 @@ class LocalPipeline:
         try:
             while message.kind is not Kind.DONE:
                 stage, ends = self.runtimes[message.to_stage], self.ends[message.to_stage]
+                received = wire.decode(message.payload)  # our own bytes: the default limits
                 if message.kind is Kind.FORWARD:
-                    following = stage.forward(batch, message.payload, ends)
+                    following = stage.forward(batch, received, ends)
                 else:
-                    following = stage.backward(batch, message.payload, message.metrics, ends)
+                    following = stage.backward(batch, received, message.metrics, ends)
                 message.delivered()
                 message = following
         except Exception:

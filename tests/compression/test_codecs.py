@@ -98,7 +98,7 @@ def test_sender_receiver_roundtrip(spec, dtype):
     sender, receiver = parsed.sender(), parsed.receiver()
     x = make((3, 4, 5), dtype, "transposed")
     out = sender.send(x)
-    inc = receiver.receive(out.payload)
+    inc = receiver.receive(wire.decode(out.payload))
     expected = parsed.codec.decode(wire.decode(out.payload))
     assert inc.tensor.dtype == dtype and inc.tensor.shape == x.shape
     assert torch.equal(inc.tensor, expected)
@@ -107,7 +107,7 @@ def test_sender_receiver_roundtrip(spec, dtype):
     inc.commit()
     again = sender.send(x)
     assert again.payload == out.payload
-    assert torch.equal(receiver.receive(again.payload).tensor, inc.tensor)
+    assert torch.equal(receiver.receive(wire.decode(again.payload)).tensor, inc.tensor)
     assert sender.state_bytes == receiver.state_bytes == 0
 
 
@@ -130,6 +130,56 @@ def test_codec_rejects_payload_of_wrong_kind():
         Quantize(4).decode(sparse)
     with pytest.raises(PayloadError):
         TopK(0.5).decode(dense)
+
+
+# Which payloads a plain receiver takes on a link of each codec, besides exact ones (any link): its
+# own codec's, where `none` (as it is, in any dtype: error feedback sends fp32 sums of bf16 tensors)
+# and TopK values kept as they are take raw values in any dtype.
+LINK_TAKES = {
+    "none": {"none", "fp16", "bf16"},
+    "fp16": {"fp16"},
+    "bf16": {"bf16"},
+    "quant:4": {"quant:4"},
+    "quant:2": {"quant:2"},
+    "quant:4/tensor": {"quant:4/tensor"},
+    "topk:0.5": {"topk:0.5", "topk:0.2", "topk:0.5/fp16"},
+    "topk:0.2": {"topk:0.5", "topk:0.2", "topk:0.5/fp16"},
+    "topk:0.5/fp16": {"topk:0.5/fp16"},
+    "topk:0.5/q4": {"topk:0.5/q4"},
+    "topk:0.5/q8": {"topk:0.5/q8"},
+}
+
+
+@pytest.mark.parametrize("link", LINK_TAKES)
+@pytest.mark.parametrize("sent", LINK_TAKES)
+def test_receiver_takes_its_codecs_payloads_and_exact_ones_only(link, sent):
+    x = make((3, 8))
+    receiver = parse(link).receiver()
+    payload = wire.decode(parse(sent).sender().send(x).payload)
+    exact = wire.decode(parse(sent).sender().send(x, warmup=True).payload)
+    assert torch.equal(receiver.receive(exact).tensor, x)
+    assert torch.equal(receiver.receive_stateless(exact).tensor, x)
+    if sent in LINK_TAKES[link] or sent == "none":  # none sends fp32 tensors exactly
+        assert torch.equal(receiver.receive(payload).tensor, parse(sent).codec.decode(payload))
+        return
+    for receive in (receiver.receive, receiver.receive_stateless):
+        with pytest.raises(PayloadError) as refused:
+            receive(payload)
+        assert str(refused.value).endswith(f"payload on a {parse(link).codec.spec} link"), refused.value
+        assert "\n" not in str(refused.value)
+
+
+def test_refusals_name_the_payload_in_spec_words():
+    x = make((3, 8))
+    cases = {
+        ("quant:4", "topk:0.1"): "a quant:4/sample payload on a topk:0.1 link",
+        ("topk:0.1/q8", "quant:8"): "a topk/q8 payload on a quant:8/sample link",
+        ("fp16", "bf16"): "a fp16 payload on a bf16 link",
+        ("topk:0.5/fp16", "topk:0.5/q8"): "a topk/fp16 payload on a topk:0.5/q8 link",
+    }
+    for (sent, link), message in cases.items():
+        with pytest.raises(PayloadError, match=f"^{message}$"):
+            parse(link).codec.decode(wire.decode(parse(sent).sender().send(x).payload))
 
 
 def test_codec_parameter_validation():

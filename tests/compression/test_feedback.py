@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _feedback_cases import DATASET, MIRRORED, PER_SAMPLE, SAMPLE_SHAPE, Link, dataset, store_error_bound
@@ -146,7 +148,7 @@ def test_per_sample_needs_valid_ids():
     with pytest.raises(ValueError):
         link.sender.send(x, sample_ids=[1, 1, 2])
     out = link.sender.send(x, sample_ids=torch.tensor([4, 5, 6]))
-    assert link.receiver.receive(out.payload, sample_ids=torch.tensor([4, 5, 6])).tensor.shape == x.shape
+    assert link.receiver.receive(wire.decode(out.payload), sample_ids=torch.tensor([4, 5, 6])).tensor.shape == x.shape
 
 
 @pytest.mark.parametrize("spec", MIRRORED)
@@ -197,13 +199,31 @@ def test_mirrored_receiver_rejects_unstamped_payload():
     x = make((2, 10))
     plain = parse("topk:0.2").sender().send(x).payload
     with pytest.raises(PayloadError, match="carries no state version") as info:
-        link.receiver.receive(plain)
+        link.receiver.receive(wire.decode(plain))
     assert isinstance(info.value, StateMismatchError)
     assert link.state("receiver", x.shape, [0, 1])[1] == (0,)
     _, inc = link.step(x, [0, 1])
     assert link.state("receiver", x.shape, [0, 1])[1] == (1,)
     link.assert_mirrored(x.shape, [0, 1])
     assert torch.equal(link.state("receiver", x.shape, [0, 1])[0], inc.tensor)
+
+
+def test_mirrored_receiver_takes_exact_values_in_warmup_and_its_codecs_otherwise():
+    """A warmup stamp with compressed values, or exact values sent as a compressed difference, would
+    leave the two ends' state apart: refused, the receiver's state untouched."""
+    link = Link("topk:0.2+ef21")
+    x = make((2, 10))
+    compressed = wire.decode(link.sender.send(x).payload)
+    compressed.stamp = replace(compressed.stamp, warmup=True)
+    with pytest.raises(PayloadError, match="^a warmup payload of topk/fp32 values, not exact ones$"):
+        link.receiver.receive(compressed)
+    exact = wire.decode(link.sender.send(x, warmup=True).payload)
+    exact.stamp = replace(exact.stamp, warmup=False)
+    with pytest.raises(PayloadError, match="^a fp32 payload on a topk:0.2 link$"):
+        link.receiver.receive(exact)
+    assert link.state("receiver", x.shape, [0, 1])[1] == (0,)
+    link.step(x, [0, 1], warmup=True)
+    link.assert_mirrored(x.shape, [0, 1])
 
 
 # ---- in-place use of tensors between send/receive and commit -----------------------------------------
@@ -219,7 +239,7 @@ def test_receiver_state_independent_of_output_mutation(spec):
     for t in range(3):
         x = base[ids] + 0.1 * t * drift[ids]
         out = link.sender.send(x, sample_ids=ids, warmup=(t == 0))
-        inc = link.receiver.receive(out.payload, sample_ids=ids)
+        inc = link.receiver.receive(wire.decode(out.payload), sample_ids=ids)
         inc.tensor.relu_()
         out.commit()
         inc.commit()
@@ -235,7 +255,7 @@ def test_sender_state_independent_of_input_mutation(spec):
     for t in range(3):
         x = (base[ids] + 0.1 * t * drift[ids]).clone()
         out = link.sender.send(x, sample_ids=ids, warmup=(t == 0))
-        inc = link.receiver.receive(out.payload, sample_ids=ids)
+        inc = link.receiver.receive(wire.decode(out.payload), sample_ids=ids)
         x.mul_(-2.0)
         out.commit()
         inc.commit()
@@ -268,7 +288,7 @@ def test_error_feedback_telescopes(spec):
     for t in range(30):
         x = base[ids] + 0.05 * t * drift[ids]
         out = sender.send(x, sample_ids=ids)
-        y = receiver.receive(out.payload, sample_ids=ids).tensor
+        y = receiver.receive(wire.decode(out.payload), sample_ids=ids).tensor
         out.commit()
         total_x += x.double()
         total_y += y.double()
@@ -302,7 +322,7 @@ def test_ef_warmup_sends_exact_and_clears_error(spec):
     assert float(err.abs().max()) > 0
     x = make((2, 20))
     out = sender.send(x, sample_ids=ids, warmup=True)
-    assert torch.equal(receiver.receive(out.payload, sample_ids=ids).tensor, x)
+    assert torch.equal(receiver.receive(wire.decode(out.payload), sample_ids=ids).tensor, x)
     out.commit()
     err, _ = sender.table.load((2, 20), keys, "cpu")
     assert float(err.abs().max()) == 0.0

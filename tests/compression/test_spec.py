@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocols import wire
 from protocols.message import Granularity
 from swarm.cli import main
 from swarm.compression import Cast, CompressionSpec, Quantize, SpecError, TopK, TopKReuse, parse
@@ -59,7 +60,7 @@ def carry(spec: CompressionSpec) -> torch.Tensor:
     ids = [0, 1]
     reuse = parse("topk:0.25").sender().send(x).selection if spec.reuses_indices else None
     out = spec.sender().send(x, sample_ids=ids, reuse=reuse)
-    received = spec.receiver().receive(out.payload, sample_ids=ids, reuse=reuse).tensor
+    received = spec.receiver().receive(wire.decode(out.payload), sample_ids=ids, reuse=reuse).tensor
     assert received.shape == x.shape and received.dtype == x.dtype
     return received
 

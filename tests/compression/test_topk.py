@@ -289,7 +289,7 @@ def test_reused_index_gradient(fwd_spec, back_spec):
     grad = make((4, 6, 10))
     # forward: stage A sends the activation, stage B receives it
     out = fwd.sender().send(x)
-    inc = fwd.receiver().receive(out.payload)
+    inc = fwd.receiver().receive(wire.decode(out.payload))
     assert out.selection is not None and inc.selection is not None
     assert out.selection.digest == inc.selection.digest
     assert out.selection.kept_per_sample == inc.selection.kept_per_sample
@@ -300,7 +300,7 @@ def test_reused_index_gradient(fwd_spec, back_spec):
     assert msg.sparse.index_coding == pb.REUSED
     assert msg.sparse.indices == b""
     assert len(bout.payload) < len(out.payload) - len(parse_pb(out.payload).sparse.indices) + 16
-    binc = back.receiver().receive(bout.payload, reuse=out.selection)
+    binc = back.receiver().receive(wire.decode(bout.payload), reuse=out.selection)
     mask = torch.zeros(grad.numel(), dtype=torch.bool)
     mask[out.selection.positions] = True
     mask = mask.view(grad.shape)
@@ -324,26 +324,28 @@ def test_reused_index_rejects_mismatched_selection():
     assert other_out.selection.digest != out.selection.digest
     bout = back.sender().send(grad, reuse=out.selection)
     receiver = back.receiver()
-    accepted = receiver.receive(bout.payload, reuse=out.selection).tensor
+    accepted = receiver.receive(wire.decode(bout.payload), reuse=out.selection).tensor
     assert torch.equal(accepted, back.codec.decode(wire.decode(bout.payload), reuse=out.selection))
     with pytest.raises(PayloadError):
-        receiver.receive(bout.payload, reuse=other_out.selection)
+        receiver.receive(wire.decode(bout.payload), reuse=other_out.selection)
     with pytest.raises(PayloadError):
-        receiver.receive(bout.payload)  # no forward indices remembered
+        receiver.receive(wire.decode(bout.payload))  # no forward indices remembered
     # a selection with the same positions but a different count / digest
     wrong_k = type(out.selection)(out.selection.positions, out.selection.kept_per_sample + 1, out.selection.digest)
     with pytest.raises(PayloadError):
-        receiver.receive(bout.payload, reuse=wrong_k)
+        receiver.receive(wire.decode(bout.payload), reuse=wrong_k)
     wrong_digest = type(out.selection)(out.selection.positions, out.selection.kept_per_sample, out.selection.digest ^ 1)
     with pytest.raises(PayloadError):
-        receiver.receive(bout.payload, reuse=wrong_digest)
+        receiver.receive(wire.decode(bout.payload), reuse=wrong_digest)
     # the codec-level decode checks the same
     enc = wire.decode(bout.payload)
     with pytest.raises(PayloadError):
         TopKReuse(Cast(torch.float16)).decode(enc, reuse=other_out.selection)
-    # a plain TopK decoder refuses a reused-index payload
+    # a plain TopK decoder refuses a reused-index payload, a reused-index one a payload with indices
     with pytest.raises(PayloadError):
         TopK(0.1).decode(enc)
+    with pytest.raises(PayloadError, match="^a topk/fp16 payload on a topk:reuse/fp16 link$"):
+        receiver.receive(wire.decode(out.payload), reuse=out.selection)
 
 
 def test_reused_index_digest_tamper_detected():
@@ -353,7 +355,7 @@ def test_reused_index_digest_tamper_detected():
     msg = parse_pb(bout.payload)
     msg.sparse.index_digest ^= 0x10
     with pytest.raises(PayloadError):
-        back.receiver().receive(msg.SerializeToString(), reuse=out.selection)
+        back.receiver().receive(wire.decode(msg.SerializeToString()), reuse=out.selection)
 
 
 def test_selection_of_dense_is_none():

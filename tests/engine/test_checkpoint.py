@@ -6,6 +6,7 @@ import pytest
 import torch
 from _util import SMOKE
 
+from protocols import wire
 from swarm.compression import parse
 from swarm.compression.state import GlobalState, SampleStore
 from swarm.config import load_config
@@ -67,14 +68,17 @@ def test_sender_receiver_state_round_trips_and_mismatch_is_refused():
     sender, receiver = spec.sender(), spec.receiver()
     for _ in range(2):
         out = sender.send(torch.randn(4, 10))
-        receiver.receive(out.payload).commit()
+        receiver.receive(wire.decode(out.payload)).commit()
         out.commit()
     s2, r2 = spec.sender(), spec.receiver()
     s2.load_state_dict(sender.state_dict())
     r2.load_state_dict(receiver.state_dict())
     x = torch.randn(4, 10)
     assert s2.send(x).payload == sender.send(x).payload  # same state, same versions in the stamp
-    assert torch.equal(r2.receive(sender.send(x).payload).tensor, receiver.receive(sender.send(x).payload).tensor)
+    assert torch.equal(
+        r2.receive(wire.decode(sender.send(x).payload)).tensor,
+        receiver.receive(wire.decode(sender.send(x).payload)).tensor,
+    )
     with pytest.raises(ValueError, match="error-feedback state"):
         parse("topk:0.3").sender().load_state_dict(sender.state_dict())
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from _util import SMOKE, tied_weight_drift
 
+from protocols import PayloadError, wire
+from protocols.message import Encoded
 from swarm.compression import parse
 from swarm.config import load_config
 from swarm.engine.microbatch import MicroBatch, Mode
@@ -63,10 +65,10 @@ def test_engine_compression_equals_codec_applied_directly():
     second.train()
     fwd, bwd = parse("quant:3"), parse("topk:0.3")
     h = first(x)
-    h_wire = fwd.receiver().receive(fwd.sender().send(h.detach()).payload).tensor.requires_grad_(True)
+    h_wire = fwd.receiver().receive(wire.decode(fwd.sender().send(h.detach()).payload)).tensor.requires_grad_(True)
     loss = staged.loss(second(h_wire), y)
     loss.backward()
-    g_wire = bwd.receiver().receive(bwd.sender().send(h_wire.grad).payload).tensor
+    g_wire = bwd.receiver().receive(wire.decode(bwd.sender().send(h_wire.grad).payload)).tensor
     h.backward(g_wire)
     assert math.isclose(metrics["loss"], float(loss.detach()), rel_tol=1e-6)
     for ours, theirs in zip(
@@ -97,7 +99,7 @@ def test_eval_paths_compressed_and_uncompressed():
         h = staged.stages[0](x)
         plain = staged.metrics(staged.stages[1](h), y)
         spec = parse("topk:0.05")
-        h_topk = spec.receiver().receive(spec.sender().send(h).payload).tensor
+        h_topk = spec.receiver().receive(wire.decode(spec.sender().send(h).payload)).tensor
         topk = staged.metrics(staged.stages[1](h_topk), y)
     assert math.isclose(exact["loss_sum"], float(plain["loss_sum"]), rel_tol=1e-5)
     assert math.isclose(compressed["loss_sum"], float(topk["loss_sum"]), rel_tol=1e-5)
@@ -124,6 +126,53 @@ def test_warmup_sends_exact_values_and_fills_aqsgd_buffers():
     run_one(pipeline, ids, x, y, exact=False, index=1)
     compressed = pipeline.link_bytes()["boundary0.forward.train"] - warm
     assert compressed < warm / 3  # after warmup only the TopK delta travels
+
+
+def test_the_in_process_transport_hands_the_runtimes_parsed_messages(monkeypatch):
+    """As the swarm's stage peers do, the in-process transport parses every message's bytes at its
+    edge: a runtime gets `Encoded` messages (stage 0's forward: the input tensor), never bytes."""
+    cfg = cfg_with("model.num_stages=3", "compression.forward=quant:4", "compression.backward=topk:0.3")
+    pipeline, _ = build_local_pipeline(cfg, total_steps=10)
+    seen = []
+
+    def spying(runtime, name):
+        call = getattr(runtime, name)
+
+        def spy(batch, payload, *rest):
+            seen.append((runtime.index, name, type(payload)))
+            return call(batch, payload, *rest)
+
+        return spy
+
+    for runtime in pipeline.runtimes:
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(runtime, name, spying(runtime, name))
+    ids, x, y = a_batch(cfg)
+    run_one(pipeline, ids, x, y)
+    assert seen == [
+        (0, "forward", torch.Tensor),
+        (1, "forward", Encoded),
+        (2, "forward", Encoded),
+        (1, "backward", Encoded),
+        (0, "backward", Encoded),
+    ]
+
+
+def test_messages_of_the_wrong_shape_are_refused_before_they_are_decoded(monkeypatch):
+    cfg = cfg_with("model.num_stages=2", "compression.forward=quant:4", "compression.backward=quant:4")
+    pipeline, _ = build_local_pipeline(cfg, total_steps=10)
+    (first, second), (ends0, ends1) = pipeline.runtimes, pipeline.ends
+    for end in (ends0.outbound, ends1.inbound):
+        monkeypatch.setattr(end, "receive", lambda *args: pytest.fail("a message of the wrong shape was decoded"))
+    ids, x, y = a_batch(cfg)
+    batch = MicroBatch(0, 0, ids, y)
+    sent = wire.decode(first.forward(batch, x, ends0).payload)
+    short = parse("quant:4").sender().send(torch.zeros(sent.shape[0] - 1, *sent.shape[1:]))
+    with pytest.raises(PayloadError, match=f"for {ids.numel()} samples$"):
+        second.forward(batch, wire.decode(short.payload), ends1)
+    wide = parse("quant:4").sender().send(torch.zeros(*sent.shape[:-1], sent.shape[-1] + 1))
+    with pytest.raises(PayloadError, match="^micro-batch .*: gradient of shape"):
+        first.backward(batch, wire.decode(wide.payload), {}, ends0)
 
 
 def test_same_config_and_seed_give_the_same_losses(tmp_path):

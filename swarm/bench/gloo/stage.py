@@ -2,7 +2,8 @@
 
 Rank 0 is the trainer, stage i is rank i + 1. Every message is a tuple whose first item says what
 it is: `forward` and `backward` carry a micro-batch and its boundary payload (the `none` codec's
-bytes: the tensor uncompressed), the step's rounds come from the trainer (`gather`, `set`,
+bytes: the tensor uncompressed; parsed here, at the transport's edge, as a stage peer of the swarm
+parses what it receives), the step's rounds come from the trainer (`gather`, `set`,
 `apply`), and `stop` ends the loop. Gradients are held per micro-batch and summed in micro-batch
 order, as a stage peer of the swarm sums them, so the losses are the one-process run's.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from protocols import wire
 from swarm.bench.gloo.mailbox import Mailbox
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, link_ends
@@ -55,10 +57,10 @@ class StageRank:
         """Training's compute only is counted, as a swarm's stage peer counts it (its ComputeClock):
         evaluation forwards would lower the compute bound the benchmark divides by."""
         began, began_cpu = time.perf_counter(), time.thread_time()
-        if kind == "forward":
-            out = self.runtime.forward(batch, payload, self.ends)
+        if kind == "forward":  # stage 0's is the micro-batch's input tensor
+            out = self.runtime.forward(batch, payload if self.stage == 0 else wire.decode(payload), self.ends)
         else:
-            out = self.runtime.backward(batch, payload, metrics, self.ends)
+            out = self.runtime.backward(batch, wire.decode(payload), metrics, self.ends)
         if batch.mode is Mode.TRAIN:
             self.samples += batch.size if kind == "forward" else 0
             self.compute_s += time.perf_counter() - began

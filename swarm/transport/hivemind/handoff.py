@@ -70,10 +70,14 @@ class Handoff:
             exclude=exclude,
             sticky=self.sticky,
             session=session,
-            waiting=None if self.stateful() else self.waiting,
+            waiting=self.router.policy.awaited(self.stateful(), self.waiting),
         )
         self.sticky = record.peer_id
         return record
+
+    def restart(self) -> None:
+        """Every link restarted: the next micro-batch chooses its peer afresh."""
+        self.sticky = None
 
     def forget(self, peer_id: str) -> None:
         """Micro-batches no longer follow `peer_id` (its link was reset): the router chooses afresh."""

@@ -1,9 +1,5 @@
-"""Choosing the peer that serves a stage: by throughput and queue, among the peers the run's owner
-admitted, skipping banned ones.
-
-A peer's score is its measured throughput over one plus its queue (as it last announced it) and
-the micro-batches this caller is waiting on it for; a peer not measured yet (one that just
-joined) counts as the median of those measured, so it gets its share of the work.
+"""Choosing the peer that serves a stage, among the peers the run's owner admitted, skipping banned
+ones, by one policy (`RoutingPolicy`: score, keeping a neighbour, spreading, announced throughput).
 
 A peer that fails or times out is banned with exponential backoff (hivemind's `Blacklist`
 policy, as Petals uses it); a success clears its record.
@@ -14,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from protocols.version import PROTOCOL_VERSION
 from swarm.transport.hivemind.announce import StageRecord, discover
@@ -53,6 +50,57 @@ class Bans:
                 self.failures.pop(peer_id, None)
 
 
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How a caller chooses the peer of a stage, in one place (its constants are settings:
+    `route_keep_factor`, `throughput_smoothing`; docs/settings.md).
+
+    - A peer's score is its expected share of the work: its announced throughput over one plus its
+      announced queue and the micro-batches this caller awaits from it; a peer not measured yet (one
+      that just joined) counts as the median of those measured, so it gets its share.
+    - A working neighbour is kept (its link state stays on the pair) unless another scores
+      `keep_factor` times higher.
+    - Micro-batches on a link whose codecs keep state (error feedback) follow one peer: spreading them
+      over replicas would change the numbers. Others spread by what the caller awaits of each peer.
+    - The throughput a peer announces is a moving average of its micro-batches' samples/s, the
+      newest weighing `smoothing`.
+    """
+
+    keep_factor: float = 2.0
+    smoothing: float = 0.1
+
+    @classmethod
+    def of(cls, settings) -> RoutingPolicy:
+        return cls(settings.route_keep_factor, settings.throughput_smoothing)
+
+    @staticmethod
+    def score(record: StageRecord, typical: float = 1.0, waiting: int = 0) -> float:
+        """Expected share of work a peer can take (`typical`: the throughput of one not measured yet)."""
+        return (record.throughput or typical) / (1 + record.queue + waiting)
+
+    def pick(
+        self, candidates: list[StageRecord], sticky: str | None, waiting: Mapping[str, int] | None, rng: random.Random
+    ) -> StageRecord:
+        measured = sorted(r.throughput for r in candidates if r.throughput > 0)
+        typical = measured[len(measured) // 2] if measured else 1.0
+        scores = {r.peer_id: self.score(r, typical, (waiting or {}).get(r.peer_id, 0)) for r in candidates}
+        best = max(candidates, key=lambda r: (scores[r.peer_id], rng.random()))
+        for record in candidates:
+            if record.peer_id == sticky and self.keep_factor * scores[record.peer_id] >= scores[best.peer_id]:
+                return record
+        return best
+
+    @staticmethod
+    def awaited(stateful: bool, waiting: Mapping[str, int]) -> Mapping[str, int] | None:
+        """What a caller weighs peers by beyond their records: nothing on a stateful link (it keeps
+        to one peer while that one is not much slower), else the micro-batches it awaits of each."""
+        return None if stateful else waiting
+
+    def throughput(self, previous: float, rate: float) -> float:
+        """The samples/s a peer announces after a micro-batch that ran at `rate`."""
+        return rate if previous == 0 else (1 - self.smoothing) * previous + self.smoothing * rate
+
+
 class Router:
     """Cached DHT view of a run's stages, refreshed every `refresh_s` or on demand (defaults: the
     node's settings, lookup_every_s and lookup_keep_s)."""
@@ -76,6 +124,7 @@ class Router:
         self.visible = visible or (lambda record: True)  # the peers it may know of at all (a private run's)
         self.refresh_s = settings.lookup_every_s if refresh_s is None else refresh_s
         self.keep_s = settings.lookup_keep_s if keep_s is None else keep_s
+        self.policy = RoutingPolicy.of(settings)
         self.bans = Bans(settings.ban_s, settings.ban_growth, settings.ban_max_s)
         self.events = None  # a swarm.transport.hivemind.events.EventLog its bans go to
         self.banned_total = 0  # bans so far (metrics)
@@ -124,19 +173,7 @@ class Router:
                 break
         else:
             raise NoPeerError(f"no live peer serves stage {stage} of run {self.run_id!r}")
-        measured = sorted(r.throughput for r in candidates if r.throughput > 0)
-        typical = measured[len(measured) // 2] if measured else 1.0
-        scores = {r.peer_id: self.score(r, typical, (waiting or {}).get(r.peer_id, 0)) for r in candidates}
-        best = max(candidates, key=lambda r: (scores[r.peer_id], self._random.random()))
-        for record in candidates:  # keep a working neighbour (its link state) unless another is much faster
-            if record.peer_id == sticky and 2 * scores[record.peer_id] >= scores[best.peer_id]:
-                return record
-        return best
-
-    @staticmethod
-    def score(record: StageRecord, typical: float = 1.0, waiting: int = 0) -> float:
-        """Expected share of work a peer can take (`typical`: the throughput of one not measured yet)."""
-        return (record.throughput or typical) / (1 + record.queue + waiting)
+        return self.policy.pick(candidates, sticky, waiting, self._random)
 
     def failed(self, peer_id: str) -> float:
         """Stops routing to `peer_id` for a while (longer each time it fails); the ban's seconds."""

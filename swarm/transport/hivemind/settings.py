@@ -74,6 +74,11 @@ class Settings:
     # link the DHT's requests can time out while the peers serve on.
     lookup_keep_s: float = 60.0
     setup_wait_s: float = 60.0  # the trainer waits this long for every stage to have a peer (--wait)
+    # ---- routing (swarm.transport.hivemind.routing.RoutingPolicy) ---------------------------------
+    # A caller keeps sending to the peer it uses (its link state) unless another scores this many times higher.
+    route_keep_factor: float = 2.0
+    # The throughput a peer announces: a moving average of its micro-batches' samples/s, the newest weighing this.
+    throughput_smoothing: float = 0.1
 
     @property
     def decode_limits(self) -> DecodeLimits:
@@ -86,3 +91,5 @@ class Settings:
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"setting {name} must be a positive number, got {value!r}")
+        if self.throughput_smoothing > 1:
+            raise ValueError(f"setting throughput_smoothing must be at most 1, got {self.throughput_smoothing!r}")

@@ -109,9 +109,9 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     def new_session(
         run_id: str, data, hosted
     ) -> None:  # a new trainer: the stages start from the config's codecs again
-        switched = [h.cfg.compression.link(0) for h in hosted[:2]]
+        switched = [h.state.cfg.compression.link(0) for h in hosted[:2]]
         swarm.pipeline(cfg, run_id, 3, data)
-        restarted.extend([switched, [h.cfg.compression.link(0) for h in hosted[:2]]])  # stage 1's replicas
+        restarted.extend([switched, [h.state.cfg.compression.link(0) for h in hosted[:2]]])  # stage 1's replicas
 
     rows, summary, statuses, adaptive, warnings, hosted = shaped_run(
         swarm, cfg, 3, "1mbit", placement=replicated, finish=new_session
@@ -146,24 +146,24 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     assert [(link.forward, link.backward) for link in switched] == [adaptive.codecs[0]] * 2
     assert [link.forward for link in fresh] == ["none", "none"]
     # as configured: a switch does not change what setup checks
-    assert all(h.digest == config_digest(cfg) for h in hosted)
+    assert all(h.place.digest == config_digest(cfg) for h in hosted)
 
 
 DROP_AFTER = 3
 
 
 def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch):
-    import swarm.transport.hivemind.trainer.accounts as accounts_module
+    import swarm.transport.hivemind.trainer.membership as membership_module
 
     asked = []  # status calls, as the trainer makes them
-    real_call = accounts_module.call
+    real_call = membership_module.call
 
     async def counted_call(streams, peer_id, kind, *args, **kwargs):
         if kind == "info":
             asked.append(peer_id)
         return await real_call(streams, peer_id, kind, *args, **kwargs)
 
-    monkeypatch.setattr(accounts_module, "call", counted_call)
+    monkeypatch.setattr(membership_module, "call", counted_call)
     asked_by_step = []
 
     def drop(step: int, egress) -> None:
@@ -200,10 +200,12 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
     def resume(run_id: str, data, hosted) -> None:  # a new trainer session from the step-2 checkpoint, one step more
         results = Hook()
         pipeline = swarm.pipeline(cfg, run_id, 3, data)
-        assert [h.cfg.compression.link(0).forward for h in hosted[:1]] == ["none"]  # the new session reset the stages
+        assert [h.state.cfg.compression.link(0).forward for h in hosted[:1]] == [
+            "none"
+        ]  # the new session reset the stages
         train(cfg, pipeline, data, results, 3, progress=False, checkpoint=Checkpointing(str(directory), 2))
         resumed.extend(
-            [results.rows, pipeline.statuses(), [h.cfg.compression.link(0) for h in hosted], pipeline.adaptive]
+            [results.rows, pipeline.statuses(), [h.state.cfg.compression.link(0) for h in hosted], pipeline.adaptive]
         )
 
     rows, _, _, adaptive, warnings, _ = shaped_run(

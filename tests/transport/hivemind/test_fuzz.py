@@ -50,7 +50,7 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         assert not any("finite" in r or "banned" in r for r in tally.reasons["stranger's micro-batch"])
         assert tally.counts["stalled stream"]["refused"] + tally.counts["stalled stream"]["closed"] == 4
         assert max_rss_mib() - rss < MEMORY_BOUND_MIB
-        assert all(h.runtime is not None and h.processed > 0 for h in hosted)  # every peer still serves
+        assert all(h.runtime is not None and h.meters.processed > 0 for h in hosted)  # every peer still serves
         assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
     finally:
         swarm.unhost(run_id)

@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 import pytest
-from _browser import Browser, ensure_chromium
+from _browser import chromium_page, ensure_chromium, expect
 from _util import REPO, SMOKE
 
 CONFIG = [
@@ -29,6 +29,8 @@ CONFIG = [
     "train.eval_every=100",
 ]
 LOCAL = ["--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
+# Whether the number an element of the page shows ("1,234" too) is above a floor: wait_for_function's arg.
+NUMBER_ABOVE = "([selector, floor]) => Number(document.querySelector(selector)?.textContent.replace(/,/g, '')) > floor"
 
 
 class Peer:
@@ -126,7 +128,7 @@ def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_me
         status = Peer("status", "peers.status", "--initial_peers", maddr, "--serve", "0")
         peers += [trainer, status]
         trainer.wait_line(r"^step 3/")
-        page = status.wait_line(r"health page at (http://\S+/)").group(1)
+        url = status.wait_line(r"health page at (http://\S+/)").group(1)
         # --json: the page's data once (its main in this process: no interpreter to start)
         from peers.status import main as status_main
 
@@ -136,23 +138,23 @@ def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_me
         (run,) = json.loads(once.out)["runs"]
         assert [[p["peer_id"] for p in s["peers"]] for s in run["stages"]] == [[ids[0]], [ids[1]]]
 
-        with Browser() as browser:
-            browser.open(page)
+        with chromium_page() as page:
+            page.goto(url)
             for stage, peer in enumerate(ids):  # each stage's column holds its peer's card
-                browser.wait_for(
-                    f'document.querySelector(\'[data-stage-column="{stage}"] [data-peer="{peer}"]\') !== null'
-                )
-            step = int(browser.wait_for("document.querySelector('[data-field=step]')?.textContent.trim()"))
-            card = f"document.querySelector('[data-peer=\"{ids[1]}\"] [data-field=micro_batches]').textContent"
-            batches = int(browser.evaluate(card).replace(",", ""))
-            refreshes = int(browser.evaluate("document.body.dataset.refreshes"))
+                page.wait_for_selector(f'[data-stage-column="{stage}"] [data-peer="{peer}"]', state="attached")
+            step = page.locator("[data-field=step]")
+            expect(step).to_have_text(re.compile(r"^\d+$"))
+            first_step = int(step.inner_text())
+            card = f'[data-peer="{ids[1]}"] [data-field=micro_batches]'
+            batches = int(page.locator(card).inner_text().replace(",", ""))
+            refreshes = int(page.locator("body").get_attribute("data-refreshes"))
             # it updates by itself: later data, a later step and more micro-batches, no reload
-            browser.evaluate("window.notReloaded = true")
-            browser.wait_for(f"Number(document.body.dataset.refreshes) > {refreshes + 1}")
-            browser.wait_for(f"Number(document.querySelector('[data-field=step]').textContent) > {step}")
-            browser.wait_for(f"Number({card}.replace(/,/g, '')) > {batches}")
-            assert browser.evaluate("window.notReloaded") is True
-            text = browser.evaluate("document.body.innerText")
+            page.evaluate("window.notReloaded = true")
+            page.wait_for_function("n => Number(document.body.dataset.refreshes) > n", arg=refreshes + 1)
+            page.wait_for_function(NUMBER_ABOVE, arg=["[data-field=step]", first_step])
+            page.wait_for_function(NUMBER_ABOVE, arg=[card, batches])
+            assert page.evaluate("window.notReloaded") is True
+            text = page.inner_text("body")
             assert "training" in text and "setup" in text
 
         # every peer's metrics endpoint

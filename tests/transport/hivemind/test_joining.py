@@ -142,7 +142,7 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
             if n == 1:
                 joiner = run.join()
             if n == 4:  # its download of step 2's state arrives now: it replays steps 2 and 3
-                assert joiner.role == "following" and joiner.steps == 0 and len(joiner.joining.kept) == 4
+                assert joiner.role == "following" and joiner.state.steps == 0 and len(joiner.state.joining.kept) == 4
                 release.set()
                 _wait("the joiner serves", lambda j=joiner: j.role == "serving")
                 _seen_ready(swarm, hosted[0].router, joiner.node.peer_id)
@@ -152,16 +152,17 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
             if n == 1:  # set up at the boundary after step 1: it follows the rounds from step 2 on
                 assert pipeline.members[1] == [hosted[1].node.peer_id, joiner.node.peer_id]
                 assert pipeline.following == {joiner.node.peer_id}
-        assert joiner.joined is not None and joiner.joined[0] == 2 and joiner.joined[1] > 0
-        assert joiner.processed == run.cfg.train.micro_batches and joiner.steps == STEPS
+        assert joiner.state.joined is not None and joiner.state.joined[0] == 2 and joiner.state.joined[1] > 0
+        assert joiner.meters.processed == run.cfg.train.micro_batches and joiner.state.steps == STEPS
         assert hosted[1].source.served == 1 and not pipeline.following
         assert _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
         status = joiner.status()
-        assert status.role == "serving" and status.state_bytes_in == joiner.joined[1] and status.joined_step == 2
-        assert joiner.first_batch_s > 0
+        assert status.role == "serving" and status.state_bytes_in == joiner.state.joined[1] and status.joined_step == 2
+        assert joiner.meters.first_batch_s > 0
         rows = {row.peer_id: row for row in swarm.loop.run(survey(swarm.trainer, run.run_id))}  # peers.status
-        assert rows[joiner.node.peer_id].joined_step == 2 and rows[joiner.node.peer_id].role == "serving"
-        assert rows[hosted[1].node.peer_id].states_served == 1
+        joined = rows[joiner.node.peer_id]
+        assert joined.joining.joined_step == 2 and joined.work.role == "serving"
+        assert rows[hosted[1].node.peer_id].joining.states_served == 1
         table = format_table(list(rows.values()))
         assert "serving, joined at step 2 (" in table and "gave its state 1x (" in table
     finally:
@@ -181,7 +182,7 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         items = run.steps[2]
         half = len(items) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]  # through the original
-        assert original.processed == 2 * micro_batches + half
+        assert original.meters.processed == 2 * micro_batches + half
         sent, joiner_sent = pipeline.link_bytes(), _forward_sent(joiner)
         run.kill()  # it dies holding this step's gradients
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]
@@ -190,7 +191,7 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         for n in range(3, STEPS):
             run.step(n)
         assert pipeline.members[1] == [joiner.node.peer_id]
-        assert joiner.processed == (STEPS - 2) * micro_batches  # the re-run ones included
+        assert joiner.meters.processed == (STEPS - 2) * micro_batches  # the re-run ones included
         now = pipeline.link_bytes()  # what the dead peer sent before it died still counts
         key = "boundary1.forward.train"
         assert now[key] >= sent[key] + _forward_sent(joiner) - joiner_sent > sent[key]
@@ -266,7 +267,7 @@ def test_a_source_killed_during_the_download_and_a_busy_one_the_joiner_gets_its_
         for n in range(3, STEPS):
             run.step(n)
         assert run.node.peer_id not in run.pipeline.members[1] and hosted[1].source.served == 1
-        assert joiner.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
+        assert joiner.state.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
     finally:
         run.close()
 
@@ -297,14 +298,14 @@ def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]
         said = []
         left = asyncio.run_coroutine_threadsafe(run.server.leave(said.append), swarm.loop.loop)
-        _wait("it says it leaves", lambda: leaving.leaving)
+        _wait("it says it leaves", lambda: leaving.state.leaving)
         assert not left.done()  # it holds this step's gradients of its micro-batches
         hosted[0].router.bans.until.clear()
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]  # refused there: the other replica
         assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
         assert pipeline.step() == pytest.approx(run.local.step())
         left.result(timeout=20)
-        assert leaving.processed == run.cfg.train.micro_batches + half and not leaving.runtime.held
+        assert leaving.meters.processed == run.cfg.train.micro_batches + half and not leaving.runtime.held
         assert pipeline.members[1] == [hosted[1].node.peer_id]
         assert said and "leaving" in said[-1]
         run.kill()
@@ -323,12 +324,12 @@ def test_the_last_peer_of_a_stage_waits_for_another_before_it_leaves(swarm):
         said = []
         left = asyncio.run_coroutine_threadsafe(swarm.hosts[1][1].leave(said.append), swarm.loop.loop)
         _wait("it says it waits", lambda: said)
-        assert "no other peer serves this stage" in said[0] and not hosted[1].leaving
+        assert "no other peer serves this stage" in said[0] and not hosted[1].state.leaving
         run.step(1)  # it keeps serving meanwhile
         joiner = run.join()
         run.step(2)
         _wait("the joiner serves", lambda: joiner.role == "serving")
-        _wait("it sees the joiner and leaves", lambda: hosted[1].leaving)  # it looks every announce_every_s
+        _wait("it sees the joiner and leaves", lambda: hosted[1].state.leaving)  # it looks every announce_every_s
         run.step(3)  # its apply reply tells the trainer it leaves (if step 2's did not already)
         left.result(timeout=30)
         assert pipeline.members[1] == [joiner.node.peer_id]
@@ -362,6 +363,6 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
                 killer.join()
         assert pipeline.members[1] == [run.hosted[1].node.peer_id, joiner.node.peer_id]
         _wait("the joiner serves", lambda: joiner.role == "serving")
-        assert joiner.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
+        assert joiner.state.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
     finally:
         run.close()

@@ -239,7 +239,7 @@ def test_a_trainer_with_a_declared_uplink_paces_the_inputs_it_sends_stage_0(swar
         items = split_batches(cfg, data, 1)[0]
         pipeline.run_many(items)
         inputs = sum(len(micro_batch_payload(batch, inputs=x)) for batch, x in items)
-        ((peer, flow),) = pipeline.pacer._flows.items()
+        ((peer, flow),) = pipeline.handoff.pacer._flows.items()
         assert peer == hosted[0].node.peer_id
         assert flow.bucket.rate_bits == int(300e6 * PAYLOAD_SHARE)
         assert flow.bucket.stats().bytes >= inputs

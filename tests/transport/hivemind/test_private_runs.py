@@ -42,11 +42,11 @@ def test_only_allowed_peers_and_token_holders_join(swarm):
             tokens.issue_token(RSAPrivateKey(), run_id, outsider.node.peer_id),
             tokens.issue_token(key, run_id, hosted[0].node.peer_id),
         ):
-            outsider.token = base64.urlsafe_b64decode(token)
+            outsider.place.token = base64.urlsafe_b64decode(token)
             swarm.loop.run(swarm.hosts[n][1].announcer.announce_now())
             assert outsider.node.peer_id not in [r.peer_id for r in swarm.loop.run(pipeline.router.peers(1, True))]
         # the owner's token for it: it joins at a step boundary
-        outsider.token = base64.urlsafe_b64decode(tokens.issue_token(key, run_id, outsider.node.peer_id, 3600))
+        outsider.place.token = base64.urlsafe_b64decode(tokens.issue_token(key, run_id, outsider.node.peer_id, 3600))
         swarm.loop.run(swarm.hosts[n][1].announcer.announce_now())
         assert outsider.node.peer_id in [r.peer_id for r in swarm.loop.run(pipeline.router.peers(1, True))]
         train(cfg, pipeline, data, ResultsWriter(None), STEPS, progress=False)

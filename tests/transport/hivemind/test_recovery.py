@@ -160,7 +160,7 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         results = _Hooked(hooks)
         train(run.cfg, pipeline, run.data, results, STEPS, progress=False)
         _same_losses(results.rows, local_rows(run.cfg, tmp_path, STEPS))
-        [pause] = pipeline.recovery.pauses
+        [pause] = pipeline.recovery.history.pauses
         assert pause["to_step"] == back_to
         summary = next(r for r in results.rows if r["type"] == "summary")
         assert summary["pauses"] == [pause] and summary["copies"]["every"] == EVERY
@@ -197,7 +197,7 @@ def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
             second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
             assert second.session != first.session and second.resumed()["step"] == 6
             assert second.recovery.lineage == first.recovery.lineage  # it carries on the first one's copies
-            assert second.recovery.restarts == [{"to_step": 6}]
+            assert second.recovery.history.restarts == [{"to_step": 6}]
             after = ResultsWriter(None)
             after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
             train(run.cfg, second, run.data, after, STEPS, progress=False)

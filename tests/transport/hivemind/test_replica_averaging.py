@@ -71,7 +71,7 @@ def test_replicas_sum_among_themselves_and_one_killed_mid_run_leaves_the_others_
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
         _no_gradients_through_the_trainer(pipeline)
         replicas = [h for h in hosted if h.stage == 1]
-        assert all(h.processed > 0 for h in replicas)  # both took micro-batches: their sums are real sums
+        assert all(h.meters.processed > 0 for h in replicas)  # both took micro-batches: their sums are real sums
         for a, b in zip(*(h.runtime.module.parameters() for h in replicas), strict=True):
             assert torch.equal(a, b)  # every replica holds the same sum, bit for bit
     finally:
@@ -153,7 +153,7 @@ def test_a_lost_stage_with_replicas_and_tied_weights_elsewhere_goes_back_and_rep
     try:
         results = Hooked(None)
         pipeline = _train(swarm, cfg, run_id, results, steps=8, every=2)
-        assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.pauses] == [(5, 4)]
+        assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(5, 4)]
         _same_losses(results.rows, local_rows(cfg, tmp_path, 8))
     finally:
         swarm.unhost(run_id)

@@ -33,7 +33,7 @@ def _set_up(loop, hosted: HostedStage) -> None:
     owner = Owner(OWNER.key, hosted.run_id)
     hosted.gate.owner = owner.peer_id
     request = pb.SetupRequest(
-        config_digest=hosted.digest,
+        config_digest=hosted.place.digest,
         session="s",
         lr_horizon=10,
         capacity=400,

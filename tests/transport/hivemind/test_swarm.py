@@ -93,11 +93,11 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         train(cfg, pipeline, data, ResultsWriter(None), 2, progress=False)
         rows = swarm.loop.run(survey(swarm.trainer, run_id))
         assert sorted(r.stage for r in rows) == [0, 1, 1, 1]
-        assert all(r.reachable and r.ready for r in rows)
-        served = [r for r in rows if r.processed > 0]
+        assert all(r.reach.reachable and r.announced.ready for r in rows)
+        served = [r for r in rows if r.work.processed > 0]
         assert {r.stage for r in served} == {0, 1}
-        assert any(link["sent"] and link["received"] for r in served for link in r.links)
-        downs = [link for r in served if r.stage == 0 for link in r.links]
+        assert any(link["sent"] and link["received"] for r in served for link in r.work.links)
+        downs = [link for r in served if r.stage == 0 for link in r.work.links]
         assert len(downs) > 1  # stage 0 spread its micro-batches over stage 1's peers (stateless codecs)
         trained = [link for link in downs if "forward.train" in link["sent"]]
         assert trained and all(  # topk:0.2: a fifth of the values, in fp16
@@ -106,7 +106,7 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
         down = max(downs, key=lambda link: sum(link["sent"].values()))
         ratio = sum(down["raw"].values()) / sum(down["sent"].values())  # with the evaluations' exact tensors
         assert ratio > 1
-        assert all(r.rtt_ms is not None and r.rtt_ms > 0 for r in rows)
+        assert all(r.reach.rtt_ms is not None and r.reach.rtt_ms > 0 for r in rows)
         table = format_table(rows)
         assert run_id in table and "b0down" in table and "ago" in table and f"(x{ratio:.1f})" in table and "ms" in table
     finally:
@@ -295,7 +295,7 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         # the peer kept serving: a good micro-batch still trains
         metrics = pipeline.run_many([(batch, x)])[0]
         assert metrics["count"] == 4 and torch.isfinite(torch.tensor(metrics["loss"]))
-        assert hosted.processed == 1
+        assert hosted.meters.processed == 1
     finally:
         swarm.unhost(run_id)
 

@@ -35,14 +35,14 @@ def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
         for batch, x in schedule[0]:
             pipeline.run_many([(batch, x)])[0]
         pipeline.step()
-        assert doomed.processed == cfg.train.micro_batches and backup.processed == 0
+        assert doomed.meters.processed == cfg.train.micro_batches and backup.meters.processed == 0
         swarm.loop.run(victim_server.stop())
         swarm.loop.run(victim.shutdown())
         losses = []
         for step in schedule[1:3]:
             losses += [pipeline.run_many([(batch, x)])[0]["loss"] for batch, x in step]
             pipeline.step()
-        assert backup.processed == 2 * cfg.train.micro_batches
+        assert backup.meters.processed == 2 * cfg.train.micro_batches
         assert all(torch.isfinite(torch.tensor(losses)))
         assert victim.peer_id not in pipeline.members[1]
         assert hosted[0].router.bans.banned(victim.peer_id)
@@ -79,7 +79,7 @@ def test_micro_batches_overlap_in_the_pipeline(swarm, tmp_path):
     finally:
         swarm.unhost(run_id)
     assert pipeline.in_flight == 8
-    assert max(h.peak_queue for h in hosted) > 1  # a stage held several micro-batches at once
+    assert max(h.meters.peak_queue for h in hosted) > 1  # a stage held several micro-batches at once
     assert_same_run(results.rows, local_rows(cfg, tmp_path, steps=3))
 
 
@@ -101,7 +101,7 @@ def test_replicas_of_a_stage_stay_identical_when_micro_batches_split_between_the
                 ours.append(pipeline.run_many([(batch, x)])[0]["loss"])
             assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
             assert pipeline.step() == pytest.approx(local.step())
-        assert all(h.processed == 6 for h in replicas)
+        assert all(h.meters.processed == 6 for h in replicas)
         for p, q, r in zip(
             *(
                 m.parameters()
@@ -135,12 +135,12 @@ def test_a_peer_that_dies_holding_a_steps_gradients_has_them_recomputed(swarm):
             ours = [m["loss"] for m in pipeline.run_many(items)]
             assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
             if n == 1:
-                assert doomed.processed == 2 * len(items) and hosted[1].processed == 0
+                assert doomed.meters.processed == 2 * len(items) and hosted[1].meters.processed == 0
                 swarm.loop.run(victim_server.stop())
                 swarm.loop.run(victim.shutdown())
                 hosted[0].router.bans.until.clear()
             assert pipeline.step() == pytest.approx(local.step())
-        assert hosted[1].processed == 2 * len(steps[0])  # step 1 re-run, then step 2
+        assert hosted[1].meters.processed == 2 * len(steps[0])  # step 1 re-run, then step 2
         assert victim.peer_id not in pipeline.members[1]
         for p, r in zip(hosted[1].runtime.module.parameters(), local.runtimes[1].module.parameters(), strict=True):
             assert torch.allclose(p, r, rtol=1e-5, atol=1e-7)
@@ -161,7 +161,7 @@ def test_a_link_whose_receiver_lost_its_state_restarts_on_both_ends(swarm):
         pipeline.step()
         epoch = hosted[0].links.numbering.epoch(receiver)
 
-        hosted[1].link_grace = 0.5  # as if stage 1 restarted: it knows nothing of the link
+        hosted[1].chain.link_grace = 0.5  # as if stage 1 restarted: it knows nothing of the link
         hosted[1].links.turnstiles.clear()
         hosted[1].links.ends_in.clear()
         losses = [m["loss"] for m in pipeline.run_many(steps[1])]

@@ -60,7 +60,7 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
         to = address(run_id, 1)
 
         # control calls: unsigned, or signed by anyone but the owner
-        setup = pb.SetupRequest(to=to, config_digest=second.digest, session="mine", lr_horizon=9)
+        setup = pb.SetupRequest(to=to, config_digest=second.place.digest, session="mine", lr_horizon=9)
         setup.admission.CopyFrom(Owner(stranger_key, run_id).admit("mine", peer, 1))
         _refused(swarm, stranger, peer, "setup", setup, match="unsigned setup")
         _refused(swarm, stranger, peer, "setup", setup, key=stranger_key, match="not by the run's owner")
@@ -109,13 +109,13 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
 
         # counted, and shown by peers.status
         (row,) = [r for r in swarm.loop.run(survey(stranger, run_id)) if r.peer_id == peer]
-        assert row.refused["not allowed"] >= 10 and not row.banned
+        assert row.trust.refused["not allowed"] >= 10 and not row.trust.banned
         assert "refused" in format_table([row])
 
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert not first.router.bans.failures, "the stranger's record was never tried"
-        assert sum(h.processed for h in hosted) > 0
+        assert sum(h.meters.processed for h in hosted) > 0
         assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
     finally:
         swarm.unhost(run_id)
@@ -178,7 +178,7 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
         ahead.batch.step = 50
         with pytest.raises(RemoteError, match="at step 0") as caught:
             swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", ahead, nan, 10))
-        assert caught.value.code == pb.UNAVAILABLE and middle.runtime is not None and middle.session is not None
+        assert caught.value.code == pb.UNAVAILABLE and middle.runtime is not None and middle.state.session is not None
         ahead.batch.step, ahead.epoch = 0, (1 << 64) - 1
         with pytest.raises(RemoteError, match="ahead of this peer's clock"):
             swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", ahead, nan, 10))
@@ -188,7 +188,9 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
         assert rogue.peer_id[-8:] in message
         assert middle.links.numbering.epoch(after) is None  # its link to stage 2 was not restarted
         (row,) = [r for r in swarm.loop.run(survey(swarm.trainer, run_id)) if r.peer_id == middle.node.peer_id]
-        assert row.refused["malformed payload"] >= 1 and row.banned >= 1  # (the hosts serve every test here)
+        assert (
+            row.trust.refused["malformed payload"] >= 1 and row.trust.banned >= 1
+        )  # (the hosts serve every test here)
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
@@ -223,7 +225,7 @@ def test_a_senders_payload_bytes_and_requests_at_once_are_capped(swarm):
         while (server.held or server.active) and time.monotonic() < deadline:  # the refused stream winds down
             time.sleep(0.05)
         assert not server.held and not server.active
-        assert hosted.processed == 0  # never reached the stage
+        assert hosted.meters.processed == 0  # never reached the stage
     finally:
         swarm.loop.run(server.stop())
         swarm.loop.run(node.shutdown())
@@ -245,7 +247,7 @@ def test_a_peer_trusts_the_first_setup_that_succeeds_and_nobody_else_after(swarm
         assert hosted.gate.owner is None
         pipeline = swarm.pipeline(cfg, run_id, 2, build_data(cfg))
         assert hosted.gate.owner == pipeline.owner.peer_id
-        setup.config_digest = hosted.digest
+        setup.config_digest = hosted.place.digest
         _refused(swarm, swarm.trainer, peer, "setup", setup, key=stranger.key, match="not by the run's owner")
     finally:
         swarm.unhost(run_id)

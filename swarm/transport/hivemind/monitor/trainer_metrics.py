@@ -84,9 +84,11 @@ class TrainerCollector(Collector):
         )
         for stage in range(p.num_stages):
             f.gauge("trainer_members", "peers in service per stage", len(p.serving(stage)), stage=stage, **run)
-        f.counter("trainer_retries", "micro-batches and calls tried again", p.handoff.retries + p.retry.retries, **run)
+        f.counter(
+            "trainer_retries", "micro-batches and calls tried again", p.handoff.retries + p.place.retry.retries, **run
+        )
         f.counter("trainer_bans", "peers it stopped routing to for a while", p.router.banned_total, **run)
-        pauses = list(p.recovery.pauses)
+        pauses = list(p.recovery.history.pauses)
         f.counter("trainer_pauses", "times a stage lost its last peer", len(pauses), **run)
         f.counter("trainer_paused_seconds", "time the run waited in pauses", sum(x["paused_s"] for x in pauses), **run)
         fill_events(f, dict(p.events.counts), "trainer")

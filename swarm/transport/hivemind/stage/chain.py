@@ -17,6 +17,7 @@ sender start a new epoch, so both ends restart that link's state together instea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocols import carried as envelope
@@ -26,8 +27,14 @@ from protocols.errors import PayloadError, ProtocolError
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.transport.hivemind.errors import RemoteError, SenderFault
+from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.meta import meta_to_batch, raw_to_tensor
 from swarm.transport.hivemind.ordering import LinkReset, Ordinals, Turnstile
+from swarm.transport.hivemind.pacing import FlowPacer
+from swarm.transport.hivemind.routing import RoutingPolicy
+from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
+from swarm.transport.hivemind.stage.work import StageWork
 
 
 @dataclass
@@ -41,10 +48,24 @@ class Outcome:
 
 
 class Chain:
-    """The micro-batches of one hosted stage (`host`: its `HostedStage`)."""
+    """The micro-batches of one hosted stage: `serving(batch, proof)` says whether the stage takes
+    one now (raises if not); `handoff` (None on the last stage) hands them on downstream."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(
+        self,
+        place: StagePlace,
+        state: StageState,
+        meters: StageMeters,
+        work: StageWork,
+        links: NeighbourLinks,
+        handoff: Handoff | None,
+        pacer: FlowPacer,
+        serving: Callable[[MicroBatch, pb.StepProof], None],
+    ) -> None:
+        self.place, self.state, self.meters, self.work = place, state, meters, work
+        self.links, self.handoff, self.pacer, self.serving = links, handoff, pacer, serving
+        self.link_grace = place.settings.link_grace_s  # a new link epoch waits this long for its first message
+        self.policy = RoutingPolicy.of(place.settings)  # the throughput this peer announces
         self.ordinals = Ordinals()
         self.attempts: dict[tuple, object] = {}  # micro-batch key -> the attempt that owns its runtime state
 
@@ -55,35 +76,32 @@ class Chain:
 
     async def run(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
         """Forward here, then downstream and backward here; the reply for `sender`."""
-        host = self.host
-        runtime = host.runtime
+        runtime = self.state.runtime
         if runtime is None:
             raise RemoteError(
-                f"stage {host.stage} of run {host.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
+                f"stage {self.place.stage} of run {self.place.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
                 pb.NOT_READY,
             )
         batch, carried, body = _unpack(head, payload)
-        host.serving(batch, head.step_proof)
+        self.serving(batch, head.step_proof)
         # from arrival: the sender's clock runs meanwhile
-        settings = host.settings
+        settings = self.place.settings
         deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
         attempt = self.attempts[batch.key] = object()
-        host.queue += 1
-        host.peak_queue = max(host.peak_queue, host.queue)
-        host.occupied.enter()
+        self.meters.entered()
+        done = False
         try:
             outcome = await self._chain(head, batch, carried, body, sender, deadline, used, attempt)
+            done = True
         except BaseException:
-            if runtime is host.runtime and self.attempts.get(batch.key) is attempt:
-                await host.compute(runtime.drop, batch, LinkEnds(*used))
+            if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
+                await self.work.run(runtime.drop, batch, LinkEnds(*used))
             raise
         finally:
-            host.queue -= 1
-            host.occupied.leave()
+            self.meters.left(done)
             if self.attempts.get(batch.key) is attempt:
                 del self.attempts[batch.key]
-        host.processed += 1
         return outcome
 
     async def _chain(
@@ -97,44 +115,43 @@ class Chain:
         used: list,
         attempt: object,
     ) -> Outcome:
-        host, links, handoff = self.host, self.host.links, self.host.handoff
+        place, links, handoff, settings = self.place, self.links, self.handoff, self.place.settings
         started = time.perf_counter()
         ticket = None
         try:
             gate = links.turnstiles.setdefault(sender, Turnstile())
             async with gate.admit(
-                head.epoch, head.seq, max(deadline - time.monotonic(), host.settings.min_budget_s), host.link_grace
+                head.epoch, head.seq, max(deadline - time.monotonic(), settings.min_budget_s), self.link_grace
             ) as fresh:
-                if host.first:
+                if place.first:
                     data = _inputs(carried, body)
                 else:
                     # checked before a number on our next link is taken: a malformed payload costs
                     # its sender's link only, never ours to the next stage (the other senders' too)
                     if carried.HasField("inputs"):
-                        raise SenderFault(f"stage 0's input sent to stage {host.stage}")
+                        raise SenderFault(f"stage 0's input sent to stage {place.stage}")
                     try:
-                        data = await host.compute(wire.decode, body, host.settings.decode_limits)
+                        data = await self.work.run(wire.decode, body, settings.decode_limits)
+                        batch.check_input(data.shape)  # the engine's check, before our next link is touched
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
-                    if not data.shape or data.shape[0] != batch.size:
-                        raise SenderFault(f"activations of shape {data.shape} for {batch.size} samples")
                     used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(body)
-                record = None if host.last else await handoff.choose(host.session_id)
+                record = None if handoff is None else await handoff.choose(self.state.session_id)
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
                     if batch.mode is Mode.TRAIN:
                         ticket = self.ordinals.issue()
                     sent = links.numbering.take(record.peer_id)  # in encoding order: no await until submitted
                 try:
-                    message: Message = await host.compute(host.forward, batch, data, LinkEnds(*used))
+                    message: Message = await self.work.run(self.work.forward, batch, data, LinkEnds(*used))
                 except BaseException:
                     if record is not None:
-                        host.drop_out(record.peer_id)  # the number we took was never sent
+                        self._drop_out(record.peer_id)  # the number we took was never sent
                     raise
             if record is None:  # the last stage: gradient (training) or metrics (eval)
-                host.measure(batch, time.perf_counter() - started)
-                return Outcome(message.kind, message.payload, dict(message.metrics), [host.node.peer_id])
+                self._measure(batch, time.perf_counter() - started)
+                return Outcome(message.kind, message.payload, dict(message.metrics), [place.peer_id])
             return await self._downstream(
                 batch, message, record, sent, ticket, started, deadline, used, attempt, head.step_proof
             )
@@ -157,7 +174,7 @@ class Chain:
     ) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
         runs our backward."""
-        host, links = self.host, self.host.links
+        place, links, work = self.place, self.links, self.work
         elapsed = time.perf_counter() - started
 
         async def again(target: str) -> tuple[tuple[int, int], bytes]:
@@ -166,60 +183,70 @@ class Chain:
             used[1] = links.end_out(target)
             number = links.numbering.take(target)  # in encoding order: no await until submitted
             try:
-                resent = await host.compute(host.resend, batch, used[1], message)
+                resent = await work.run(work.resend, batch, used[1], message)
             except BaseException:
-                host.drop_out(target)  # the number we took was never sent
+                self._drop_out(target)  # the number we took was never sent
                 raise
             return number, resent.payload
 
-        more = not host.first and (batch.mode is not Mode.TRAIN or batch.index < host.cfg.train.micro_batches - 1)
-        frame, target, sent = await host.handoff.send(
+        last = self.state.cfg.train.micro_batches - 1
+        more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
+        frame, target, sent = await self.handoff.send(
             batch,
             record,
             sent,
             message.payload,
-            host.session_id,
+            self.state.session_id,
             again,
             deadline=deadline,
-            offer=lambda peer: host.pacer.offer(peer, more),
+            offer=lambda peer: self.pacer.offer(peer, more),
             proof=proof,
         )
         result, reply = frame.head, frame.payload
-        route = [host.node.peer_id, *result.route]
+        route = [place.peer_id, *result.route]
         if result.kind == pb.DONE:
-            host.measure(batch, elapsed)
+            self._measure(batch, elapsed)
             return Outcome(Kind.DONE, b"", dict(result.metrics), route)
         if result.kind != pb.BACKWARD or ticket is None:
             raise ProtocolError(
-                f"stage {host.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
+                f"stage {place.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
-        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), host.settings.min_budget_s)):
+        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), place.settings.min_budget_s)):
             outbound = links.ends_out.get(target)
             if outbound is None or links.numbering.epoch(target) != sent[0]:
                 raise LinkReset(
-                    f"the link to stage {host.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
+                    f"the link to stage {place.stage + 1} peer {target[-8:]} was reset while micro-batch {batch.key} was on it"
                 )
             used[1] = outbound
             try:
                 self._owns(batch, attempt)  # checked with no await before the backward is submitted
             except RemoteError:
-                host.drop_out(target)  # the reply on that link goes undecoded
+                self._drop_out(target)  # the reply on that link goes undecoded
                 raise
             started = time.perf_counter()
             try:
-                back: Message = await host.compute(host.backward, batch, reply, dict(result.metrics), LinkEnds(*used))
+                back: Message = await work.run(work.backward, batch, reply, dict(result.metrics), LinkEnds(*used))
             except BaseException:
-                host.drop_out(target)
+                self._drop_out(target)
                 raise
-        host.measure(batch, elapsed + time.perf_counter() - started)
+        self._measure(batch, elapsed + time.perf_counter() - started)
         return Outcome(back.kind, back.payload, dict(back.metrics), route)
+
+    def _drop_out(self, receiver: str) -> None:
+        """Our link to `receiver` lost its order or state: its next message starts a new epoch, and
+        the next micro-batch's peer is chosen afresh."""
+        self.links.drop_out(receiver)
+        self.handoff.forget(receiver)
+
+    def _measure(self, batch: MicroBatch, seconds: float) -> None:
+        self.meters.measure(batch, seconds, self.policy)
 
     def _owns(self, batch: MicroBatch, attempt: object) -> None:
         """Raises if a newer attempt of `batch` took over its runtime state here."""
         if self.attempts.get(batch.key) is not attempt:
             raise RemoteError(
-                f"micro-batch {batch.key} reached stage {self.host.stage} again through another peer: this attempt is void",
+                f"micro-batch {batch.key} reached stage {self.place.stage} again through another peer: this attempt is void",
                 pb.UNAVAILABLE,
             )
 

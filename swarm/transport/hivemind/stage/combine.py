@@ -23,43 +23,45 @@ from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.meta import tensors_to_payload
 from swarm.transport.hivemind.stage.averaging import AveragingError
+from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
+from swarm.transport.hivemind.stage.work import StageWork
 
 
 class Combining:
-    """The gather round of one hosted stage (`host`)."""
+    """The gather round of one hosted stage (`peer`: its server's averager sums with the others)."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(self, place: StagePlace, state: StageState, work: StageWork, peer: PeerServices) -> None:
+        self.place, self.state, self.work, self.peer = place, state, work, peer
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
-        host = self.host
-        me = host.node.peer_id
+        me = self.place.peer_id
         groups = list(head.groups)
-        local = await host.compute(host.rounds.timed, self._local, head, groups)
+        local = await self.work.run(self.work.timed, self._local, head, groups)
         results = await asyncio.gather(
             *(self._sum(group, local[i], me) for i, group in enumerate(groups)), return_exceptions=True
         )
         for result in results:
             if isinstance(result, AveragingError):
-                raise RemoteError(f"stage {host.stage}: {result}", pb.GROUP_FAILED) from None
+                raise RemoteError(f"stage {self.place.stage}: {result}", pb.GROUP_FAILED) from None
             if isinstance(result, BaseException):
                 raise result
-        await host.compute(host.rounds.timed, self._set, head, groups, results)
+        await self.work.run(self.work.timed, self._set, head, groups, results)
         return pb.GatherReply(), b""
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
         # frozen parameters (a LoRA run's base) never have a gradient: groups sum only what trains
-        return [name for name, p in self.host.runtime.module.named_parameters() if name not in tied and p.requires_grad]
+        return [
+            name for name, p in self.state.runtime.module.named_parameters() if name not in tied and p.requires_grad
+        ]
 
     def _local(self, head: pb.GatherRequest, groups: list[pb.AverageGroup]) -> list[list[torch.Tensor]]:
         """On the computing thread: the micro-batches' summed gradients (none while joining: it
         holds no micro-batch), each group's tensors with their presence flags last."""
-        host = self.host
-        runtime = host.runtime
-        joining = host.joining
+        runtime = self.state.runtime
+        joining = self.state.joining
         if joining is None:
             try:
                 runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
@@ -82,11 +84,10 @@ class Combining:
         contributors = [peer for peer in group.peers if peer not in receivers]
         if list(group.peers) == [me] or not any(t.numel() for t in tensors):
             return tensors  # alone, or nothing to sum (a replicated stage with nothing to train)
-        return await self.host.averager.sum(group.group_id, list(group.peers), tensors, contributors)
+        return await self.peer.averager.sum(group.group_id, list(group.peers), tensors, contributors)
 
     def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
         """On the computing thread: every summed gradient in place (a joiner keeps them to replay)."""
-        host = self.host
         tied = {name for group in groups if group.names for name in group.names}
         combined: dict[str, torch.Tensor] = {}
         self.uncounted = []
@@ -98,17 +99,17 @@ class Combining:
                     combined[name] = tensor
             if group.names and not group.counted:
                 self.uncounted.extend(names)
-        joining = host.joining
+        joining = self.state.joining
         if joining is not None:
             slots, payload = tensors_to_payload(combined)
             joining.keep("set_grads", pb.SetGradsRequest(step=head.step, grads=slots), payload)
             return
-        host.runtime.set_gradients(combined)
+        self.state.runtime.set_gradients(combined)
 
     def grad_sq_norm(self) -> float:
         """The stage's squared gradient norm, tied parameters counted by one of their stages only."""
         total = 0.0
-        for name, param in self.host.runtime.module.named_parameters():
+        for name, param in self.state.runtime.module.named_parameters():
             if param.grad is not None and name not in self.uncounted:
                 total += float(param.grad.detach().float().pow(2).sum())
         return total

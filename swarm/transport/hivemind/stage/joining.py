@@ -26,23 +26,30 @@ import time
 import torch
 
 from protocols import stage_pb2 as pb
+from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
 from swarm.engine.linkend import LinkEnds
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.routing import Router
 from swarm.transport.hivemind.stage.codecs import switched_config
+from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.rounds import StageRounds
+from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState, leave_session
+from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
 NO_ENDS = LinkEnds(None, None)
 
 
-def stage_codecs(host) -> list[pb.BoundaryCodecs]:
-    """The codecs in force on `host`'s boundaries (adaptive compression may have changed them)."""
+def stage_codecs(place: StagePlace, cfg: ExperimentConfig) -> list[pb.BoundaryCodecs]:
+    """The codecs in force (`cfg`: adaptive compression may have changed them) on the stage's boundaries."""
     codecs = []
-    for boundary in (host.stage - 1, host.stage):
-        if 0 <= boundary < host.num_stages - 1:
-            link = host.cfg.compression.link(boundary)
+    for boundary in (place.stage - 1, place.stage):
+        if 0 <= boundary < place.num_stages - 1:
+            link = cfg.compression.link(boundary)
             codecs.append(pb.BoundaryCodecs(boundary=boundary, forward=link.forward, backward=link.backward))
     return codecs
 
@@ -50,32 +57,32 @@ def stage_codecs(host) -> list[pb.BoundaryCodecs]:
 class StateSource:
     """A stage in service hands its state to joiners, one download at a time."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(self, place: StagePlace, state: StageState, work: StageWork) -> None:
+        self.place, self.state, self.work = place, state, work
         self.busy = False
         self.served = 0
         self.bytes_out = 0
 
     async def serve(self) -> tuple[pb.StateReply, bytes]:
         """The state now; the caller must call `done()` once its reply is written."""
-        host = self.host
-        host.ready()
-        if host.joining is not None:
-            raise RemoteError(f"stage {host.stage} peer is joining itself: it has no state to give", pb.UNAVAILABLE)
+        stage = self.place.stage
+        self.state.ready()
+        if self.state.joining is not None:
+            raise RemoteError(f"stage {stage} peer is joining itself: it has no state to give", pb.UNAVAILABLE)
         if self.busy:
-            raise RemoteError(f"stage {host.stage} peer is serving another joiner's download", pb.UNAVAILABLE)
+            raise RemoteError(f"stage {stage} peer is serving another joiner's download", pb.UNAVAILABLE)
         self.busy = True
         try:
-            return await host.compute(self._snapshot)
+            return await self.work.run(self._snapshot)
         except BaseException:
             self.busy = False
             raise
 
     def _snapshot(self) -> tuple[pb.StateReply, bytes]:
-        host = self.host
+        state = self.state
         buffer = io.BytesIO()
-        torch.save(stage_state(host.runtime, NO_ENDS, host.steps, in_flight=True), buffer)
-        return pb.StateReply(step=host.steps, codecs=stage_codecs(host)), buffer.getvalue()
+        torch.save(stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True), buffer)
+        return pb.StateReply(step=state.steps, codecs=stage_codecs(self.place, state.cfg)), buffer.getvalue()
 
     def done(self, sent: int) -> None:
         self.busy = False
@@ -87,20 +94,37 @@ class StateSource:
 class Joining:
     """A joiner's catching up: the rounds it keeps, the download, the install and the replay."""
 
-    def __init__(self, host, sources: list[str]) -> None:
-        self.host = host
-        self.sources = list(sources)
+    def __init__(
+        self,
+        place: StagePlace,
+        state: StageState,
+        work: StageWork,
+        links: NeighbourLinks,
+        gate: Gate,
+        router: Router,
+        peer: PeerServices,
+        rounds: StageRounds,
+    ) -> None:
+        self.place, self.state, self.work, self.links = place, state, work, links
+        self.gate, self.router, self.peer, self.rounds = gate, router, peer, rounds
+        self.sources: list[str] = []
         self.kept: list[tuple[str, object, bytes]] = []  # (kind, head, payload) in arrival order
         self.bytes_in = 0
         self.seconds = 0.0
         self.task: asyncio.Task | None = None
 
-    def start(self) -> None:
+    def start(self, sources: list[str]) -> None:
+        self.sources = list(sources)
         self.task = asyncio.create_task(self._run())
 
     def cancel(self) -> None:
-        """Stops the download (from any thread: a test's or the peer's own loop)."""
-        if self.task is not None:
+        """Stops the download (from any thread: a test's, the computing thread or the peer's own
+        loop), unless it is the caller itself (its own failure ends it anyway)."""
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no loop running in this thread
+            current = None
+        if self.task is not None and self.task is not current:
             self.task.get_loop().call_soon_threadsafe(self.task.cancel)
 
     def keep(self, kind: str, head, payload: bytes) -> None:
@@ -110,7 +134,7 @@ class Joining:
     async def _run(self) -> None:
         """Sources in turn until one gives the state: busy or failed ones are tried again after a
         growing pause, for at most `state_timeout_s` in all."""
-        host, settings = self.host, self.host.settings
+        place, settings = self.place, self.place.settings
         started = time.monotonic()
         tried: set[str] = set()
         pause = settings.backoff_s
@@ -119,84 +143,94 @@ class Joining:
                 tried.add(source[-8:])
                 try:
                     frame = await call(
-                        host.node.streams,
+                        place.node.streams,
                         source,
                         "state",
-                        pb.StateRequest(to=address(host.run_id, host.stage), admission=host.gate.shown()),
+                        pb.StateRequest(to=address(place.run_id, place.stage), admission=self.gate.shown()),
                         b"",
                         settings.state_timeout_s,
                     )
                 except (TransportError, RemoteError) as e:
                     busy = isinstance(e, RemoteError) and e.other_peer  # serving another joiner
                     level = logging.INFO if busy else logging.WARNING
-                    log.log(level, "stage %d: state download from %s: %s", host.stage, source[-8:], one_line(e))
+                    log.log(level, "stage %d: state download from %s: %s", place.stage, source[-8:], one_line(e))
                     continue
                 await self._installed(frame, source, started)
                 return
             await asyncio.sleep(pause)
             pause = min(2 * pause, settings.announce_every_s)
-        host.abandon_join(
+        self._abandon(
             f"no source gave the stage's state in {settings.state_timeout_s:.0f}s (tried {', '.join(sorted(tried)) or 'none'})"
         )
 
+    def _abandon(self, reason: str) -> None:
+        if self.state.joining is self:  # else a restore or a new session came first
+            leave_session(self.place, self.state, self.peer, reason)
+
     async def _installed(self, frame, source: str, started: float) -> None:
-        host = self.host
         self.bytes_in += len(frame.payload)
         try:
-            await host.compute(self._install, frame.head, frame.payload)
+            installed = await self.work.run(self._install, frame.head, frame.payload)
         except Exception as e:
-            host.abandon_join(f"the downloaded state did not install: {one_line(e)}")
+            self._abandon(f"the downloaded state did not install: {one_line(e)}")
+            return
+        if not installed:
             return
         self.seconds = time.monotonic() - started
-        host.joined = (int(frame.head.step), self.bytes_in, self.seconds)
-        host.events.add(
+        self.state.caught_up(int(frame.head.step), self.bytes_in, self.seconds)
+        self.peer.events.add(
             "join",
-            f"stage {host.stage}: joined with the state of step {frame.head.step} from {source[-8:]} "
+            f"stage {self.place.stage}: joined with the state of step {frame.head.step} from {source[-8:]} "
             f"({len(frame.payload)} bytes, {self.seconds:.1f}s)",
             logger=log,
         )
-        host.changed()
+        self.peer.changed()
 
     async def _candidates(self) -> list[str]:
         """The sources named at setup, then the stage's other peers in service (the DHT's view)."""
-        host = self.host
+        place = self.place
         found = [
             r.peer_id
-            for r in await host.router.peers(host.stage, refresh=True)
-            if r.ready and r.session == host.session_id and r.peer_id != host.node.peer_id
+            for r in await self.router.peers(place.stage, refresh=True)
+            if r.ready and r.session == self.state.session_id and r.peer_id != place.peer_id
         ]
         named = random.sample(self.sources, len(self.sources))
         return list(dict.fromkeys([*named, *found]))
 
-    def _install(self, reply: pb.StateReply, payload: bytes) -> None:
-        """On the computing thread: the state, then the kept rounds of the steps after it."""
-        host = self.host
-        if host.joining is not self:  # a restore or a new session came first
-            return
-        step = install_state(host, payload, reply.codecs, "joined")["step"]
-        host.joining = None  # the rounds below run as a replica's
+    def _install(self, reply: pb.StateReply, payload: bytes) -> bool:
+        """On the computing thread: the state, then the kept rounds of the steps after it; False
+        when a restore or a new session came first."""
+        state = self.state
+        if state.joining is not self:
+            return False
+        step = install_state(self.place, state, self.links, payload, reply.codecs, "joined")["step"]
+        self.rounds.restart()
+        state.caught_up(step, self.bytes_in, 0.0)  # the rounds below run as a replica's
         for kind, head, kept_payload in self.kept:
             if head.step >= step:
-                getattr(host.rounds, kind)(head, kept_payload)
+                getattr(self.rounds, kind)(head, kept_payload)
         self.kept.clear()
+        return True
 
 
-def install_state(host, payload: bytes, codecs, label: str) -> dict:
+def install_state(
+    place: StagePlace, state: StageState, links: NeighbourLinks, payload: bytes, codecs, label: str
+) -> dict:
     """On the computing thread: a stage file (`payload`) taken with `codecs` in force, installed
-    into `host`'s runtime. Every link restarts (a new epoch); the link ends the file carries (the
+    into the stage's runtime. Every link restarts (a new epoch); the link ends the file carries (the
     swarm's copies keep those in use) go to the first neighbour on each side, the others start
     fresh. The state read."""
-    state = read_stage(io.BytesIO(payload), host.runtime.device)
-    cfg = switched_config(host.configured, host.stage, codecs)[0]
-    ends = host.fresh_ends(label, cfg)
+    saved = read_stage(io.BytesIO(payload), state.runtime.device)
+    cfg = switched_config(state.configured, place.stage, codecs)[0]
+    ends = links.fresh(label, cfg)
     carried = LinkEnds(
-        *(end if state.get(side) is not None else None for end, side in zip(ends, ("inbound", "outbound"), strict=True))
+        *(end if saved.get(side) is not None else None for end, side in zip(ends, ("inbound", "outbound"), strict=True))
     )
-    step = apply_stage_state(host.runtime, carried, state)
+    step = apply_stage_state(state.runtime, carried, saved)
     for end in carried:
         if end is not None:  # what the links carried is counted once: in the ends they replace
             end.bytes.clear()
             end.raw.clear()
-    host.restored(cfg, ends, step)
-    host.rounds.restart()
-    return state
+    links.restore(ends)
+    state.restored(cfg, step)
+    return saved

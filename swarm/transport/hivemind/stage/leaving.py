@@ -16,46 +16,58 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.stage.rounds import StageRounds
+from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState
+
 REPLY_GRACE_S = 1.0  # after its last apply reply, for the reply to reach the trainer
 POLL_S = 0.05
 
 
-async def others_serving(host) -> list[str]:
+async def others_serving(place: StagePlace, state: StageState, router: Router) -> list[str]:
     """The stage's other peers in service for the same trainer session (the DHT's view)."""
-    records = await host.router.peers(host.stage, refresh=True)
+    records = await router.peers(place.stage, refresh=True)
     return [
         r.peer_id
         for r in records
-        if r.ready and not r.leaving and r.session == host.session_id and r.peer_id != host.node.peer_id
+        if r.ready and not r.leaving and r.session == state.session_id and r.peer_id != place.peer_id
     ]
 
 
-async def drain(host, say: Callable[[str], None]) -> None:
-    """Returns once `host` (a `HostedStage`) can leave without its run noticing."""
-    if host.runtime is None or host.joining is not None:
+async def drain(
+    place: StagePlace,
+    state: StageState,
+    meters: StageMeters,
+    router: Router,
+    rounds: StageRounds,
+    peer: PeerServices,
+    say: Callable[[str], None],
+) -> None:
+    """Returns once the stage can leave without its run noticing."""
+    if state.runtime is None or state.joining is not None:
         return
     told = False
-    while not await others_serving(host):
+    while not await others_serving(place, state, router):
         if not told:
             say(
-                f"stage {host.stage}: no other peer serves this stage; leaving now would stop run {host.run_id!r}. "
+                f"stage {place.stage}: no other peer serves this stage; leaving now would stop run {place.run_id!r}. "
                 "Waiting for one to join (Ctrl-C again to leave now)"
             )
             told = True
-        await asyncio.sleep(host.settings.announce_every_s)
-        if host.runtime is None:  # the run left it out meanwhile
+        await asyncio.sleep(place.settings.announce_every_s)
+        if state.runtime is None:  # the run left it out meanwhile
             return
-    host.leaving = True
-    host.events.add("leave", f"stage {host.stage}: leaving after this step (draining)")
+    state.leave()
+    peer.events.add("leave", f"stage {place.stage}: leaving after this step (draining)")
     announced = time.monotonic()
-    host.changed()
-    say(f"stage {host.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")
-    settings = host.settings
-    while time.monotonic() - host.rounds.last_s < settings.call_timeout_s:  # a run gone quiet takes nothing
-        if host.runtime is None or (host.rounds.told_leaving and not host.queue and not host.runtime.held):
+    peer.changed()
+    say(f"stage {place.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")
+    settings = place.settings
+    while time.monotonic() - rounds.last_s < settings.call_timeout_s:  # a run gone quiet takes nothing
+        if state.runtime is None or (rounds.told_leaving and not meters.queue and not state.runtime.held):
             break  # the trainer has its last apply reply (leaving) and will not count on it again
         await asyncio.sleep(POLL_S)
     # its last apply reply is built, not yet delivered (a shaped link delays it): a peer that closed
     # its connections at once could leave the trainer with a failed round instead of its goodbye
-    grace = REPLY_GRACE_S if host.rounds.told_leaving else 0.0
+    grace = REPLY_GRACE_S if rounds.told_leaving else 0.0
     await asyncio.sleep(max(grace, announced + settings.lookup_every_s - time.monotonic()))

@@ -26,9 +26,12 @@ from swarm.transport.hivemind.ordering import Numbering, Turnstile
 class NeighbourLinks:
     """`config()`: the stage's config in force (its codecs are the ones new ends get)."""
 
-    def __init__(self, stage: int, config: Callable[[], ExperimentConfig]) -> None:
-        self.stage = stage
+    def __init__(self, stage: int, num_stages: int, config: Callable[[], ExperimentConfig]) -> None:
+        self.stage, self.num_stages = stage, num_stages
         self.config = config
+        # every link restarts (a checkpoint or copy installed, our outbound codecs switched): the
+        # handoff then chooses the next stage's peer afresh
+        self.on_restart: Callable[[], None] = lambda: None
         self.capacity: int | None = None
         self.ends_in: dict[str, LinkEnd] = {}  # upstream peer -> our half of that link
         self.ends_out: dict[str, LinkEnd] = {}  # downstream peer -> our half of that link
@@ -63,6 +66,14 @@ class NeighbourLinks:
         self.ends_out.clear()
         self.numbering.clear()
         self.upstream = None
+        self.on_restart()
+
+    def fresh(self, label: str, cfg: ExperimentConfig) -> LinkEnds:
+        """New ends of this stage's own (one per side it has) with `cfg`'s codecs (`label`: what for)."""
+        return LinkEnds(
+            None if self.stage == 0 else self.make(False, label, cfg),
+            None if self.stage == self.num_stages - 1 else self.make(True, label, cfg),
+        )
 
     def make(self, upstream: bool, label: str, cfg: ExperimentConfig | None = None) -> LinkEnd:
         """A new end of ours with the codecs of `cfg` (default: the config in force), its AQ-SGD
@@ -117,6 +128,7 @@ class NeighbourLinks:
             if upstream:
                 for receiver in list(self.ends_out):
                     self.drop_out(receiver)
+                self.on_restart()
             else:
                 for sender in list(self.ends_in):
                     self._retire(sender, False, self.ends_in.pop(sender))

@@ -21,85 +21,91 @@ from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
 from swarm.transport.hivemind.errors import RemoteError
+from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.meta import payload_to_tensors
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.combine import Combining
+from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
+from swarm.transport.hivemind.stage.work import StageWork
 
 
 class StageRounds:
-    """The step's rounds and checkpoints of one hosted stage (`host`: its `HostedStage`)."""
+    """The step's rounds and checkpoints of one hosted stage."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(
+        self,
+        place: StagePlace,
+        state: StageState,
+        work: StageWork,
+        links: NeighbourLinks,
+        handoff: Handoff | None,
+        peer: PeerServices,
+    ) -> None:
+        self.place, self.state, self.work, self.links, self.handoff, self.peer = (
+            place,
+            state,
+            work,
+            links,
+            handoff,
+            peer,
+        )
         self.applied: tuple[int, pb.ApplyReply] | None = None  # the last apply: (step, its reply)
         self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
         self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
-        self.combining = Combining(host)  # the gather round: with the peers that share gradients
+        self.combining = Combining(place, state, work, peer)  # the gather round: with the peers that share gradients
 
     def restart(self) -> None:
         self.applied = None
 
     async def handle(self, kind: str, head, payload: bytes) -> tuple[object, bytes]:
         """The reply (head, payload) to a step round or checkpoint request of `kind`."""
-        self.host.ready()
+        self.state.ready()
         self.last_s = time.monotonic()
         if kind == "gather":  # computing, and the exchange with the groups in between
             return await self.combining.gather(head)
-        return await self.host.compute(self._kept_or_timed, getattr(self, kind), head, payload)
+        return await self.work.run(self._kept_or_timed, getattr(self, kind), head, payload)
 
     def _kept_or_timed(self, handler, head, payload: bytes):
-        joining = self.host.joining
+        joining = self.state.joining
         if joining is not None and handler.__name__ in ("set_grads", "apply"):
             joining.keep(handler.__name__, head, payload)
             return (pb.SetGradsReply() if handler.__name__ == "set_grads" else pb.ApplyReply(following=True)), b""
-        return self.timed(handler, head, payload)
-
-    def timed(self, fn, *args):
-        """`fn(*args)` on the computing thread, its time counted as the stage's compute."""
-        clock = self.host.clock
-        started = clock.start()
-        try:
-            return fn(*args)
-        finally:
-            clock.stop(started)
+        return self.work.timed(handler, head, payload)
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def _at(self, step: int, kind: str) -> None:
-        host = self.host
-        if step != host.steps:
-            raise RemoteError(
-                f"stage {host.stage} peer is at step {host.steps}, the {kind} round is of step {step}", pb.UNAVAILABLE
-            )
-
     def set_grads(self, head: pb.SetGradsRequest, payload: bytes) -> tuple[pb.SetGradsReply, bytes]:
-        self._at(head.step, "set_grads")
-        runtime = self.host.runtime
+        self.state.at(head.step, "the set_grads round")
         try:
-            runtime.set_gradients(payload_to_tensors(head.grads, payload))
+            self.state.runtime.set_gradients(payload_to_tensors(head.grads, payload))
         except (KeyError, ValueError) as e:
             raise ProtocolError(str(e.args[0])) from None
         return pb.SetGradsReply(grad_sq_norm=self.combining.grad_sq_norm() if head.norm else 0.0), b""
 
     def apply(self, head: pb.ApplyRequest, payload: bytes) -> tuple[pb.ApplyReply, bytes]:
-        host = self.host
+        state, stage = self.state, self.place.stage
         if self.applied is not None and self.applied[0] == head.step:
             return self.applied[1], b""
-        self._at(head.step, "apply")
-        cfg, changed = switched_config(host.cfg, host.stage, head.codecs)  # checked before anything changes
-        runtime = host.runtime
+        state.at(head.step, "the apply round")
+        cfg, changed = switched_config(state.cfg, stage, head.codecs)  # checked before anything changes
+        runtime = state.runtime
         if not (math.isfinite(head.scale) and head.scale >= 0):
             raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
         if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):
-            raise RemoteError(f"stage {host.stage}: non-finite gradients at step {head.step}: the step is not applied")
+            raise RemoteError(f"stage {stage}: non-finite gradients at step {head.step}: the step is not applied")
         if head.scale:
             runtime.scale_grads(head.scale)
-        reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=host.leaving)
-        self.told_leaving = host.leaving
-        host.steps += 1
+        reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=state.leaving)
+        self.told_leaving = state.leaving
+        state.stepped()
         self.applied = (head.step, reply)
         if changed:  # adaptive compression: new codecs from the next step on
-            host.switch_codecs(cfg, changed)
+            state.switched(cfg)
+            for boundary in changed:
+                link = cfg.compression.link(boundary)
+                self.peer.events.add("codec", f"boundary {boundary}: {link.forward} forward, {link.backward} backward")
+            self.links.switch(changed)
         return reply, b""
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -107,35 +113,36 @@ class StageRounds:
     def save(self, head: pb.SaveRequest, payload: bytes) -> tuple[pb.SaveReply, bytes]:
         """This stage as a single-process stage checkpoint, with the links in use as its link ends
         (other neighbours' links restart fresh after a resume) and this process's RNG."""
-        host = self.host
-        if host.joining is not None:
-            raise RemoteError(f"stage {host.stage} peer is still joining: it has no state to save", pb.UNAVAILABLE)
-        sticky = host.handoff.sticky if host.handoff is not None else None
-        state = stage_state(host.runtime, host.links.in_use(sticky), head.step)
-        state["rng"] = torch.get_rng_state()
+        state = self.state
+        if state.joining is not None:
+            raise RemoteError(
+                f"stage {self.place.stage} peer is still joining: it has no state to save", pb.UNAVAILABLE
+            )
+        sticky = self.handoff.sticky if self.handoff is not None else None
+        saved = stage_state(state.runtime, self.links.in_use(sticky), head.step)
+        saved["rng"] = torch.get_rng_state()
         buffer = io.BytesIO()
-        torch.save(state, buffer)
+        torch.save(saved, buffer)
         return pb.SaveReply(), buffer.getvalue()
 
     def load(self, head: pb.LoadRequest, payload: bytes) -> tuple[pb.LoadReply, bytes]:
         """Installs a stage checkpoint, with the codecs its links ran (adaptive compression; else
         the config's); every link restarts from its saved ends with a new epoch."""
-        host = self.host
-        cfg = switched_config(host.configured, host.stage, head.codecs)[0]
+        state, stage = self.state, self.place.stage
+        cfg = switched_config(state.configured, stage, head.codecs)[0]
         try:
-            state = read_stage(io.BytesIO(payload), host.runtime.device)
+            saved = read_stage(io.BytesIO(payload), state.runtime.device)
         except ValueError as e:
             raise ProtocolError(str(e)) from None
-        own = host.fresh_ends("checkpoint", cfg)
+        own = self.links.fresh("checkpoint", cfg)
         try:
-            step = apply_stage_state(host.runtime, own, state)
+            step = apply_stage_state(state.runtime, own, saved)
         except (ValueError, KeyError, RuntimeError) as e:
-            raise ProtocolError(f"checkpoint does not fit stage {host.stage}: {str(e).splitlines()[0][:200]}") from None
-        if isinstance(state.get("rng"), torch.Tensor):
-            torch.set_rng_state(state["rng"])
-        if host.joining is not None:  # the checkpoint is the state it was waiting for
-            host.joining.cancel()
-            host.joining = None
-        host.restored(cfg, own, step)
+            raise ProtocolError(f"checkpoint does not fit stage {stage}: {str(e).splitlines()[0][:200]}") from None
+        if isinstance(saved.get("rng"), torch.Tensor):
+            torch.set_rng_state(saved["rng"])
+        state.stop_joining()  # the checkpoint is the state it was waiting for
+        self.links.restore(own)
+        state.restored(cfg, step)
         self.applied = None
         return pb.LoadReply(step=step), b""

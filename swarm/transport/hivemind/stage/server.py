@@ -36,7 +36,7 @@ from swarm.transport.hivemind.pacing import carrying, send_paced
 from swarm.transport.hivemind.routing import Bans
 from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.stage.leaving import drain
+from swarm.transport.hivemind.stage.state import PeerServices
 from swarm.transport.hivemind.streams import PROTOCOL, Requests
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,11 @@ class StageServer:
 
     async def leave(self, say) -> None:
         """Drains every hosted stage (swarm.transport.hivemind.stage.leaving); then `stop()`."""
-        await asyncio.gather(*(drain(hosted, say) for hosted in self.hosted.values()))
+        await asyncio.gather(*(hosted.drain(say) for hosted in self.hosted.values()))
 
     def host(self, hosted: HostedStage) -> HostedStage:
         self.hosted[(hosted.run_id, hosted.stage)] = hosted
-        hosted.changed = self._announce_soon
-        hosted.averager = self.averager
-        hosted.events = hosted.router.events = self.events
+        hosted.attach(PeerServices(self.events, self.averager, self._announce_soon))
         return hosted
 
     def _announce_soon(self) -> None:

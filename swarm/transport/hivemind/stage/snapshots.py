@@ -28,8 +28,14 @@ from protocols import stage_pb2 as pb
 from swarm.engine.checkpoint import stage_state
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
+from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.rounds import StageRounds
+from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
+from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
 KEEP = 2  # newest steps kept per stage: a restore needs one step every stage has, and a round may fail half-way
@@ -45,10 +51,21 @@ class Copy:
 
 
 class Snapshots:
-    """The copies one hosted stage (`host`) keeps, and its snapshot and restore rounds."""
+    """The copies one hosted stage keeps, and its snapshot and restore rounds."""
 
-    def __init__(self, host) -> None:
-        self.host = host
+    def __init__(
+        self,
+        place: StagePlace,
+        state: StageState,
+        work: StageWork,
+        links: NeighbourLinks,
+        handoff: Handoff | None,
+        gate: Gate,
+        peer: PeerServices,
+        rounds: StageRounds,
+    ) -> None:
+        self.place, self.state, self.work, self.links, self.handoff = place, state, work, links, handoff
+        self.gate, self.peer, self.rounds = gate, peer, rounds
         self.lineage = ""
         self.copies: dict[tuple[int, int], Copy] = {}  # (stage, step) -> copy
         self.restores = 0
@@ -59,17 +76,16 @@ class Snapshots:
     # ---- the snapshot round --------------------------------------------------------------------
 
     async def snapshot(self, head: pb.SnapshotRequest, payload: bytes) -> tuple[pb.SnapshotReply, bytes]:
-        host = self.host
         if head.discard:
             if head.lineage == self.lineage:
                 self._clear()
             return pb.SnapshotReply(), b""
-        host.ready()
+        self.state.ready()
         self._adopt(head.lineage)
         step = int(head.step)
-        own = self.copies.get((host.stage, step))
+        own = self.copies.get((self.place.stage, step))
         if own is None:
-            own = await host.compute(self._take, step, payload)
+            own = await self.work.run(self._take, step, payload)
             self._keep(own)
         for order in head.hold:
             self._fetch(int(order.stage), step, list(order.sources))
@@ -77,23 +93,23 @@ class Snapshots:
 
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""
-        host = self.host
-        if host.joining is not None or host.steps != step:
+        state, stage = self.state, self.place.stage
+        if state.joining is not None or state.steps != step:
             raise RemoteError(
-                f"stage {host.stage} peer is {host.role} at step {host.steps}: no copy of step {step}", pb.UNAVAILABLE
+                f"stage {stage} peer is {state.role} at step {state.steps}: no copy of step {step}", pb.UNAVAILABLE
             )
         # the link ends in use go with it (error feedback state carries on after a restore), unless a
         # micro-batch of an abandoned attempt is still inside, or AQ-SGD rows live in a file on
         # this disk (compression.store_dir): then the links restart fresh
-        sticky = host.handoff.sticky if host.handoff is not None else None
-        carry = not host.runtime.pending and host.cfg.compression.store_dir is None
-        ends = host.links.in_use(sticky) if carry else NO_ENDS
-        state = stage_state(host.runtime, ends, step, in_flight=True)
-        state["rng"] = torch.get_rng_state()
-        state["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
+        sticky = self.handoff.sticky if self.handoff is not None else None
+        carry = not state.runtime.pending and state.cfg.compression.store_dir is None
+        ends = self.links.in_use(sticky) if carry else NO_ENDS
+        saved = stage_state(state.runtime, ends, step, in_flight=True)
+        saved["rng"] = torch.get_rng_state()
+        saved["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
         buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return Copy(host.stage, step, buffer.getvalue(), stage_codecs(host))
+        torch.save(saved, buffer)
+        return Copy(stage, step, buffer.getvalue(), stage_codecs(self.place, state.cfg))
 
     def _fetch(self, stage: int, step: int, sources: list[str]) -> None:
         """A neighbour stage's copy of `step`, fetched in the background (unless held or on its way)."""
@@ -111,23 +127,23 @@ class Snapshots:
             return
         error = task.exception()
         if error is not None:
-            log.warning("stage %d: no copy of stage %d at step %d held: %s", self.host.stage, *key, one_line(error))
+            log.warning("stage %d: no copy of stage %d at step %d held: %s", self.place.stage, *key, one_line(error))
         else:
             self._keep(task.result())
 
     async def _download(self, stage: int, step: int, sources: list[tuple[str, int]]) -> Copy:
         """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that has it."""
-        host, errors = self.host, []
+        place, errors = self.place, []
         for peer, hosted_stage in sources:
             request = pb.StateRequest(
-                to=address(host.run_id, hosted_stage),
+                to=address(place.run_id, hosted_stage),
                 snapshot=True,
                 stage=stage,
                 step=step,
-                admission=host.gate.shown(),
+                admission=self.gate.shown(),
             )
             try:
-                frame = await call(host.node.streams, peer, "state", request, b"", host.settings.state_timeout_s)
+                frame = await call(place.node.streams, peer, "state", request, b"", place.settings.state_timeout_s)
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
                 continue
@@ -151,16 +167,16 @@ class Snapshots:
     # ---- the restore round ---------------------------------------------------------------------
 
     async def restore(self, head: pb.RestoreRequest, payload: bytes) -> tuple[pb.RestoreReply, bytes]:
-        host = self.host
-        host.ready()
+        place = self.place
+        self.state.ready()
         step = int(head.step)
         self._adopt(head.lineage)  # a trainer carries on a lineage of this peer's copies, or starts one
-        copy = self.copies.get((host.stage, step))
+        copy = self.copies.get((place.stage, step))
         if copy is None:
-            sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != host.node.peer_id]
-            copy = await self._download(host.stage, step, sources)
+            sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != place.peer_id]
+            copy = await self._download(place.stage, step, sources)
             self._keep(copy)
-        trainer = await host.compute(self._install, copy)
+        trainer = await self.work.run(self._install, copy)
         for key in [key for key in self.copies if key[1] > step]:  # the run goes on from `step`
             del self.copies[key]
         for key, task in list(self._fetches.items()):
@@ -168,23 +184,21 @@ class Snapshots:
                 task.cancel()
         self.restores += 1
         self.restored_step, self.paused_s = step, float(head.paused_s)
-        host.events.add(
+        self.peer.events.add(
             "resume",
-            f"stage {host.stage}: went back to the copy of step {step} after a {self.paused_s:.1f}s pause",
+            f"stage {place.stage}: went back to the copy of step {step} after a {self.paused_s:.1f}s pause",
             logger=log,
         )
-        host.changed()
+        self.peer.changed()
         return pb.RestoreReply(step=step), trainer
 
     def _install(self, copy: Copy) -> bytes:
-        host = self.host
-        if host.joining is not None:  # the copy is the state it was waiting for
-            host.joining.cancel()
-            host.joining = None
-        state = install_state(host, copy.payload, copy.codecs, "restored")
-        if isinstance(state.get("rng"), torch.Tensor):
-            torch.set_rng_state(state["rng"])
-        trainer = state.get("trainer")
+        self.state.stop_joining()  # the copy is the state it was waiting for
+        saved = install_state(self.place, self.state, self.links, copy.payload, copy.codecs, "restored")
+        self.rounds.restart()
+        if isinstance(saved.get("rng"), torch.Tensor):
+            torch.set_rng_state(saved["rng"])
+        trainer = saved.get("trainer")
         return bytes(trainer.numpy().tobytes()) if isinstance(trainer, torch.Tensor) else b""
 
     # ---- bookkeeping ---------------------------------------------------------------------------

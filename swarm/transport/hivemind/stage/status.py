@@ -8,6 +8,8 @@ import time
 from collections import Counter
 
 from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 
 
 def by_direction(counts) -> Counter:
@@ -18,39 +20,32 @@ def by_direction(counts) -> Counter:
     return out
 
 
-def stage_status(host) -> pb.StageStatus:
-    """`host`: a `HostedStage`."""
-    clock = host.clock
+def stage_status(place: StagePlace, state: StageState, meters: StageMeters, links: NeighbourLinks) -> pb.StageStatus:
+    """What the stage's own state says; its collaborators add theirs (`HostedStage.status`)."""
+    clock = meters.clock
     out = pb.StageStatus(
-        run_id=host.run_id,
-        stage=host.stage,
-        num_stages=host.num_stages,
-        ready=host.runtime is not None,
-        throughput=host.throughput,
-        queue=host.queue,
-        processed=host.processed,
-        steps=host.steps,
+        run_id=place.run_id,
+        stage=place.stage,
+        num_stages=place.num_stages,
+        ready=state.runtime is not None,
+        throughput=meters.throughput,
+        queue=meters.queue,
+        processed=meters.processed,
+        steps=state.steps,
         compute_s=clock.seconds,
         compute_cpu_s=clock.cpu_seconds,
         samples=clock.samples,
-        role=host.role,
-        states_served=host.source.served,
-        state_bytes_out=host.source.bytes_out,
-        sending_s=host.sending.busy.seconds,
-        retries=host.handoff.retries if host.handoff is not None else 0,
-        bans=host.router.banned_total,
+        role=state.role,
     )
-    if host.serving_since:
-        out.waiting_s = max(0.0, time.monotonic() - host.serving_since - host.occupied.seconds)
-    host.snapshots.status(out)
-    if host.joined is not None:
-        out.joined_step, out.state_bytes_in, out.state_seconds = host.joined
-    if host.stage > 0:
-        link = host.cfg.compression.link(host.stage - 1)
+    if meters.serving_since:
+        out.waiting_s = max(0.0, time.monotonic() - meters.serving_since - meters.occupied.seconds)
+    if state.joined is not None:
+        out.joined_step, out.state_bytes_in, out.state_seconds = state.joined
+    if place.stage > 0:
+        link = state.cfg.compression.link(place.stage - 1)
         out.forward_codec, out.backward_codec = link.forward, link.backward
-    if host.runtime is None:
+    if state.runtime is None:
         return out
-    links = host.links
     out.state_bytes = links.state_bytes()
     for upstream, ends in ((False, links.ends_in), (True, links.ends_out)):
         neighbours = dict.fromkeys([*ends, *(n for n, up in links.retired if up == upstream)])

@@ -3,19 +3,17 @@ peers that left included, as they last reported), every peer's compute, the stat
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 
 
 class Accounts:
-    """The status reads of one `SwarmPipeline` (`pipeline`)."""
+    """The trainer's reads of its members' statuses."""
 
-    def __init__(self, pipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(self, place: TrainerPlace, membership: Membership) -> None:
+        self.place, self.membership = place, membership
         self.step_statuses: list[pb.StageStatus] | None = None  # this step's adaptive decision read them
         self.counted: list[pb.StageStatus] | None = None  # what link_bytes last read (its stages' compute)
         # the last status of every stage peer heard from, by (peer, stage, the step it joined at):
@@ -23,21 +21,13 @@ class Accounts:
         self.reported: dict[tuple[str, int, int], pb.StageStatus] = {}
 
     async def statuses(self) -> list[pb.StageStatus]:
-        p = self.pipeline
-        request = pb.InfoRequest(to=address(p.run_id))
-        timeout = p.node.settings.call_timeout_s
-        peers = [peer for _, peer in p.rounds.peers()]
-        replies = await asyncio.gather(
-            *(call(p.node.streams, peer, "info", request, b"", timeout) for peer in peers),
-            return_exceptions=True,
-        )
+        found = await self.place.statuses(self.membership.peers(), self.place.settings.call_timeout_s)
         statuses = []
-        for peer, reply in zip(peers, replies, strict=True):
-            if isinstance(reply, BaseException):  # it left: its last status stays in `reported`
+        for (_, peer), status in found.items():
+            if isinstance(status, BaseException):  # it left: its last status stays in `reported`
                 continue
-            for status in reply.head.stages:
-                self.reported[(peer, status.stage, status.joined_step)] = status
-                statuses.append(status)
+            self.reported[(peer, status.stage, status.joined_step)] = status
+            statuses.append(status)
         return statuses
 
     def link_bytes(self) -> dict[str, int]:
@@ -45,7 +35,7 @@ class Accounts:
         those that left included (as they last reported)."""
         totals: Counter = Counter()
         statuses, self.step_statuses = self.step_statuses, None
-        self.counted = statuses if statuses is not None else self.pipeline.loop.run(self.statuses())
+        self.counted = statuses if statuses is not None else self.place.loop.run(self.statuses())
         for status in self.reported.values():
             for link in status.links:
                 for key, n in link.sent.items():

@@ -20,7 +20,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
@@ -31,12 +30,11 @@ from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
 from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.calls import Sending, call
-from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.calls import Sending
+from swarm.transport.hivemind.errors import RemoteError, TransportError
 from swarm.transport.hivemind.events import EventLog
 from swarm.transport.hivemind.handoff import Handoff
 from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.meta import address
 from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.ordering import Numbering
 from swarm.transport.hivemind.pacing import FlowPacer
@@ -44,8 +42,10 @@ from swarm.transport.hivemind.retry import Retry
 from swarm.transport.hivemind.routing import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.recovery import Recovery
-from swarm.transport.hivemind.trainer.rounds import SwarmRounds, codec_changes
+from swarm.transport.hivemind.trainer.rounds import StepHooks, SwarmRounds, codec_changes
+from swarm.transport.hivemind.trainer.setups import Setups
 from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)
@@ -65,42 +65,99 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        self.node, self.loop, self.cfg, self.run_id = node, loop, cfg, run_id
-        self.num_stages = cfg.model.num_stages
-        self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, self.num_stages, node.settings)
-        # the run's owner: signs control calls, admits members (swarm.transport.hivemind.trust)
-        self.owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
-        self.session = uuid.uuid4().hex
-        self.router = Router(node, run_id, lambda r: self.owner.routable(r, self.session), self.owner.allows)
-        self.events = EventLog()  # joins, leaves, bans, pauses: its progress record and metrics show them
-        self.router.events = self.events
-        self.state = "starting"  # training, paused: why, finished (its progress record)
-        self.in_swarm = Busy()  # seconds the training loop waited on the swarm (micro-batches, rounds)
-        self.members: dict[int, list[str]] = {}  # stage -> peers set up for this run
-        self.following: set[str] = set()  # members that joined mid-run and are still catching up
-        self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out (older records of it are stale)
-        self._setup_args: tuple[int, int] = (0, 0)  # (lr horizon, capacity) every setup carries
-        self.tied: list[TiedPair] = []
-        self.step_index = 0  # optimizer steps done
-        self.routes: dict[int, list[str]] = {}  # this step's finished micro-batches: index -> peer per stage
-        # ... and what they were, to re-run if a peer leaves
-        self._sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
-        self.numbering = Numbering()  # of our messages to each stage-0 peer
-        self.pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
-        sending = Sending(node.settings.sending_per_neighbour)
-        admission = lambda: self.owner.admit(self.session, node.peer_id, trainer=True)  # noqa: E731
-        self.handoff = Handoff(
-            node, self.router, run_id, 0, self.pacer, sending, self.numbering.restart, admission=admission
+        self.cfg = cfg
+        num_stages = cfg.model.num_stages
+        self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
+        owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
+        session = uuid.uuid4().hex
+        router = Router(node, run_id, lambda r: owner.routable(r, session), owner.allows)
+        events = EventLog()
+        router.events = events
+        self.place = place = TrainerPlace(
+            node, loop, run_id, num_stages, owner, session, router, Retry(node.settings), events
         )
-        self.retry = Retry(node.settings)
-        self.rounds = SwarmRounds(self)
-        self.recovery = Recovery(self, snapshot_every)  # the swarm's copies of every stage, every few steps
+        self.membership = membership = Membership(place)
+        self.position = position = Position()
+        self.setups = Setups(place, membership, position, config_digest(cfg))
+        self._state = "starting"  # training, finished (recovery says when it is paused, and why)
+        self.in_swarm = Busy()  # seconds the training loop waited on the swarm (micro-batches, rounds)
+        self.numbering = Numbering()  # of our messages to each stage-0 peer
+        pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
+        admission = lambda: owner.admit(session, node.peer_id, trainer=True)  # noqa: E731
+        sending = Sending(node.settings.sending_per_neighbour)
+        self.handoff = Handoff(node, router, run_id, 0, pacer, sending, self.numbering.restart, admission=admission)
+        self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
+        hooks = StepHooks(self.run_again, self.adapt, self.step_done)
+        self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
+        # the swarm's copies of every stage, every few steps
+        self.recovery = Recovery(
+            place, membership, position, self.rounds, self.adaptive, self.setups.set_up, self.went_back, snapshot_every
+        )
         self.fresh = fresh  # start at step 0 even where the swarm kept copies of an earlier trainer's run
         self._resumed: dict | None = None  # the position of a run taken over from an earlier trainer
-        self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
-        self.accounts = Accounts(self)  # the stage peers' statuses: link bytes, compute, state
+        self.accounts = Accounts(place, membership)  # the stage peers' statuses: link bytes, compute, state
 
-    # ---- joining -----------------------------------------------------------------------------
+    # ---- what others read of it ----------------------------------------------------------------
+
+    @property
+    def node(self) -> SwarmNode:
+        return self.place.node
+
+    @property
+    def loop(self) -> LoopThread:
+        return self.place.loop
+
+    @property
+    def run_id(self) -> str:
+        return self.place.run_id
+
+    @property
+    def num_stages(self) -> int:
+        return self.place.num_stages
+
+    @property
+    def session(self) -> str:
+        return self.place.session
+
+    @property
+    def owner(self) -> Owner:
+        return self.place.owner
+
+    @property
+    def router(self) -> Router:
+        return self.place.router
+
+    @property
+    def events(self) -> EventLog:
+        return self.place.events
+
+    @property
+    def tied(self) -> list[TiedPair]:
+        return self.place.tied
+
+    @property
+    def members(self) -> dict[int, list[str]]:
+        return self.membership.members
+
+    @property
+    def following(self) -> set[str]:
+        return self.membership.following
+
+    @property
+    def step_index(self) -> int:
+        return self.position.step_index
+
+    @property
+    def state(self) -> str:
+        """Its progress record's: starting, training, paused (why), finished (or how it ended:
+        the trainer process sets interrupted or failed)."""
+        return self.recovery.paused or self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+
+    # ---- setup -------------------------------------------------------------------------------
 
     def setup(self, lr_horizon: int, capacity: int | None, wait_s: float | None = None) -> dict[int, list[str]]:
         """Waits (at most `wait_s`, default the settings' setup_wait_s) until every stage has a peer,
@@ -120,24 +177,24 @@ class SwarmPipeline:
                     f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})"
                 )
             await asyncio.sleep(0.5)
-        self._setup_args = (lr_horizon, capacity or 0)
+        self.setups.args = (lr_horizon, capacity or 0)
         available = {s: [r.peer_id for r in records if not r.leaving] for s, records in found.items()}
         resume = None if self.fresh else await self.recovery.resume_point(available)
 
         async def one(stage: int, peer_id: str):
-            return stage, peer_id, await self.set_up(stage, peer_id)
+            return stage, peer_id, await self.setups.set_up(stage, peer_id)
 
         replies = await asyncio.gather(
             *(one(s, r.peer_id) for s, records in found.items() for r in records if not r.leaving)
         )
-        self.members = defaultdict(list)
-        self.following.clear()
+        members: dict[int, list[str]] = defaultdict(list)
         for stage, peer_id, reply in replies:
-            self.members[stage].append(peer_id)
+            members[stage].append(peer_id)
             if reply.tied and not self.tied:
-                self.tied = [
+                self.place.tied[:] = [
                     TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied
                 ]
+        self.membership.start(members)
         if resume is not None:  # an earlier trainer's run: it goes on where the swarm's copies are
             self.recovery.lineage, step, sources = resume
             position = await self.recovery.restore(step, sources)
@@ -151,73 +208,21 @@ class SwarmPipeline:
             self.events.add("resume", text, logger=log)
         peers = ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(self.members.items()))
         self.events.add("setup", f"session {self.session[:8]} set up {peers}")
-        self.state = "training"
+        self._state = "training"
         return dict(self.members)
 
     async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
-        lr_horizon, capacity = self._setup_args
-        request = pb.SetupRequest(
-            to=address(self.run_id, stage),
-            config_digest=config_digest(self.cfg),
-            lr_horizon=lr_horizon,
-            capacity=capacity,
-            session=self.session,
-            sources=sources,
-            admission=self.owner.admit(self.session, peer_id, stage),
-        )
-        timeout = self.node.settings.call_timeout_s  # setups are idempotent (one session builds once)
-        frame = await self.retry.same_peer(
-            lambda: call(self.node.streams, peer_id, "setup", request, b"", timeout, self.owner.key),
-            f"setup of stage {stage} peer {peer_id[-8:]}",
-        )
-        return frame.head
+        return await self.setups.set_up(stage, peer_id, sources)
 
     def serving(self, stage: int) -> list[str]:
         """The stage's members in service (not still catching up)."""
-        return [peer for peer in self.members.get(stage, []) if peer not in self.following]
+        return self.membership.serving(stage)
 
     async def admit(self) -> list[tuple[int, str]]:
-        """At a step boundary: sets up the peers that announced themselves for a stage with a peer in
-        service since the last look (the router's cached view), as joiners; those admitted."""
-        admitted = []
-        for stage in range(self.num_stages):
-            sources = self.serving(stage)
-            if not sources:
-                continue
-            for peer in await self.candidates(stage, refresh=False):
-                try:
-                    await self.set_up(stage, peer, sources)
-                except (TransportError, RemoteError) as e:
-                    self.router.failed(peer)
-                    log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
-                    continue
-                self.members[stage].append(peer)
-                self.following.add(peer)
-                admitted.append((stage, peer))
-                self.events.add("join", f"stage {stage}: peer {peer[-8:]} joins at step {self.step_index}", logger=log)
-        return admitted
-
-    async def candidates(self, stage: int, refresh: bool = True, ours: bool = False) -> list[str]:
-        """Peers that announced themselves for `stage` and are not in the run (nor left it since);
-        with `ours`, also those left out that still run this session (a restore sets them up again)."""
-        found = []
-        for record in await self.router.peers(stage, refresh=refresh):
-            peer = record.peer_id
-            if peer in self.members.get(stage, []) or record.leaving or (record.session == self.session and not ours):
-                continue
-            if self.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
-                continue
-            found.append(peer)
-        return found
+        return await self.setups.admit()
 
     def drop(self, stage: int, peer: str, why: str, left: bool = False) -> None:
-        """`peer` is out of the run: it failed a round, or it `left` (drained, as it said it would)."""
-        if peer in self.members.get(stage, []):
-            self.members[stage].remove(peer)
-        self.following.discard(peer)
-        self._dropped[peer] = get_dht_time()
-        level = logging.INFO if left else logging.WARNING
-        self.events.add("leave", f"stage {stage}: peer {peer[-8:]} left the run ({why})", level, log)
+        self.membership.drop(stage, peer, why, left)
 
     # ---- micro-batches -----------------------------------------------------------------------
 
@@ -241,7 +246,7 @@ class SwarmPipeline:
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
-        await self._run_many([self._sent[i] for i in indices])
+        await self._run_many([self.position.sent[i] for i in indices])
 
     async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
         self.accounts.step_statuses = None
@@ -275,14 +280,11 @@ class SwarmPipeline:
                 f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {self.num_stages}"
             )
         if batch.mode is Mode.TRAIN:
-            self.routes[batch.index] = list(result.route)
-            self._sent[batch.index] = (batch, inputs)
+            self.position.finished(batch, inputs, result.route)
             for stage, peer_id in enumerate(result.route):
-                self.following.discard(peer_id)  # it served a micro-batch: it is in service
-                if peer_id not in self.members.setdefault(stage, []) and self.owner.issued(
-                    self.session, peer_id, stage
-                ):
-                    self.members[stage].append(peer_id)  # (a stage's word alone makes no one a member)
+                self.membership.served(peer_id)  # it served a micro-batch: it is in service
+                if peer_id not in self.members.get(stage, []) and self.owner.issued(self.session, peer_id, stage):
+                    self.membership.add(stage, peer_id)  # (a stage's word alone makes no one a member)
         return dict(result.metrics)
 
     # ---- the synchronous step ----------------------------------------------------------------
@@ -298,23 +300,19 @@ class SwarmPipeline:
 
     def finish(self) -> None:
         """The run is done: the copies the swarm kept of it go."""
-        self.state = "finished"
+        self._state = "finished"
         self.loop.run(self.recovery.discard())
 
     def went_back(self, step: int) -> None:
         """Every stage was restored to `step` (a checkpoint or the swarm's copies): every link
         restarts (new epochs) and this step starts over."""
-        self.step_index = step
+        self.position.went_back(step)
         self.following.clear()
         self.numbering.clear()
-        self.routes.clear()
-        self._sent.clear()
 
     def step_done(self) -> None:
-        self.step_index += 1
-        self.routes.clear()
-        self._sent.clear()
-        self.loop.run(self.admit())
+        self.position.next_step()
+        self.loop.run(self.setups.admit())
 
     async def adapt(self) -> list[pb.BoundaryCodecs]:
         """compression.adaptive: the boundaries whose codecs change from the next step on (every

@@ -19,7 +19,8 @@ import json
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,9 @@ from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
 log = logging.getLogger(__name__)
 HOLDERS = 2  # peers of the next stage that fetch a stage's copy
@@ -59,32 +63,60 @@ def newest_complete(copies: list[Held], num_stages: int, lineage: str | None = N
     return best
 
 
-class Recovery:
-    """Snapshot rounds and restores of one `SwarmPipeline` (`pipeline`); `every` 0 keeps no copies."""
+@dataclass
+class History:
+    """What the swarm's copies cost and what they mended: snapshot rounds, their seconds and the last
+    copy's size per stage; the pauses (restores) and the restarts (a new trainer took over), which a
+    new trainer carries on."""
 
-    def __init__(self, pipeline, every: int) -> None:
-        self.pipeline = pipeline
+    rounds: int = 0
+    rounds_s: float = 0.0
+    copy_bytes: dict[int, int] = field(default_factory=dict)
+    pauses: list[dict] = field(default_factory=list)  # {"from_step", "to_step", "paused_s"} per restore
+    restarts: list[dict] = field(default_factory=list)  # {"to_step"}: a new trainer took the run over there
+
+
+class Recovery:
+    """Snapshot rounds and restores; `every` 0 keeps no copies. `set_up(stage, peer)` sets a peer up
+    for the session (a new one, or one that left it); `went_back(step)`: every stage is at `step`."""
+
+    def __init__(
+        self,
+        place: TrainerPlace,
+        membership: Membership,
+        position: Position,
+        rounds: SwarmRounds,
+        adaptive: AdaptiveCodecs | None,
+        set_up: Callable[[int, str], Awaitable[object]],
+        went_back: Callable[[int], None],
+        every: int,
+    ) -> None:
+        self.place, self.membership, self.position, self.rounds, self.adaptive = (
+            place,
+            membership,
+            position,
+            rounds,
+            adaptive,
+        )
+        self.set_up, self.went_back = set_up, went_back
         self.every = every
-        self.lineage = pipeline.session
+        self.paused: str | None = None  # why the run waits, while it does (its progress record says it)
+        self.lineage = place.session
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
-        self.snapshots = 0  # snapshot rounds run
-        self.pauses: list[dict] = []  # {"from_step", "to_step", "paused_s"} per restore
-        self.restarts: list[dict] = []  # {"to_step"}: a new trainer took the run over there
-        self.rounds_s = 0.0  # spent in snapshot rounds (the run waits for the copies to be taken)
-        self.copy_bytes: dict[int, int] = {}  # the last copy's size per stage
+        self.history = History()
 
     # ---- snapshots ---------------------------------------------------------------------------
 
     async def snapshot(self, step: int, position: dict) -> None:
         """Every `every` steps: each peer in service keeps a copy of its stage at `step` with the
         trainer's `position`, and the next stage's first peers fetch one."""
-        p = self.pipeline
+        place, membership, rounds = self.place, self.membership, self.rounds
         if not self.every or step % self.every or self.taken == step:
             return
-        if self.taken is not None and p.num_stages > 1:  # the holders fetched the last round's copies
-            held = [c for c in self._copies(await self._ask(self.pipeline.rounds.peers())) if c.hosted != c.stage]
-            complete = newest_complete(held, p.num_stages, self.lineage)  # copies off each stage's own peers
+        if self.taken is not None and place.num_stages > 1:  # the holders fetched the last round's copies
+            held = [c for c in self._copies(await self._ask(membership.peers())) if c.hosted != c.stage]
+            complete = newest_complete(held, place.num_stages, self.lineage)  # copies off each stage's own peers
             if complete is None or complete[1] != self.taken:
                 log.warning(
                     "the swarm holds no complete set of copies of step %d away from their stages (the newest: %s): a holder's fetch failed or is still running",
@@ -93,84 +125,81 @@ class Recovery:
                 )
         # with the history of pauses and restarts (a new trainer carries it on) and adaptive
         # compression's codecs of that step (and how it got there)
-        position = {**position, "recovery": json.dumps({"pauses": self.pauses, "restarts": self.restarts})}
-        if p.adaptive is not None:
-            position["adaptive"] = p.adaptive.saved()
+        position = {
+            **position,
+            "recovery": json.dumps({"pauses": self.history.pauses, "restarts": self.history.restarts}),
+        }
+        if self.adaptive is not None:
+            position["adaptive"] = self.adaptive.saved()
         buffer = io.BytesIO()
         torch.save(position, buffer)
         orders: dict[str, list[pb.HoldOrder]] = defaultdict(list)
-        for stage in range(p.num_stages):
-            holding = (stage + 1) % p.num_stages
+        serving = membership.serving
+        for stage in range(place.num_stages):
+            holding = (stage + 1) % place.num_stages
             if holding != stage:
-                for peer in p.serving(holding)[:HOLDERS]:
-                    orders[peer].append(pb.HoldOrder(stage=stage, sources=p.serving(stage)))
-        peers = [(s, peer) for s in range(p.num_stages) for peer in p.serving(s)]
+                for peer in serving(holding)[:HOLDERS]:
+                    orders[peer].append(pb.HoldOrder(stage=stage, sources=serving(stage)))
+        peers = [(s, peer) for s in range(place.num_stages) for peer in serving(s)]
 
         async def one(stage: int, peer: str, hold: list[pb.HoldOrder]):
             fields = {"step": step, "lineage": self.lineage, "hold": hold}
-            return await p.rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
+            return await rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
 
         # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
         started = time.monotonic()
         try:
-            taken = await p.rounds.every(peers, lambda s, peer: one(s, peer, []))
-            self.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
+            taken = await rounds.every(peers, lambda s, peer: one(s, peer, []))
+            self.history.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
             holders = [(s, peer) for s, peer in peers if peer in orders]
-            await p.rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+            await rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
         except (TransportError, RemoteError) as e:  # the copies are bookkeeping: only a lost stage stops the run
-            await self.probe()
-            if not all(p.serving(s) for s in range(p.num_stages)):
+            await membership.probe()
+            if not all(serving(s) for s in range(place.num_stages)):
                 raise
             log.warning("step %d: the swarm's copies of this step are incomplete: %s", step, one_line(e))
             return
-        self.rounds_s += time.monotonic() - started
+        self.history.rounds_s += time.monotonic() - started
         self.taken, self.kept = step, True
-        self.snapshots += 1
+        self.history.rounds += 1
 
     def notes(self) -> dict:
         """The summary row's account: copies taken, their cost and size, and the pauses."""
         if not self.every:
             return {}
-        copies = {"every": self.every, "rounds": self.snapshots, "seconds": self.rounds_s, "bytes": self.copy_bytes}
-        return {"copies": copies, "pauses": self.pauses, "restarts": self.restarts}
+        history = self.history
+        copies = {
+            "every": self.every,
+            "rounds": history.rounds,
+            "seconds": history.rounds_s,
+            "bytes": history.copy_bytes,
+        }
+        return {"copies": copies, "pauses": history.pauses, "restarts": history.restarts}
 
     def took_over(self, position: dict, step: int) -> None:
         """A new trainer resumed at `step`: the run's history so far goes on."""
-        history = json.loads(position.get("recovery", "{}"))
-        self.pauses = list(history.get("pauses", []))
-        self.restarts = [*history.get("restarts", []), {"to_step": step}]
+        kept = json.loads(position.get("recovery", "{}"))
+        self.history.pauses = list(kept.get("pauses", []))
+        self.history.restarts = [*kept.get("restarts", []), {"to_step": step}]
 
     async def discard(self) -> None:
         """The run finished: its copies go (a later trainer of the run id starts afresh)."""
-        p = self.pipeline
+        place = self.place
         if not self.every:
             return
-        timeout = p.node.settings.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
+        timeout = place.settings.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
 
         async def one(stage: int, peer: str):
-            request = pb.SnapshotRequest(to=address(p.run_id, stage), discard=True, lineage=self.lineage)
-            return await call(p.node.streams, peer, "snapshot", request, b"", timeout, p.owner.key)
+            request = pb.SnapshotRequest(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
+            return await call(place.node.streams, peer, "snapshot", request, b"", timeout, place.owner.key)
 
-        await asyncio.gather(*(one(s, peer) for s, peer in self.pipeline.rounds.peers()), return_exceptions=True)
+        await asyncio.gather(*(one(s, peer) for s, peer in self.membership.peers()), return_exceptions=True)
 
     # ---- what the swarm holds ------------------------------------------------------------------
 
-    async def _ask(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], pb.StageStatus | BaseException]:
+    async def _ask(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], object]:
         """Each peer's status of the stage it hosts for this run (an exception: it did not answer)."""
-        p = self.pipeline
-        request = pb.InfoRequest(to=address(p.run_id))
-        timeout = p.node.settings.info_timeout_s
-        replies = await asyncio.gather(
-            *(call(p.node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
-        )
-        statuses = {}
-        for (stage, peer), reply in zip(peers, replies, strict=True):
-            if isinstance(reply, BaseException):
-                statuses[(stage, peer)] = reply
-                continue
-            found = [s for s in reply.head.stages if s.stage == stage]
-            statuses[(stage, peer)] = found[0] if found else RemoteError(f"it no longer hosts stage {stage}")
-        return statuses
+        return await self.place.statuses(peers, self.place.settings.info_timeout_s)
 
     @staticmethod
     def _copies(statuses) -> list[Held]:
@@ -187,7 +216,7 @@ class Recovery:
         if not self.every:
             return None
         statuses = await self._ask([(s, peer) for s, peers in found.items() for peer in peers])
-        return newest_complete(self._copies(statuses), self.pipeline.num_stages)
+        return newest_complete(self._copies(statuses), self.place.num_stages)
 
     # ---- a lost stage ----------------------------------------------------------------------------
 
@@ -195,70 +224,59 @@ class Recovery:
         """After `error` in a micro-batch or round: if a stage has no peer in service left, pauses
         until every stage has a peer, restores the newest complete copies and returns the trainer's
         position kept with them; None when every stage still serves (the error is not ours to mend)."""
-        p = self.pipeline
+        place, membership = self.place, self.membership
         if not self.every or not self.kept:
             return None
-        await self.probe()
-        if all(p.serving(s) for s in range(p.num_stages)):
+        await membership.probe()
+        if all(membership.serving(s) for s in range(place.num_stages)):
             return None
-        started, at = time.monotonic(), p.step_index
-        lacking = ", ".join(str(s) for s in range(p.num_stages) if not p.serving(s))
-        p.state = f"paused at step {at}: stage {lacking} has no peer in service"
-        p.events.add("pause", f"{p.state} ({one_line(error)})", logging.WARNING, log)
+        started, at = time.monotonic(), self.position.step_index
+        lacking = ", ".join(str(s) for s in range(place.num_stages) if not membership.serving(s))
+        self.paused = f"paused at step {at}: stage {lacking} has no peer in service"
+        place.events.add("pause", f"{self.paused} ({one_line(error)})", logging.WARNING, log)
         while True:
             await self._wait_for_peers(at)
-            choice = newest_complete(
-                self._copies(await self._ask(self.pipeline.rounds.peers())), p.num_stages, self.lineage
-            )
+            choice = newest_complete(self._copies(await self._ask(membership.peers())), place.num_stages, self.lineage)
             if choice is None:
                 raise RuntimeError(
-                    f"the swarm holds no complete set of copies of run {p.run_id!r} (a stage and the peers holding its copies were lost together): restart from a checkpoint (--checkpoint_dir)"
+                    f"the swarm holds no complete set of copies of run {place.run_id!r} (a stage and the peers holding its copies were lost together): restart from a checkpoint (--checkpoint_dir)"
                 )
             _, step, sources = choice
             position = await self.restore(step, sources, time.monotonic() - started)
             if position is not None:
                 break
         paused = time.monotonic() - started
-        self.pauses.append({"from_step": at, "to_step": step, "paused_s": paused})
+        self.history.pauses.append({"from_step": at, "to_step": step, "paused_s": paused})
         text = f"run resumed after {paused:.1f}s: every stage went back to step {step}, replaying {at - step} step(s)"
-        p.events.add("resume", text, logging.WARNING, log)
-        p.state = "training"
+        place.events.add("resume", text, logging.WARNING, log)
+        self.paused = None
         return position
-
-    async def probe(self) -> None:
-        """Members that do not answer, or no longer run this session, leave the run."""
-        p = self.pipeline
-        for (stage, peer), status in (await self._ask(self.pipeline.rounds.peers())).items():
-            gone = isinstance(status, BaseException)
-            if gone or not status.ready:
-                p.router.failed(peer)
-                p.drop(stage, peer, one_line(status) if gone else "it left the session")
 
     async def _wait_for_peers(self, at: int) -> None:
         """Until every stage has a member: stages without one take the first peer that announces itself."""
-        p = self.pipeline
+        place, membership = self.place, self.membership
         said = 0.0
-        while empty := [s for s in range(p.num_stages) if not p.members.get(s)]:
+        while empty := [s for s in range(place.num_stages) if not membership.members.get(s)]:
             if time.monotonic() - said > REMIND_S:
                 said = time.monotonic()
                 for stage in empty:
                     log.warning(
                         "run %r paused at step %d: stage %d has no peer; start one to go on: python -m peers.stage --stage %d --run_id %s --initial_peers ...",
-                        p.run_id,
+                        place.run_id,
                         at,
                         stage,
                         stage,
-                        p.run_id,
+                        place.run_id,
                     )
             for stage in empty:
-                for peer in await p.candidates(stage, ours=True):
+                for peer in await membership.candidates(stage, ours=True):
                     try:
-                        await p.set_up(stage, peer)
+                        await self.set_up(stage, peer)
                     except (TransportError, RemoteError) as e:
-                        p.router.failed(peer)
+                        place.router.failed(peer)
                         log.warning("stage %d peer %s could not be set up: %s", stage, peer[-8:], one_line(e))
                         continue
-                    p.members.setdefault(stage, []).append(peer)
+                    membership.add(stage, peer)
                     log.info("stage %d: peer %s takes over", stage, peer[-8:])
                     break
             await asyncio.sleep(0.5)
@@ -266,15 +284,15 @@ class Recovery:
     async def restore(self, step: int, sources: dict[int, list[tuple[str, int]]], paused_s: float = 0.0) -> dict | None:
         """Every member goes back to the copies of `step`; the trainer's position kept with them, or
         None if a stage lost every member meanwhile (those that failed leave the run)."""
-        p = self.pipeline
-        members = self.pipeline.rounds.peers()
+        place, membership = self.place, self.membership
+        members = membership.peers()
 
         async def one(stage: int, peer: str):
-            await p.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
+            await self.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
             given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
             # a peer without the copy tries the sources in turn, each for up to state_timeout_s
-            timeout = p.node.settings.state_timeout_s * max(1, len(given)) + p.node.settings.call_timeout_s
-            return await p.rounds.call(
+            timeout = place.settings.state_timeout_s * max(1, len(given)) + place.settings.call_timeout_s
+            return await self.rounds.call(
                 stage,
                 peer,
                 "restore",
@@ -289,20 +307,20 @@ class Recovery:
         position = None
         for (stage, peer), reply in zip(members, replies, strict=True):
             if isinstance(reply, TransportError | RemoteError):
-                p.router.failed(peer)
-                p.drop(stage, peer, f"its restore failed: {one_line(reply)}")
+                place.router.failed(peer)
+                membership.drop(stage, peer, f"its restore failed: {one_line(reply)}")
             elif isinstance(reply, BaseException):
                 raise reply
             else:  # it just went back to the copies: failures before the pause (often another peer's) are forgiven
-                p.router.succeeded(peer)
+                place.router.succeeded(peer)
                 if position is None and reply.payload:
                     position = torch.load(io.BytesIO(reply.payload), weights_only=True)
-        if not all(p.members.get(s) for s in range(p.num_stages)):
+        if not all(membership.members.get(s) for s in range(place.num_stages)):
             return None
         if position is None:
             raise RuntimeError(f"the copies of step {step} carry no trainer position")
-        if p.adaptive is not None and "adaptive" in position:  # the codecs go back with the copies
-            p.adaptive.restore_saved(position["adaptive"])
-        p.went_back(step)
+        if self.adaptive is not None and "adaptive" in position:  # the codecs go back with the copies
+            self.adaptive.restore_saved(position["adaptive"])
+        self.went_back(step)
         self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
         return position

@@ -19,6 +19,8 @@ import asyncio
 import logging
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -30,26 +32,51 @@ from swarm.engine.step import Grads
 from swarm.transport.hivemind.calls import call
 from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.meta import address, tensors_to_payload
+from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
 
 
-class SwarmRounds:
-    """The step's rounds of one `SwarmPipeline` (`pipeline`), as `swarm.engine.step.StepRounds`."""
+@dataclass
+class StepHooks:
+    """What the step's rounds ask of the trainer: run micro-batches of this step again (their peer
+    left), the codecs that change with this step (adaptive compression), and the step is done."""
 
-    def __init__(self, pipeline) -> None:
-        self.pipeline = pipeline
+    run_again: Callable[[list[int]], Awaitable[None]]
+    codecs: Callable[[], Awaitable[list[pb.BoundaryCodecs]]]
+    step_done: Callable[[], None]
+
+
+class SwarmRounds:
+    """The step's rounds over the run's members, as `swarm.engine.step.StepRounds`."""
+
+    def __init__(
+        self,
+        place: TrainerPlace,
+        membership: Membership,
+        position: Position,
+        adaptive: AdaptiveCodecs | None,
+        hooks: StepHooks,
+    ) -> None:
+        self.place, self.membership, self.position, self.adaptive, self.hooks = (
+            place,
+            membership,
+            position,
+            adaptive,
+            hooks,
+        )
         self.payload_bytes: Counter = Counter()  # of the rounds, by kind and direction ("gather.sent")
 
     async def call(
         self, stage: int, peer_id: str, kind: str, payload: bytes = b"", timeout: float | None = None, **fields
     ) -> Frame:
         """One round on one peer, retried there when its reply is lost."""
-        p = self.pipeline
-        head = request(kind, to=address(p.run_id, stage), **fields)
-        timeout = timeout or p.node.settings.call_timeout_s
-        frame = await p.retry.same_peer(
-            lambda: call(p.node.streams, peer_id, kind, head, payload, timeout, p.owner.key),
+        place = self.place
+        head = request(kind, to=address(place.run_id, stage), **fields)
+        timeout = timeout or place.settings.call_timeout_s
+        frame = await place.retry.same_peer(
+            lambda: call(place.node.streams, peer_id, kind, head, payload, timeout, place.owner.key),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
         )
         self._tally(kind, payload, frame)
@@ -59,15 +86,9 @@ class SwarmRounds:
         self.payload_bytes[f"{kind}.sent"] += len(sent)
         self.payload_bytes[f"{kind}.received"] += len(reply.payload)
 
-    def peers(self) -> list[tuple[int, str]]:
-        """(stage, peer) of every member of the run."""
-        members = self.pipeline.members
-        return [(stage, peer) for stage in sorted(members) for peer in members[stage]]
-
     async def every(self, peers: list[tuple[int, str]], one) -> dict[tuple[int, str], Frame]:
         """`one(stage, peer)` on every peer at once; the replies of those that answered. A peer that
         failed is left out of the run, unless its stage has no other peer in service."""
-        p = self.pipeline
         replies = await asyncio.gather(*(one(s, peer) for s, peer in peers), return_exceptions=True)
         answered = {}
         for (stage, peer), reply in zip(peers, replies, strict=True):
@@ -76,10 +97,10 @@ class SwarmRounds:
                 continue
             if not isinstance(reply, TransportError | RemoteError):
                 raise reply
-            if not [other for other in p.serving(stage) if other != peer]:
+            if not [other for other in self.membership.serving(stage) if other != peer]:
                 raise reply
-            p.router.failed(peer)
-            p.drop(stage, peer, one_line(reply))
+            self.place.router.failed(peer)
+            self.membership.drop(stage, peer, one_line(reply))
         return answered
 
     def replicated(self, stage: int) -> bool:
@@ -91,21 +112,20 @@ class SwarmRounds:
         """Every peer sums its micro-batches' gradients, then with the peers that share them: the
         stage's replicas, and for a tied parameter (`wanted`) both stages' peers. Nothing comes
         back here: the trainer's traffic is the round itself."""
-        self.pipeline.loop.run(self._gather())
+        self.place.loop.run(self._gather())
         return {}
 
     def _groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
         """Each (stage, peer)'s averaging groups for one attempt of the step's gather round (ids of
         their own: a retry, or the same step replayed after a restore, never meets an old group)."""
-        p = self.pipeline
         by_stage: dict[int, list[str]] = defaultdict(list)
         for stage, peer in peers:
             by_stage[stage].append(peer)
-        prefix = f"{p.run_id}/{p.step_index}/{uuid.uuid4().hex[:12]}"
+        prefix = f"{self.place.run_id}/{self.position.step_index}/{uuid.uuid4().hex[:12]}"
         groups: dict[tuple[int, str], list[pb.AverageGroup]] = defaultdict(list)
 
         def add(group_id: str, members: list[str], stage: int, names=(), counted=False) -> None:
-            receivers = [peer for peer in members if peer in p.following]
+            receivers = [peer for peer in members if peer in self.membership.following]
             if len(members) < 2 or len(receivers) == len(members):
                 return
             if len(set(members)) < len(members):
@@ -120,7 +140,7 @@ class SwarmRounds:
 
         for stage, members in by_stage.items():
             add(f"{prefix}/stage{stage}", members, stage)
-        for i, pair in enumerate(p.tied):
+        for i, pair in enumerate(self.place.tied):
             (first, first_name), (second, second_name) = pair.first, pair.second
             if first != second:
                 members = by_stage[first] + by_stage[second]
@@ -131,23 +151,23 @@ class SwarmRounds:
     async def _gather_on(self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup]) -> Frame:
         """Not retried on the peer: its groups are of this attempt only (the next has new ones). Its
         time: the all-reduce's (call_timeout_s) and the computing around it."""
-        p = self.pipeline
+        place = self.place
         head = pb.GatherRequest(
-            to=address(p.run_id, stage), step=p.step_index, micro_batches=sorted(indices), groups=groups
+            to=address(place.run_id, stage), step=self.position.step_index, micro_batches=sorted(indices), groups=groups
         )
-        timeout = 1.5 * p.node.settings.call_timeout_s + p.node.settings.reply_grace_s
-        frame = await call(p.node.streams, peer, "gather", head, b"", timeout, p.owner.key)
+        timeout = 1.5 * place.settings.call_timeout_s + place.settings.reply_grace_s
+        frame = await call(place.node.streams, peer, "gather", head, b"", timeout, place.owner.key)
         self._tally("gather", b"", frame)
         return frame
 
     async def _gather(self) -> None:
-        p = self.pipeline
-        for attempt in range(p.node.settings.attempts):
+        place, membership, position = self.place, self.membership, self.position
+        for attempt in range(place.settings.attempts):
             counted: dict[tuple[int, str], list[int]] = defaultdict(list)
-            for index, route in p.routes.items():
+            for index, route in position.routes.items():
                 for stage, peer in enumerate(route):
                     counted[(stage, peer)].append(index)
-            peers = self.peers()
+            peers = membership.peers()
             groups = self._groups(peers)
             replies = await asyncio.gather(
                 *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
@@ -164,69 +184,70 @@ class SwarmRounds:
                 (s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code == pb.GROUP_FAILED)
             ]
             for stage, peer, error in lost:
-                if not [other for other in p.serving(stage) if other != peer]:
+                if not [other for other in membership.serving(stage) if other != peer]:
                     raise error
-                p.router.failed(peer)
-                p.drop(stage, peer, f"{one_line(error)}; its micro-batches run again")
+                place.router.failed(peer)
+                membership.drop(stage, peer, f"{one_line(error)}; its micro-batches run again")
             if not lost:  # only groups failed: a member that did not answer in time leaves
-                await p.recovery.probe()
+                await membership.probe()
             rerun = sorted(
                 i
-                for i, route in p.routes.items()
-                if any(peer not in p.members.get(s, []) for s, peer in enumerate(route))
+                for i, route in position.routes.items()
+                if any(peer not in membership.members.get(s, []) for s, peer in enumerate(route))
             )
             if rerun:
-                await p.run_again(rerun)
-            await asyncio.sleep(p.node.settings.backoff_s * (attempt + 1))
-        raise TransportError(f"step {p.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
+                await self.hooks.run_again(rerun)
+            await asyncio.sleep(place.settings.backoff_s * (attempt + 1))
+        raise TransportError(f"step {position.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
 
     def set_gradients(self, grads: Grads, norm: bool) -> float:
-        p = self.pipeline
+        membership, step = self.membership, self.position.step_index
         payloads = {stage: tensors_to_payload(stage_grads) for stage, stage_grads in grads.items()}
 
         async def one(stage: int, peer: str, with_norm: bool = False) -> Frame:
             slots, data = payloads.get(stage, ([], b""))
-            return await self.call(stage, peer, "set_grads", data, step=p.step_index, grads=slots, norm=with_norm)
+            return await self.call(stage, peer, "set_grads", data, step=step, grads=slots, norm=with_norm)
 
         async def run() -> float:
             # replicas hold the same sum: one norm per stage, from a peer in service
-            asked = {(stage, p.serving(stage)[0]) for stage in p.members if norm and p.serving(stage)}
-            answered = await self.every(self.peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
+            serving = membership.serving
+            asked = {(stage, serving(stage)[0]) for stage in membership.members if norm and serving(stage)}
+            answered = await self.every(membership.peers(), lambda s, peer: one(s, peer, (s, peer) in asked))
             total = 0.0
             for stage in sorted({s for s, _ in asked}):
                 frames = [frame for key, frame in answered.items() if key in asked and key[0] == stage]
                 if not frames:  # the peer asked left: another in service has the same sum
-                    again = await self.every([(stage, p.serving(stage)[0])], partial(one, with_norm=True))
+                    again = await self.every([(stage, serving(stage)[0])], partial(one, with_norm=True))
                     frames = list(again.values())
                 total += frames[0].head.grad_sq_norm
             return total
 
-        return p.loop.run(run())
+        return self.place.loop.run(run())
 
     # ---- round 3: apply -------------------------------------------------------------------------
 
     def apply(self, scale: float) -> float:
-        p = self.pipeline
+        membership, step = self.membership, self.position.step_index
 
         async def run() -> float:
-            codecs = await p.adapt()
+            codecs = await self.hooks.codecs()
             answered = await self.every(
-                self.peers(),
-                lambda s, peer: self.call(s, peer, "apply", step=p.step_index, scale=scale, codecs=codecs),
+                membership.peers(),
+                lambda s, peer: self.call(s, peer, "apply", step=step, scale=scale, codecs=codecs),
             )
             lr = None
             for (stage, peer), frame in answered.items():
                 if not frame.head.following:
-                    p.following.discard(peer)
+                    membership.served(peer)
                     lr = frame.head.lr if lr is None else lr
                 if frame.head.leaving:
-                    p.drop(stage, peer, "it drained and leaves after this step", left=True)
+                    membership.drop(stage, peer, "it drained and leaves after this step", left=True)
             return lr
 
-        lr = p.loop.run(run())
-        p.step_done()
+        lr = self.place.loop.run(run())
+        self.hooks.step_done()
         return lr
 
     # ---- checkpoints: the stage files, fetched from and installed on the peers ---------------------
@@ -234,35 +255,33 @@ class SwarmRounds:
     async def save(self, directory: Path, step: int) -> None:
         """`stage<i>.pt` per stage, fetched from a peer of the stage in service (replicas hold the
         same weights; one that fails is left out and the next one asked)."""
-        p = self.pipeline
 
         async def one(stage: int):
             while True:
-                peer = p.serving(stage)[0]
+                peer = self.membership.serving(stage)[0]
                 answered = await self.every([(stage, peer)], lambda s, peer: self.call(s, peer, "save", step=step))
                 if answered:
                     frame = answered[(stage, peer)]
                     break
             atomic_write(stage_file(directory, stage), lambda f: f.write(frame.payload))
 
-        await asyncio.gather(*(one(s) for s in range(p.num_stages)))
-        if p.adaptive is not None:  # the links' saved state belongs to these codecs
-            atomic_write(directory / CODECS_FILE, lambda f: f.write(p.adaptive.saved().encode()))
+        await asyncio.gather(*(one(s) for s in range(self.place.num_stages)))
+        if self.adaptive is not None:  # the links' saved state belongs to these codecs
+            atomic_write(directory / CODECS_FILE, lambda f: f.write(self.adaptive.saved().encode()))
 
     async def load(self, directory: Path) -> tuple[int, dict | None]:
         """Installs every `stage<i>.pt` on every peer of that stage; the step, and what an adaptive
         run saved of its codecs."""
-        p = self.pipeline
         blobs = {}
-        for stage in range(p.num_stages):
+        for stage in range(self.place.num_stages):
             path = stage_file(directory, stage)
             if not path.is_file():
                 raise FileNotFoundError(f"checkpoint {directory} has no {path.name}")
             blobs[stage] = path.read_bytes()
-        saved = checkpoint_codecs(directory, adaptive=p.adaptive is not None)
+        saved = checkpoint_codecs(directory, adaptive=self.adaptive is not None)
         codecs = [] if saved is None else codec_changes(saved["codecs"])
         replies = await asyncio.gather(
-            *(self.call(s, peer, "load", blobs[s], codecs=codecs) for s, peer in self.peers())
+            *(self.call(s, peer, "load", blobs[s], codecs=codecs) for s, peer in self.membership.peers())
         )
         steps = {int(frame.head.step) for frame in replies}
         if len(steps) != 1:

@@ -1,0 +1,153 @@
+"""The trainer's typed state, in the pieces its collaborators (the step's rounds, recovery, the
+status reads) take instead of the whole `SwarmPipeline`:
+
+- `TrainerPlace`: the run and this trainer's session, and the peer's means to reach the swarm.
+- `Membership`: who serves which stage in the session, who is still catching up, who was left out.
+- `Position`: where the run is: the steps done, and the current step's finished micro-batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.utils import get_dht_time
+
+from protocols import stage_pb2 as pb
+from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError, one_line
+from swarm.transport.hivemind.events import EventLog
+from swarm.transport.hivemind.loop import LoopThread
+from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.retry import Retry
+from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.trust.owner import Owner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerPlace:
+    node: SwarmNode
+    loop: LoopThread
+    run_id: str
+    num_stages: int
+    owner: Owner  # signs control calls, admits members (swarm.transport.hivemind.trust)
+    session: str
+    router: Router
+    retry: Retry
+    events: EventLog  # joins, leaves, bans, pauses: its progress record and metrics show them
+    tied: list = field(default_factory=list)  # TiedPairs, as the stages' setup replies name them
+
+    @property
+    def settings(self):
+        return self.node.settings
+
+    async def statuses(self, peers: list[tuple[int, str]], timeout: float) -> dict[tuple[int, str], object]:
+        """Each (stage, peer)'s status of the stage it hosts for this run, or the exception it
+        raised (it did not answer, or no longer hosts that stage)."""
+        request = pb.InfoRequest(to=address(self.run_id))
+        replies = await asyncio.gather(
+            *(call(self.node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
+        )
+        statuses: dict[tuple[int, str], object] = {}
+        for (stage, peer), reply in zip(peers, replies, strict=True):
+            if isinstance(reply, BaseException):
+                statuses[(stage, peer)] = reply
+                continue
+            found = [s for s in reply.head.stages if s.stage == stage]
+            statuses[(stage, peer)] = found[0] if found else RemoteError(f"it no longer hosts stage {stage}")
+        return statuses
+
+
+class Membership:
+    """The peers the trainer set up for its session, per stage (`members`), those of them still
+    catching up after joining mid-run (`following`), and when each peer was left out (records of it
+    from before then are stale)."""
+
+    def __init__(self, place: TrainerPlace) -> None:
+        self.place = place
+        self.members: dict[int, list[str]] = {}
+        self.following: set[str] = set()
+        self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out
+
+    def serving(self, stage: int) -> list[str]:
+        """The stage's members in service (not still catching up)."""
+        return [peer for peer in self.members.get(stage, []) if peer not in self.following]
+
+    def peers(self) -> list[tuple[int, str]]:
+        """(stage, peer) of every member of the run."""
+        return [(stage, peer) for stage in sorted(self.members) for peer in self.members[stage]]
+
+    def start(self, members: dict[int, list[str]]) -> None:
+        """A new setup: these members, none catching up."""
+        self.members = {stage: list(peers) for stage, peers in members.items()}
+        self.following.clear()
+
+    def add(self, stage: int, peer: str, following: bool = False) -> None:
+        self.members.setdefault(stage, []).append(peer)
+        if following:
+            self.following.add(peer)
+
+    def served(self, peer: str) -> None:
+        """`peer` finished a micro-batch or an apply as a replica: it is in service."""
+        self.following.discard(peer)
+
+    def drop(self, stage: int, peer: str, why: str, left: bool = False) -> None:
+        """`peer` is out of the run: it failed a round, or it `left` (drained, as it said it would)."""
+        if peer in self.members.get(stage, []):
+            self.members[stage].remove(peer)
+        self.following.discard(peer)
+        self._dropped[peer] = get_dht_time()
+        level = logging.INFO if left else logging.WARNING
+        self.place.events.add("leave", f"stage {stage}: peer {peer[-8:]} left the run ({why})", level, log)
+
+    async def candidates(self, stage: int, refresh: bool = True, ours: bool = False) -> list[str]:
+        """Peers that announced themselves for `stage` and are not in the run (nor left it since);
+        with `ours`, also those left out that still run this session (a restore sets them up again)."""
+        place, found = self.place, []
+        for record in await place.router.peers(stage, refresh=refresh):
+            peer = record.peer_id
+            if peer in self.members.get(stage, []) or record.leaving or (record.session == place.session and not ours):
+                continue
+            if place.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
+                continue
+            found.append(peer)
+        return found
+
+    async def probe(self) -> None:
+        """Members that do not answer, or no longer run this session, leave the run."""
+        place = self.place
+        for (stage, peer), status in (await place.statuses(self.peers(), place.settings.info_timeout_s)).items():
+            gone = isinstance(status, BaseException)
+            if gone or not status.ready:
+                place.router.failed(peer)
+                self.drop(stage, peer, one_line(status) if gone else "it left the session")
+
+
+class Position:
+    """Where the run is: optimizer steps done, and of the current step the finished micro-batches'
+    routes (index -> peer per stage) and what each was (to run again if a peer that ran it left)."""
+
+    def __init__(self) -> None:
+        self.step_index = 0
+        self.routes: dict[int, list[str]] = {}
+        self.sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
+
+    def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str]) -> None:
+        self.routes[batch.index] = list(route)
+        self.sent[batch.index] = (batch, inputs)
+
+    def next_step(self) -> None:
+        self.step_index += 1
+        self.routes.clear()
+        self.sent.clear()
+
+    def went_back(self, step: int) -> None:
+        self.step_index = step
+        self.routes.clear()
+        self.sent.clear()

@@ -1,0 +1,64 @@
+"""Setting stage peers up for the trainer's session: every peer at the start, a peer that joins at
+a step boundary (it downloads its stage's state from the peers in service: stage.joining), a peer
+that takes over a stage that lost its last one (trainer.recovery)."""
+
+from __future__ import annotations
+
+import logging
+
+from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.calls import call
+from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+
+log = logging.getLogger(__name__)
+
+
+class Setups:
+    """`digest`: of the config fields a stage depends on (a stage with another refuses the setup)."""
+
+    def __init__(self, place: TrainerPlace, membership: Membership, position: Position, digest: str) -> None:
+        self.place, self.membership, self.position, self.digest = place, membership, position, digest
+        self.args: tuple[int, int] = (0, 0)  # (lr horizon, capacity) every setup carries
+
+    async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
+        place = self.place
+        lr_horizon, capacity = self.args
+        request = pb.SetupRequest(
+            to=address(place.run_id, stage),
+            config_digest=self.digest,
+            lr_horizon=lr_horizon,
+            capacity=capacity,
+            session=place.session,
+            sources=sources,
+            admission=place.owner.admit(place.session, peer_id, stage),
+        )
+        timeout = place.settings.call_timeout_s  # setups are idempotent (one session builds once)
+        frame = await place.retry.same_peer(
+            lambda: call(place.node.streams, peer_id, "setup", request, b"", timeout, place.owner.key),
+            f"setup of stage {stage} peer {peer_id[-8:]}",
+        )
+        return frame.head
+
+    async def admit(self) -> list[tuple[int, str]]:
+        """At a step boundary: sets up the peers that announced themselves for a stage with a peer in
+        service since the last look (the router's cached view), as joiners; those admitted."""
+        place, membership = self.place, self.membership
+        admitted = []
+        for stage in range(place.num_stages):
+            sources = membership.serving(stage)
+            if not sources:
+                continue
+            for peer in await membership.candidates(stage, refresh=False):
+                try:
+                    await self.set_up(stage, peer, sources)
+                except (TransportError, RemoteError) as e:
+                    place.router.failed(peer)
+                    log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
+                    continue
+                membership.add(stage, peer, following=True)
+                admitted.append((stage, peer))
+                step = self.position.step_index
+                place.events.add("join", f"stage {stage}: peer {peer[-8:]} joins at step {step}", logger=log)
+        return admitted
