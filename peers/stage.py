@@ -113,7 +113,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.owner is None:
             args.owner = token_owner(token)  # the token's signer owns the run
     try:
-        settings = Settings(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
+        settings = Settings.of(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
         return fail(f"--timeout / --max_payload_mb: {e}")
     metrics = None

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:
-        settings = Settings(call_timeout_s=args.timeout, setup_wait_s=args.wait)
+        settings = Settings.of(call_timeout_s=args.timeout, setup_wait_s=args.wait)
     except ValueError as e:
         return fail(f"--timeout / --wait: {e}")
     try:

@@ -49,7 +49,7 @@ class DecodeLimits:
 
     `max_elements` bounds the decoded tensor (a TopK payload of a few bytes can describe a huge
     dense tensor): 2**29 elements, what a 1 GiB payload holds of an exact fp16/bf16 tensor (a stage
-    peer derives both from its `max_micro_batch_bytes`: Settings.decode_limits).
+    peer derives both from its `max_micro_batch_bytes`: Settings.limits.decode_limits).
     """
 
     max_elements: int = 1 << 29

@@ -24,7 +24,7 @@ from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 HOSTS = 5
-SETTINGS = Settings(call_timeout_s=30, read_timeout_s=10)  # a test's peers give up sooner than a swarm's
+SETTINGS = Settings.of(call_timeout_s=30, read_timeout_s=10)  # a test's peers give up sooner than a swarm's
 
 
 def p2pd_count() -> int:

@@ -26,7 +26,7 @@ from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 # a stalled stream is closed after read_timeout_s: shorter than a swarm's default, so the bench ends sooner
-SETTINGS = Settings(read_timeout_s=10.0, drain_s=5.0, call_timeout_s=60.0)
+SETTINGS = Settings.of(read_timeout_s=10.0, drain_s=5.0, call_timeout_s=60.0)
 
 
 @dataclass
@@ -72,7 +72,7 @@ def run(cfg: ExperimentConfig, steps: int, count: int, seed: int = 0, say=print)
         targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
         say(f"{len(hosted)} stage peers training {steps} steps; {count} malformed messages on their way")
         rss = max_rss_mib()
-        limit = SETTINGS.read_timeout_s + SETTINGS.drain_s + 10
+        limit = SETTINGS.streams.read_timeout_s + SETTINGS.streams.drain_s + 10
         running = asyncio.run_coroutine_threadsafe(
             campaign(stranger.p2p, member.p2p, targets, count, limit, limit, seed=seed), loop.loop
         )

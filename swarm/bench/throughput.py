@@ -13,11 +13,13 @@ import functools
 import math
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from swarm.bench.gloo.launch import GLOO, GlooLab
+from swarm.bench.points import Point
 from swarm.bench.throughput_figures import WARMUP_STEPS, ThroughputRow, measure_run
 from swarm.bench.throughput_table import cpu_breakdown
 from swarm.compression import parse
@@ -147,11 +149,12 @@ def steps_for(seconds: float, batch_size: int, samples_per_s: float | None, mini
 def expected_samples_per_s(earlier: list[ThroughputRow], bandwidth_mbit: float) -> float | None:
     """A codec's samples/s at a new bandwidth from its nearest slower point: scaled with the rate,
     at most that point's compute bound (an overestimate, so the run is rather longer than short)."""
-    slower = [r for r in earlier if r.bandwidth_mbit <= bandwidth_mbit]
+    slower = [r for r in earlier if r.point.bandwidth_mbit <= bandwidth_mbit]
     if not slower:
         return None
-    nearest = max(slower, key=lambda r: r.bandwidth_mbit)
-    return min(nearest.samples_per_s * bandwidth_mbit / nearest.bandwidth_mbit, nearest.compute_bound)
+    nearest = max(slower, key=lambda r: r.point.bandwidth_mbit)
+    scaled = nearest.achieved.samples_per_s * bandwidth_mbit / nearest.point.bandwidth_mbit
+    return min(scaled, nearest.achieved.compute_bound)
 
 
 def run_throughput(
@@ -203,15 +206,17 @@ def run_throughput(
                     stages,
                     parse_rate(bandwidth),
                     input_bytes,
-                    download_limited=lab.shaping == "netns",
+                    download_limited=lab.link_plan.shaping == "netns",
                     cores=available_cores(),
                 )
-                row = ThroughputRow(forward, backward, parse_rate(bandwidth) / 1e6, shaping=lab.shaping, **figures)
+                point = Point(forward, backward, parse_rate(bandwidth) / 1e6, lab.link_plan.shaping)
+                row = ThroughputRow.from_json({**asdict(point), **figures})
+                got, cpu = row.achieved, row.cpu
                 log(
-                    f"   {row.samples_per_s:.1f} samples/s; link bound {row.link_bound:.1f}, compute bound {row.compute_bound:.1f}: {100 * row.fraction_of_bound:.0f}% of the bound ({row.binding}); this schedule on ideal links: {row.schedule_bound:.1f}"
-                    + (f"; cores {100 * row.machine_busy:.0f}% busy" if row.machine_busy is not None else "")
+                    f"   {got.samples_per_s:.1f} samples/s; link bound {got.link_bound:.1f}, compute bound {got.compute_bound:.1f}: {100 * got.fraction_of_bound:.0f}% of the bound ({got.binding}); this schedule on ideal links: {row.bounds.schedule_bound:.1f}"
+                    + (f"; cores {100 * cpu.machine_busy:.0f}% busy" if cpu.machine_busy is not None else "")
                 )
-                if row.cpu_ms_per_sample and row.compute_cpu_ms_per_sample:
+                if cpu.cpu_ms_per_sample and cpu.compute_cpu_ms_per_sample:
                     log("   " + cpu_breakdown(row))
                 if row.chosen:
                     log("   adaptive chose " + ", ".join(f"boundary {b}: {c}" for b, c in row.chosen.items()))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from swarm.bench.bounds import fraction_of_bound, pipeline_bound, shared_cores_bound
 from swarm.bench.fluid import StepModel, simulate
+from swarm.bench.points import Achieved, Point, flat_json, from_flat_json
 from swarm.netlab.counters import window
 from swarm.transport.hivemind.settings import Settings
 
@@ -41,32 +42,56 @@ WARMUP_STEPS = 1
 
 
 @dataclass
-class ThroughputRow:
-    codec: str
-    backward: str
-    bandwidth_mbit: float
-    samples_per_s: float
-    link_bound: float
-    compute_bound: float
-    fraction_of_bound: float
+class OtherBounds:
+    """The bounds beside the link and compute ones a point is judged by (`Achieved`)."""
+
     schedule_bound: float  # what this schedule allows on ideal fair links (swarm.bench.fluid)
-    binding: str  # what the bound is: "link <process> <direction>" or "compute"
-    busiest_bytes_per_sample: float  # on the binding link: counted by the kernel when measured, else the payload
-    forward_bytes: list[float]  # per boundary, per training sample
-    backward_bytes: list[float]
-    stage_ms_per_sample: list[float]
-    steps: int
-    shaping: str
     cores_bound: float | None = None  # what the shared cores allow (None: not measured); compute_bound includes it
-    chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
     payload_link_bound: float | None = None  # the link bound from the payload bytes alone (no headers, ACKs, DHT)
+
+
+@dataclass
+class Traffic:
+    """Bytes per training sample: each boundary's payload, what each link counted, the busiest link's."""
+
+    busiest_bytes_per_sample: float  # on the binding link: counted by the kernel when measured, else the payload
+    forward_bytes: list[float]  # per boundary
+    backward_bytes: list[float]
     wire_bytes_per_sample: dict[str, list[float]] | None = None  # per process: [up, down] as its link counted them
-    machine_busy: float | None = None  # fraction of the machine's CPU time busy over the measured steps
-    machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time per sample over the measured steps
-    compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time per sample, summed
+
+
+@dataclass
+class CpuUse:
+    """Where the time went per sample over the measured steps: each stage's compute, and the
+    machine's CPU (None: not measured, see the module doc)."""
+
+    stage_ms_per_sample: list[float]
+    machine_busy: float | None = None  # fraction of the machine's CPU time busy
+    machine_cpu_ms_per_sample: float | None = None  # the machine's busy CPU time
+    compute_cpu_ms_per_sample: float | None = None  # the stages' computing threads' CPU time, summed
     compute_share: float | None = None  # compute_cpu_ms_per_sample / machine_cpu_ms_per_sample
-    # per process: [its own, its p2p daemon's] CPU time per sample
-    cpu_ms_per_sample: dict[str, list[float]] | None = None
+    cpu_ms_per_sample: dict[str, list[float]] | None = None  # per process: [its own, its p2p daemon's]
+
+
+@dataclass
+class ThroughputRow:
+    """One point of the throughput benchmark; its JSON is flat (`to_json`, `from_json`)."""
+
+    point: Point
+    achieved: Achieved
+    bounds: OtherBounds
+    traffic: Traffic
+    cpu: CpuUse
+    steps: int
+    chosen: dict[str, str] | None = None  # adaptive:*: the codecs per boundary at the end of the run
+
+    def to_json(self) -> dict:
+        return flat_json(self)
+
+    @classmethod
+    def from_json(cls, flat: dict) -> ThroughputRow:
+        """From a flat object: a JSON file's, or a point's settings with measure_run's figures."""
+        return from_flat_json(cls, flat)
 
 
 def schedule_bound(
@@ -88,7 +113,7 @@ def schedule_bound(
         stages,
         train["micro_batches"],
         in_flight,
-        Settings().sending_per_neighbour,
+        Settings().streams.sending_per_neighbour,
         [b * size for b in forward],
         [b * size for b in backward],
         compute,

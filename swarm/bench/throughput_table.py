@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 
 from swarm.bench.gloo.launch import GLOO
@@ -17,21 +16,22 @@ TARGET_FRACTION = 0.9  # the target: achieved >= 90% of min(link bound, compute 
 def cpu_breakdown(row: ThroughputRow) -> str:
     """Where the machine's CPU went per sample: the stages' computing threads, the rest of the stage
     peers (event loops, framing, pacing), their p2p daemons, the trainer and bootstrap, the rest."""
-    cpu = row.cpu_ms_per_sample or {}
+    use = row.cpu
+    cpu = use.cpu_ms_per_sample or {}
     stages = [pair for name, pair in cpu.items() if name.startswith("stage")]
     others = [pair for name, pair in cpu.items() if not name.startswith("stage")]
-    compute = row.compute_cpu_ms_per_sample or 0.0
+    compute = use.compute_cpu_ms_per_sample or 0.0
     parts = {
         "stage compute": compute,
         "stage peers' other threads": sum(own for own, _ in stages) - compute,
         "stage p2p daemons": sum(daemon for _, daemon in stages),
         "trainer and bootstrap (and daemons)": sum(own + daemon for own, daemon in others),
     }
-    rest = (row.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
+    rest = (use.machine_cpu_ms_per_sample or 0.0) - sum(parts.values())
     return (
-        f"CPU per sample: {row.machine_cpu_ms_per_sample or 0.0:.2f} ms = "
+        f"CPU per sample: {use.machine_cpu_ms_per_sample or 0.0:.2f} ms = "
         + " + ".join(f"{name} {ms:.2f}" for name, ms in parts.items())
-        + f" + the rest of the machine {rest:.2f}; compute is {100 * (row.compute_share or 0):.0f}% of it"
+        + f" + the rest of the machine {rest:.2f}; compute is {100 * (use.compute_share or 0):.0f}% of it"
     )
 
 
@@ -49,15 +49,15 @@ def format_rows(rows: list[ThroughputRow]) -> str:
     ]
     table = [header] + [
         [
-            f"{r.codec} / {r.backward}",
-            f"{r.bandwidth_mbit:g}",
-            f"{r.samples_per_s:.1f}",
-            f"{r.link_bound:.1f}",
-            f"{r.compute_bound:.1f}",
-            f"{100 * r.fraction_of_bound:.0f}%",
-            f"{r.schedule_bound:.1f}",
-            f"{r.busiest_bytes_per_sample:,.0f}",
-            r.binding,
+            f"{r.point.codec} / {r.point.backward}",
+            f"{r.point.bandwidth_mbit:g}",
+            f"{r.achieved.samples_per_s:.1f}",
+            f"{r.achieved.link_bound:.1f}",
+            f"{r.achieved.compute_bound:.1f}",
+            f"{100 * r.achieved.fraction_of_bound:.0f}%",
+            f"{r.bounds.schedule_bound:.1f}",
+            f"{r.traffic.busiest_bytes_per_sample:,.0f}",
+            r.achieved.binding,
         ]
         for r in rows
     ]
@@ -75,11 +75,11 @@ def aligned(table: list[list[str]]) -> str:
 
 def speedups(rows: list[ThroughputRow], baseline: str = "none") -> dict[tuple[str, float], float]:
     """samples/s of each codec over the baseline's at the same bandwidth."""
-    base = {r.bandwidth_mbit: r.samples_per_s for r in rows if r.codec == baseline}
+    base = {r.point.bandwidth_mbit: r.achieved.samples_per_s for r in rows if r.point.codec == baseline}
     return {
-        (r.codec, r.bandwidth_mbit): r.samples_per_s / base[r.bandwidth_mbit]
+        (r.point.codec, r.point.bandwidth_mbit): r.achieved.samples_per_s / base[r.point.bandwidth_mbit]
         for r in rows
-        if r.bandwidth_mbit in base and r.codec != baseline
+        if r.point.bandwidth_mbit in base and r.point.codec != baseline
     }
 
 
@@ -89,37 +89,36 @@ def target_lines(rows: list[ThroughputRow], target: float = TARGET_FRACTION) -> 
     trainer take CPU from the stages: compute_share says how much)."""
 
     def name(r: ThroughputRow) -> str:
-        return f"{r.codec} at {r.bandwidth_mbit:g} Mbit/s {100 * r.fraction_of_bound:.0f}%"
+        return f"{r.point.codec} at {r.point.bandwidth_mbit:g} Mbit/s {100 * r.achieved.fraction_of_bound:.0f}%"
 
-    measured = [r for r in rows if math.isfinite(r.fraction_of_bound)]
-    linked = [r for r in measured if r.binding.startswith("link") and r.codec != GLOO]
+    measured = [r for r in rows if math.isfinite(r.achieved.fraction_of_bound)]
+    linked = [r for r in measured if r.achieved.binding.startswith("link") and r.point.codec != GLOO]
     lines = []
     if linked:
-        low = min(linked, key=lambda r: r.fraction_of_bound)
-        met = sum(r.fraction_of_bound >= target for r in linked)
+        low = min(linked, key=lambda r: r.achieved.fraction_of_bound)
+        met = sum(r.achieved.fraction_of_bound >= target for r in linked)
         lines.append(
             f"link-bound points at >= {100 * target:.0f}% of the bound: {met} of {len(linked)} (lowest: {name(low)})"
         )
     for r in measured:
-        if not r.binding.startswith("link"):
-            share = (
-                f"; the stages' compute used {100 * r.compute_share:.0f}% of the busy CPU" if r.compute_share else ""
-            )
-            lines.append(f"bound by {r.binding}: {name(r)}{share}")
+        if not r.achieved.binding.startswith("link"):
+            share = r.cpu.compute_share
+            used = f"; the stages' compute used {100 * share:.0f}% of the busy CPU" if share else ""
+            lines.append(f"bound by {r.achieved.binding}: {name(r)}{used}")
     return lines + against_gloo(rows)
 
 
 def against_gloo(rows: list[ThroughputRow]) -> list[str]:
     """hivepipe uncompressed against torch.distributed (gloo) on the same links: the target is at least as fast."""
-    gloo = {r.bandwidth_mbit: r for r in rows if r.codec == GLOO}
+    gloo = {r.point.bandwidth_mbit: r.achieved for r in rows if r.point.codec == GLOO}
     lines = []
     for r in rows:
-        if r.codec == "none" and r.bandwidth_mbit in gloo:
-            other = gloo[r.bandwidth_mbit]
-            factor = r.samples_per_s / other.samples_per_s
+        if r.point.codec == "none" and r.point.bandwidth_mbit in gloo:
+            ours, other = r.achieved, gloo[r.point.bandwidth_mbit]
+            factor = ours.samples_per_s / other.samples_per_s
             verdict = "met" if factor >= 1 else f"missed by {100 * (1 - factor):.0f}%"
             lines.append(
-                f"none against torch:gloo at {r.bandwidth_mbit:g} Mbit/s: {r.samples_per_s:.1f} against {other.samples_per_s:.1f} samples/s, {factor:.2f}x (target >= 1x: {verdict}); gloo at {100 * other.fraction_of_bound:.0f}% of its bound"
+                f"none against torch:gloo at {r.point.bandwidth_mbit:g} Mbit/s: {ours.samples_per_s:.1f} against {other.samples_per_s:.1f} samples/s, {factor:.2f}x (target >= 1x: {verdict}); gloo at {100 * other.fraction_of_bound:.0f}% of its bound"
             )
     return lines
 
@@ -133,13 +132,14 @@ def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, codec in enumerate(dict.fromkeys(r.codec for r in rows)):
-        mine = sorted((r for r in rows if r.codec == codec), key=lambda r: r.bandwidth_mbit)
+    for i, codec in enumerate(dict.fromkeys(r.point.codec for r in rows)):
+        mine = sorted((r for r in rows if r.point.codec == codec), key=lambda r: r.point.bandwidth_mbit)
         color = f"C{i}"
-        x = [r.bandwidth_mbit for r in mine]
-        ax.plot(x, [r.samples_per_s for r in mine], "o-", color=color, label=f"{codec} / {mine[0].backward}")
-        ax.plot(x, [r.link_bound for r in mine], "--", color=color, alpha=0.6)
-        compute = [(b, r.compute_bound) for b, r in zip(x, mine, strict=True) if math.isfinite(r.compute_bound)]
+        x = [r.point.bandwidth_mbit for r in mine]
+        got = [r.achieved for r in mine]
+        ax.plot(x, [a.samples_per_s for a in got], "o-", color=color, label=f"{codec} / {mine[0].point.backward}")
+        ax.plot(x, [a.link_bound for a in got], "--", color=color, alpha=0.6)
+        compute = [(b, a.compute_bound) for b, a in zip(x, got, strict=True) if math.isfinite(a.compute_bound)]
         if compute:  # measured at each point: the stages share this machine's cores with the traffic
             ax.plot(*zip(*compute, strict=True), ":", color=color, alpha=0.6)
     ax.plot([], [], "k--", alpha=0.6, label="link bound")
@@ -158,4 +158,10 @@ def plot(rows: list[ThroughputRow], path: str, title: str) -> None:
 
 
 def to_json(rows: list[ThroughputRow]) -> str:
-    return json.dumps([asdict(r) for r in rows], indent=1)
+    """The rows as docs/bench/throughput*.json hold them: a flat object per point."""
+    return json.dumps([r.to_json() for r in rows], indent=1)
+
+
+def from_json(text: str) -> list[ThroughputRow]:
+    """`to_json`'s rows back, a committed file's too."""
+    return [ThroughputRow.from_json(flat) for flat in json.loads(text)]

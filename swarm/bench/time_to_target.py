@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.bench.points import Achieved, Point, flat_json, from_flat_json
 from swarm.bench.throughput import codec_overrides, describe_setup, input_bytes_per_sample, run_point
 from swarm.bench.throughput_figures import measure_run
 from swarm.config import load_config
@@ -27,28 +28,35 @@ from swarm.training.results import read_results
 
 
 @dataclass
-class TargetRow:
-    codec: str
-    backward: str
-    bandwidth_mbit: float
-    delay_ms: float
+class Reaching:
+    """How a run went towards the target: whether and when an evaluation reached it, what it
+    trained in all, and the metric along the way."""
+
     target: str
     reached: bool
     steps_to_target: int | None  # the step of the first evaluation that reached the target
     seconds_to_target: float | None  # training seconds until then (evaluations left out)
     steps: int  # steps the run took
     train_seconds: float  # its training seconds in all
-    samples_per_s: float
-    link_bound: float
-    compute_bound: float
-    fraction_of_bound: float
-    binding: str
     final: float | None  # the metric at the last evaluation
     curve: list[list[float]] = field(default_factory=list)  # [training seconds, step, metric] per evaluation
-    shaping: str = "netns"
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+
+@dataclass
+class TargetRow:
+    """One point of bench time-to-target; its JSON is flat (`to_json`, `from_json`)."""
+
+    point: Point
+    delay_ms: float  # one way, on every process's link
+    achieved: Achieved  # over the steps after the first
+    reaching: Reaching
+
+    def to_json(self) -> dict:
+        return flat_json(self)
+
+    @classmethod
+    def from_json(cls, flat: dict) -> TargetRow:
+        return from_flat_json(cls, flat)
 
 
 def training_seconds(rows: list[dict]) -> list[dict]:
@@ -108,25 +116,21 @@ def target_row(
         download_limited=shaping == "netns",
         cores=available_cores(),
     )
-    return TargetRow(
-        forward,
-        backward,
-        parse_rate(bandwidth) / 1e6,
-        1000 * parse_delay(delay) if delay else 0.0,
+    went = Reaching(
         str(target),
         first is not None,
         first["step"] if first else None,
         first["time_s"] if first else None,
         len(steps),
         steps[-1]["time_s"] if steps else 0.0,
-        figures["samples_per_s"],
-        figures["link_bound"],
-        figures["compute_bound"],
-        figures["fraction_of_bound"],
-        figures["binding"],
         curve[-1][2] if curve else None,
         curve,
-        shaping,
+    )
+    return TargetRow(
+        Point(forward, backward, parse_rate(bandwidth) / 1e6, shaping),
+        1000 * parse_delay(delay) if delay else 0.0,
+        from_flat_json(Achieved, figures),
+        went,
     )
 
 
@@ -169,18 +173,21 @@ def run_time_to_target(
                     delay=delay,
                     shaping=shaping,
                 )
-                row = target_row(read_results(results), codec, bandwidth, delay, goal, stages, input_bytes, lab.shaping)
+                row = target_row(
+                    read_results(results), codec, bandwidth, delay, goal, stages, input_bytes, lab.link_plan.shaping
+                )
                 log("   " + describe_row(row))
                 rows.append(row)
     return rows
 
 
 def describe_row(row: TargetRow) -> str:
-    if row.reached:
-        got = f"{row.target} at step {row.steps_to_target} after {row.seconds_to_target:.1f}s of training"
+    went, speed = row.reaching, row.achieved
+    if went.reached:
+        got = f"{went.target} at step {went.steps_to_target} after {went.seconds_to_target:.1f}s of training"
     else:
-        final = f"{row.final:.4f}" if row.final is not None else "no evaluation"
-        got = f"{row.target} not reached in {row.steps} steps ({row.train_seconds:.1f}s; last: {final})"
-    bound = min(row.link_bound, row.compute_bound)
-    fraction = f"{100 * row.fraction_of_bound:.0f}% of" if math.isfinite(bound) else "no"
-    return f"{got}; {row.samples_per_s:.1f} samples/s, {fraction} the bound ({row.binding})"
+        final = f"{went.final:.4f}" if went.final is not None else "no evaluation"
+        got = f"{went.target} not reached in {went.steps} steps ({went.train_seconds:.1f}s; last: {final})"
+    bound = min(speed.link_bound, speed.compute_bound)
+    fraction = f"{100 * speed.fraction_of_bound:.0f}% of" if math.isfinite(bound) else "no"
+    return f"{got}; {speed.samples_per_s:.1f} samples/s, {fraction} the bound ({speed.binding})"

@@ -27,23 +27,24 @@ def format_rows(rows: list[TargetRow]) -> str:
         "compute bound",
         "x none",
     ]
-    base = {(r.bandwidth_mbit, r.delay_ms): r for r in rows if r.codec == "none"}
+    base = {_links(r): r for r in rows if r.point.codec == "none"}
     table = [header]
     for r in rows:
-        none = base.get((r.bandwidth_mbit, r.delay_ms))
+        none = base.get(_links(r))
         sooner = sooner_than(r, none) if none is not None and r is not none else None
+        went, speed = r.reaching, r.achieved
         table.append(
             [
-                r.codec,
-                r.backward,
-                f"{r.bandwidth_mbit:g}",
+                r.point.codec,
+                r.point.backward,
+                f"{r.point.bandwidth_mbit:g}",
                 f"{r.delay_ms:g}",
-                "yes" if r.reached else "no",
-                str(r.steps_to_target if r.reached else r.steps),
-                f"{r.seconds_to_target:.1f}" if r.reached else f">{r.train_seconds:.1f}",
-                f"{r.samples_per_s:.1f}",
-                f"{r.link_bound:.1f}",
-                f"{r.compute_bound:.1f}" if math.isfinite(r.compute_bound) else "-",
+                "yes" if went.reached else "no",
+                str(went.steps_to_target if went.reached else went.steps),
+                f"{went.seconds_to_target:.1f}" if went.reached else f">{went.train_seconds:.1f}",
+                f"{speed.samples_per_s:.1f}",
+                f"{speed.link_bound:.1f}",
+                f"{speed.compute_bound:.1f}" if math.isfinite(speed.compute_bound) else "-",
                 f"{sooner:.2f}" if sooner is not None else "-",
             ]
         )
@@ -53,40 +54,47 @@ def format_rows(rows: list[TargetRow]) -> str:
 def sooner_than(row: TargetRow, none: TargetRow) -> float | None:
     """How many times sooner `row` reached the target than `none` (None when `row` did not reach it;
     a lower bound when only `none` missed it: its training time is then what it had)."""
-    if not row.reached:
+    went, other = row.reaching, none.reaching
+    if not went.reached:
         return None
-    other = none.seconds_to_target if none.reached else none.train_seconds
-    return other / row.seconds_to_target if row.seconds_to_target else None
+    theirs = other.seconds_to_target if other.reached else other.train_seconds
+    return theirs / went.seconds_to_target if went.seconds_to_target else None
+
+
+def _links(row: TargetRow) -> tuple[float, float]:
+    """The links a row ran on (rows on the same links are compared): bandwidth and delay."""
+    return row.point.bandwidth_mbit, row.delay_ms
 
 
 def target_lines(rows: list[TargetRow], sooner: float = SOONER) -> list[str]:
     """Per bandwidth and delay: the best codec against none (target: `sooner` times sooner) and
     hivepipe's none against torch:gloo (target: at least as fast, in samples/s and to the target)."""
     lines = []
-    for key in dict.fromkeys((r.bandwidth_mbit, r.delay_ms) for r in rows):
-        here = [r for r in rows if (r.bandwidth_mbit, r.delay_ms) == key]
+    for key in dict.fromkeys(_links(r) for r in rows):
+        here = [r for r in rows if _links(r) == key]
         where = f"at {key[0]:g} Mbit/s, {key[1]:g} ms"
-        none = next((r for r in here if r.codec == "none"), None)
-        gloo = next((r for r in here if r.codec == GLOO), None)
-        compressed = [r for r in here if r.codec not in ("none", GLOO) and r.reached]
+        none = next((r for r in here if r.point.codec == "none"), None)
+        gloo = next((r for r in here if r.point.codec == GLOO), None)
+        compressed = [r for r in here if r.point.codec not in ("none", GLOO) and r.reaching.reached]
         if none is not None and compressed:
-            best = min(compressed, key=lambda r: r.seconds_to_target)
+            best = min(compressed, key=lambda r: r.reaching.seconds_to_target)
             factor = sooner_than(best, none)
-            bound = "" if none.reached else " (at least: none did not reach it)"
+            bound = "" if none.reaching.reached else " (at least: none did not reach it)"
             verdict = "met" if factor >= sooner else f"missed by {100 * (1 - factor / sooner):.0f}%"
             lines.append(
-                f"{where}: {best.codec} reached {best.target} {factor:.2f}x sooner than none{bound} (target >= {sooner:g}x: {verdict})"
+                f"{where}: {best.point.codec} reached {best.reaching.target} {factor:.2f}x sooner than none{bound} (target >= {sooner:g}x: {verdict})"
             )
         elif none is not None and not compressed:
-            lines.append(f"{where}: no compressed codec reached {none.target}")
+            lines.append(f"{where}: no compressed codec reached {none.reaching.target}")
         if none is not None and gloo is not None:
-            factor = none.samples_per_s / gloo.samples_per_s
+            factor = none.achieved.samples_per_s / gloo.achieved.samples_per_s
             verdict = "met" if factor >= 1 else f"missed by {100 * (1 - factor):.0f}%"
             race = ""
-            if none.reached and gloo.reached:
-                race = f"; to the target {none.seconds_to_target:.1f}s against gloo's {gloo.seconds_to_target:.1f}s"
+            ours, theirs = none.reaching, gloo.reaching
+            if ours.reached and theirs.reached:
+                race = f"; to the target {ours.seconds_to_target:.1f}s against gloo's {theirs.seconds_to_target:.1f}s"
             lines.append(
-                f"{where}: none {none.samples_per_s:.1f} samples/s against torch:gloo {gloo.samples_per_s:.1f}, {factor:.2f}x (target >= 1x: {verdict}){race}"
+                f"{where}: none {none.achieved.samples_per_s:.1f} samples/s against torch:gloo {gloo.achieved.samples_per_s:.1f}, {factor:.2f}x (target >= 1x: {verdict}){race}"
             )
     return lines
 
@@ -98,18 +106,19 @@ def plot(rows: list[TargetRow], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(dict.fromkeys((r.bandwidth_mbit, r.delay_ms) for r in rows))
+    keys = list(dict.fromkeys(_links(r) for r in rows))
     fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
-    codecs = list(dict.fromkeys(r.codec for r in rows))
+    codecs = list(dict.fromkeys(r.point.codec for r in rows))
+    target = rows[0].reaching.target
     for ax, key in zip(axes[0], keys, strict=True):
-        for r in (r for r in rows if (r.bandwidth_mbit, r.delay_ms) == key):
-            color = f"C{codecs.index(r.codec)}"
-            seconds, _, values = zip(*r.curve, strict=True) if r.curve else ((), (), ())
-            label = r.codec if r.codec in (GLOO, "none") else f"{r.codec} / {r.backward}"
-            ax.plot(seconds, values, ".-" if r.codec != GLOO else "x--", color=color, label=label)
-        goal = Target.parse(rows[0].target)
+        for r in (r for r in rows if _links(r) == key):
+            codec, curve = r.point.codec, r.reaching.curve
+            seconds, _, values = zip(*curve, strict=True) if curve else ((), (), ())
+            label = codec if codec in (GLOO, "none") else f"{codec} / {r.point.backward}"
+            ax.plot(seconds, values, ".-" if codec != GLOO else "x--", color=f"C{codecs.index(codec)}", label=label)
+        goal = Target.parse(target)
         metric, value = goal.metric, goal.value
-        ax.axhline(value, color="k", linestyle=":", alpha=0.6, label=f"target {rows[0].target}")
+        ax.axhline(value, color="k", linestyle=":", alpha=0.6, label=f"target {target}")
         ax.set_xlabel("training seconds (evaluations left out)")
         ax.set_ylabel(f"evaluation {metric}")
         ax.set_title(f"{key[0]:g} Mbit/s, {key[1]:g} ms one way")
@@ -122,4 +131,10 @@ def plot(rows: list[TargetRow], path: str, title: str) -> None:
 
 
 def to_json(rows: list[TargetRow]) -> str:
-    return json.dumps([r.as_dict() for r in rows], indent=1)
+    """The rows as docs/bench/time-to-target.json holds them: a flat object per point."""
+    return json.dumps([r.to_json() for r in rows], indent=1)
+
+
+def from_json(text: str) -> list[TargetRow]:
+    """`to_json`'s rows back, a committed file's too."""
+    return [TargetRow.from_json(flat) for flat in json.loads(text)]

@@ -78,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     for line in time_to_target_table.target_lines(rows):
         log(line)
     if args.plot and rows:
-        time_to_target_table.plot(rows, args.plot, f"time to {rows[0].target}: {args.config}")
+        time_to_target_table.plot(rows, args.plot, f"time to {rows[0].reaching.target}: {args.config}")
         log(f"plot: {args.plot}")
     return 0

@@ -326,7 +326,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
         throughput_table.plot(
             rows,
             args.plot,
-            f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].shaping if rows else '-'}",
+            f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].point.shaping if rows else '-'}",
         )
         log(f"plot written to {args.plot}")
     return 0

@@ -112,14 +112,14 @@ class Churn:
 
 class ChurnRunner:
     """Carries a `Churn` out on a lab's stage peer processes and its trainer (`lab`: its `Lab`, whose
-    `trainer` is the trainer's current process and `trainer_command` its arguments)."""
+    `trainer` follows the trainer's current process and holds its arguments)."""
 
     def __init__(self, lab, churn: Churn, join_args: list[str]) -> None:
         self.lab, self.churn, self.join_args = lab, churn, join_args
-        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(lab.stages)}
+        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(lab.run_plan.stages)}
         self.gone: set[str] = set()  # peers the churn killed or stopped: their exit is expected
         self.counts = {action: 0 for action in ACTIONS}
-        self.peers_started = {s: 1 for s in range(lab.stages)}
+        self.peers_started = {s: 1 for s in range(lab.run_plan.stages)}
         self.started: float | None = None  # when the trainer had set the stages up
         self.restart_at: float | None = None  # the killed trainer starts again then
 
@@ -130,9 +130,9 @@ class ChurnRunner:
 
     def poll(self, now: float, step: int) -> None:
         """`step`: the trainer's last finished step. The clock starts once the trainer has set the
-        stages up (the lab's `trainer_ready`), and goes on across a trainer's restart."""
+        stages up (the lab's `trainer.ready`), and goes on across a trainer's restart."""
         if self.started is None:
-            if not self.lab.trainer_ready.is_set():
+            if not self.lab.trainer.ready.is_set():
                 return
             self.started = now
         if self.restart_at is not None and now >= self.restart_at:
@@ -145,20 +145,20 @@ class ChurnRunner:
                 self._do(event, elapsed)
 
     def _kill_trainer(self, now: float, elapsed: float) -> None:
-        self.lab.signal_peer(self.lab.trainer, signal.SIGKILL)  # its p2p daemon too
+        self.lab.signal_peer(self.lab.trainer.process, signal.SIGKILL)  # its p2p daemon too
         self.restart_at = now + RESTART_PAUSE_S
         self.counts["kill"] += 1
-        self.lab._print("lab", f"churn at {elapsed:.1f}s: kill trainer")
+        self.lab.output.say("lab", f"churn at {elapsed:.1f}s: kill trainer")
 
     def _restart_trainer(self) -> None:
         """The same command line again; the dead process leaves the lab's list (stop() skips it)."""
-        lab, old = self.lab, self.lab.trainer
+        lab, old = self.lab, self.lab.trainer.process
         if old.poll() is None:
             return  # not gone yet (SIGKILL takes it at once): the next poll looks again
         self.restart_at = None
         lab.processes[:] = [(name, process) for name, process in lab.processes if process is not old]
-        lab._start(TRAINER, "peers.trainer", *lab.trainer_command)
-        lab._print("lab", "churn: trainer started again")
+        lab._start(TRAINER, "peers.trainer", *lab.trainer.command)
+        lab.output.say("lab", "churn: trainer started again")
 
     def _do(self, event: ChurnEvent, elapsed: float) -> None:
         lab, names = self.lab, self.live[event.stage]
@@ -169,11 +169,13 @@ class ChurnRunner:
             names.append(name)
         else:
             if not names:
-                lab._print("lab", f"churn at {elapsed:.1f}s: {event.action} stage {event.stage}: no live peer, skipped")
+                lab.output.say(
+                    "lab", f"churn at {elapsed:.1f}s: {event.action} stage {event.stage}: no live peer, skipped"
+                )
                 return
             name = names.pop(0)  # the oldest: the one micro-batches most likely follow
             self.gone.add(name)
             process = dict(lab.processes)[name]
             lab.signal_peer(process, signal.SIGKILL if event.action == "kill" else signal.SIGTERM)
         self.counts[event.action] += 1
-        lab._print("lab", f"churn at {elapsed:.1f}s: {event.action} {name}")
+        lab.output.say("lab", f"churn at {elapsed:.1f}s: {event.action} {name}")

@@ -30,18 +30,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.config import ConfigError, load_config
-from swarm.lab.bandwidth import parse_rates
-from swarm.lab.churn import Churn, ChurnRunner
+from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
+from swarm.lab.plan import LinkPlan, RunPlan
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
-from swarm.rates import parse_delay
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-SHAPINGS = ("netns", "inprocess")
 
 
 _STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)?: ")  # the trainer's line per step (peers.trainer)
@@ -57,7 +56,35 @@ def peer_threads(peers: int) -> int:
     return max(1, available_cores() // max(peers, 1))
 
 
+class PrefixedOutput:
+    """The lab's and its processes' lines, each `[name] line`, on one stream; written whole, since
+    every process's output is pumped by a thread of its own."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self._lock = threading.Lock()
+
+    def say(self, name: str, line: str) -> None:
+        with self._lock:
+            self.out.write(f"[{name}] {line}\n")
+            self.out.flush()
+
+
+@dataclass
+class TrainerProcess:
+    """The trainer as the lab follows it: a churn may kill it and start it again with the same
+    `command`, and its clock starts once the trainer is `ready` (it set the stages up)."""
+
+    process: subprocess.Popen | None = None  # the current one
+    command: list[str] = field(default_factory=list)  # its arguments, for a restart
+    ready: threading.Event = field(default_factory=threading.Event)
+    step: int = 0  # the last step it printed
+
+
 class Lab:
+    """The swarm on this machine: what it will run (`run_plan`, `link_plan`, checked when the lab is
+    made) and, while it runs, its processes, their namespaces (`net`) and the trainer it follows."""
+
     def __init__(
         self,
         config: str,
@@ -76,60 +103,21 @@ class Lab:
         pacing: bool = True,
         churn: str | None = None,
     ) -> None:
-        self.config, self.stages, self.results, self.steps = config, stages, results, steps
-        self.device = device
-        self.trainer_args = list(trainer_args or [])  # e.g. --checkpoint_dir DIR
-        self.names = ["bootstrap", *(f"stage{i}" for i in range(stages)), "trainer"]
-        self.rates = parse_rates(bandwidth, self.names)  # ValueError: one line
-        if delay is not None:
-            parse_delay(delay)  # ValueError: one line
-        if shaping is not None and shaping not in SHAPINGS:
-            raise ValueError(f"--shaping must be one of {', '.join(SHAPINGS)}, got {shaping!r}")
-        self.delay = delay
-        self.shaped = bool(self.rates) or bool(delay)
-        self.shaping = shaping or ("netns" if os.geteuid() == 0 else "inprocess")
-        self.probe = probe
-        self.pacing = pacing
-        self.churn = Churn.parse(churn, stages) if churn else None  # ChurnError: one line
-        if self.churn is not None and self.shaped and self.shaping == "netns":
+        """ValueError or ChurnError (one line) for an option that does not parse or does not fit."""
+        threads = peer_threads(stages + 1)
+        self.run_plan = RunPlan.of(config, stages, threads, results, steps, overrides, device, trainer_args, churn)
+        self.link_plan = LinkPlan.of(self.run_plan.names, bandwidth, delay, shaping, probe, pacing)
+        if self.run_plan.churn is not None and self.link_plan.in_namespaces:
             raise ValueError("--churn needs --shaping inprocess on shaped links (namespaces are made before the run)")
-        self.threads = peer_threads(stages + 1)
-        self.net = None
-        self.overrides = [*(overrides or []), f"model.num_stages={stages}", *([f"device={device}"] if device else [])]
-        self.out = out or sys.stdout
+        self.output = PrefixedOutput(out or sys.stdout)
         self.startup_timeout = startup_timeout
+        self.net: NetLab | None = None  # while the run is in namespaces
         self.processes: list[tuple[str, subprocess.Popen]] = []
-        self._lock = threading.Lock()
-        self._boot_lines: queue.Queue[str] = queue.Queue()
-        self.trainer_ready = threading.Event()  # it set the stages up: a churn's clock starts
-        self.trainer_step = 0  # the last step it printed
-        self.trainer: subprocess.Popen | None = None  # its current process (a churn may restart it)
-        self.trainer_command: list[str] = []  # its arguments, for a restart
-
-    def _print(self, name: str, line: str) -> None:
-        with self._lock:
-            self.out.write(f"[{name}] {line}\n")
-            self.out.flush()
+        self.trainer = TrainerProcess()
+        self._boot_lines: queue.Queue[str] = queue.Queue()  # the bootstrap's output, for its address
 
     def _host(self, name: str) -> str:
         return self.net.maddr(name) if self.net is not None else LOOPBACK
-
-    def _shape_args(self, name: str) -> list[str]:
-        """In-process shaping for `name`: all of it (inprocess), or the delay netem could not apply."""
-        if not self.shaped:
-            return []
-        if self.net is not None:
-            missing = self.net.missing_delay(name)
-            return ["--shape_delay", f"{missing * 1000:.3f}ms"] if missing > 0 else []
-        rate = (self.rates or {}).get(_base(name))
-        return (["--shape_rate", rate] if rate else []) + (["--shape_delay", self.delay] if self.delay else [])
-
-    def _link_args(self, name: str) -> list[str]:
-        """A stage peer's or the trainer's declared link rate (its access link is shaped the same both ways)."""
-        rate = (self.rates or {}).get(_base(name))
-        if not (self.pacing and rate and (name.startswith("stage") or name == "trainer")):
-            return []
-        return ["--uplink", rate, "--downlink", rate]
 
     def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -140,8 +128,8 @@ class Lab:
             *args,
             "--host_maddrs",
             self._host(name),
-            *self._shape_args(name),
-            *self._link_args(name),
+            *self.link_plan.shape_args(name, self.net),
+            *self.link_plan.link_args(name),
         ]
         if self.net is not None:
             command = self.net.wrap(name, command)
@@ -155,8 +143,9 @@ class Lab:
             start_new_session=True,
         )
         self.processes.append((name, process))
+        trainer = self.trainer
         if name == "trainer":
-            self.trainer = process
+            trainer.process = process
 
         def pump() -> None:
             for line in process.stdout:
@@ -164,11 +153,11 @@ class Lab:
                 if name == "bootstrap":
                     self._boot_lines.put(line)
                 if name == "trainer" and line.startswith("run "):
-                    self.trainer_ready.set()
-                if process is self.trainer and (step := _STEP_LINE.match(line)):  # not a killed one's
-                    self.trainer_step = int(step.group(1))
+                    trainer.ready.set()
+                if process is trainer.process and (step := _STEP_LINE.match(line)):  # not a killed one's
+                    trainer.step = int(step.group(1))
                 if line and not any(noise in line for noise in _NOISE):
-                    self._print(name, line)
+                    self.output.say(name, line)
 
         threading.Thread(target=pump, name=f"lab-{name}", daemon=True).start()
         return process
@@ -188,22 +177,23 @@ class Lab:
 
     def run(self) -> int:
         try:
-            cfg = load_config(self.config, self.overrides)
+            cfg = load_config(self.run_plan.config, self.run_plan.overrides)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        if not (self.shaped and self.shaping == "netns"):
-            if self.shaped:
-                self._print("lab", f"in-process shaping: {self._describe_inprocess()}")
-                if self.probe:
+        links = self.link_plan
+        if not links.in_namespaces:
+            if links.shaped:
+                self.output.say("lab", f"in-process shaping: {links.describe_inprocess()}")
+                if links.probe:
                     probe_inprocess(self)
             return self._run_swarm(cfg)
         try:
-            with NetLab(self.names, self.rates, self.delay) as net:
+            with NetLab(self.run_plan.names, links.rates, links.delay) as net:
                 self.net = net
                 for line in net.summary().splitlines():
-                    self._print("netlab", line)
-                if self.probe:
+                    self.output.say("netlab", line)
+                if links.probe:
                     probe_namespaces(self)
                 return self._run_swarm(cfg)
         except NetlabError as e:
@@ -214,45 +204,24 @@ class Lab:
         finally:
             self.net = None
 
-    def _describe_inprocess(self) -> str:
-        rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
-        return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
-
     def _start_peers(self, cfg) -> ChurnRunner | None:
         """The bootstrap, the stage peers and the trainer (and the churn that will come and go)."""
-        run_id = f"{cfg.name}-{secrets.token_hex(3)}"
-        sets = [arg for item in self.overrides for arg in ("--set", item)]
+        plan, run_id = self.run_plan, f"{cfg.name}-{secrets.token_hex(3)}"
         boot = self._start("bootstrap", "peers.bootstrap")
         initial = self._bootstrap_address(boot)
-        common = [
-            "--config",
-            self.config,
-            "--run_id",
-            run_id,
-            "--initial_peers",
-            initial,
-            "--threads",
-            str(self.threads),
-            *sets,
-        ]
-        self._print(
+        joining = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(plan.threads)]
+        common = ["--config", plan.config, *joining, *plan.set_args()]
+        self.output.say(
             "lab",
-            f"torch threads per peer: {self.threads} ({self.stages + 1} peers computing, {available_cores()} cores)",
+            f"torch threads per peer: {plan.threads} ({plan.stages + 1} peers computing, {available_cores()} cores)",
         )
-        for stage in range(self.stages):
+        for stage in range(plan.stages):
             self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
-        self.trainer_command = [*common, *self._results_args(), *self.trainer_args]
-        self._start("trainer", "peers.trainer", *self.trainer_command)
-        if self.churn is None:
+        self.trainer.command = [*common, *plan.results_args(), *plan.trainer_args]
+        self._start("trainer", "peers.trainer", *self.trainer.command)
+        if plan.churn is None:
             return None
-        join = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(self.threads)]
-        return ChurnRunner(self, self.churn, join + (["--device", self.device] if self.device else []))
-
-    def _results_args(self) -> list[str]:
-        return [
-            *(["--results", str(self.results)] if self.results else []),
-            *(["--steps", str(self.steps)] if self.steps else []),
-        ]
+        return ChurnRunner(self, plan.churn, joining + (["--device", plan.device] if plan.device else []))
 
     def _may_exit(self, process: subprocess.Popen) -> bool:
         """Whether a peer other than the trainer may end before the trainer (never, in a swarm)."""
@@ -264,37 +233,39 @@ class Lab:
             processes = GroupCpu(lambda: {name: process.pid for name, process in self.processes})
             counters = (
                 CounterSampler(self.net.link_bytes if self.net is not None else dict, processes)
-                if self.results
+                if self.run_plan.results
                 else None
             )
             churn = self._start_peers(cfg)
             gone = churn.gone if churn is not None else set()  # peers the churn took: their exit is expected
-            while self.trainer.poll() is None or getattr(churn, "restarting", False):
+            trainer = self.trainer
+            while trainer.process.poll() is None or getattr(churn, "restarting", False):
                 if churn is not None:  # its clock starts once the trainer has set the stages up
-                    churn.poll(time.monotonic(), self.trainer_step)
+                    churn.poll(time.monotonic(), trainer.step)
                 for name, process in list(self.processes):
                     ended = process.poll() is not None and name not in gone and not self._may_exit(process)
-                    if process is not self.trainer and ended:
+                    if process is not trainer.process and ended:
                         raise RuntimeError(f"{name} exited with code {process.returncode}")
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
-            if counters is not None and self.trainer.returncode == 0:
+            if counters is not None and trainer.process.returncode == 0:
                 # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
-                with open(self.results, "a") as f:
+                with open(self.run_plan.results, "a") as f:
                     f.write(json.dumps(counters.to_row()) + "\n")
-            return self.trainer.returncode  # the last trainer's: a killed one's is the churn's doing
+            return trainer.process.returncode  # the last trainer's: a killed one's is the churn's doing
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
-            self._print("lab", "interrupted: stopping every peer")
+            self.output.say("lab", "interrupted: stopping every peer")
             return 130
         finally:
             self.stop()
-            if self.results and Path(self.results).exists():
-                self._print("lab", f"results in {self.results}")
+            results = self.run_plan.results
+            if results and Path(results).exists():
+                self.output.say("lab", f"results in {results}")
 
     def signal_peer(self, process: subprocess.Popen, sig: int) -> None:
         """SIGKILL to a peer's whole process group (its p2p daemon dies with it); other signals to the peer."""
@@ -333,11 +304,6 @@ class Lab:
         self.processes.clear()
 
 
-def _base(name: str) -> str:
-    """A churn joiner (stage1.2) has its stage's first peer's link."""
-    return name.split(".", 1)[0]
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -356,7 +322,7 @@ def run_lab(
     trainer_args: list[str] | None = None,
     **shaping,
 ) -> int:
-    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing (see `Lab`)."""
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn (see `Lab`)."""
     try:
         lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
     except ValueError as e:

@@ -36,6 +36,7 @@ importable from here too)
         rates/delays: None (unshaped), one value for every link, or {name: value}
         (rates: '100mbit', 5e6, ... see swarm.rates; delays: '20ms', 0.02, ...)
         .start() / .close()  (or `with`)       .links -> {name: Link}
+        .topology -> Topology                  names, addresses, the namespaces' tag and the bridge's
         .namespace(name) .address(name) .maddr(name, port=0) .wrap(name, argv) .namespaces()
         .missing_delay(name) -> float   .summary() -> str
         .link_bytes() -> {name: (sent, received)}   bytes each link carried so far (kernel counters)
@@ -102,22 +103,11 @@ def _per_name(kind: str, value: Any, names: Sequence[str], parse) -> dict[str, A
 # ---------------------------------------------------------------------------------------- the lab
 
 
-class NetLab:
-    """Namespaces, veths, a bridge and tc shaping for a set of named processes (see module doc)."""
+class Topology:
+    """Who lives where: each process's namespace and address on the subnet, and the bridge's
+    namespace, all named after one tag unique to this lab (validated; nothing is created here)."""
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        rates: str | int | float | Mapping[str, Any] | None = None,
-        delays: str | int | float | Mapping[str, Any] | None = None,
-        *,
-        subnet: str = "10.77.0.0/24",
-        prefix: str = PREFIX,
-        require_delay: bool = False,
-        handle_signals: bool = True,
-        mtu: int = 1500,
-        grace: float = 2.0,
-    ) -> None:
+    def __init__(self, names: Sequence[str], subnet: str, prefix: str) -> None:
         names = list(names)
         if not names:
             raise ValueError("a NetLab needs at least one process name")
@@ -138,14 +128,47 @@ class NetLab:
                 f"subnet {subnet} is too small for {len(names)} processes (IPv4, one address each plus one spare)"
             )
         self.names = names
-        self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
-        self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
         self.network = network
         self.addresses = {name: str(hosts[i + 1]) for i, name in enumerate(names)}  # .1 stays free
-        self.prefix, self.require_delay, self.handle_signals = prefix, require_delay, handle_signals
-        self.mtu, self.grace = mtu, grace
-        self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.prefix = prefix  # cleanup_stale() finds dead owners' namespaces by it
+        self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(2)}"  # two labs of one owner never collide
         self.bridge_ns = f"{self.tag}--bridge"
+
+    def namespace(self, name: str) -> str:
+        self.check(name)
+        return f"{self.tag}-{name}"
+
+    def address(self, name: str) -> str:
+        self.check(name)
+        return self.addresses[name]
+
+    def check(self, name: str) -> None:
+        if name not in self.addresses:
+            raise KeyError(f"no process {name!r} in this lab; known: {', '.join(self.names)}")
+
+
+class NetLab:
+    """Namespaces, veths, a bridge and tc shaping for a set of named processes (see module doc)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        rates: str | int | float | Mapping[str, Any] | None = None,
+        delays: str | int | float | Mapping[str, Any] | None = None,
+        *,
+        subnet: str = "10.77.0.0/24",
+        prefix: str = PREFIX,
+        require_delay: bool = False,
+        handle_signals: bool = True,
+        mtu: int = 1500,
+        grace: float = 2.0,
+    ) -> None:
+        self.topology = Topology(names, subnet, prefix)
+        names = self.topology.names
+        self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
+        self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
+        self.require_delay, self.handle_signals = require_delay, handle_signals
+        self.mtu, self.grace = mtu, grace
         self.links: dict[str, Link] = {}
         self.capabilities: Capabilities | None = None
         self._owner = os.getpid()
@@ -155,12 +178,10 @@ class NetLab:
     # ---------------------------------------------------------------- names and commands
 
     def namespace(self, name: str) -> str:
-        self._check_name(name)
-        return f"{self.tag}-{name}"
+        return self.topology.namespace(name)
 
     def address(self, name: str) -> str:
-        self._check_name(name)
-        return self.addresses[name]
+        return self.topology.address(name)
 
     def maddr(self, name: str, port: int = 0) -> str:
         """The multiaddr a process in `name` should listen on: /ip4/<its address>/tcp/<port>."""
@@ -172,17 +193,13 @@ class NetLab:
 
     def missing_delay(self, name: str) -> float:
         """Seconds of one-way delay the kernel could not apply to `name`'s link (add it in-process)."""
-        self._check_name(name)
+        self.topology.check(name)
         link = self.links.get(name)
         return link.missing_delay_s if link else self.delays[name]
 
     def namespaces(self) -> list[str]:
         """This lab's namespaces that exist right now (empty after close)."""
-        return list_namespaces(self.tag + "-")
-
-    def _check_name(self, name: str) -> None:
-        if name not in self.addresses:
-            raise KeyError(f"no process {name!r} in this lab; known: {', '.join(self.names)}")
+        return list_namespaces(self.topology.tag + "-")
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -203,7 +220,7 @@ class NetLab:
             raise NetlabError(
                 "link delays need netem, which this kernel lacks: use in-process delays (swarm.netlab.shaper)"
             )
-        cleanup_stale(self.prefix)
+        cleanup_stale(self.topology.prefix)
         self._state = "up"
         if self.handle_signals:
             self._signals.install()
@@ -218,25 +235,26 @@ class NetLab:
         return self
 
     def _build(self) -> None:
-        ip, br = find_tool("ip") or "ip", self.bridge_ns
+        ip, br, topology = find_tool("ip") or "ip", self.topology.bridge_ns, self.topology
         netem = bool(self.capabilities and self.capabilities.netem)
         run_tool([ip, "netns", "add", br])
         run_tool([ip, "-n", br, "link", "set", "lo", "up"])
         run_tool([ip, "-n", br, "link", "add", "br0", "type", "bridge"])
         run_tool([ip, "-n", br, "link", "set", "br0", "up"])
-        for i, name in enumerate(self.names):
-            ns, port = self.namespace(name), f"v{i}"
+        for i, name in enumerate(topology.names):
+            ns, port = topology.namespace(name), f"v{i}"
             run_tool([ip, "netns", "add", ns])
             run_tool([ip, "-n", ns, "link", "set", "lo", "up"])
             veth = ["link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "netns", ns]
             run_tool([ip, "-n", br, *veth])
             run_tool([ip, "-n", br, "link", "set", port, "master", "br0", "up"])
-            run_tool([ip, "-n", ns, "addr", "add", f"{self.addresses[name]}/{self.network.prefixlen}", "dev", "eth0"])
+            address = topology.address(name)
+            run_tool([ip, "-n", ns, "addr", "add", f"{address}/{topology.network.prefixlen}", "dev", "eth0"])
             run_tool([ip, "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
             rate, delay = self.rates[name], self.delays[name]
             up = shape_direction("up", ns, "eth0", rate, delay, netem, self.mtu)
             down = shape_direction("down", br, port, rate, 0.0, netem, self.mtu)
-            self.links[name] = Link(name, ns, self.addresses[name], rate, delay, up, down)
+            self.links[name] = Link(name, ns, address, rate, delay, up, down)
 
     def close(self) -> None:
         """Tears everything down (idempotent; safe from atexit and after a partial start)."""
@@ -257,12 +275,12 @@ class NetLab:
         """{name: (bytes it sent, bytes it received)} over its link so far (swarm.netlab.counters)."""
         if self._state != "up":
             raise NetlabError("the lab is not up: no link counters to read")
-        return link_bytes(self.bridge_ns, {name: self.links[name] for name in self.names})
+        return link_bytes(self.topology.bridge_ns, {name: self.links[name] for name in self.topology.names})
 
     def summary(self) -> str:
-        caps = self.capabilities or detect()
+        caps, topology = self.capabilities or detect(), self.topology
         lines = [
-            f"netlab {self.tag}: {len(self.names)} namespaces on {self.network} (bridge in {self.bridge_ns}); {caps.summary()}"
+            f"netlab {topology.tag}: {len(topology.names)} namespaces on {topology.network} (bridge in {topology.bridge_ns}); {caps.summary()}"
         ]
-        lines += [f"  {self.links[n].describe()}" for n in self.names if n in self.links]
+        lines += [f"  {self.links[n].describe()}" for n in topology.names if n in self.links]
         return "\n".join(lines)

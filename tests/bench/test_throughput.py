@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +19,20 @@ from swarm.bench.throughput import (
     steps_for,
 )
 from swarm.bench.throughput_figures import ThroughputRow, measure_run
-from swarm.bench.throughput_table import cpu_breakdown, format_rows, plot, speedups, target_lines, to_json
+from swarm.bench.throughput_table import (
+    cpu_breakdown,
+    format_rows,
+    from_json,
+    plot,
+    speedups,
+    target_lines,
+    to_json,
+)
 from swarm.lab.bandwidth import parse_rates
 from swarm.netlab.counters import CounterSampler, window
 
 NAMES = ["bootstrap", "stage0", "stage1", "stage2", "trainer"]
+DOCS = Path(__file__).parents[2] / "docs" / "bench"  # the committed figures
 
 
 def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
@@ -56,6 +66,11 @@ def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
         }
     )
     return rows
+
+
+def _row(**flat) -> ThroughputRow:
+    """A row from its flat keys, as the benchmark's JSON holds them."""
+    return ThroughputRow.from_json(flat)
 
 
 def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
@@ -283,7 +298,7 @@ def test_cpu_per_sample_and_the_share_of_it_the_stages_computed():
     assert figures["compute_cpu_ms_per_sample"] == pytest.approx(8.75) and figures["compute_share"] == pytest.approx(
         8.75 / 20
     )
-    line = cpu_breakdown(ThroughputRow("none", "none", 0.08, shaping="inprocess", **figures))
+    line = cpu_breakdown(_row(codec="none", backward="none", bandwidth_mbit=0.08, shaping="inprocess", **figures))
     assert line.startswith(
         "CPU per sample: 20.00 ms = stage compute 8.75 + stage peers' other threads 4.25 + stage p2p daemons 3.00"
     )
@@ -320,8 +335,8 @@ def test_backward_specs_and_speedups():
         shaping="netns",
     )
     rows = [
-        ThroughputRow("none", bandwidth_mbit=100, samples_per_s=10, **base),
-        ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base),
+        _row(codec="none", bandwidth_mbit=100, samples_per_s=10, **base),
+        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base),
     ]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
 
@@ -341,12 +356,17 @@ def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
         samples_per_s=1.0,
     )
     rows = [
-        ThroughputRow("none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
-        ThroughputRow("none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
-        ThroughputRow(
-            "quant:4", bandwidth_mbit=500, fraction_of_bound=0.6, binding="cores (2 shared)", compute_share=0.63, **base
+        _row(codec="none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
+        _row(codec="none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
+        _row(
+            codec="quant:4",
+            bandwidth_mbit=500,
+            fraction_of_bound=0.6,
+            binding="cores (2 shared)",
+            compute_share=0.63,
+            **base,
         ),
-        ThroughputRow("topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base),
+        _row(codec="topk:0.1", bandwidth_mbit=500, fraction_of_bound=math.nan, binding="compute", **base),
     ]
     lines = target_lines(rows, target=0.8)
     assert lines[0] == "link-bound points at >= 80% of the bound: 1 of 2 (lowest: none at 500 Mbit/s 79%)"
@@ -356,14 +376,14 @@ def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
     assert len(lines) == 2  # a point without a fraction is not judged
     assert target_lines(rows[:1])[0].startswith("link-bound points at >= 90% of the bound: 0 of 1")
     # torch.distributed's row is not one of hivepipe's points: it is compared with none
-    gloo = ThroughputRow("torch:gloo", bandwidth_mbit=10, fraction_of_bound=0.5, binding="link stage1 up", **base)
-    gloo.samples_per_s = 0.8
+    gloo = _row(codec="torch:gloo", bandwidth_mbit=10, fraction_of_bound=0.5, binding="link stage1 up", **base)
+    gloo.achieved.samples_per_s = 0.8
     lines = target_lines([rows[0], gloo])
     assert lines[0].startswith("link-bound points at >= 90% of the bound: 0 of 1 (lowest: none at 10")
     assert lines[1] == (
         "none against torch:gloo at 10 Mbit/s: 1.0 against 0.8 samples/s, 1.25x (target >= 1x: met); gloo at 50% of its bound"
     )
-    gloo.samples_per_s = 1.25
+    gloo.achieved.samples_per_s = 1.25
     assert target_lines([rows[0], gloo])[1].split("(")[1].startswith("target >= 1x: missed by 20%")
 
 
@@ -388,8 +408,8 @@ def test_rows_as_json_table_and_plot(tmp_path):
         shaping="netns",
     )
     rows = [
-        ThroughputRow(
-            "none",
+        _row(
+            codec="none",
             bandwidth_mbit=mbit,
             samples_per_s=mbit / 10,
             link_bound=mbit / 8,
@@ -400,8 +420,8 @@ def test_rows_as_json_table_and_plot(tmp_path):
         for mbit in (10, 100)
     ]
     rows.append(
-        ThroughputRow(
-            "quant:4",
+        _row(
+            codec="quant:4",
             bandwidth_mbit=100,
             samples_per_s=90.0,
             link_bound=100.0,
@@ -426,6 +446,13 @@ def test_rows_as_json_table_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("name", ["throughput.json", "throughput-gloo.json", "throughput-gpt2.json"])
+def test_the_committed_json_rows_load_and_write_back_the_same_flat_keys_and_values(name):
+    text = (DOCS / name).read_text()
+    rows = from_json(text)
+    assert rows and json.loads(to_json(rows)) == json.loads(text)
+
+
 def test_faster_points_run_enough_steps_for_the_time_budget():
     base = dict(
         backward="none",
@@ -441,8 +468,8 @@ def test_faster_points_run_enough_steps_for_the_time_budget():
         shaping="netns",
     )
     slow = [
-        ThroughputRow("topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
-        ThroughputRow("topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base),
+        _row(codec="topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
+        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base),
     ]
     assert expected_samples_per_s([], 10) is None
     assert expected_samples_per_s(slow[:1], 50) == pytest.approx(80)  # scales with the rate

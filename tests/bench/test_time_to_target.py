@@ -4,10 +4,14 @@ torch.distributed side by side."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from swarm.bench.time_to_target import TargetRow, reaching, training_seconds
-from swarm.bench.time_to_target_table import format_rows, plot, sooner_than, target_lines
+from swarm.bench.points import Achieved, Point
+from swarm.bench.time_to_target import Reaching, TargetRow, reaching, training_seconds
+from swarm.bench.time_to_target_table import format_rows, from_json, plot, sooner_than, target_lines, to_json
 from swarm.cli.main import main
 from swarm.config.target import Target
 
@@ -43,10 +47,11 @@ def test_training_seconds_leave_the_evaluations_out():
 def _row(
     codec: str, seconds: float | None, samples_per_s: float, mbit: float = 10, train_seconds: float = 100.0
 ) -> TargetRow:
-    return TargetRow(
-        codec, "none", mbit, 50, "loss<=2", seconds is not None, 10 if seconds else None, seconds, 20, train_seconds,
-        samples_per_s, 5.0, 20.0, 0.9, "link stage1 up", 2.1, [[1.0, 1, 3.0], [2.0, 2, 2.5]],
-    )  # fmt: skip
+    reached = seconds is not None
+    went = Reaching(
+        "loss<=2", reached, 10 if reached else None, seconds, 20, train_seconds, 2.1, [[1.0, 1, 3.0], [2.0, 2, 2.5]]
+    )
+    return TargetRow(Point(codec, "none", mbit), 50, Achieved(samples_per_s, 5.0, 20.0, 0.9, "link stage1 up"), went)
 
 
 def test_target_lines_compare_the_best_codec_with_none_and_none_with_gloo():
@@ -77,6 +82,13 @@ def test_the_plot_has_a_panel_per_bandwidth(tmp_path):
     path = tmp_path / "ttt.png"
     plot([_row("none", 80.0, 4.0), _row("none", 30.0, 9.0, mbit=20), _row("torch:gloo", 90.0, 3.6)], str(path), "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_committed_json_rows_load_and_write_back_the_same_flat_keys_and_values():
+    text = (Path(__file__).parents[2] / "docs" / "bench" / "time-to-target.json").read_text()
+    rows = from_json(text)
+    assert rows and json.loads(to_json(rows)) == json.loads(text)
+    assert json.loads(to_json([_row("none", 80.0, 4.0)]))[0]["seconds_to_target"] == 80.0
 
 
 @pytest.mark.parametrize(

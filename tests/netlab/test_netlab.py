@@ -142,7 +142,7 @@ def test_detect_reports_the_kernel(caps):
 
 def test_namespaces_up_and_gone_without_leftovers(caps):
     with NetLab(["boot", "stage0", "trainer"], rates={"stage0": "20mbit", "trainer": "1gbit"}, delays="10ms") as net:
-        tag = net.tag
+        tag = net.topology.tag
         assert sorted(net.namespaces()) == sorted([f"{tag}--bridge", f"{tag}-boot", f"{tag}-stage0", f"{tag}-trainer"])
         assert net.address("boot") == "10.77.0.2" and net.maddr("trainer", 5) == "/ip4/10.77.0.4/tcp/5"
         assert net.wrap("stage0", ["true"])[-3:] == ["exec", f"{tag}-stage0", "true"]
@@ -158,7 +158,7 @@ def test_namespaces_up_and_gone_without_leftovers(caps):
         assert link.up.qdisc == ("netem" if caps.netem else "tbf") and link.down.qdisc == "tbf"
         assert link.down.rate_bits == link.rate_bits == 20_000_000 and link.down.burst_bytes > 0
         assert "rate 20Mbit" in _qdiscs(link.netns, "eth0") and "rate 20Mbit" in _qdiscs(
-            net.bridge_ns, link.down.device
+            net.topology.bridge_ns, link.down.device
         )
         assert link.delay_applied == caps.netem and net.missing_delay("stage0") == (0.0 if caps.netem else 0.01)
         assert net.links["boot"].up.qdisc in (None, "netem") and net.links["boot"].down.qdisc is None
@@ -172,7 +172,7 @@ def test_namespaces_up_and_gone_without_leftovers(caps):
 
 def test_no_leftovers_after_an_exception_and_a_killed_child(caps):
     with pytest.raises(RuntimeError, match="boom"), NetLab(["a", "b"], rates="5mbit") as net:
-        tag = net.tag
+        tag = net.topology.tag
         victim = subprocess.Popen(net.wrap("a", ["sleep", "300"]))
         survivor = subprocess.Popen(net.wrap("b", ["sleep", "300"]))
         victim.kill()
@@ -244,11 +244,11 @@ _OWNER = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
     if mode == "with":
         with NetLab(["x", "y"], rates="10mbit", prefix=prefix) as net:
-            print(net.tag, flush=True)  # the lab is up and its signal handlers are in place
+            print(net.topology.tag, flush=True)  # the lab is up and its signal handlers are in place
             time.sleep(600)
     else:
         net = NetLab(["x", "y"], rates="10mbit", prefix=prefix).start()
-        print(net.tag, flush=True)
+        print(net.topology.tag, flush=True)
         time.sleep(600)
     """
 )
@@ -322,7 +322,7 @@ def test_a_killed_lab_leaves_nothing_behind_after_the_next_start(caps):
         assert len(_ns_leftovers(tag)) == 3
         with NetLab(["y"], prefix=prefix) as net:
             assert _ns_leftovers(tag) == []
-        assert _ns_leftovers(net.tag) == []
+        assert _ns_leftovers(net.topology.tag) == []
 
 
 def test_without_root_one_line_error(caps):
@@ -342,7 +342,7 @@ def test_shaping_limits_hivemind_throughput(caps):
         before = net.link_bytes()
         results = probe_netlab(net, "a", ["b", "c"], 3_000_000, timeout=90)
         after = net.link_bytes()
-        tag = net.tag
+        tag = net.topology.tag
     assert _ns_leftovers(tag) == []
     sent, received = (after["b"][i] - before["b"][i] for i in (0, 1))
     print(f"\nb's link counted {sent:,} bytes out and {received:,} in for 3,000,000 of payload each way")

@@ -22,25 +22,25 @@ class GlooLab(Lab):
     def __init__(self, *args, **kwargs) -> None:
         kwargs["pacing"] = False
         super().__init__(*args, **kwargs)
-        if self.churn is not None:
+        plan, links = self.run_plan, self.link_plan
+        if plan.churn is not None:
             raise ValueError("the gloo baseline has a fixed set of ranks: no churn")
-        if self.shaped and self.shaping != "netns":
+        if links.shaped and not links.in_namespaces:
             raise ValueError("the gloo baseline runs on shaped links only in namespaces (--shaping netns, as root)")
-        self.names = [name for name in self.names if name != "bootstrap"]
-        self.rates = {name: rate for name, rate in self.rates.items() if name in self.names} if self.rates else None
+        plan.names = [name for name in plan.names if name != "bootstrap"]
+        links.rates = {name: rate for name, rate in links.rates.items() if name in plan.names} if links.rates else None
 
     def _start_peers(self, cfg) -> None:
-        trainer_ip = self._host("trainer").split("/")[2]
+        plan, trainer_ip = self.run_plan, self._host("trainer").split("/")[2]
         port = PORT if self.net is not None else _free_port()
-        sets = [arg for item in self.overrides for arg in ("--set", item)]
-        common = ["--world", str(self.stages + 1), "--master", f"{trainer_ip}:{port}", "--config", self.config]
-        common += ["--threads", str(self.threads), *sets]
-        self._print(
+        common = ["--world", str(plan.stages + 1), "--master", f"{trainer_ip}:{port}", "--config", plan.config]
+        common += ["--threads", str(plan.threads), *plan.set_args()]
+        self.output.say(
             "lab",
-            f"torch.distributed gloo: {self.stages} stage ranks and a trainer; torch threads per rank: {self.threads} ({available_cores()} cores)",
+            f"torch.distributed gloo: {plan.stages} stage ranks and a trainer; torch threads per rank: {plan.threads} ({available_cores()} cores)",
         )
-        self._start("trainer", "swarm.bench.gloo", "--rank", "0", *common, *self._results_args(), *self.trainer_args)
-        for stage in range(self.stages):
+        self._start("trainer", "swarm.bench.gloo", "--rank", "0", *common, *plan.results_args(), *plan.trainer_args)
+        for stage in range(plan.stages):
             self._start(f"stage{stage}", "swarm.bench.gloo", "--rank", str(stage + 1), *common)
         return None
 

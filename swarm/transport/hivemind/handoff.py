@@ -118,10 +118,10 @@ class Handoff:
         while True:
             tried.add(target)
             if deadline is None:
-                budget = self.settings.call_timeout_s
-                timeout = budget + self.settings.reply_grace_s
+                budget = self.settings.calls.call_timeout_s
+                timeout = budget + self.settings.calls.reply_grace_s
             else:
-                budget = timeout = max(deadline - time.monotonic(), self.settings.min_budget_s)
+                budget = timeout = max(deadline - time.monotonic(), self.settings.calls.min_budget_s)
             head = pb.MicroBatchHead(
                 to=address(self.run_id, self.stage),
                 sender=self.node.peer_id,
@@ -146,7 +146,7 @@ class Handoff:
                 self.sending,
                 self.pacer.flow(target),
                 meter,
-                max_reply_bytes=self.settings.max_micro_batch_bytes,
+                max_reply_bytes=self.settings.limits.max_micro_batch_bytes,
             )
             try:
                 frame = await self._reply(exchange, timeout)

@@ -126,7 +126,7 @@ class SwarmNode:
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
         # streams to the peers we call, kept for reuse
-        self.streams = StreamPool(p2p, self.settings.keep_idle_s, egress, self.settings.end_wait_s)
+        self.streams = StreamPool(p2p, self.settings.streams.keep_idle_s, egress, self.settings.streams.end_wait_s)
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:

@@ -14,7 +14,7 @@ class Refresher:
 
     def __init__(self, node: SwarmNode) -> None:
         self.node = node
-        self.period, self.ttl = node.settings.announce_every_s, node.settings.record_ttl_s
+        self.period, self.ttl = node.settings.dht.announce_every_s, node.settings.dht.record_ttl_s
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> None:

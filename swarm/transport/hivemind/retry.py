@@ -7,7 +7,7 @@
   on another peer, like a dead one. Other error replies are final (a bad config, a bad payload: trying again would say the same).
 - A step round or a setup is idempotent on the peer, so a lost reply is simply retried on the same
   peer, after a growing backoff.
-Either way a call is tried at most `Settings.attempts` times, and never past its deadline.
+Either way a call is tried at most `Settings.retries.attempts` times, and never past its deadline.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 class Retry:
     def __init__(self, settings: Settings) -> None:
-        self.attempts, self.backoff_s = settings.attempts, settings.backoff_s
+        self.attempts, self.backoff_s = settings.retries.attempts, settings.retries.backoff_s
         self.retries = 0  # calls tried again by same_peer (metrics)
 
     def again(self, error: Exception, attempt: int, deadline: float | None = None) -> bool:

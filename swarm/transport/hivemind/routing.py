@@ -71,7 +71,7 @@ class RoutingPolicy:
 
     @classmethod
     def of(cls, settings) -> RoutingPolicy:
-        return cls(settings.route_keep_factor, settings.throughput_smoothing)
+        return cls(settings.routing.route_keep_factor, settings.routing.throughput_smoothing)
 
     @staticmethod
     def score(record: StageRecord, typical: float = 1.0, waiting: int = 0) -> float:
@@ -122,10 +122,10 @@ class Router:
         # can announce itself on the DHT, only admitted peers are handed micro-batches
         self.routable = routable or (lambda record: True)
         self.visible = visible or (lambda record: True)  # the peers it may know of at all (a private run's)
-        self.refresh_s = settings.lookup_every_s if refresh_s is None else refresh_s
-        self.keep_s = settings.lookup_keep_s if keep_s is None else keep_s
+        self.refresh_s = settings.dht.lookup_every_s if refresh_s is None else refresh_s
+        self.keep_s = settings.dht.lookup_keep_s if keep_s is None else keep_s
         self.policy = RoutingPolicy.of(settings)
-        self.bans = Bans(settings.ban_s, settings.ban_growth, settings.ban_max_s)
+        self.bans = Bans(settings.retries.ban_s, settings.retries.ban_growth, settings.retries.ban_max_s)
         self.events = None  # a swarm.transport.hivemind.events.EventLog its bans go to
         self.banned_total = 0  # bans so far (metrics)
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}

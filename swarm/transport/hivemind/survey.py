@@ -20,42 +20,164 @@ from swarm.transport.hivemind.node import SwarmNode
 from swarm.transport.hivemind.trust.admissions import Admissions
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GB"
+
+
 @dataclass
-class PeerRow:
-    run_id: str
-    stage: int
-    num_stages: int
-    peer_id: str
+class Announcement:
+    """What a peer's DHT record says of it, read without asking the peer (the record outlives a peer
+    that left, a while)."""
+
     addrs: list[str]
     throughput: float
     queue: int
     ready: bool
     last_seen_s: float
+    leaving: bool = False  # it is leaving (or left)
+    codecs: str = ""  # its inbound link's "forward|backward" codecs
+    admitted_by: str = ""  # the peer id whose signed admission it shows (the run's owner, if it is a member)
+
+    @classmethod
+    def of(cls, record, run_id: str) -> Announcement:
+        return cls(
+            record.addrs,
+            record.throughput,
+            record.queue,
+            record.ready,
+            max(0.0, get_dht_time() - record.updated),
+            leaving=record.leaving,
+            codecs="|".join(record.codecs.get(d, "") for d in ("forward", "backward")).strip("|"),
+            admitted_by=_admitted_by(record, run_id),
+        )
+
+
+@dataclass
+class Reach:
+    """How the status call itself went: whether the peer answered, how fast, and if not, why."""
+
     reachable: bool = False
-    processed: int = 0
+    rtt_ms: float | None = None
+    error: str = ""
+
+
+@dataclass
+class Work:
+    """What the peer does for the stage: its role, the micro-batches and steps it ran, its state's size
+    and the bytes of each of its links."""
+
+    role: str = ""  # serving, following (joining: downloading its state or catching up), leaving, idle
+    processed: int = 0  # micro-batches
     steps: int = 0
     state_bytes: int = 0
     # {"neighbour", "boundary", "upstream", "sent", "received", "raw", "busy_s", "busy_bytes", "codecs"}
     links: list[dict] = field(default_factory=list)
-    rtt_ms: float | None = None  # of the status call itself
-    error: str = ""
-    role: str = ""  # serving, following (joining: downloading its state or catching up), leaving, idle
-    leaving: bool = False  # its record says it is leaving (or left: the record outlives it a while)
-    # joining mid-run: the step of the state it downloaded, its bytes and seconds; downloads it served
-    joined_step: int | None = None
+
+    @classmethod
+    def of(cls, status: pb.StageStatus) -> Work:
+        links = [
+            {
+                "neighbour": link.neighbour,
+                "boundary": link.boundary,
+                "upstream": link.upstream,
+                "sent": dict(link.sent),
+                "received": dict(link.received),
+                "raw": dict(link.raw),
+                "busy_s": link.busy_s,
+                "busy_bytes": link.busy_bytes,
+                "codecs": f"{link.forward_codec}|{link.backward_codec}" if link.forward_codec else "",
+            }
+            for link in status.links
+        ]
+        return cls(status.role, status.processed, status.steps, status.state_bytes, links)
+
+
+@dataclass
+class Joining:
+    """Stage state moved between peers mid-run: what it downloaded when it joined, what it served."""
+
+    joined_step: int | None = None  # the step of the state it downloaded (None: it did not join mid-run)
     state_bytes_in: int = 0
     state_seconds: float = 0.0
-    states_served: int = 0
+    states_served: int = 0  # downloads of its state it served joiners
     state_bytes_out: int = 0
-    # the swarm's copies it keeps: (stage, step, bytes, age in seconds); its restores from them
-    copies: list[tuple[int, int, int, float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, status: pb.StageStatus) -> Joining:
+        joined = status.state_bytes_in > 0  # a peer that started with the run downloaded nothing (its joined_step is 0)
+        return cls(
+            status.joined_step if joined else None,
+            status.state_bytes_in,
+            status.state_seconds if joined else 0.0,
+            status.states_served,
+            status.state_bytes_out,
+        )
+
+    def describe(self) -> str:
+        text = ""
+        if self.joined_step is not None:
+            text += f", joined at step {self.joined_step} ({_size(self.state_bytes_in)} in {self.state_seconds:.1f}s)"
+        if self.states_served:
+            text += f", gave its state {self.states_served}x ({_size(self.state_bytes_out)})"
+        return text
+
+
+@dataclass
+class Recovery:
+    """The swarm's copies of stage states the peer keeps, and its going back to one after a loss."""
+
+    copies: list[tuple[int, int, int, float]] = field(default_factory=list)  # (stage, step, bytes, age in seconds)
     restores: int = 0
     restored_step: int = 0
     paused_s: float = 0.0
-    refused: dict[str, int] = field(default_factory=dict)  # requests it refused, by why (docs/security.md)
-    banned: int = 0  # peers it refuses now for a malformed payload
-    codecs: str = ""  # its inbound link's "forward|backward" codecs, as its record says
-    admitted_by: str = ""  # the peer id whose signed admission its record shows (the run's owner, if it is a member)
+
+    @classmethod
+    def of(cls, status: pb.StageStatus) -> Recovery:
+        copies = [(c.stage, c.step, c.bytes, c.age_s) for c in status.snapshots]
+        return cls(copies, status.restores, status.restored_step, status.paused_s)
+
+    def describe(self) -> str:
+        text = ""
+        if self.restores:
+            text += f", went back to step {self.restored_step} after a {self.paused_s:.1f}s pause ({self.restores}x)"
+        if self.copies:  # the newest copy of each stage it keeps
+            newest = {stage: (step, size, age) for stage, step, size, age in sorted(self.copies)}
+            kept = ", ".join(
+                f"stage {stage} step {step} ({_size(size)}, {age:.0f}s old)"
+                for stage, (step, size, age) in newest.items()
+            )
+            text += f", copies: {kept}"
+        return text
+
+
+@dataclass
+class Trust:
+    """How the peer defends itself (docs/security.md): requests it refused, by why, and the peers it
+    refuses now for a malformed payload. The peer's as a whole, not one stage's."""
+
+    refused: dict[str, int] = field(default_factory=dict)
+    banned: int = 0
+
+
+@dataclass
+class PeerRow:
+    """One stage peer of one run, as `peers.status` shows it: its record, how asking it went, and
+    what it answered for that stage (its events and trust figures are the whole peer's)."""
+
+    run_id: str
+    stage: int
+    num_stages: int
+    peer_id: str
+    announced: Announcement
+    reach: Reach = field(default_factory=Reach)
+    work: Work = field(default_factory=Work)
+    joining: Joining = field(default_factory=Joining)
+    recovery: Recovery = field(default_factory=Recovery)
+    trust: Trust = field(default_factory=Trust)
     events: list[Event] = field(default_factory=list)  # its recent events, oldest first
 
 
@@ -73,7 +195,7 @@ def _admitted_by(record, run_id: str) -> str:
 async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | None = None) -> list[PeerRow]:
     """Every run's stage peers from the DHT, each asked for its status (at most `timeout` s each,
     default the settings' info_timeout_s)."""
-    timeout = node.settings.info_timeout_s if timeout is None else timeout
+    timeout = node.settings.calls.info_timeout_s if timeout is None else timeout
     runs = await list_runs(node)
     if run_id is not None:
         runs = {run_id: runs.get(run_id, 0)}
@@ -83,22 +205,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
         while stage < max(num_stages, 1):
             for record in await discover(node, run, stage):
                 num_stages = max(num_stages, record.num_stages)
-                rows.append(
-                    PeerRow(
-                        run,
-                        stage,
-                        record.num_stages,
-                        record.peer_id,
-                        record.addrs,
-                        record.throughput,
-                        record.queue,
-                        record.ready,
-                        max(0.0, get_dht_time() - record.updated),
-                        leaving=record.leaving,
-                        codecs="|".join(record.codecs.get(d, "") for d in ("forward", "backward")).strip("|"),
-                        admitted_by=_admitted_by(record, run),
-                    )
-                )
+                rows.append(PeerRow(run, stage, record.num_stages, record.peer_id, Announcement.of(record, run)))
             stage += 1
 
     async def detail(row: PeerRow) -> None:
@@ -107,74 +214,32 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
             frame = await call(node.streams, row.peer_id, "info", pb.InfoRequest(to=address(row.run_id)), b"", timeout)
             reply = frame.head
         except Exception as e:
-            row.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            row.reach = Reach(error=str(e).splitlines()[0] if str(e) else type(e).__name__)
             return
-        row.rtt_ms = 1000 * (time.perf_counter() - started)
-        row.reachable = True
-        row.refused, row.banned = dict(reply.refused), reply.banned
+        row.reach = Reach(reachable=True, rtt_ms=1000 * (time.perf_counter() - started))
+        row.trust = Trust(dict(reply.refused), reply.banned)
         row.events = [e for e in (Event.of(x.time, x.kind, x.text) for x in reply.events[-KEEP:]) if e is not None]
         for status in reply.stages:
-            if status.stage != row.stage:
-                continue
-            row.processed, row.steps, row.state_bytes = status.processed, status.steps, status.state_bytes
-            row.role, row.states_served, row.state_bytes_out = status.role, status.states_served, status.state_bytes_out
-            row.copies = [(c.stage, c.step, c.bytes, c.age_s) for c in status.snapshots]
-            row.restores, row.restored_step, row.paused_s = status.restores, status.restored_step, status.paused_s
-            if status.state_bytes_in:
-                row.joined_step = status.joined_step
-                row.state_bytes_in, row.state_seconds = status.state_bytes_in, status.state_seconds
-            row.links = [
-                {
-                    "neighbour": link.neighbour,
-                    "boundary": link.boundary,
-                    "upstream": link.upstream,
-                    "sent": dict(link.sent),
-                    "received": dict(link.received),
-                    "raw": dict(link.raw),
-                    "busy_s": link.busy_s,
-                    "busy_bytes": link.busy_bytes,
-                    "codecs": f"{link.forward_codec}|{link.backward_codec}" if link.forward_codec else "",
-                }
-                for link in status.links
-            ]
+            if status.stage == row.stage:
+                row.work, row.joining, row.recovery = Work.of(status), Joining.of(status), Recovery.of(status)
 
     await asyncio.gather(*(detail(row) for row in rows))
     return rows
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}GB"
-
-
 def state_text(row: PeerRow) -> str:
-    """What a peer is doing: its role, how it joined, the downloads it served."""
-    if not row.reachable:
-        return "left" if row.leaving else f"unreachable ({row.error[:40]})"
-    text = row.role or ("ready" if row.ready else "waiting")
-    if row.joined_step is not None:
-        text += f", joined at step {row.joined_step} ({_size(row.state_bytes_in)} in {row.state_seconds:.1f}s)"
-    if row.states_served:
-        text += f", gave its state {row.states_served}x ({_size(row.state_bytes_out)})"
-    if row.restores:
-        text += f", went back to step {row.restored_step} after a {row.paused_s:.1f}s pause ({row.restores}x)"
-    if row.copies:  # the newest copy of each stage it keeps
-        newest = {stage: (step, size, age) for stage, step, size, age in sorted(row.copies)}
-        kept = ", ".join(
-            f"stage {stage} step {step} ({_size(size)}, {age:.0f}s old)" for stage, (step, size, age) in newest.items()
-        )
-        text += f", copies: {kept}"
-    return text
+    """What a peer is doing: its role, how it joined, the downloads it served, its restores and copies."""
+    if not row.reach.reachable:
+        return "left" if row.announced.leaving else f"unreachable ({row.reach.error[:40]})"
+    role = row.work.role or ("ready" if row.announced.ready else "waiting")
+    return role + row.joining.describe() + row.recovery.describe()
 
 
-def _refused(row: PeerRow) -> str:
-    total = sum(row.refused.values())
+def _refused(trust: Trust) -> str:
+    total = sum(trust.refused.values())
     if not total:
         return "-"
-    return f"{total}" + (f" ({row.banned} banned)" if row.banned else "")
+    return f"{total}" + (f" ({trust.banned} banned)" if trust.banned else "")
 
 
 def format_table(rows: list[PeerRow]) -> str:
@@ -198,7 +263,7 @@ def format_table(rows: list[PeerRow]) -> str:
     table = [header]
     for row in sorted(rows, key=lambda r: (r.run_id, r.stage, r.peer_id)):
         links = []
-        for link in row.links:
+        for link in row.work.links:
             sent, received = sum(link["sent"].values()), sum(link["received"].values())
             side = "down" if link["upstream"] else "up"
             raw = sum(link.get("raw", {}).values())
@@ -210,8 +275,8 @@ def format_table(rows: list[PeerRow]) -> str:
                 f"b{link['boundary']}{side}->{link['neighbour'][-6:]}: {_size(sent)}/{_size(received)}{ratio}{rate}{codecs}"
             )
         state = state_text(row)
-        address = row.addrs[0] if row.addrs else "-"
-        rtt = "-" if row.rtt_ms is None else f"{row.rtt_ms:.0f}ms"
+        address = row.announced.addrs[0] if row.announced.addrs else "-"
+        rtt = "-" if row.reach.rtt_ms is None else f"{row.reach.rtt_ms:.0f}ms"
         table.append(
             [
                 row.run_id,
@@ -220,13 +285,13 @@ def format_table(rows: list[PeerRow]) -> str:
                 address,
                 state,
                 rtt,
-                f"{row.throughput:.1f}",
-                str(row.queue),
-                str(row.processed),
-                str(row.steps),
+                f"{row.announced.throughput:.1f}",
+                str(row.announced.queue),
+                str(row.work.processed),
+                str(row.work.steps),
                 "; ".join(links) or "-",
-                _refused(row),
-                f"{row.last_seen_s:.0f}s ago",
+                _refused(row.trust),
+                f"{row.announced.last_seen_s:.0f}s ago",
             ]
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]

@@ -31,7 +31,7 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
         targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
         rss = max_rss_mib()
-        limit = SETTINGS.read_timeout_s + SETTINGS.drain_s + 10
+        limit = SETTINGS.streams.read_timeout_s + SETTINGS.streams.drain_s + 10
         running = asyncio.run_coroutine_threadsafe(
             campaign(stranger.p2p, member.p2p, targets, COUNT, limit_s=limit, stall_limit_s=limit), swarm.loop.loop
         )

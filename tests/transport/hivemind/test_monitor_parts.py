@@ -11,7 +11,7 @@ from swarm.transport.hivemind.busy import Busy
 from swarm.transport.hivemind.events import KEEP, KINDS, TEXT_CHARS, Event, EventLog
 from swarm.transport.hivemind.monitor.health import health_data
 from swarm.transport.hivemind.runstatus import RunStatus
-from swarm.transport.hivemind.survey import PeerRow
+from swarm.transport.hivemind.survey import Announcement, PeerRow, Reach, Work
 
 
 class Clock:
@@ -104,9 +104,8 @@ def test_a_status_record_round_trips_and_garbage_is_dropped_or_bounded():
 
 
 def _row(stage: int, peer: str, links: list[dict], **fields) -> PeerRow:
-    return PeerRow(
-        "run", stage, 3, peer, [f"/ip4/1.2.3.{stage}/tcp/1"], 10.0, 0, True, 1.0, reachable=True, links=links, **fields
-    )
+    announced = Announcement([f"/ip4/1.2.3.{stage}/tcp/1"], 10.0, 0, True, 1.0)
+    return PeerRow("run", stage, 3, peer, announced, Reach(reachable=True), Work(links=links), **fields)
 
 
 def _link(neighbour, boundary, upstream, sent, raw, busy_s=0.0, busy_bytes=0):

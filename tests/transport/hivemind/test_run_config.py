@@ -97,7 +97,7 @@ def test_publish_and_resolve_round_trip(swarm):
 
 def test_a_publisher_refreshes_its_record_until_stopped(swarm):
     run_id = fresh_run()
-    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings(announce_every_s=0.2, record_ttl_s=1.0))))
+    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings.of(announce_every_s=0.2, record_ttl_s=1.0))))
     try:
         publisher = ConfigPublisher(node, run_id, published(run_id))
 

@@ -23,14 +23,16 @@ from swarm.transport.hivemind.trainer.pipeline import micro_batches_in_flight
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "30"])
 def test_a_setting_that_is_not_a_positive_number_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=r"^setting call_timeout_s must be a positive number"):
-        Settings(call_timeout_s=bad)
-    assert Settings(call_timeout_s=30).call_timeout_s == 30 and Settings().call_timeout_s == 120
+        Settings.of(call_timeout_s=bad)
+    assert Settings.of(call_timeout_s=30).calls.call_timeout_s == 30 and Settings().calls.call_timeout_s == 120
+    with pytest.raises(ValueError, match=r"^unknown setting\(s\): call_timeout$"):
+        Settings.of(call_timeout=30)
 
 
 def test_decoding_limits_follow_the_micro_batch_payload_limit():
-    limits = Settings(max_micro_batch_bytes=4096).decode_limits
+    limits = Settings.of(max_micro_batch_bytes=4096).limits.decode_limits
     assert limits.max_payload_bytes == 4096 and limits.max_elements == 2048
-    assert Settings().decode_limits.max_elements == 1 << 29  # 1 GiB: an exact fp16 tensor that fills it
+    assert Settings().limits.decode_limits.max_elements == 1 << 29  # 1 GiB: an exact fp16 tensor that fills it
     fits = wire.encode(Encoded((2000,), torch.float16, RawPart(torch.ones(2000, dtype=torch.float16))))
     assert len(fits) < 4096 and wire.decode(fits, limits).shape == (2000,)
     # a sparse payload of a few bytes that would decode to one element more
@@ -59,7 +61,7 @@ def test_a_bad_timeout_on_the_command_line_is_one_line(peer, flag, capsys):
 
 
 def test_which_failures_are_tried_again_and_how_often():
-    retry = Retry(Settings(attempts=3))
+    retry = Retry(Settings.of(attempts=3))
     reset = RemoteError("link reset", pb.LINK_RESET)
     assert retry.again(TransportError("gone"), 0) and retry.again(reset, 1)
     assert not retry.again(TransportError("gone"), 2)  # the third try was the last
@@ -69,7 +71,7 @@ def test_which_failures_are_tried_again_and_how_often():
 
 
 def test_a_round_is_retried_on_its_peer_after_a_growing_backoff_then_gives_up():
-    retry = Retry(Settings(attempts=3, backoff_s=0.05))
+    retry = Retry(Settings.of(attempts=3, backoff_s=0.05))
     tries = []
 
     async def flaky():

@@ -77,7 +77,7 @@ def test_streams_the_server_closed_or_kept_too_long_are_replaced(swarm):
     rather than failing a micro-batch. A stream idle for the pool's `keep_s` is not reused either."""
     cfg = smoke("model.num_stages=1")
     run_id = uuid.uuid4().hex[:8]
-    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings(server_idle_s=0.5))))
+    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings.of(server_idle_s=0.5))))
     server = StageServer(node)
     swarm.loop.run(server.start(announce=False))
     clock = [100.0]

@@ -204,7 +204,7 @@ def test_a_senders_payload_bytes_and_requests_at_once_are_capped(swarm):
     refused from its head, before any of the payload is read, and the peer goes on serving."""
     cfg = smoke("model.num_stages=1")
     run_id = uuid.uuid4().hex[:8]
-    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings(max_held_bytes_per_sender=4096))))
+    node = swarm.loop.run(SwarmNode.create(swarm.options(settings=Settings.of(max_held_bytes_per_sender=4096))))
     server = StageServer(node)
     swarm.loop.run(server.start())
     try:

@@ -62,7 +62,7 @@ async def read_swarm(node: SwarmNode, run_id: str | None = None, timeout: float 
         its stage peers (either, when the other says nothing); none when that is not one key, so a
         stranger's record never passes for the trainer's."""
         signed = {c.owner for c in await fetch_configs(node, run) if c.owner}
-        admitting = {row.admitted_by for row in rows if row.run_id == run and row.admitted_by}
+        admitting = {row.announced.admitted_by for row in rows if row.run_id == run and row.announced.admitted_by}
         owners = (signed & admitting) or (signed if len(signed) == 1 else set() if signed else admitting)
         if len(owners) != 1:
             return "", None
@@ -74,22 +74,23 @@ async def read_swarm(node: SwarmNode, run_id: str | None = None, timeout: float 
 
 
 def _peer(row: PeerRow) -> dict:
+    announced, reach = row.announced, row.reach
     return {
         "peer_id": row.peer_id,
         "short": short(row.peer_id),
-        "address": row.addrs[0] if row.addrs else "",
-        "role": row.role or ("left" if row.leaving else ""),
+        "address": announced.addrs[0] if announced.addrs else "",
+        "role": row.work.role or ("left" if announced.leaving else ""),
         "state": state_text(row),
-        "reachable": row.reachable,
-        "error": row.error,
-        "throughput": row.throughput,
-        "queue": row.queue,
-        "micro_batches": row.processed,
-        "steps": row.steps,
-        "last_seen_s": row.last_seen_s,
-        "rtt_ms": row.rtt_ms,
-        "codecs": row.codecs,
-        "refused": sum(row.refused.values()),
+        "reachable": reach.reachable,
+        "error": reach.error,
+        "throughput": announced.throughput,
+        "queue": announced.queue,
+        "micro_batches": row.work.processed,
+        "steps": row.work.steps,
+        "last_seen_s": announced.last_seen_s,
+        "rtt_ms": reach.rtt_ms,
+        "codecs": announced.codecs,
+        "refused": sum(row.trust.refused.values()),
     }
 
 
@@ -98,7 +99,7 @@ def _links(rows: list[PeerRow]) -> list[dict]:
     and their compression) and the rate at which what it receives arrives."""
     links: dict[tuple[int, str, str], dict] = {}
     for row in rows:
-        for link in row.links:
+        for link in row.work.links:
             if link["upstream"]:  # this peer sends activations to its neighbour and hears gradients back
                 key, sends, hears = (link["boundary"], row.peer_id, link["neighbour"]), "forward", "backward"
             else:

@@ -64,7 +64,7 @@ class Chain:
     ) -> None:
         self.place, self.state, self.meters, self.work = place, state, meters, work
         self.links, self.handoff, self.pacer, self.serving = links, handoff, pacer, serving
-        self.link_grace = place.settings.link_grace_s  # a new link epoch waits this long for its first message
+        self.link_grace = place.settings.streams.link_grace_s  # a new link epoch waits this long for its first message
         self.policy = RoutingPolicy.of(place.settings)  # the throughput this peer announces
         self.ordinals = Ordinals()
         self.attempts: dict[tuple, object] = {}  # micro-batch key -> the attempt that owns its runtime state
@@ -86,7 +86,7 @@ class Chain:
         self.serving(batch, head.step_proof)
         # from arrival: the sender's clock runs meanwhile
         settings = self.place.settings
-        deadline = time.monotonic() + (head.budget_s or settings.call_timeout_s) - settings.budget_margin_s
+        deadline = time.monotonic() + (head.budget_s or settings.calls.call_timeout_s) - settings.calls.budget_margin_s
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
         attempt = self.attempts[batch.key] = object()
         self.meters.entered()
@@ -121,7 +121,7 @@ class Chain:
         try:
             gate = links.turnstiles.setdefault(sender, Turnstile())
             async with gate.admit(
-                head.epoch, head.seq, max(deadline - time.monotonic(), settings.min_budget_s), self.link_grace
+                head.epoch, head.seq, max(deadline - time.monotonic(), settings.calls.min_budget_s), self.link_grace
             ) as fresh:
                 if place.first:
                     data = _inputs(carried, body)
@@ -131,7 +131,7 @@ class Chain:
                     if carried.HasField("inputs"):
                         raise SenderFault(f"stage 0's input sent to stage {place.stage}")
                     try:
-                        data = await self.work.run(wire.decode, body, settings.decode_limits)
+                        data = await self.work.run(wire.decode, body, settings.limits.decode_limits)
                         batch.check_input(data.shape)  # the engine's check, before our next link is touched
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
@@ -212,7 +212,7 @@ class Chain:
                 f"stage {place.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
-        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), place.settings.min_budget_s)):
+        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), place.settings.calls.min_budget_s)):
             outbound = links.ends_out.get(target)
             if outbound is None or links.numbering.epoch(target) != sent[0]:
                 raise LinkReset(

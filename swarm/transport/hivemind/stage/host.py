@@ -74,7 +74,7 @@ class HostedStage:
         self.peer = PeerServices()  # the server's, once hosted
         self.work = StageWork(place, state, self.meters)
         self.links = NeighbourLinks(stage, place.num_stages, lambda: state.cfg)
-        self.sending = Sending(node.settings.sending_per_neighbour)  # activations down, gradients up
+        self.sending = Sending(node.settings.streams.sending_per_neighbour)  # activations down, gradients up
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, place.num_stages))
         self.gate = Gate(run_id, stage, node.peer_id, owner)  # who may call it (the run's owner, its members)
         self.router = Router(node, run_id, self._routable)

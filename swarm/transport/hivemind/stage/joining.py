@@ -137,8 +137,8 @@ class Joining:
         place, settings = self.place, self.place.settings
         started = time.monotonic()
         tried: set[str] = set()
-        pause = settings.backoff_s
-        while time.monotonic() - started < settings.state_timeout_s:
+        pause = settings.retries.backoff_s
+        while time.monotonic() - started < settings.calls.state_timeout_s:
             for source in await self._candidates():
                 tried.add(source[-8:])
                 try:
@@ -148,7 +148,7 @@ class Joining:
                         "state",
                         pb.StateRequest(to=address(place.run_id, place.stage), admission=self.gate.shown()),
                         b"",
-                        settings.state_timeout_s,
+                        settings.calls.state_timeout_s,
                     )
                 except (TransportError, RemoteError) as e:
                     busy = isinstance(e, RemoteError) and e.other_peer  # serving another joiner
@@ -158,9 +158,9 @@ class Joining:
                 await self._installed(frame, source, started)
                 return
             await asyncio.sleep(pause)
-            pause = min(2 * pause, settings.announce_every_s)
+            pause = min(2 * pause, settings.dht.announce_every_s)
         self._abandon(
-            f"no source gave the stage's state in {settings.state_timeout_s:.0f}s (tried {', '.join(sorted(tried)) or 'none'})"
+            f"no source gave the stage's state in {settings.calls.state_timeout_s:.0f}s (tried {', '.join(sorted(tried)) or 'none'})"
         )
 
     def _abandon(self, reason: str) -> None:

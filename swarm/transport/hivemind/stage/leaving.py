@@ -54,7 +54,7 @@ async def drain(
                 "Waiting for one to join (Ctrl-C again to leave now)"
             )
             told = True
-        await asyncio.sleep(place.settings.announce_every_s)
+        await asyncio.sleep(place.settings.dht.announce_every_s)
         if state.runtime is None:  # the run left it out meanwhile
             return
     state.leave()
@@ -63,11 +63,11 @@ async def drain(
     peer.changed()
     say(f"stage {place.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")
     settings = place.settings
-    while time.monotonic() - rounds.last_s < settings.call_timeout_s:  # a run gone quiet takes nothing
+    while time.monotonic() - rounds.last_s < settings.calls.call_timeout_s:  # a run gone quiet takes nothing
         if state.runtime is None or (rounds.told_leaving and not meters.queue and not state.runtime.held):
             break  # the trainer has its last apply reply (leaving) and will not count on it again
         await asyncio.sleep(POLL_S)
     # its last apply reply is built, not yet delivered (a shaped link delays it): a peer that closed
     # its connections at once could leave the trainer with a failed round instead of its goodbye
     grace = REPLY_GRACE_S if rounds.told_leaving else 0.0
-    await asyncio.sleep(max(grace, announced + settings.lookup_every_s - time.monotonic()))
+    await asyncio.sleep(max(grace, announced + settings.dht.lookup_every_s - time.monotonic()))

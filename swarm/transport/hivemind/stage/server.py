@@ -77,17 +77,19 @@ class StageServer:
         self.hosted: dict[tuple[str, int], HostedStage] = {}
         self.announcer = Announcer(node, self._records)
         # sums of gradients with the peers sharing them, for every stage hosted (group ids name the run)
-        self.averager = ReplicaAverager(node.p2p, AVERAGING_NAMESPACE, self.settings.call_timeout_s)
+        self.averager = ReplicaAverager(node.p2p, AVERAGING_NAMESPACE, self.settings.calls.call_timeout_s)
         self._addrs: list[str] = []
         self._tasks: set[asyncio.Task] = set()
         # senders of payloads that pass the checksum but not decoding (NaN/Inf, absurd shapes, bad
         # codec parameters): refused at the head for a while, longer each time
-        self.banned = Bans(self.settings.ban_s, self.settings.ban_growth, self.settings.ban_max_s)
+        self.banned = Bans(
+            self.settings.retries.ban_s, self.settings.retries.ban_growth, self.settings.retries.ban_max_s
+        )
         self.refused: Counter = Counter()  # requests refused, by `_refusal` (status: peers.status)
         self.events = EventLog()  # what happened to this peer and its stages (status, metrics)
         self._told: set[tuple[str, str]] = set()  # (sender, refusal) pairs already in the events
-        self.active: Counter = Counter()  # requests in progress per sender (settings.max_requests_per_sender)
-        self.held: Counter = Counter()  # their payload bytes (settings.max_held_bytes_per_sender)
+        self.active: Counter = Counter()  # requests in progress per sender (settings.limits.max_requests_per_sender)
+        self.held: Counter = Counter()  # their payload bytes (settings.limits.max_held_bytes_per_sender)
 
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
@@ -141,7 +143,7 @@ class StageServer:
             return pb.ErrorReply(
                 message=f"peer {sender[-8:]} is banned for a while: it sent a malformed payload", code=pb.REFUSED
             )
-        if self.active[sender] >= self.settings.max_requests_per_sender:  # a while later it may
+        if self.active[sender] >= self.settings.limits.max_requests_per_sender:  # a while later it may
             message = f"peer {sender[-8:]} has {self.active[sender]} requests in progress here already"
             return pb.ErrorReply(message=message, code=pb.UNAVAILABLE)
         return None
@@ -177,7 +179,11 @@ class StageServer:
 
     def _limit(self, kind: str) -> int:
         """The largest payload a request of `kind` may carry."""
-        return self.settings.max_micro_batch_bytes if kind == "micro_batch" else self.settings.max_payload_bytes
+        return (
+            self.settings.limits.max_micro_batch_bytes
+            if kind == "micro_batch"
+            else self.settings.limits.max_payload_bytes
+        )
 
     # ---- the stream ------------------------------------------------------------------------
 
@@ -186,7 +192,7 @@ class StageServer:
         requests = Requests(reader)
         with contextlib.closing(writer):
             try:
-                while await requests.next(self.settings.server_idle_s):
+                while await requests.next(self.settings.streams.server_idle_s):
                     if (refusal := self._turned_away(sender)) is not None:  # before reading anything of it
                         await P2P.send_protobuf(pb.StageReply(error=refusal), writer)
                         await _linger(reader)
@@ -215,7 +221,9 @@ class StageServer:
 
         try:
             try:
-                frame = await read_frame(requests.messages(), None, self._limit, self.settings.read_timeout_s, check)
+                frame = await read_frame(
+                    requests.messages(), None, self._limit, self.settings.streams.read_timeout_s, check
+                )
                 reply = await self._dispatch(frame, requests, sender)
             except Exception as e:
                 if category := _refusal(e):
@@ -233,18 +241,18 @@ class StageServer:
                 log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
                 error = pb.ErrorReply(message=one_line(e), code=_code(e))
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
-                await requests.drain(self.settings.drain_s)
+                await requests.drain(self.settings.streams.drain_s)
                 return False
-            await asyncio.wait_for(reply(writer), self.settings.call_timeout_s)  # a caller that stops reading
+            await asyncio.wait_for(reply(writer), self.settings.calls.call_timeout_s)  # a caller that stops reading
             return True
         finally:
             self._release(sender, held)
 
     def _hold(self, sender: str, size: int) -> int:
         """Counts `size` payload bytes against what `sender` may have here at once (refused when over)."""
-        if self.held[sender] + size > self.settings.max_held_bytes_per_sender:
+        if self.held[sender] + size > self.settings.limits.max_held_bytes_per_sender:
             raise RemoteError(
-                f"peer {sender[-8:]} would have {self.held[sender] + size} payload bytes here at once (limit {self.settings.max_held_bytes_per_sender})",
+                f"peer {sender[-8:]} would have {self.held[sender] + size} payload bytes here at once (limit {self.settings.limits.max_held_bytes_per_sender})",
                 pb.UNAVAILABLE,
             )
         self.held[sender] += size

@@ -143,7 +143,9 @@ class Snapshots:
                 admission=self.gate.shown(),
             )
             try:
-                frame = await call(place.node.streams, peer, "state", request, b"", place.settings.state_timeout_s)
+                frame = await call(
+                    place.node.streams, peer, "state", request, b"", place.settings.calls.state_timeout_s
+                )
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
                 continue

@@ -53,7 +53,7 @@ class StageWork:
 
     def backward(self, batch: MicroBatch, payload: bytes, metrics: dict, ends: LinkEnds) -> Message:
         started = self.clock.start()
-        gradient = wire.decode(payload, self.place.settings.decode_limits)  # at the transport's edge
+        gradient = wire.decode(payload, self.place.settings.limits.decode_limits)  # at the transport's edge
         message = self.state.runtime.backward(batch, gradient, metrics, ends)
         message.delivered()
         self.clock.stop(started)

@@ -21,7 +21,7 @@ class Accounts:
         self.reported: dict[tuple[str, int, int], pb.StageStatus] = {}
 
     async def statuses(self) -> list[pb.StageStatus]:
-        found = await self.place.statuses(self.membership.peers(), self.place.settings.call_timeout_s)
+        found = await self.place.statuses(self.membership.peers(), self.place.settings.calls.call_timeout_s)
         statuses = []
         for (_, peer), status in found.items():
             if isinstance(status, BaseException):  # it left: its last status stays in `reported`

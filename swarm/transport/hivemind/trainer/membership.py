@@ -122,7 +122,7 @@ class Membership:
     async def probe(self) -> None:
         """Members that do not answer, or no longer run this session, leave the run."""
         place = self.place
-        for (stage, peer), status in (await place.statuses(self.peers(), place.settings.info_timeout_s)).items():
+        for (stage, peer), status in (await place.statuses(self.peers(), place.settings.calls.info_timeout_s)).items():
             gone = isinstance(status, BaseException)
             if gone or not status.ready:
                 place.router.failed(peer)

@@ -84,7 +84,7 @@ class SwarmPipeline:
         self.numbering = Numbering()  # of our messages to each stage-0 peer
         pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         admission = lambda: owner.admit(session, node.peer_id, trainer=True)  # noqa: E731
-        sending = Sending(node.settings.sending_per_neighbour)
+        sending = Sending(node.settings.streams.sending_per_neighbour)
         self.handoff = Handoff(node, router, run_id, 0, pacer, sending, self.numbering.restart, admission=admission)
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
@@ -162,7 +162,7 @@ class SwarmPipeline:
     def setup(self, lr_horizon: int, capacity: int | None, wait_s: float | None = None) -> dict[int, list[str]]:
         """Waits (at most `wait_s`, default the settings' setup_wait_s) until every stage has a peer,
         then sets each up for this session; the peers per stage."""
-        wait_s = self.node.settings.setup_wait_s if wait_s is None else wait_s
+        wait_s = self.node.settings.dht.setup_wait_s if wait_s is None else wait_s
         return self.loop.run(self._setup(lr_horizon, capacity, wait_s))
 
     async def _setup(self, lr_horizon: int, capacity: int | None, wait_s: float) -> dict[int, list[str]]:
@@ -385,7 +385,7 @@ class SwarmPipeline:
 def micro_batches_in_flight(asked: int | None, num_stages: int, settings) -> int:
     """Micro-batches in the pipeline at once: `asked`, or two per stage; never more than a stage
     peer takes from one sender at once (it refuses the rest)."""
-    limit = settings.max_requests_per_sender
+    limit = settings.limits.max_requests_per_sender
     if asked is not None and asked > limit:
         raise ValueError(
             f"train.in_flight={asked}: a stage peer takes at most {limit} micro-batches of one sender at once (max_requests_per_sender)"

@@ -187,7 +187,7 @@ class Recovery:
         place = self.place
         if not self.every:
             return
-        timeout = place.settings.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
+        timeout = place.settings.calls.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
 
         async def one(stage: int, peer: str):
             request = pb.SnapshotRequest(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
@@ -199,7 +199,7 @@ class Recovery:
 
     async def _ask(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], object]:
         """Each peer's status of the stage it hosts for this run (an exception: it did not answer)."""
-        return await self.place.statuses(peers, self.place.settings.info_timeout_s)
+        return await self.place.statuses(peers, self.place.settings.calls.info_timeout_s)
 
     @staticmethod
     def _copies(statuses) -> list[Held]:
@@ -291,7 +291,7 @@ class Recovery:
             await self.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
             given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
             # a peer without the copy tries the sources in turn, each for up to state_timeout_s
-            timeout = place.settings.state_timeout_s * max(1, len(given)) + place.settings.call_timeout_s
+            timeout = place.settings.calls.state_timeout_s * max(1, len(given)) + place.settings.calls.call_timeout_s
             return await self.rounds.call(
                 stage,
                 peer,

@@ -74,7 +74,7 @@ class SwarmRounds:
         """One round on one peer, retried there when its reply is lost."""
         place = self.place
         head = request(kind, to=address(place.run_id, stage), **fields)
-        timeout = timeout or place.settings.call_timeout_s
+        timeout = timeout or place.settings.calls.call_timeout_s
         frame = await place.retry.same_peer(
             lambda: call(place.node.streams, peer_id, kind, head, payload, timeout, place.owner.key),
             f"{kind} round on stage {stage} peer {peer_id[-8:]}",
@@ -155,14 +155,14 @@ class SwarmRounds:
         head = pb.GatherRequest(
             to=address(place.run_id, stage), step=self.position.step_index, micro_batches=sorted(indices), groups=groups
         )
-        timeout = 1.5 * place.settings.call_timeout_s + place.settings.reply_grace_s
+        timeout = 1.5 * place.settings.calls.call_timeout_s + place.settings.calls.reply_grace_s
         frame = await call(place.node.streams, peer, "gather", head, b"", timeout, place.owner.key)
         self._tally("gather", b"", frame)
         return frame
 
     async def _gather(self) -> None:
         place, membership, position = self.place, self.membership, self.position
-        for attempt in range(place.settings.attempts):
+        for attempt in range(place.settings.retries.attempts):
             counted: dict[tuple[int, str], list[int]] = defaultdict(list)
             for index, route in position.routes.items():
                 for stage, peer in enumerate(route):
@@ -197,7 +197,7 @@ class SwarmRounds:
             )
             if rerun:
                 await self.hooks.run_again(rerun)
-            await asyncio.sleep(place.settings.backoff_s * (attempt + 1))
+            await asyncio.sleep(place.settings.retries.backoff_s * (attempt + 1))
         raise TransportError(f"step {position.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------

@@ -34,7 +34,7 @@ class Setups:
             sources=sources,
             admission=place.owner.admit(place.session, peer_id, stage),
         )
-        timeout = place.settings.call_timeout_s  # setups are idempotent (one session builds once)
+        timeout = place.settings.calls.call_timeout_s  # setups are idempotent (one session builds once)
         frame = await place.retry.same_peer(
             lambda: call(place.node.streams, peer_id, "setup", request, b"", timeout, place.owner.key),
             f"setup of stage {stage} peer {peer_id[-8:]}",
