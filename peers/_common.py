@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from swarm.transport.hivemind import loop
-from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net import loop
+from swarm.transport.hivemind.net.node import DAEMON_THREADS, NodeOptions
+from swarm.transport.hivemind.net.settings import Settings
 
 
 def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/0.0.0.0/tcp/0") -> None:

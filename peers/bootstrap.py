@@ -21,7 +21,7 @@ from peers._common import (
     until_stopped,
 )
 from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.net.node import SwarmNode
 
 
 async def serve(args: argparse.Namespace) -> int:

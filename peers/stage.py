@@ -29,9 +29,7 @@ from peers._common import (
     start_metrics,
 )
 from swarm.config import ConfigError, load_config
-from swarm.transport.hivemind.monitor.stage_metrics import StageCollector
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.runconfig import (
+from swarm.transport.hivemind.dht.runconfig import (
     ConfigPublisher,
     PublishedConfig,
     RunConfigError,
@@ -39,7 +37,9 @@ from swarm.transport.hivemind.runconfig import (
     resolve_run,
     start_publishing,
 )
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.monitor.stage_metrics import StageCollector
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trust.keys import is_peer_id

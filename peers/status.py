@@ -11,10 +11,10 @@ import logging
 import sys
 
 from peers._common import StopSignals, add_network_args, fail, node_options, say, setup_logging
+from swarm.transport.hivemind.dht.survey import format_table, survey
 from swarm.transport.hivemind.monitor.health import REFRESH_S, read_swarm, to_json
 from swarm.transport.hivemind.monitor.page import HealthServer
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.survey import format_table, survey
+from swarm.transport.hivemind.net.node import SwarmNode
 
 log = logging.getLogger("peers.status")
 

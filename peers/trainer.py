@@ -23,7 +23,7 @@ from peers._common import (
     setup_logging,
     start_metrics,
 )
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +90,7 @@ def _interrupt(signum, frame):
 async def _publish(node, run_id: str, path: str, overrides: list[str]):
     """The run's config on the DHT for the whole run, signed as its owner's, unless the run already
     published another."""
-    from swarm.transport.hivemind.runconfig import PublishedConfig, start_publishing
+    from swarm.transport.hivemind.dht.runconfig import PublishedConfig, start_publishing
 
     return await start_publishing(node, PublishedConfig.of(run_id, Path(path).read_text(), overrides, path), owned=True)
 
@@ -106,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.training.experiment import build_data, describe, open_results
     from swarm.training.loop import Schedule, train
     from swarm.training.progress import RunProgress, echo_lines
-    from swarm.transport.hivemind.loop import LoopThread
+    from swarm.transport.hivemind.dht.runstatus import start_status
     from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
-    from swarm.transport.hivemind.node import SwarmNode
-    from swarm.transport.hivemind.runstatus import start_status
+    from swarm.transport.hivemind.net.loop import LoopThread
+    from swarm.transport.hivemind.net.node import SwarmNode
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
     from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 

@@ -16,9 +16,9 @@ from swarm.config import load_config
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
-from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.node import NodeOptions, SwarmNode
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.loop import LoopThread
+from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline

@@ -6,7 +6,7 @@ model replays the swarm's schedule (micro-batches admitted `in_flight` at a time
 at most `sending` payloads in transfer per neighbour, one compute thread per stage, backward in
 forward order) on access links that share their rate among the transfers crossing them (a
 transfer from A to B uses A's up and B's down link) max-min fairly in proportion to the transfers'
-sizes, as the peers' pacing shares them (swarm.transport.hivemind.pacing: payloads written together finish
+sizes, as the peers' pacing shares them (swarm.transport.hivemind.flow.pacing: payloads written together finish
 together), with no latency, loss or protocol overhead. Its step time is what a perfect network
 would give this schedule; a measured step much slower than that points at the transport, not the
 schedule.

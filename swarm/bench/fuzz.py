@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from protocols.errors import ProtocolError
 from protocols.framing import read_frame
 from swarm.bench.fuzz_cases import Case, Cases, Target
-from swarm.transport.hivemind.streams import PeerStream
+from swarm.transport.hivemind.net.streams import PeerStream
 
 OUTCOMES = ("refused", "closed", "answered", "hung", "multi-line")
 

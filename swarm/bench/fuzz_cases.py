@@ -25,7 +25,7 @@ from protocols.calls import CALLS, Trust
 from protocols.framing import frame_parts
 from protocols.message import Encoded, Granularity, QuantPart, RawPart
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.trust.admissions import issue
 from swarm.transport.hivemind.trust.signatures import sign_call
 

@@ -1,11 +1,11 @@
 """`python -m swarm bench streams`: what a micro-batch exchange costs on a new hivemind stream
-against one on a stream kept open (why `swarm.transport.hivemind.calls.StreamPool` exists).
+against one on a stream kept open (why `swarm.transport.hivemind.net.calls.StreamPool` exists).
 
 Two P2P peers on loopback, each with its own p2pd daemon; the caller sends a request of
 `payload_kb` and waits for a small reply, `exchanges` times, first opening a stream per exchange,
 then on one stream. CPU seconds are those of this process and its children (the two daemons),
 read from /proc schedstat (Linux): both ends' Python and both daemons (with the peers' daemon
-threads, swarm.transport.hivemind.node.DAEMON_THREADS), i.e. what a pair of peers pays.
+threads, swarm.transport.hivemind.net.node.DAEMON_THREADS), i.e. what a pair of peers pays.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 
 from swarm.netlab.counters import proc_stats
-from swarm.transport.hivemind import loop
-from swarm.transport.hivemind.node import start_daemon
+from swarm.transport.hivemind.net import loop
+from swarm.transport.hivemind.net.node import start_daemon
 
 HANDLER = "hivepipe-bench-streams"
 

@@ -31,7 +31,7 @@ from swarm.models.registry import MODELS, build_model
 from swarm.rates import parse_rate
 from swarm.training.experiment import build_data
 from swarm.training.results import read_results
-from swarm.transport.hivemind.meta import micro_batch_payload
+from swarm.transport.hivemind.net.meta import micro_batch_payload
 
 MAX_STEPS = 64  # what --seconds may raise a point's steps to
 
@@ -107,7 +107,7 @@ def _first_sample(config: str, overrides: tuple[str, ...]):
 
 def input_bytes_per_sample(config: str, overrides: list[str]) -> float:
     """What the trainer sends stage 0 per sample: a training micro-batch's payload (its input,
-    targets and sample ids, as they travel: swarm.transport.hivemind.meta) over its samples."""
+    targets and sample ids, as they travel: swarm.transport.hivemind.net.meta) over its samples."""
     cfg = load_config(config, list(overrides))
     train_set = _train_set(config, tuple(overrides))
     size = min(math.ceil(cfg.train.batch_size / cfg.train.micro_batches), len(train_set))

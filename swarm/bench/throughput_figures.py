@@ -36,7 +36,7 @@ from swarm.bench.bounds import fraction_of_bound, pipeline_bound, shared_cores_b
 from swarm.bench.fluid import StepModel, simulate
 from swarm.bench.points import Achieved, Point, flat_json, from_flat_json
 from swarm.netlab.counters import window
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.settings import Settings
 
 WARMUP_STEPS = 1
 

@@ -10,7 +10,7 @@ both directions, with the delay from netem where the kernel has it and otherwise
 process's send path in process; a probe measures the links before the run. `inprocess`: processes
 on loopback pace what they send themselves (peers' --shape_rate / --shape_delay; no root needed).
 Either way each stage peer and the trainer is told its link rate (--uplink / --downlink), so it
-paces every neighbour flow at its share (swarm.transport.hivemind.pacing), unless `pacing` is off.
+paces every neighbour flow at its share (swarm.transport.hivemind.flow.pacing), unless `pacing` is off.
 
 The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
 their number (at least one). Left at torch's default, every process would run a thread per core,

@@ -47,8 +47,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.netlab.shaper import TokenBucket
-from swarm.transport.hivemind import loop as loops
-from swarm.transport.hivemind.node import start_daemon
+from swarm.transport.hivemind.net import loop as loops
+from swarm.transport.hivemind.net.node import start_daemon
 
 PROTOCOL = "hivepipe.netlab.probe"
 CHUNK_BYTES = 65536

@@ -1,13 +1,14 @@
 """The hivemind transport: stage peers on hivemind's P2P serving the same `StageRuntime` and step
-that the in-process transport drives, found through the DHT.
+that the in-process transport drives, found through the DHT. Its subpackages, lowest first (each
+imports only those before it):
 
-Shared plumbing, used by both sides:
-- `settings`: every timeout and limit; `node`: one peer's P2P daemon and DHT node; `loop`: event loops
-- `streams`, `calls`: the one client stack (framed exchanges on pooled streams), `errors`
-- `retry`: the one retry policy; `handoff`: handing a micro-batch to the next stage, failing over
-- `ordering`: link order (epochs, sequence numbers); `pacing`: per-flow pacing; `meter`: link rates
-- `meta`: what travels with a request; `announce`, `routing`: DHT records and choosing peers
-- `survey`: the swarm as a table (peers.status); `trust`: the run's owner, signatures, admissions
-The stage peer's side is `stage/` (host, links, chain, rounds, server), the trainer's `trainer/`
-(pipeline, rounds, adaptive).
+- `flow/`: one link's flow: pacing what is sent, metering what arrives, busy time, link order.
+- `trust/`: the run's owner: keys, signed calls, admissions, tokens, the gate every call passes.
+- `net/`: a peer on hivemind: settings, node and event loops, framed calls on pooled streams,
+  retries, what travels with a request, its event log.
+- `dht/`: the swarm on the DHT: stage records, the run's published config and status, surveys.
+- `routing/`: choosing the next stage's peer (one policy) and handing a micro-batch to it.
+- `stage/`: the stage peer (its server, the hosted stage and the collaborators serving its calls).
+- `trainer/`: the trainer's `SwarmPipeline` and its step rounds, setups, recovery and accounts.
+- `monitor/`: Prometheus metrics and the health page.
 """

@@ -21,7 +21,7 @@ from swarm.training.checkpoints import Checkpointing
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
+from swarm.transport.hivemind.flow.meter import LinkMeter, timed_chunks
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.host import HostedStage, config_digest
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs

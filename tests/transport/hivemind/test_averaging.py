@@ -13,8 +13,8 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.loop import LoopThread
+from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.stage.averaging import AveragingError, ReplicaAverager
 
 TIMEOUT_S = 5.0

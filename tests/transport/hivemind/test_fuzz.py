@@ -14,7 +14,7 @@ from swarm.bench.fuzz_cases import targets_of
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.net.node import SwarmNode
 
 STEPS = 6
 COUNT = 10_000

@@ -16,8 +16,8 @@ from _swarm_env import smoke, split_batches
 
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule
+from swarm.transport.hivemind.dht.survey import format_table, survey
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.survey import format_table, survey
 
 STEPS = 5
 

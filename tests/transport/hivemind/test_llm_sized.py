@@ -17,16 +17,16 @@ from _util import write_tiny_tokenizer
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from swarm.config import load_config
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.server import MAX_HEAD_BYTES
 
 STEPS = 2

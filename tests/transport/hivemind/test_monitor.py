@@ -16,14 +16,14 @@ from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.progress import RunProgress
 from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.dht.runstatus import RunStatus, fetch_status, publish_status, start_status, status_key
 from swarm.transport.hivemind.monitor.exporter import MetricsServer
 from swarm.transport.hivemind.monitor.health import read_swarm
 from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
 from swarm.transport.hivemind.monitor.stage_metrics import StageCollector
 from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.runstatus import RunStatus, fetch_status, publish_status, start_status, status_key
-from swarm.transport.hivemind.schemas import owned
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.schemas import owned
 
 
 def scrape(server: MetricsServer) -> dict[tuple[str, tuple], float]:

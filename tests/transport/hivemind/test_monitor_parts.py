@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.events import KEEP, KINDS, TEXT_CHARS, Event, EventLog
+from swarm.transport.hivemind.dht.runstatus import RunStatus
+from swarm.transport.hivemind.dht.survey import Announcement, PeerRow, Reach, Work
+from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.monitor.health import health_data
-from swarm.transport.hivemind.runstatus import RunStatus
-from swarm.transport.hivemind.survey import Announcement, PeerRow, Reach, Work
+from swarm.transport.hivemind.net.events import KEEP, KINDS, TEXT_CHARS, Event, EventLog
 
 
 class Clock:
@@ -203,7 +203,7 @@ def test_the_page_server_serves_the_page_its_latest_data_as_strict_json_and_noth
     ],
 )
 def test_a_stage_record_with_absurd_numbers_is_dropped(change):
-    from swarm.transport.hivemind.announce import StageRecord
+    from swarm.transport.hivemind.dht.announce import StageRecord
 
     good = {"stage": 1, "num_stages": 3, "addrs": [], "throughput": 2.0, "queue": 1, "updated": 5.0}
     assert StageRecord.from_value("peer", good) is not None

@@ -1,4 +1,4 @@
-"""Per-flow pacing (swarm.transport.hivemind.pacing): the fair-share arithmetic, the paced writer on a real
+"""Per-flow pacing (swarm.transport.hivemind.flow.pacing): the fair-share arithmetic, the paced writer on a real
 hivemind stream, and a swarm of peers that declare their link rates (real hivemind on loopback)."""
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from protocols.framing import frame_parts
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.announce import StageRecord
-from swarm.transport.hivemind.meta import micro_batch_payload
-from swarm.transport.hivemind.node import NodeOptions, SwarmNode
-from swarm.transport.hivemind.pacing import (
+from swarm.transport.hivemind.dht.announce import StageRecord
+from swarm.transport.hivemind.flow.pacing import (
     MIN_OFFER_BITS,
     MIN_PIECE_BYTES,
     PAYLOAD_SHARE,
@@ -29,9 +27,11 @@ from swarm.transport.hivemind.pacing import (
     send_paced,
     stage_flows,
 )
+from swarm.transport.hivemind.net.meta import micro_batch_payload
+from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.streams import PeerStream
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
-from swarm.transport.hivemind.streams import PeerStream
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 

@@ -15,9 +15,9 @@ from _swarm_env import local_rows, smoke
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.dht.survey import format_table, survey
+from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
 

@@ -1,4 +1,4 @@
-"""A run's config published in the DHT (swarm.transport.hivemind.runconfig) and a stage peer that
+"""A run's config published in the DHT (swarm.transport.hivemind.dht.runconfig) and a stage peer that
 joins with it (peers.stage without --config), on real hivemind (loopback)."""
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import ConfigError, config_from_text, load_config
 from swarm.engine.build import config_digest
-from swarm.transport.hivemind.announce import list_run, list_runs
-from swarm.transport.hivemind.node import NodeOptions, SwarmNode
-from swarm.transport.hivemind.runconfig import (
+from swarm.transport.hivemind.dht.announce import list_run, list_runs
+from swarm.transport.hivemind.dht.runconfig import (
     ConfigPublisher,
     PublishedConfig,
     RunConfigError,
@@ -31,7 +30,8 @@ from swarm.transport.hivemind.runconfig import (
     resolve_run,
     start_publishing,
 )
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.settings import Settings
 
 TEXT = SMOKE.read_text()
 

@@ -12,11 +12,10 @@ from _util import SMOKE
 
 from protocols import stage_pb2 as pb
 from protocols import wire
-from protocols.errors import PayloadError
+from protocols.errors import PayloadError, RemoteError, TransportError
 from protocols.message import Encoded, RawPart, SparsePart
-from swarm.transport.hivemind.errors import RemoteError, TransportError
-from swarm.transport.hivemind.retry import Retry
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.retry import Retry
+from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.trainer.pipeline import micro_batches_in_flight
 
 

@@ -13,16 +13,16 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.training.experiment import build_data
-from swarm.transport.hivemind.calls import Exchange
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.net.calls import Exchange
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.settings import Settings
+from swarm.transport.hivemind.net.streams import StreamPool
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
-from swarm.transport.hivemind.streams import StreamPool
 from swarm.transport.hivemind.trust.owner import Owner
 
 OWNER = Owner(RSAPrivateKey.process_wide(), "")

@@ -20,17 +20,18 @@ from _util import frame
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from protocols.framing import ProtocolError, read_frame
 from protocols.version import PROTOCOL_VERSION
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind import loop
-from swarm.transport.hivemind.announce import discover
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import (
+from swarm.transport.hivemind.dht.announce import discover
+from swarm.transport.hivemind.dht.survey import format_table, survey
+from swarm.transport.hivemind.net import loop
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import (
     batch_to_meta,
     carried_of,
     meta_to_batch,
@@ -38,11 +39,10 @@ from swarm.transport.hivemind.meta import (
     raw_to_tensor,
     tensor_to_raw,
 )
-from swarm.transport.hivemind.node import DAEMON_THREADS, NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.node import DAEMON_THREADS, NodeOptions, SwarmNode
+from swarm.transport.hivemind.net.streams import PeerStream
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
-from swarm.transport.hivemind.streams import PeerStream
-from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 CODECS = [

@@ -247,8 +247,8 @@ def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
     10 Mbit/s): the router keeps the last peers it found for `keep_s`, then gives up."""
     import time
 
-    from swarm.transport.hivemind.announce import StageRecord, announce
-    from swarm.transport.hivemind.routing import NoPeerError, Router
+    from swarm.transport.hivemind.dht.announce import StageRecord, announce
+    from swarm.transport.hivemind.routing.router import NoPeerError, Router
 
     run_id = uuid.uuid4().hex[:8]
     node = swarm.hosts[0][0]

@@ -16,22 +16,22 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
 from protocols import wire
+from protocols.errors import RemoteError
 from protocols.message import Encoded, RawPart
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.announce import StageRecord, announce, discover, list_run
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import address, batch_to_meta, micro_batch_payload
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
-from swarm.transport.hivemind.schemas import RUNS_KEY
-from swarm.transport.hivemind.settings import Settings
+from swarm.transport.hivemind.dht.announce import StageRecord, announce, discover, list_run
+from swarm.transport.hivemind.dht.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
+from swarm.transport.hivemind.dht.survey import format_table, survey
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.schemas import RUNS_KEY
+from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
-from swarm.transport.hivemind.survey import format_table, survey
 from swarm.transport.hivemind.trust.owner import Owner
 from swarm.transport.hivemind.trust.signatures import sign_call
 

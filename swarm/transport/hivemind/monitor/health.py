@@ -16,13 +16,13 @@ import time
 
 from hivemind.utils import get_dht_time
 
-from swarm.transport.hivemind.announce import list_runs
-from swarm.transport.hivemind.events import Event
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.runconfig import fetch_configs
-from swarm.transport.hivemind.runstatus import RunStatus, fetch_status
+from swarm.transport.hivemind.dht.announce import list_runs
+from swarm.transport.hivemind.dht.runconfig import fetch_configs
+from swarm.transport.hivemind.dht.runstatus import RunStatus, fetch_status
+from swarm.transport.hivemind.dht.survey import PeerRow, state_text, survey
+from swarm.transport.hivemind.net.events import Event
+from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.status import by_direction
-from swarm.transport.hivemind.survey import PeerRow, state_text, survey
 
 EVENTS_SHOWN = 100  # per run, newest first
 REFRESH_S = 2.0  # the page asks for new data this often

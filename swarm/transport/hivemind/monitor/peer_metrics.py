@@ -4,7 +4,7 @@ these and its process's)."""
 from __future__ import annotations
 
 from swarm.transport.hivemind.monitor.exporter import Collector, Families
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.net.node import SwarmNode
 
 
 def fill_node(families: Families, node: SwarmNode) -> None:

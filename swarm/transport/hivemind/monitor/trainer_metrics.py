@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from swarm.transport.hivemind.dht.runstatus import RunStatus
 from swarm.transport.hivemind.monitor.exporter import Collector, Families
 from swarm.transport.hivemind.monitor.peer_metrics import fill_events
-from swarm.transport.hivemind.runstatus import RunStatus
 from swarm.transport.hivemind.stage.status import by_direction
 
 EVENTS_SHOWN = 20  # of the trainer's recent events, in its status record

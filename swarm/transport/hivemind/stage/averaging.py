@@ -30,7 +30,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
-from swarm.transport.hivemind.errors import one_line
+from protocols.errors import one_line
 
 # Tensors travel as float64 (twice float32's bytes) so that a member's result is exact: see `sum`.
 WIRE_DTYPE = torch.float64

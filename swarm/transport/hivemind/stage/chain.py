@@ -4,7 +4,7 @@ thus use the same pair of peers on every boundary, and their link state stays on
 
 Several micro-batches are in flight at once: while one waits for its downstream reply, the next
 one's forward runs. Order is kept where mirrored compression state needs it
-(`swarm.transport.hivemind.ordering`): each sender's messages are admitted in their link order
+(`swarm.transport.hivemind.flow.ordering`): each sender's messages are admitted in their link order
 (a `Turnstile` per sender), our messages downstream are numbered in the order they are encoded
 (a number is taken and the encoding submitted to the compute thread with no await in between),
 and backwards run in the order the forwards ran (`Ordinals`), which keeps the gradients' link order
@@ -23,15 +23,14 @@ from dataclasses import dataclass, field
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols import wire
-from protocols.errors import PayloadError, ProtocolError
+from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
-from swarm.transport.hivemind.errors import RemoteError, SenderFault
-from swarm.transport.hivemind.handoff import Handoff
-from swarm.transport.hivemind.meta import meta_to_batch, raw_to_tensor
-from swarm.transport.hivemind.ordering import LinkReset, Ordinals, Turnstile
-from swarm.transport.hivemind.pacing import FlowPacer
-from swarm.transport.hivemind.routing import RoutingPolicy
+from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstile
+from swarm.transport.hivemind.flow.pacing import FlowPacer
+from swarm.transport.hivemind.net.meta import meta_to_batch, raw_to_tensor
+from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.router import RoutingPolicy
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork

@@ -4,7 +4,7 @@ The trainer sends them with a step's apply round (ApplyRequest.codecs) to every 
 when no micro-batch is in flight; each peer takes the boundaries it sits on (the one before it
 and the one after it). Its config's per-boundary overrides change, and its ends of a changed
 boundary go (stage.links.NeighbourLinks.switch): that link's next message starts a new epoch
-(swarm.transport.hivemind.ordering) and both ends
+(swarm.transport.hivemind.flow.ordering) and both ends
 build fresh state for the new codecs (the old codecs' error feedback and TopK indices mean nothing
 to the new ones). The config digest the trainer checks at setup stays the one of the config the
 peer started with, and a new trainer session starts from that config's codecs again.

@@ -19,9 +19,9 @@ import asyncio
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from swarm.engine.microbatch import Mode
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.meta import tensors_to_payload
+from swarm.transport.hivemind.net.meta import tensors_to_payload
 from swarm.transport.hivemind.stage.averaging import AveragingError
 from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork

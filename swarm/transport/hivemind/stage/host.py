@@ -17,18 +17,18 @@ import logging
 import threading
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from protocols.version import PROTOCOL_VERSION
 from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.announce import StageRecord
-from swarm.transport.hivemind.calls import Sending
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.handoff import Handoff
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.pacing import FlowPacer, stage_flows
-from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.dht.announce import StageRecord
+from swarm.transport.hivemind.flow.pacing import FlowPacer, stage_flows
+from swarm.transport.hivemind.net.calls import Sending
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain

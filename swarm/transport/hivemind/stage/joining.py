@@ -26,13 +26,13 @@ import time
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError, TransportError, one_line
 from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
 from swarm.engine.linkend import LinkEnds
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.meta import address
-from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds

@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState
 

@@ -4,7 +4,7 @@ Error-feedback state and reused TopK indices live in link ends (`swarm.engine.li
 stage peer keeps one end per neighbour: the pair's state stays on the pair, and a new neighbour
 starts fresh. Ends are replaced, never reset in place (a compute may still hold the old one):
 - an upstream neighbour's end is replaced when its messages start a new link epoch
-  (`swarm.transport.hivemind.ordering`: the sender restarted its end after a failure);
+  (`swarm.transport.hivemind.flow.ordering`: the sender restarted its end after a failure);
 - a downstream neighbour's end is dropped when the link to it fails (`drop_out`); the next message
   to it makes a new end and starts a new epoch, so the receiver restarts its end too.
 The first end made on each side is the runtime's own (`spare`), which a checkpoint may have restored.
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from swarm.config import ExperimentConfig
 from swarm.engine.build import link_end
 from swarm.engine.linkend import LinkEnd, LinkEnds
-from swarm.transport.hivemind.meter import LinkMeter
-from swarm.transport.hivemind.ordering import Numbering, Turnstile
+from swarm.transport.hivemind.flow.meter import LinkMeter
+from swarm.transport.hivemind.flow.ordering import Numbering, Turnstile
 
 
 class NeighbourLinks:

@@ -18,11 +18,10 @@ import time
 import torch
 
 from protocols import stage_pb2 as pb
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, RemoteError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.handoff import Handoff
-from swarm.transport.hivemind.meta import payload_to_tensors
+from swarm.transport.hivemind.net.meta import payload_to_tensors
+from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.combine import Combining
 from swarm.transport.hivemind.stage.links import NeighbourLinks

@@ -4,7 +4,7 @@ A caller opens a stream of the protocol `streams.PROTOCOL` and sends one request
 it (`streams.Requests`); each is framed and checked (`protocols.framing`: typed head, payload in
 verified chunks, a size cap before anything is collected), dispatched on its head to the hosted
 stage it names, and answered with a reply of the same kind: micro-batch replies written in paced
-pieces (swarm.transport.hivemind.pacing), the others shaped by the node's in-process egress only.
+pieces (swarm.transport.hivemind.flow.pacing), the others shaped by the node's in-process egress only.
 Every failure becomes a one-line `ErrorReply`: a bad payload, a version mismatch, a stage this peer
 does not host or an unknown request never stops it serving. After an error the stream is closed
 (what is left of a refused request on it is unknown); the caller opens a new one.
@@ -22,22 +22,21 @@ from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS, Trust
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, RemoteError, SenderFault, one_line
 from protocols.framing import Frame, frame_parts, read_frame
 from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
-from swarm.transport.hivemind.announce import Announcer
-from swarm.transport.hivemind.errors import RemoteError, SenderFault, one_line
-from swarm.transport.hivemind.events import EventLog
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.pacing import carrying, send_paced
-from swarm.transport.hivemind.routing import Bans
+from swarm.transport.hivemind.dht.announce import Announcer
+from swarm.transport.hivemind.flow.pacing import carrying, send_paced
+from swarm.transport.hivemind.net.events import EventLog
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.streams import PROTOCOL, Requests
+from swarm.transport.hivemind.routing.router import Bans
 from swarm.transport.hivemind.stage.averaging import ReplicaAverager
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.state import PeerServices
-from swarm.transport.hivemind.streams import PROTOCOL, Requests
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}

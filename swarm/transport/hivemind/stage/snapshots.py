@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError, TransportError, one_line
 from swarm.engine.checkpoint import stage_state
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.handoff import Handoff
-from swarm.transport.hivemind.meta import address
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.errors import RemoteError
-from swarm.transport.hivemind.events import EventLog
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.routing import RoutingPolicy
+from swarm.transport.hivemind.flow.busy import Busy
+from swarm.transport.hivemind.net.events import EventLog
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.routing.router import RoutingPolicy
 from swarm.transport.hivemind.stage.clock import ComputeClock
 
 log = logging.getLogger(__name__)

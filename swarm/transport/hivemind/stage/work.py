@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from protocols import stage_pb2 as pb
 from protocols import wire
+from protocols.errors import RemoteError
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
-from swarm.transport.hivemind.errors import RemoteError
 from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 
 

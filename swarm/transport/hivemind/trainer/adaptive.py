@@ -4,7 +4,7 @@ Every `every` optimizer steps the trainer reads the stage peers' statuses and, p
 measures since the last decision:
 - the bandwidth per direction: activation bytes that arrived at the downstream stage, and
   gradient bytes that arrived back at the upstream stage, over the seconds they were arriving
-  (transfers that overlap count once; swarm.transport.hivemind.meter), i.e. what the link delivered while
+  (transfers that overlap count once; swarm.transport.hivemind.flow.meter), i.e. what the link delivered while
   busy, with whatever else shared it. A direction with no timed bytes yet (replies of one chunk
   are not timed) is taken to run at the other one's rate. Bytes and seconds are summed over
   windows with weights halving every window, so a window of long transfers outweighs one of

@@ -16,15 +16,15 @@ import torch
 from hivemind.utils import get_dht_time
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError, one_line
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError, one_line
-from swarm.transport.hivemind.events import EventLog
-from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.meta import address
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.retry import Retry
-from swarm.transport.hivemind.routing import Router
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.events import EventLog
+from swarm.transport.hivemind.net.loop import LoopThread
+from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.retry import Retry
+from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)

@@ -23,23 +23,23 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError, TransportError
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
-from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.calls import Sending
-from swarm.transport.hivemind.errors import RemoteError, TransportError
-from swarm.transport.hivemind.events import EventLog
-from swarm.transport.hivemind.handoff import Handoff
-from swarm.transport.hivemind.loop import LoopThread
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.ordering import Numbering
-from swarm.transport.hivemind.pacing import FlowPacer
-from swarm.transport.hivemind.retry import Retry
-from swarm.transport.hivemind.routing import NoPeerError, Router
+from swarm.transport.hivemind.flow.busy import Busy
+from swarm.transport.hivemind.flow.ordering import Numbering
+from swarm.transport.hivemind.flow.pacing import FlowPacer
+from swarm.transport.hivemind.net.calls import Sending
+from swarm.transport.hivemind.net.events import EventLog
+from swarm.transport.hivemind.net.loop import LoopThread
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.retry import Retry
+from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.router import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.meta import address
+from protocols.errors import RemoteError, TransportError, one_line
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds

@@ -26,12 +26,12 @@ from pathlib import Path
 
 from protocols import stage_pb2 as pb
 from protocols.calls import request
+from protocols.errors import RemoteError, TransportError, one_line
 from protocols.framing import Frame
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.meta import address, tensors_to_payload
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address, tensors_to_payload
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.errors import RemoteError
+from protocols.errors import RemoteError
 from swarm.transport.hivemind.trust import sealed
 from swarm.transport.hivemind.trust.sealed import seal
 from swarm.transport.hivemind.trust.signatures import Refused

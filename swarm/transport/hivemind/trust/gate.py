@@ -16,8 +16,7 @@ import time
 
 from protocols import stage_pb2 as pb
 from protocols.calls import OWNER_CALLS
-from protocols.errors import ProtocolError
-from swarm.transport.hivemind.errors import RemoteError
+from protocols.errors import ProtocolError, RemoteError
 from swarm.transport.hivemind.trust import sealed
 from swarm.transport.hivemind.trust.admissions import Admissions
 from swarm.transport.hivemind.trust.signatures import CallCheck, Refused

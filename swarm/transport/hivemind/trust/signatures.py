@@ -18,7 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
 from protocols.checksum import crc32
-from swarm.transport.hivemind.errors import RemoteError
+from protocols.errors import RemoteError
 from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
 
 WINDOW_S = 60.0  # a signed call is accepted within this many seconds of its time (clocks may differ a little)

@@ -12,11 +12,11 @@ from hivemind.utils import get_dht_time
 
 from protocols import stage_pb2 as pb
 from swarm.rates import format_rate
-from swarm.transport.hivemind.announce import discover, list_runs
-from swarm.transport.hivemind.calls import call
-from swarm.transport.hivemind.events import KEEP, Event
-from swarm.transport.hivemind.meta import address
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.dht.announce import discover, list_runs
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.events import KEEP, Event
+from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.trust.admissions import Admissions
 
 

@@ -14,17 +14,17 @@ from collections.abc import Awaitable, Callable
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError, TransportError
 from protocols.framing import Frame
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.announce import StageRecord
-from swarm.transport.hivemind.calls import Exchange, Sending
-from swarm.transport.hivemind.errors import RemoteError, TransportError
-from swarm.transport.hivemind.meta import address, batch_to_meta, carried_of
-from swarm.transport.hivemind.meter import LinkMeter
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.pacing import FlowPacer
-from swarm.transport.hivemind.retry import Retry
-from swarm.transport.hivemind.routing import NoPeerError, Router
+from swarm.transport.hivemind.dht.announce import StageRecord
+from swarm.transport.hivemind.flow.meter import LinkMeter
+from swarm.transport.hivemind.flow.pacing import FlowPacer
+from swarm.transport.hivemind.net.calls import Exchange, Sending
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, carried_of
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.retry import Retry
+from swarm.transport.hivemind.routing.router import NoPeerError, Router
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
-from swarm.transport.hivemind.errors import RemoteError
+from protocols.errors import RemoteError
 
 
 class LinkReset(RemoteError):

@@ -48,7 +48,7 @@ class Calls:
 
 @dataclass(frozen=True)
 class Retries:
-    """swarm.transport.hivemind.retry"""
+    """swarm.transport.hivemind.net.retry"""
 
     attempts: int = 3  # tries of a micro-batch (on other peers) or a step round before giving up
     backoff_s: float = 0.2  # a step round's n-th retry waits n times this
@@ -75,7 +75,7 @@ class Streams:
     # payload, a silent peer is noticed.
     read_timeout_s: float = 60.0
     sending_per_neighbour: int = 1  # payloads in transfer at once to one neighbour (calls.Sending)
-    # Link order (swarm.transport.hivemind.ordering): a message of a link epoch this end has not
+    # Link order (swarm.transport.hivemind.flow.ordering): a message of a link epoch this end has not
     # seen waits this long for the epoch's first message; past it, this end lost the link (it
     # restarted) and says so.
     link_grace_s: float = 10.0
@@ -122,7 +122,7 @@ class Dht:
 
 @dataclass(frozen=True)
 class Routing:
-    """swarm.transport.hivemind.routing.RoutingPolicy"""
+    """swarm.transport.hivemind.routing.router.RoutingPolicy"""
 
     # A caller keeps sending to the peer it uses (its link state) unless another scores this many times higher.
     route_keep_factor: float = 2.0

@@ -18,8 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from swarm.transport.hivemind.errors import RemoteError, TransportError
-from swarm.transport.hivemind.settings import Settings
+from protocols.errors import RemoteError, TransportError
+from swarm.transport.hivemind.net.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from hivemind.utils import get_dht_time
 
-from swarm.transport.hivemind.events import KEEP, Event
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.periodic import Refresher
-from swarm.transport.hivemind.schemas import owned
+from swarm.transport.hivemind.dht.periodic import Refresher
+from swarm.transport.hivemind.net.events import KEEP, Event
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.schemas import owned
 
 log = logging.getLogger(__name__)
 EVERY_S = 2.0  # the record is refreshed at least this often (the page shows it within seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.net.node import SwarmNode
 
 
 class Refresher:

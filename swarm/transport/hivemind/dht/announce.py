@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from hivemind.utils import get_dht_time
 
 from protocols.version import PROTOCOL_VERSION
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.periodic import Refresher
-from swarm.transport.hivemind.schemas import RUNS_KEY, owned
+from swarm.transport.hivemind.dht.periodic import Refresher
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.schemas import RUNS_KEY, owned
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class StageRecord:
     ready: bool = False  # set up by the run's trainer: it can take micro-batches
     updated: float = 0.0
     session: str = ""  # the trainer session it was set up by (peers route only within one session)
-    # payload bits/s it takes per incoming flow (swarm.transport.hivemind.pacing); 0: not declared
+    # payload bits/s it takes per incoming flow (swarm.transport.hivemind.flow.pacing); 0: not declared
     download_share: float = 0.0
     leaving: bool = False  # draining: it takes no new micro-batch and leaves at the next step boundary
     admission: bytes = b""  # the owner's pb.Admission of it to `session` (swarm.transport.hivemind.trust)

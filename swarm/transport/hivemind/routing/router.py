@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from protocols.version import PROTOCOL_VERSION
-from swarm.transport.hivemind.announce import StageRecord, discover
-from swarm.transport.hivemind.node import SwarmNode
+from swarm.transport.hivemind.dht.announce import StageRecord, discover
+from swarm.transport.hivemind.net.node import SwarmNode
 
 
 class NoPeerError(RuntimeError):
@@ -126,7 +126,7 @@ class Router:
         self.keep_s = settings.dht.lookup_keep_s if keep_s is None else keep_s
         self.policy = RoutingPolicy.of(settings)
         self.bans = Bans(settings.retries.ban_s, settings.retries.ban_growth, settings.retries.ban_max_s)
-        self.events = None  # a swarm.transport.hivemind.events.EventLog its bans go to
+        self.events = None  # a swarm.transport.hivemind.net.events.EventLog its bans go to
         self.banned_total = 0  # bans so far (metrics)
         self._cache: dict[int, tuple[float, list[StageRecord]]] = {}
         self._found: dict[int, tuple[float, list[StageRecord]]] = {}  # the last lookup that found someone

@@ -21,9 +21,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.netlab.shaper import TokenBucket
 from swarm.rates import parse_rate
-from swarm.transport.hivemind.schemas import validators
-from swarm.transport.hivemind.settings import Settings
-from swarm.transport.hivemind.streams import StreamPool
+from swarm.transport.hivemind.net.schemas import validators
+from swarm.transport.hivemind.net.settings import Settings
+from swarm.transport.hivemind.net.streams import StreamPool
 from swarm.transport.hivemind.trust.keys import IdentityError, load_identity
 
 # p2pd's Go threads (GOMAXPROCS). One carries far more than the links hivepipe is for, and Go's
@@ -96,7 +96,7 @@ class NodeOptions:
     startup_timeout: float = 30.0
     shape_rate: str | None = None  # in-process shaping of what this peer sends (no root needed)
     shape_delay: str | None = None  # one-way delay added to every message this peer sends
-    # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.pacing)
+    # declared link rates: each neighbour's payloads are paced at their share (swarm.transport.hivemind.flow.pacing)
     uplink: str | None = None
     downlink: str | None = None
     daemon_threads: int = DAEMON_THREADS  # p2pd's Go threads; 0: one per core

@@ -15,12 +15,12 @@ import contextlib
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS
+from protocols.errors import RemoteError, TransportError, short
 from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
-from swarm.transport.hivemind.busy import Busy
-from swarm.transport.hivemind.errors import RemoteError, TransportError, short
-from swarm.transport.hivemind.meter import LinkMeter, timed_chunks
-from swarm.transport.hivemind.pacing import carrying
-from swarm.transport.hivemind.streams import PeerStream, StreamPool
+from swarm.transport.hivemind.flow.busy import Busy
+from swarm.transport.hivemind.flow.meter import LinkMeter, timed_chunks
+from swarm.transport.hivemind.flow.pacing import carrying
+from swarm.transport.hivemind.net.streams import PeerStream, StreamPool
 from swarm.transport.hivemind.trust.signatures import sign_call
 
 

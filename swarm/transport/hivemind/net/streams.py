@@ -3,7 +3,7 @@ reuse in a `StreamPool`) and the server's (`Requests`).
 
 Messages are written and read as `P2P.send_protobuf` / `P2P.receive_protobuf` do (a marker byte,
 a length, the bytes), but by hand: requests are written in paced pieces from views of the payload
-(`swarm.transport.hivemind.pacing.send_paced`), replies are read leaving the chunks' data
+(`swarm.transport.hivemind.flow.pacing.send_paced`), replies are read leaving the chunks' data
 uncopied (`protocols.framing.parse_message`), and reading and writing are independent, so a reply
 is read while the request side stays open (hivemind's `iterate_protobuf_handler` only finishes
 reading once its request iterator is exhausted).
@@ -21,11 +21,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from protocols import stage_pb2 as pb
-from protocols.errors import ProtocolError
+from protocols.errors import ProtocolError, RemoteError, short
 from protocols.framing import CHUNK_BYTES, Received, parse_message
 from protocols.version import STREAM
-from swarm.transport.hivemind.errors import RemoteError, short
-from swarm.transport.hivemind.pacing import send_paced
+from swarm.transport.hivemind.flow.pacing import send_paced
 
 PROTOCOL = STREAM  # the stream protocol of every stage call (protocols/stage.proto)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + (1 << 20)  # one payload chunk and the head riding with the first
@@ -70,7 +69,7 @@ class PeerStream:
 
     async def send(self, messages, flow=None) -> None:
         """One request's messages, serialized in parts (framing.frame_parts), paced by `flow`
-        (swarm.transport.hivemind.pacing) when given."""
+        (swarm.transport.hivemind.flow.pacing) when given."""
         for i, parts in enumerate(messages):
             await send_paced(parts, self.writer, flow, self.egress, first=i == 0)
 

@@ -22,10 +22,10 @@ from hivemind.utils import get_dht_time
 
 from swarm.config import ConfigError, ExperimentConfig, config_from_text
 from swarm.engine.build import config_digest
-from swarm.transport.hivemind.announce import list_run, list_runs
-from swarm.transport.hivemind.node import SwarmNode
-from swarm.transport.hivemind.periodic import Refresher
-from swarm.transport.hivemind.schemas import owned
+from swarm.transport.hivemind.dht.announce import list_run, list_runs
+from swarm.transport.hivemind.dht.periodic import Refresher
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.schemas import owned
 
 log = logging.getLogger(__name__)
 
