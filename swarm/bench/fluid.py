@@ -7,9 +7,12 @@ at most `sending` payloads in transfer per neighbour, one compute thread per sta
 forward order) on access links that share their rate among the transfers crossing them (a
 transfer from A to B uses A's up and B's down link) max-min fairly in proportion to the transfers'
 sizes, as the peers' pacing shares them (swarm.transport.hivemind.flow.pacing: payloads written together finish
-together), with no latency, loss or protocol overhead. Its step time is what a perfect network
-would give this schedule; a measured step much slower than that points at the transport, not the
-schedule.
+together), with no loss or protocol overhead. Every hop (a payload, a reply to the trainer) arrives
+`delay_s` after its last byte left (the one-way latency; the link is free again as soon as the
+bytes are out), and after the last micro-batch the step's `round_trips` from the trainer to every
+stage and back (the synchronous step's rounds) each cost two delays. Its step time is what a perfect
+network of that rate and latency would give this schedule; a measured step much slower than that
+points at the transport, not the schedule.
 
     model = StepModel(stages=4, micro_batches=64, in_flight=16, sending=1,
                       forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,
@@ -40,6 +43,8 @@ class StepModel:
     rate_bits: float  # every process's access link, each direction
     input_bytes: float = 0.0  # trainer -> stage 0, per micro-batch
     download_limited: bool = True  # False: only what a process sends is shaped (in-process shaping)
+    delay_s: float = 0.0  # one way, every hop
+    round_trips: int = 0  # of the step's rounds after its last micro-batch (trainer -> stages -> trainer)
 
     def __post_init__(self) -> None:
         if self.stages < 2:
@@ -55,6 +60,8 @@ class StepModel:
                 )
         if min(self.micro_batches, self.in_flight, self.sending) < 1 or self.rate_bits <= 0:
             raise ValueError("micro_batches, in_flight, sending and rate_bits must be positive")
+        if self.delay_s < 0 or self.round_trips < 0:
+            raise ValueError("delay_s and round_trips cannot be negative")
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,7 @@ class _Step:
             self.back_next[stage] += 1
             self.compute(
                 stage,
-                self.finished
+                (lambda: self.send("stage0", "trainer", 0.0, self.finished))  # its reply: the trainer admits the next
                 if stage == 0
                 else lambda s=stage, k=n: self.send(
                     f"stage{s}", f"stage{s - 1}", self.m.backward_bytes[s - 1], lambda: self.backward_arrived(s - 1, k)
@@ -177,12 +184,15 @@ class _Step:
             arrived = [t for t in self.transfers if t[0] <= _EPS * self.capacity]
             self.transfers = [t for t in self.transfers if t[0] > _EPS * self.capacity]
             for _, sender, receiver, callback, _ in arrived:
-                self.in_transfer[(sender, receiver)] -= 1
-                callback()
+                self.in_transfer[(sender, receiver)] -= 1  # the bytes are out: the next payload may go
+                if self.m.delay_s:
+                    self.later(self.t + self.m.delay_s, callback)
+                else:
+                    callback()
             while self.events and self.events[0][0] <= self.t + _EPS:
                 heapq.heappop(self.events)[2]()
             self.start_waiting()
-        return FluidResult(self.t)
+        return FluidResult(self.t + 2 * self.m.delay_s * self.m.round_trips)
 
 
 def simulate(model: StepModel) -> FluidResult:

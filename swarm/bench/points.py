@@ -10,13 +10,14 @@ from typing import get_type_hints
 
 @dataclass
 class Point:
-    """What was run: the codec each way, the rate of every process's access link and how the links
-    were shaped ("netns" or "inprocess", swarm.lab.launch)."""
+    """What was run: the codec each way, the rate and one-way delay of every process's access link
+    and how the links were shaped ("netns" or "inprocess", swarm.lab.launch)."""
 
     codec: str  # the forward codec, or the benchmark's name of a baseline (torch:gloo)
     backward: str
     bandwidth_mbit: float
     shaping: str = "netns"
+    delay_ms: float = 0.0  # one way, on every process's link
 
 
 @dataclass

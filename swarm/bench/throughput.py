@@ -28,7 +28,7 @@ from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch
 from swarm.lab.launch import Lab, available_cores
 from swarm.models.registry import MODELS, build_model
-from swarm.rates import parse_rate
+from swarm.rates import parse_delay, parse_rate
 from swarm.training.experiment import build_data
 from swarm.training.results import read_results
 from swarm.transport.hivemind.net.meta import micro_batch_payload
@@ -168,6 +168,7 @@ def run_throughput(
     log=print,
     pacing: bool = True,
     seconds: float = 0.0,
+    delay: str | None = None,
 ) -> list[ThroughputRow]:
     """`seconds` > 0: a codec's faster bandwidths run more steps (see `steps_for`), so that a point
     whose steps take a second or two is not measured over a few noisy seconds; bandwidths run slowest first."""
@@ -188,7 +189,8 @@ def run_throughput(
                 run_steps = steps_for(
                     seconds, batch_size, expected_samples_per_s(mine, parse_rate(bandwidth) / 1e6), steps
                 )
-                log(f"== {forward} / {backward} at {bandwidth}: {stages} stages, {run_steps} steps")
+                at = f"{bandwidth}, delay {delay}" if delay else bandwidth
+                log(f"== {forward} / {backward} at {at}: {stages} stages, {run_steps} steps")
                 lab = run_point(
                     codec,
                     config,
@@ -198,9 +200,11 @@ def run_throughput(
                     sets,
                     log,
                     bandwidth=bandwidth,
+                    delay=delay,
                     shaping=shaping,
                     pacing=pacing,
                 )
+                delay_s = parse_delay(delay) if delay else 0.0
                 figures = measure_run(
                     read_results(results),
                     stages,
@@ -208,12 +212,13 @@ def run_throughput(
                     input_bytes,
                     download_limited=lab.link_plan.shaping == "netns",
                     cores=available_cores(),
+                    delay_s=delay_s,
                 )
-                point = Point(forward, backward, parse_rate(bandwidth) / 1e6, lab.link_plan.shaping)
+                point = Point(forward, backward, parse_rate(bandwidth) / 1e6, lab.link_plan.shaping, 1000 * delay_s)
                 row = ThroughputRow.from_json({**asdict(point), **figures})
                 got, cpu = row.achieved, row.cpu
                 log(
-                    f"   {got.samples_per_s:.1f} samples/s; link bound {got.link_bound:.1f}, compute bound {got.compute_bound:.1f}: {100 * got.fraction_of_bound:.0f}% of the bound ({got.binding}); this schedule on ideal links: {row.bounds.schedule_bound:.1f}"
+                    f"   {got.samples_per_s:.1f} samples/s; link bound {got.link_bound:.1f}, compute bound {got.compute_bound:.1f}: {100 * got.fraction_of_bound:.0f}% of the bound ({got.binding}); this schedule on ideal links of this delay: {row.bounds.schedule_bound:.1f} ({100 * (row.bounds.schedule_fraction or 0):.0f}% of it)"
                     + (f"; cores {100 * cpu.machine_busy:.0f}% busy" if cpu.machine_busy is not None else "")
                 )
                 if cpu.cpu_ms_per_sample and cpu.compute_cpu_ms_per_sample:

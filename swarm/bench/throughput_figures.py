@@ -45,7 +45,8 @@ WARMUP_STEPS = 1
 class OtherBounds:
     """The bounds beside the link and compute ones a point is judged by (`Achieved`)."""
 
-    schedule_bound: float  # what this schedule allows on ideal fair links (swarm.bench.fluid)
+    schedule_bound: float  # what this schedule allows on ideal fair links of the point's delay (swarm.bench.fluid)
+    schedule_fraction: float | None = None  # achieved / schedule_bound
     cores_bound: float | None = None  # what the shared cores allow (None: not measured); compute_bound includes it
     payload_link_bound: float | None = None  # the link bound from the payload bytes alone (no headers, ACKs, DHT)
 
@@ -94,6 +95,13 @@ class ThroughputRow:
         return from_flat_json(cls, flat)
 
 
+def step_round_trips(config: dict) -> int:
+    """Round trips from the trainer to every stage after a step's last micro-batch (swarm.engine.step
+    over swarm.transport.hivemind.trainer.rounds): gather and apply, and set_grads for the norm when
+    gradients are clipped."""
+    return 2 + (config.get("optimizer", {}).get("grad_clip") is not None)
+
+
 def schedule_bound(
     train: dict,
     stages: int,
@@ -103,8 +111,11 @@ def schedule_bound(
     stage_s: list[float] | None,
     input_bytes: float,
     download_limited: bool = True,
+    delay_s: float = 0.0,
+    round_trips: int = 0,
 ) -> float:
-    """samples/s of one step of this schedule in the fluid model, with the measured bytes and compute."""
+    """samples/s of one step of this schedule in the fluid model, with the measured bytes and
+    compute, the links' one-way `delay_s` and the step's `round_trips`."""
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
     # forward and backward each
@@ -120,6 +131,8 @@ def schedule_bound(
         bandwidth_bits,
         input_bytes * size,
         download_limited,
+        delay_s,
+        round_trips,
     )
     return train["batch_size"] / simulate(model).step_s
 
@@ -132,9 +145,10 @@ def measure_run(
     warmup: int = WARMUP_STEPS,
     download_limited: bool = True,
     cores: float | None = None,
+    delay_s: float = 0.0,
 ) -> dict:
     """The figures of one finished run's results rows (see module doc); `cores`: the stages share
-    that many cores (None: each has its own hardware)."""
+    that many cores (None: each has its own hardware); `delay_s`: the links' one-way delay."""
     steps = [r for r in rows if r["type"] == "step"]
     if len(steps) <= warmup:
         raise ValueError(
@@ -176,13 +190,24 @@ def measure_run(
         binding = f"link {busiest}"
     else:
         binding = "compute" if compute == bound.compute else f"cores ({cores:g} shared)"
-    train = next(r for r in rows if r["type"] == "config")["config"]["train"]
+    config = next(r for r in rows if r["type"] == "config")["config"]
     compute_cpu, machine_cpu = 1000 * sum(stage_cpu) if any(stage_cpu) else None, meter["machine_cpu_ms_per_sample"]
+    scheduled = schedule_bound(
+        config["train"],
+        stages,
+        bandwidth_bits,
+        forward,
+        backward,
+        stage_s,
+        input_bytes,
+        download_limited,
+        delay_s,
+        step_round_trips(config),
+    )
     return {
         "samples_per_s": achieved,
-        "schedule_bound": schedule_bound(
-            train, stages, bandwidth_bits, forward, backward, stage_s, input_bytes, download_limited
-        ),
+        "schedule_bound": scheduled,
+        "schedule_fraction": achieved / scheduled if scheduled else None,
         "link_bound": link,
         "compute_bound": compute,
         "cores_bound": cores_bound,

@@ -39,11 +39,13 @@ def format_rows(rows: list[ThroughputRow]) -> str:
     header = [
         "codec (fw / bw)",
         "Mbit/s",
+        "delay ms",
         "samples/s",
         "link bound",
         "compute bound",
         "of bound",
         "schedule bound",
+        "of schedule",
         "busiest B/sample",
         "binding",
     ]
@@ -51,11 +53,13 @@ def format_rows(rows: list[ThroughputRow]) -> str:
         [
             f"{r.point.codec} / {r.point.backward}",
             f"{r.point.bandwidth_mbit:g}",
+            f"{r.point.delay_ms:g}",
             f"{r.achieved.samples_per_s:.1f}",
             f"{r.achieved.link_bound:.1f}",
             f"{r.achieved.compute_bound:.1f}",
             f"{100 * r.achieved.fraction_of_bound:.0f}%",
             f"{r.bounds.schedule_bound:.1f}",
+            f"{100 * r.bounds.schedule_fraction:.0f}%" if r.bounds.schedule_fraction else "-",
             f"{r.traffic.busiest_bytes_per_sample:,.0f}",
             r.achieved.binding,
         ]

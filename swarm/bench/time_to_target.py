@@ -47,7 +47,6 @@ class TargetRow:
     """One point of bench time-to-target; its JSON is flat (`to_json`, `from_json`)."""
 
     point: Point
-    delay_ms: float  # one way, on every process's link
     achieved: Achieved  # over the steps after the first
     reaching: Reaching
 
@@ -115,6 +114,7 @@ def target_row(
         input_bytes,
         download_limited=shaping == "netns",
         cores=available_cores(),
+        delay_s=parse_delay(delay) if delay else 0.0,
     )
     went = Reaching(
         str(target),
@@ -126,9 +126,9 @@ def target_row(
         curve[-1][2] if curve else None,
         curve,
     )
+    delay_ms = 1000 * parse_delay(delay) if delay else 0.0
     return TargetRow(
-        Point(forward, backward, parse_rate(bandwidth) / 1e6, shaping),
-        1000 * parse_delay(delay) if delay else 0.0,
+        Point(forward, backward, parse_rate(bandwidth) / 1e6, shaping, delay_ms),
         from_flat_json(Achieved, figures),
         went,
     )

@@ -38,7 +38,7 @@ def format_rows(rows: list[TargetRow]) -> str:
                 r.point.codec,
                 r.point.backward,
                 f"{r.point.bandwidth_mbit:g}",
-                f"{r.delay_ms:g}",
+                f"{r.point.delay_ms:g}",
                 "yes" if went.reached else "no",
                 str(went.steps_to_target if went.reached else went.steps),
                 f"{went.seconds_to_target:.1f}" if went.reached else f">{went.train_seconds:.1f}",
@@ -63,7 +63,7 @@ def sooner_than(row: TargetRow, none: TargetRow) -> float | None:
 
 def _links(row: TargetRow) -> tuple[float, float]:
     """The links a row ran on (rows on the same links are compared): bandwidth and delay."""
-    return row.point.bandwidth_mbit, row.delay_ms
+    return row.point.bandwidth_mbit, row.point.delay_ms
 
 
 def target_lines(rows: list[TargetRow], sooner: float = SOONER) -> list[str]:

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="measure each point for about this long: a codec's faster bandwidths run more steps than --steps, from its slower points' samples/s (0: always --steps)",
     )
+    throughput.add_argument(
+        "--delay",
+        help="one-way delay on every process's link, e.g. 50ms (netem where the kernel has it, else in process)",
+    )
     throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
     throughput.add_argument("--no_pacing", action="store_true", help="as in lab: stage peers send unpaced")
     throughput.add_argument(
@@ -286,7 +290,7 @@ def bench_streams(args: argparse.Namespace) -> int:
 
 def bench_throughput(args: argparse.Namespace) -> int:
     from swarm.bench import throughput, throughput_table
-    from swarm.rates import parse_rate
+    from swarm.rates import parse_delay, parse_rate
 
     def log(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -296,6 +300,8 @@ def bench_throughput(args: argparse.Namespace) -> int:
     try:
         for rate in bandwidths:
             parse_rate(rate)
+        if args.delay is not None:
+            parse_delay(args.delay)
         throughput.check_codecs(codecs)
         rows = throughput.run_throughput(
             args.config,
@@ -308,6 +314,7 @@ def bench_throughput(args: argparse.Namespace) -> int:
             log,
             pacing=not args.no_pacing,
             seconds=args.seconds,
+            delay=args.delay,
         )
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -68,3 +68,22 @@ def test_bad_models_are_refused():
         StepModel(4, 16, 16, 2, [MIB] * 2, [MIB] * 3, [0.01] * 4, 1e8)
     with pytest.raises(ValueError, match="at least 2 stages"):
         StepModel(1, 16, 16, 2, [], [], [0.01], 1e8)
+
+
+def test_every_hop_adds_its_delay_and_the_step_rounds_two_each():
+    rate = 8e6  # 1 MB/s
+    model = StepModel(2, 1, 1, 1, [500_000], [250_000], [0.1, 0.2], rate, input_bytes=100_000, delay_s=0.05)
+    # the same step as without delay, plus four hops: the input, the activations, the gradients and
+    # the reply to the trainer; then each round of the step goes there and back
+    alone = 0.1 + 0.1 + 0.5 + 0.4 + 0.25 + 0.1
+    assert simulate(model).step_s == pytest.approx(alone + 4 * 0.05)
+    rounds = StepModel(2, 1, 1, 1, [500_000], [250_000], [0.1, 0.2], rate, 100_000, delay_s=0.05, round_trips=3)
+    assert simulate(rounds).step_s == pytest.approx(alone + 4 * 0.05 + 3 * 2 * 0.05)
+
+
+def test_latency_caps_a_pipeline_of_few_micro_batches_in_flight():
+    # nothing to send or compute: each micro-batch is a round trip of 2 x stages hops, in_flight at a time
+    model = StepModel(4, 16, 4, 1, [0.0] * 3, [0.0] * 3, [0.0] * 4, 1e9, delay_s=0.05)
+    assert simulate(model).step_s == pytest.approx(16 / 4 * 8 * 0.05)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        StepModel(4, 16, 4, 1, [0.0] * 3, [0.0] * 3, [0.0] * 4, 1e9, delay_s=-1.0)

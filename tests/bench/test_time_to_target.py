@@ -51,7 +51,8 @@ def _row(
     went = Reaching(
         "loss<=2", reached, 10 if reached else None, seconds, 20, train_seconds, 2.1, [[1.0, 1, 3.0], [2.0, 2, 2.5]]
     )
-    return TargetRow(Point(codec, "none", mbit), 50, Achieved(samples_per_s, 5.0, 20.0, 0.9, "link stage1 up"), went)
+    point = Point(codec, "none", mbit, delay_ms=50)
+    return TargetRow(point, Achieved(samples_per_s, 5.0, 20.0, 0.9, "link stage1 up"), went)
 
 
 def test_target_lines_compare_the_best_codec_with_none_and_none_with_gloo():
