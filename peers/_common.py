@@ -95,6 +95,31 @@ def start_metrics(args: argparse.Namespace, collectors=()):
     return server
 
 
+def add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write this peer's timeline here when it stops (Chrome trace JSON: Perfetto, chrome://tracing; python -m swarm timeline merges several)",
+    )
+
+
+def start_trace(args: argparse.Namespace, process: str) -> None:
+    """With --trace: this process records its timeline (swarm.tracing) as `process`."""
+    if args.trace:
+        from swarm.tracing import TRACER
+
+        TRACER.start(process)
+
+
+def write_trace(args: argparse.Namespace, peer_id: str) -> None:
+    if args.trace:
+        from swarm.tracing import TRACER
+
+        TRACER.write(args.trace, peer_id)
+        say(f"timeline in {args.trace}")
+
+
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",

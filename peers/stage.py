@@ -20,6 +20,7 @@ from peers._common import (
     add_metrics_arg,
     add_network_args,
     add_threads_arg,
+    add_trace_arg,
     apply_threads,
     fail,
     node_options,
@@ -27,6 +28,8 @@ from peers._common import (
     say,
     setup_logging,
     start_metrics,
+    start_trace,
+    write_trace,
 )
 from swarm.config import ConfigError, load_config
 from swarm.transport.hivemind.dht.runconfig import (
@@ -90,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_threads_arg(parser)
     add_metrics_arg(parser)
+    add_trace_arg(parser)
     add_network_args(parser)
     return parser
 
@@ -152,6 +156,7 @@ async def serve(args: argparse.Namespace) -> int:
             )
         except ValueError as e:
             return fail(str(e))
+        start_trace(args, f"stage{args.stage} {node.peer_id[-4:]}")
         await server.start()
         if metrics is not None:
             metrics.add(StageCollector(server, asyncio.get_running_loop()))
@@ -163,6 +168,7 @@ async def serve(args: argparse.Namespace) -> int:
         await _leave(server, signals)
         reporter.cancel()
     finally:
+        write_trace(args, node.peer_id)
         if metrics is not None:
             metrics.close()
         if publisher is not None:

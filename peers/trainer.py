@@ -16,12 +16,15 @@ from peers._common import (
     add_metrics_arg,
     add_network_args,
     add_threads_arg,
+    add_trace_arg,
     apply_threads,
     fail,
     node_options,
     say,
     setup_logging,
     start_metrics,
+    start_trace,
+    write_trace,
 )
 from swarm.transport.hivemind.net.settings import Settings
 
@@ -62,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow",
         nargs="+",
+        action="extend",  # --allow A --allow B: both
         default=[],
         metavar="PEER_ID",
         help="a private run: only these stage peers (and token holders) join",
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_threads_arg(parser)
     add_metrics_arg(parser)
+    add_trace_arg(parser)
     add_network_args(parser)
     for action in parser._actions:
         if (
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.close()
         return fail(str(e))
     publisher = results = reporter = pipeline = None
+    start_trace(args, "trainer")
     try:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
         data = build_data(cfg)
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.state = f"failed: {message}"
         return fail(message)
     finally:
+        write_trace(args, node.peer_id)
         if results is not None:
             results.close()
         if metrics is not None:

@@ -10,9 +10,8 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
-from swarm.cli import bench_fuzz, bench_oracle, bench_target
+from swarm.cli import bench_fuzz, bench_oracle, bench_target, bench_throughput, timeline_command
 from swarm.cli.allocator import keep_freed_memory
 
 
@@ -63,46 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fuzz.add_parser(which, _positive_int)
     bench_oracle.add_parser(which, _positive_int)
     bench_target.add_parser(which, _positive_int)
-    throughput = which.add_parser(
-        "throughput", help="samples/s of a shaped swarm per codec and bandwidth, against the link and compute bounds"
-    )
-    throughput.add_argument(
-        "config",
-        nargs="?",
-        default="configs/bench/relay-layer1.yaml",
-        help="experiment YAML (default: real ResNet-18 layer1 boundaries, little compute)",
-    )
-    throughput.add_argument(
-        "--bandwidth", default="10mbit,50mbit,100mbit,500mbit", help="comma-separated rates of every process link"
-    )
-    throughput.add_argument(
-        "--codecs",
-        default="none,quant:4,topk:0.1",
-        help="comma-separated forward specs (TopK gradients reuse the indices; FW|BW to choose; adaptive:topk or adaptive:quant for compression.adaptive; torch:gloo for the same stages over torch.distributed, uncompressed)",
-    )
-    throughput.add_argument("--stages", type=_positive_int, default=4, help="stage peers")
-    throughput.add_argument(
-        "--steps", type=_positive_int, default=4, help="optimizer steps per run (the first warms up)"
-    )
-    throughput.add_argument(
-        "--seconds",
-        type=_non_negative_float,
-        default=20.0,
-        help="measure each point for about this long: a codec's faster bandwidths run more steps than --steps, from its slower points' samples/s (0: always --steps)",
-    )
-    throughput.add_argument(
-        "--delay",
-        help="one-way delay on every process's link, e.g. 50ms (netem where the kernel has it, else in process)",
-    )
-    throughput.add_argument("--shaping", choices=["netns", "inprocess"], help="as in lab (default: netns as root)")
-    throughput.add_argument("--no_pacing", action="store_true", help="as in lab: stage peers send unpaced")
-    throughput.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
-    )
-    throughput.add_argument("--plot", default="throughput.png", help="PNG of samples/s against bandwidth ('' for none)")
-    throughput.add_argument(
-        "--json", action="store_true", help="print a JSON list of rows on stdout (progress on stderr)"
-    )
+    bench_throughput.add_parser(which, _positive_int, _non_negative_float)
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
     run.add_argument("config", help="experiment YAML (see configs/)")
     run.add_argument("--results", help="write JSON-lines results here")
@@ -162,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lab.add_argument("--no_probe", action="store_true", help="skip the link throughput probe before a shaped run")
     lab.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the run's timeline here: every peer's spans of computing, sending, receiving and waiting, clocks aligned (Chrome trace JSON: Perfetto, chrome://tracing)",
+    )
+    lab.add_argument(
         "--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)"
     )
     lab.add_argument(
@@ -186,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds between status lines when stderr is not a terminal (0: none)",
     )
+    timeline_command.add_parser(commands)
     report = commands.add_parser("report", help="markdown tables and PNG curves from results")
     report.add_argument("results", nargs="*", help="JSON-lines results files (default: the study's, see --study)")
     report.add_argument(
@@ -288,57 +254,6 @@ def bench_streams(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_throughput(args: argparse.Namespace) -> int:
-    from swarm.bench import throughput, throughput_table
-    from swarm.rates import parse_delay, parse_rate
-
-    def log(line: str) -> None:
-        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
-
-    bandwidths = [b.strip() for b in args.bandwidth.split(",") if b.strip()]
-    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    try:
-        for rate in bandwidths:
-            parse_rate(rate)
-        if args.delay is not None:
-            parse_delay(args.delay)
-        throughput.check_codecs(codecs)
-        rows = throughput.run_throughput(
-            args.config,
-            bandwidths,
-            codecs,
-            args.stages,
-            args.steps,
-            args.shaping,
-            args.overrides,
-            log,
-            pacing=not args.no_pacing,
-            seconds=args.seconds,
-            delay=args.delay,
-        )
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    if args.json:
-        print(throughput_table.to_json(rows))
-    else:
-        print(throughput_table.format_rows(rows))
-    for (codec, mbit), factor in throughput_table.speedups(rows).items():
-        log(f"{codec} at {mbit:g} Mbit/s: {factor:.1f}x the samples/s of none")
-    for line in throughput_table.target_lines(rows):
-        log(line)
-    if args.plot:
-        throughput_table.plot(
-            rows,
-            args.plot,
-            f"{Path(args.config).stem}: {args.stages} stages, shaping {rows[0].point.shaping if rows else '-'}",
-        )
-        log(f"plot written to {args.plot}")
-    return 0
-
-
 def lab_command(args: argparse.Namespace) -> int:
     from swarm.lab.launch import run_lab
 
@@ -364,6 +279,7 @@ def lab_command(args: argparse.Namespace) -> int:
         probe=not args.no_probe,
         pacing=not args.no_pacing,
         churn=args.churn,
+        trace=args.trace,
     )
 
 
@@ -373,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "codecs":
         return bench_codecs(args)
     if args.command == "bench" and args.bench == "throughput":
-        return bench_throughput(args)
+        return bench_throughput.run(args)
     if args.command == "bench" and args.bench == "streams":
         return bench_streams(args)
     if args.command == "bench" and args.bench == "fuzz":
@@ -390,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         return study_command(args)
     if args.command == "lab":
         return lab_command(args)
+    if args.command == "timeline":
+        return timeline_command.run(args)
     return 2
 
 

@@ -17,6 +17,7 @@ from protocols.message import Encoded
 from swarm.compression.spec import CompressionSpec, parse
 from swarm.compression.topk import Selection
 from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.tracing import TRACER
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -52,13 +53,14 @@ class LinkEnd:
 
     def send(self, batch: MicroBatch, tensor: torch.Tensor):
         """Encode for the neighbour; returns the Outgoing (commit it once delivered)."""
-        if batch.mode is Mode.EVAL:
-            out = self.sender.send_stateless(tensor, exact=batch.exact)
-        else:
-            reuse = None if self.upstream else self.selections.pop(batch.key, None)
-            out = self.sender.send(tensor, batch.sample_ids, reuse=reuse, warmup=batch.exact)
-            if self.upstream and out.selection is not None:
-                self.selections[batch.key] = out.selection
+        with TRACER.span("encode", "compute", mb=batch.label):
+            if batch.mode is Mode.EVAL:
+                out = self.sender.send_stateless(tensor, exact=batch.exact)
+            else:
+                reuse = None if self.upstream else self.selections.pop(batch.key, None)
+                out = self.sender.send(tensor, batch.sample_ids, reuse=reuse, warmup=batch.exact)
+                if self.upstream and out.selection is not None:
+                    self.selections[batch.key] = out.selection
         key = (batch.mode.value, self._send_direction)
         self.bytes[key] += len(out.payload)
         self.raw[key] += tensor.numel() * tensor.element_size()
@@ -67,10 +69,11 @@ class LinkEnd:
     def receive(self, batch: MicroBatch, payload: Encoded, device):
         """Decode the neighbour's message (the transport parsed it: protocols.wire.decode); returns
         the Incoming (commit it once processed)."""
-        if batch.mode is Mode.EVAL:
-            return self.receiver.receive_stateless(payload, device=device)
-        reuse = self.selections.pop(batch.key, None) if self.upstream else None
-        incoming = self.receiver.receive(payload, batch.sample_ids, reuse=reuse, device=device)
+        with TRACER.span("decode", "compute", mb=batch.label):
+            if batch.mode is Mode.EVAL:
+                return self.receiver.receive_stateless(payload, device=device)
+            reuse = self.selections.pop(batch.key, None) if self.upstream else None
+            incoming = self.receiver.receive(payload, batch.sample_ids, reuse=reuse, device=device)
         if not self.upstream and incoming.selection is not None:
             self.selections[batch.key] = incoming.selection
         return incoming

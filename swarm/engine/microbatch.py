@@ -37,6 +37,11 @@ class MicroBatch:
         return (self.mode.value, self.step, self.index)
 
     @property
+    def label(self) -> str:
+        """The micro-batch as a trace shows it: mode/step/index."""
+        return f"{self.mode.value}/{self.step}/{self.index}"
+
+    @property
     def size(self) -> int:
         return int(self.sample_ids.numel())
 

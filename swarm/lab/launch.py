@@ -102,10 +102,13 @@ class Lab:
         probe: bool = True,
         pacing: bool = True,
         churn: str | None = None,
+        trace: str | None = None,
     ) -> None:
         """ValueError or ChurnError (one line) for an option that does not parse or does not fit."""
         threads = peer_threads(stages + 1)
-        self.run_plan = RunPlan.of(config, stages, threads, results, steps, overrides, device, trainer_args, churn)
+        self.run_plan = RunPlan.of(
+            config, stages, threads, results, steps, overrides, device, trainer_args, churn, trace
+        )
         self.link_plan = LinkPlan.of(self.run_plan.names, bandwidth, delay, shaping, probe, pacing)
         if self.run_plan.churn is not None and self.link_plan.in_namespaces:
             raise ValueError("--churn needs --shaping inprocess on shaped links (namespaces are made before the run)")
@@ -216,12 +219,33 @@ class Lab:
             f"torch threads per peer: {plan.threads} ({plan.stages + 1} peers computing, {available_cores()} cores)",
         )
         for stage in range(plan.stages):
-            self._start(f"stage{stage}", "peers.stage", "--stage", str(stage), *common)
-        self.trainer.command = [*common, *plan.results_args(), *plan.trainer_args]
+            self._start(
+                f"stage{stage}", "peers.stage", "--stage", str(stage), *common, *self._trace_args(f"stage{stage}")
+            )
+        self.trainer.command = [*common, *plan.results_args(), *plan.trainer_args, *self._trace_args("trainer")]
         self._start("trainer", "peers.trainer", *self.trainer.command)
         if plan.churn is None:
             return None
         return ChurnRunner(self, plan.churn, joining + (["--device", plan.device] if plan.device else []))
+
+    def _trace_args(self, name: str) -> list[str]:
+        """Where a peer writes its timeline when the lab writes the run's (merged at the end)."""
+        return ["--trace", str(Path(f"{self.run_plan.trace}.parts") / f"{name}.json")] if self.run_plan.trace else []
+
+    def _write_timeline(self) -> None:
+        """Every peer's timeline as one (clocks aligned), and what each spent its time on."""
+        from swarm.timeline import load, merge, where_time_goes
+
+        parts = sorted(Path(f"{self.run_plan.trace}.parts").glob("*.json"))
+        if not parts:
+            return
+        merged = merge([load(path) for path in parts])
+        Path(self.run_plan.trace).write_text(json.dumps(merged))
+        for line in where_time_goes(merged):
+            self.output.say("lab", line)
+        self.output.say(
+            "lab", f"timeline in {self.run_plan.trace} (Perfetto, chrome://tracing; python -m swarm timeline)"
+        )
 
     def _may_exit(self, process: subprocess.Popen) -> bool:
         """Whether a peer other than the trainer may end before the trainer (never, in a swarm)."""
@@ -263,6 +287,8 @@ class Lab:
             return 130
         finally:
             self.stop()
+            if self.run_plan.trace:
+                self._write_timeline()
             results = self.run_plan.results
             if results and Path(results).exists():
                 self.output.say("lab", f"results in {results}")
@@ -322,7 +348,7 @@ def run_lab(
     trainer_args: list[str] | None = None,
     **shaping,
 ) -> int:
-    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn (see `Lab`)."""
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn, trace (see `Lab`)."""
     try:
         lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
     except ValueError as e:

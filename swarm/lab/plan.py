@@ -1,7 +1,8 @@
 """What a lab run will be, checked before any process starts (swarm.lab.launch.Lab runs it).
 
 RunPlan     the swarm: config and overrides, stages, the processes' names, results, steps, the
-            trainer's extra arguments, the churn, the torch threads each computing peer gets
+            trainer's extra arguments, the churn, the torch threads each computing peer gets, the
+            timeline to write
 LinkPlan    the links: each process's rate, the delay, namespaces or in-process shaping, the probe
             and the peers' own pacing; the command-line arguments each process gets for them
 """
@@ -37,6 +38,7 @@ class RunPlan:
     device: str | None = None
     trainer_args: list[str] = field(default_factory=list)  # e.g. --checkpoint_dir DIR
     churn: Churn | None = None
+    trace: str | None = None  # the run's timeline (every peer's, merged: swarm.timeline)
 
     @classmethod
     def of(
@@ -50,6 +52,7 @@ class RunPlan:
         device: str | None = None,
         trainer_args: list[str] | None = None,
         churn: str | None = None,
+        trace: str | None = None,
     ) -> RunPlan:
         """ChurnError (one line) for a churn that does not parse."""
         return cls(
@@ -63,6 +66,7 @@ class RunPlan:
             device,
             list(trainer_args or []),
             Churn.parse(churn, stages) if churn else None,
+            trace,
         )
 
     def set_args(self) -> list[str]:

@@ -24,6 +24,7 @@ from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Pipeline, Rewound
 from swarm.models import summarize
+from swarm.tracing import TRACER
 from swarm.training.checkpoints import Checkpointing, latest_run, load_run, run_step, save_run
 from swarm.training.progress import RunProgress
 from swarm.training.results import ResultsWriter
@@ -103,6 +104,12 @@ def evaluate(pipeline: Pipeline, cfg: ExperimentConfig, test_set, step: int, exa
     for metrics in pipeline.run_many(group):
         sums.update(metrics)
     return summarize(sums, perplexity=hasattr(test_set, "vocab_size"))  # token datasets: language models
+
+
+def _traced(name: str, fn, *args):
+    """`fn(*args)`, a span of the timeline when tracing (swarm.tracing)."""
+    with TRACER.span(name, "steps"):
+        return fn(*args)
 
 
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -223,9 +230,11 @@ def train(
                 pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
                 losses = [
                     metrics["loss"] * batch.weight
-                    for (batch, _), metrics in zip(pieces, pipeline.run_many(pieces), strict=True)
+                    for (batch, _), metrics in zip(
+                        pieces, _traced(f"micro-batches {step}", pipeline.run_many, pieces), strict=True
+                    )
                 ]
-                lr = pipeline.step()
+                lr = _traced(f"step {step}", pipeline.step)
                 step += 1
                 samples += ids.numel()
                 now = pipeline.link_bytes()
@@ -251,7 +260,7 @@ def train(
                 shown["samples/s"] = round(pace.samples_per_s, 1)
                 bar.set_postfix(shown)
                 evaluated = step % schedule.eval_every_steps == 0 or step == schedule.total_steps
-                measured = run_eval()["uncompressed"] if evaluated else None
+                measured = _traced(f"evaluate at {step}", run_eval)["uncompressed"] if evaluated else None
                 reached = measured is not None and target is not None and target.reached(measured)
                 if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
                     save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, *adapters)

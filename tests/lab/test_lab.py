@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -88,6 +89,8 @@ def _peers_worked(results) -> None:
 
 
 def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
+    """... and writes the run's timeline: every peer's spans, clocks aligned (one machine's: within
+    a few milliseconds of each other)."""
     results = tmp_path / "shaped.jsonl"
     namespaces = set(list_namespaces("hp"))
     out = _lab(
@@ -98,6 +101,8 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
         "netns",
         "--set",
         "train.eval_every=100",
+        "--trace",
+        str(tmp_path / "run.json"),
         timeout=200,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -127,3 +132,11 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
     _peers_worked(results)
     cfg = load_config(SMOKE, ["train.eval_every=100", "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
+    trace = json.loads((tmp_path / "run.json").read_text())
+    assert [p.split()[0] for p in trace["otherData"]["processes"]] == ["trainer", "stage0", "stage1"]
+    assert all(abs(ms) < 20 for ms in trace["otherData"]["offsets_ms"].values())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    forwards = {e["args"]["mb"] for e in spans if e["name"] == "forward" and e["pid"] == 3}
+    assert forwards >= {f"train/{step}/{i}" for step in (0, 1) for i in range(cfg.train.micro_batches)}
+    assert {"send", "receive", "awaiting reply", "encode", "decode"} <= {e["name"] for e in spans}
+    assert "share of the time each peer spent" in out.stdout and "[lab]   stage1" in out.stdout

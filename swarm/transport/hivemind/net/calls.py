@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS
 from protocols.errors import RemoteError, TransportError, short
 from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.flow.meter import LinkMeter, timed_chunks
 from swarm.transport.hivemind.flow.pacing import carrying
@@ -55,7 +57,9 @@ class Exchange:
 
     `sending`: the send slot per neighbour to take for the payload; `flow`: its pacing;
     `meter`: times the reply's arrival (the link's backward direction); `max_reply_bytes`: the
-    largest reply payload taken (refused from its first chunk when declared larger)."""
+    largest reply payload taken (refused from its first chunk when declared larger); `traced`:
+    (what the timeline calls it, e.g. a micro-batch's label; the exchange's unique key) to record its
+    spans and its times as the caller (swarm.tracing)."""
 
     def __init__(
         self,
@@ -69,31 +73,47 @@ class Exchange:
         meter: LinkMeter | None = None,
         auth: pb.Auth | None = None,
         max_reply_bytes: int = MAX_PAYLOAD_BYTES,
+        traced: tuple[str, str] | None = None,
     ) -> None:
         self.streams, self.peer_id = streams, str(peer_id)
         self.auth = auth  # a control call's signature (swarm.transport.hivemind.trust.signatures)
         self.kind, self.head, self.payload = kind, head, payload
         self.sending, self.flow, self.meter = sending, flow, meter
         self.max_reply_bytes = max_reply_bytes
+        self.traced = traced
         self._stream: PeerStream | None = None
         self._replies = None
         self._complete = False  # the whole reply was read: the stream may carry another exchange
 
     async def _exchange(self) -> Frame:
+        waited = time.time()
         async with self.sending.to(self.peer_id) if self.sending else contextlib.nullcontext():
             # taken only now: the receiver times the payload from its first byte
+            began = time.time()
             self._stream = await self.streams.take(self.peer_id)
             with carrying(self.flow, len(self.payload)):
                 extra = {"auth": self.auth} if self.auth is not None else {}
                 parts = frame_parts(pb.StageRequest, self.kind, self.head, self.payload, **extra)
                 await self._stream.send(parts, self.flow)
+        sent = time.time()
         self._replies = self._stream.replies()
         replies = self._replies if self.meter is None else timed_chunks(self._replies, self.meter)
-        frame = await read_frame(replies, self.kind, self.max_reply_bytes)
+        arrived: list[float] = []  # when the reply began to arrive (the exchange's times, traced)
+        frame = await read_frame(_first_noted(replies, arrived), self.kind, self.max_reply_bytes)
+        if self.traced is not None:
+            self._trace(waited, began, sent, arrived[0] if arrived else time.time(), len(frame.payload))
         if frame.kind == "error":
             raise RemoteError(frame.head.message, frame.head.code)
         self._complete = True
         return frame
+
+    def _trace(self, waited: float, began: float, sent: float, arrived: float, reply_bytes: int) -> None:
+        label, key = self.traced
+        to = f"stage{self.head.to.stage} {self.peer_id[-4:]}"
+        TRACER.add("wait: send slot", "wait", waited, began, mb=label)
+        TRACER.add("send", f"send to {to}", began, sent, mb=label, bytes=len(self.payload))
+        TRACER.add("awaiting reply", f"await {to}", sent, time.time(), mb=label, bytes=reply_bytes)
+        TRACER.exchange("caller", self.peer_id, key, began, arrived)
 
     async def reply(self, timeout: float) -> Frame:
         """Sends the request and waits (at most `timeout` s) for the verified reply."""
@@ -145,3 +165,11 @@ async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: byte
     frame = await exchange.reply(timeout)
     exchange.finish()
     return frame
+
+
+async def _first_noted(messages, noted: list[float]):
+    """`messages`, noting when the first came."""
+    async for message in messages:
+        if not noted:
+            noted.append(time.time())
+        yield message

@@ -17,6 +17,7 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError
 from protocols.framing import Frame
 from swarm.engine.microbatch import MicroBatch
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import StageRecord
 from swarm.transport.hivemind.flow.meter import LinkMeter
 from swarm.transport.hivemind.flow.pacing import FlowPacer
@@ -147,6 +148,7 @@ class Handoff:
                 self.pacer.flow(target),
                 meter,
                 max_reply_bytes=self.settings.limits.max_micro_batch_bytes,
+                traced=(batch.label, f"{batch.label}/{sent[0]}/{sent[1]}") if TRACER.enabled else None,
             )
             try:
                 frame = await self._reply(exchange, timeout)

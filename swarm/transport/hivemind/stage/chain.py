@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
-from protocols import wire
 from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+from swarm.tracing import TRACER, wall
 from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstile
 from swarm.transport.hivemind.flow.pacing import FlowPacer
 from swarm.transport.hivemind.net.meta import meta_to_batch, raw_to_tensor
@@ -119,9 +119,11 @@ class Chain:
         ticket = None
         try:
             gate = links.turnstiles.setdefault(sender, Turnstile())
+            waited = time.time()
             async with gate.admit(
                 head.epoch, head.seq, max(deadline - time.monotonic(), settings.calls.min_budget_s), self.link_grace
             ) as fresh:
+                TRACER.add("wait: link order", "wait", waited, time.time(), mb=batch.label)
                 if place.first:
                     data = _inputs(carried, body)
                 else:
@@ -130,7 +132,7 @@ class Chain:
                     if carried.HasField("inputs"):
                         raise SenderFault(f"stage 0's input sent to stage {place.stage}")
                     try:
-                        data = await self.work.run(wire.decode, body, settings.limits.decode_limits)
+                        data = await self.work.run(self.work.decode, body, batch)
                         batch.check_input(data.shape)  # the engine's check, before our next link is touched
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
@@ -211,7 +213,9 @@ class Chain:
                 f"stage {place.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
+        waited = time.time()
         async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), place.settings.calls.min_budget_s)):
+            TRACER.add("wait: backward order", "wait", waited, time.time(), mb=batch.label)
             outbound = links.ends_out.get(target)
             if outbound is None or links.numbering.epoch(target) != sent[0]:
                 raise LinkReset(
@@ -268,3 +272,21 @@ def _inputs(carried: pb.Carried, body: memoryview):
         return raw_to_tensor(carried.inputs, "stage 0 input")
     except ProtocolError as e:
         raise SenderFault(str(e)) from None
+
+
+_MODES = {pb.TRAIN: "train", pb.EVAL: "eval"}
+
+
+def trace_exchange(place: StagePlace, head: pb.MicroBatchHead, sender: str, times, size: int, reply: int) -> None:
+    """A micro-batch exchange as its callee saw it: the request arriving (`times`: its first byte and
+    its whole, monotonic), the wait for a send slot and the reply leaving (wall seconds), and when
+    the request began to arrive and the reply began to leave, which swarm.timeline pairs with the
+    caller's times to align the two clocks."""
+    started, arrived, waited, began = times
+    label = f"{_MODES.get(head.batch.mode, '?')}/{head.batch.step}/{head.batch.index}"
+    who = "trainer" if place.first else f"stage{place.stage - 1}"
+    TRACER.add("receive", f"receive from {who} {sender[-4:]}", wall(started), wall(arrived), mb=label, bytes=size)
+    TRACER.add("wait: send slot", "wait", waited, began, mb=label)
+    done = time.time()
+    TRACER.add("send reply", f"send to {who} {sender[-4:]}", began, done, mb=label, bytes=reply)
+    TRACER.exchange("callee", sender, f"{label}/{head.epoch}/{head.seq}", wall(started), began)

@@ -20,6 +20,7 @@ import torch
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, RemoteError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import payload_to_tensors
 from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.codecs import switched_config
@@ -61,9 +62,10 @@ class StageRounds:
         """The reply (head, payload) to a step round or checkpoint request of `kind`."""
         self.state.ready()
         self.last_s = time.monotonic()
-        if kind == "gather":  # computing, and the exchange with the groups in between
-            return await self.combining.gather(head)
-        return await self.work.run(self._kept_or_timed, getattr(self, kind), head, payload)
+        with TRACER.span(kind, "step", step=int(head.step) if hasattr(head, "step") else -1):
+            if kind == "gather":  # computing, and the exchange with the groups in between
+                return await self.combining.gather(head)
+            return await self.work.run(self._kept_or_timed, getattr(self, kind), head, payload)
 
     def _kept_or_timed(self, handler, head, payload: bytes):
         joining = self.state.joining

@@ -28,6 +28,7 @@ from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
 from swarm.engine.microbatch import Kind
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import Announcer
 from swarm.transport.hivemind.flow.pacing import carrying, send_paced
 from swarm.transport.hivemind.net.events import EventLog
@@ -35,6 +36,7 @@ from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.streams import PROTOCOL, Requests
 from swarm.transport.hivemind.routing.router import Bans
 from swarm.transport.hivemind.stage.averaging import ReplicaAverager
+from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.state import PeerServices
 
@@ -339,7 +341,9 @@ class StageServer:
         pacer.arrived(sender, len(frame.payload))
 
         async def write(writer: asyncio.StreamWriter) -> None:
+            waited = time.time()
             async with hosted.sending.to(sender):
+                began = time.time()
                 result = pb.ResultHead(
                     kind=_KINDS[outcome.kind],
                     metrics=outcome.metrics,
@@ -350,6 +354,9 @@ class StageServer:
                 with carrying(flow, len(outcome.payload)):
                     for i, parts in enumerate(frame_parts(pb.StageReply, "micro_batch", result, outcome.payload)):
                         await send_paced(parts, writer, flow, self.node.egress, first=i == 0)
+            if TRACER.enabled:
+                times = (started, arrived, waited, began)
+                trace_exchange(hosted.place, head, sender, times, len(frame.payload), len(outcome.payload))
 
         return write
 

@@ -12,6 +12,7 @@ from protocols import wire
 from protocols.errors import RemoteError
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 
 
@@ -37,7 +38,8 @@ class StageWork:
         """`fn(*args)` (on the computing thread), its time counted as the stage's compute."""
         started = self.clock.start()
         try:
-            return fn(*args)
+            with TRACER.span(fn.__name__.strip("_"), "compute"):
+                return fn(*args)
         finally:
             self.clock.stop(started)
 
@@ -45,7 +47,8 @@ class StageWork:
 
     def forward(self, batch: MicroBatch, data, ends: LinkEnds) -> Message:
         started = self.clock.start()
-        message = self.state.runtime.forward(batch, data, ends)
+        with TRACER.span("forward", "compute", mb=batch.label):
+            message = self.state.runtime.forward(batch, data, ends)
         message.delivered()  # link state commits on encoding; a failed delivery resets the link
         if batch.mode is Mode.TRAIN:
             self.clock.stop(started, batch.size)
@@ -53,11 +56,17 @@ class StageWork:
 
     def backward(self, batch: MicroBatch, payload: bytes, metrics: dict, ends: LinkEnds) -> Message:
         started = self.clock.start()
-        gradient = wire.decode(payload, self.place.settings.limits.decode_limits)  # at the transport's edge
-        message = self.state.runtime.backward(batch, gradient, metrics, ends)
+        with TRACER.span("backward", "compute", mb=batch.label):
+            gradient = self.decode(payload, batch)  # at the transport's edge
+            message = self.state.runtime.backward(batch, gradient, metrics, ends)
         message.delivered()
         self.clock.stop(started)
         return message
+
+    def decode(self, payload, batch: MicroBatch):
+        """A payload's message, checked against this peer's limits (protocols.wire)."""
+        with TRACER.span("parse", "compute", mb=batch.label):
+            return wire.decode(payload, self.place.settings.limits.decode_limits)
 
     def resend(self, batch: MicroBatch, outbound: LinkEnd, message: Message) -> Message:
         """The same activations for a new link: re-encoded against its fresh state."""

@@ -30,6 +30,7 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.flow.ordering import Numbering
 from swarm.transport.hivemind.flow.pacing import FlowPacer
@@ -253,7 +254,9 @@ class SwarmPipeline:
         window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
 
         async def one(batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
+            waited = time.time()
             async with window:  # both locks are fair: micro-batches leave in the order given
+                TRACER.add("wait: in flight", "wait", waited, time.time(), mb=batch.label)
                 return await self._one(batch, inputs, order)
 
         results = await asyncio.gather(*(one(b, x) for b, x in items), return_exceptions=True)

@@ -30,6 +30,7 @@ from protocols.errors import RemoteError, TransportError, one_line
 from protocols.framing import Frame
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
@@ -112,7 +113,8 @@ class SwarmRounds:
         """Every peer sums its micro-batches' gradients, then with the peers that share them: the
         stage's replicas, and for a tied parameter (`wanted`) both stages' peers. Nothing comes
         back here: the trainer's traffic is the round itself."""
-        self.place.loop.run(self._gather())
+        with TRACER.span("gather", "step"):
+            self.place.loop.run(self._gather())
         return {}
 
     def _groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
@@ -224,7 +226,8 @@ class SwarmRounds:
                 total += frames[0].head.grad_sq_norm
             return total
 
-        return self.place.loop.run(run())
+        with TRACER.span("set_grads", "step"):
+            return self.place.loop.run(run())
 
     # ---- round 3: apply -------------------------------------------------------------------------
 
@@ -246,7 +249,8 @@ class SwarmRounds:
                     membership.drop(stage, peer, "it drained and leaves after this step", left=True)
             return lr
 
-        lr = self.place.loop.run(run())
+        with TRACER.span("apply", "step"):
+            lr = self.place.loop.run(run())
         self.hooks.step_done()
         return lr
 
