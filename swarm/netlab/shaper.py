@@ -4,10 +4,10 @@ For machines without root (no namespaces, no tc) and for the delay where the ker
 The sender calls it before writing each chunk of a payload to a libp2p stream:
 
     bucket = TokenBucket("20mbit", delay_s=0.01)       # or TokenBucket(20e6, burst_bytes=...)
-    await bucket.latency()                              # once per message: its one-way delay
+    line = DelayLine.of(writer, bucket.delay_s)         # swarm.netlab.delayline: the one-way delay
     for chunk in chunks:
         await bucket.consume(len(chunk))                # waits until the link has room for it
-        writer.write(chunk); await writer.drain()
+        line.put(chunk)                                 # on the wire now, at the reader 10 ms later
 
 or, for a stream that is an async iterator of chunks (what hivemind's streaming calls consume):
 
@@ -16,7 +16,6 @@ or, for a stream that is an async iterator of chunks (what hivemind's streaming 
 API
     TokenBucket(rate, burst_bytes=None, delay_s=0.0)       rate: bits/s or '20mbit' (rates.parse_rate)
         await .consume(nbytes) -> float   wait (s) so that the long-run rate is `rate`
-        await .latency()                  sleep the one-way delay (once per message)
         .stats() -> BucketStats           what it let through so far: bytes, calls (its own count)
         .set_rate(rate)                   a bandwidth change takes effect for the next bytes
     shaped(source, bucket, size=len) -> async iterator   rate + pipelined delay for a stream
@@ -29,11 +28,11 @@ bucket (several streams over one link) get the link's rate together, in the orde
 The default burst is ~4 ms of traffic but at least 4 frames, like the tbf qdisc of
 swarm.netlab.tc, so in-process and kernel shaping start the same way.
 
-Delay model: a link delays each byte by `delay_s` without slowing the rate. `latency()` before a
-message's first chunk is exact for request/response and for messages sent from separate
-coroutines; a coroutine that sends back-to-back messages without awaiting replies pays the delay
-once per message instead of once overall. `shaped()` is exact in both cases: a helper task takes
-chunks from the source at the rate and each is released `delay_s` after it left the bucket.
+Delay model: a link delays each byte by `delay_s` without slowing the rate, and without holding
+the sender: bytes go on a delay line (swarm.netlab.delayline) when they leave the bucket and reach
+the stream `delay_s` later, in order, while the sender goes on; `shaped()` does the same for a
+stream of chunks. (Sleeping the delay before each message instead would hold a sender that sends
+one message at a time to a peer to one message per delay.)
 
 Thread safety: the accounting is under a threading.Lock and no asyncio object is shared, so one
 bucket may serve several event loops (one bucket per shaped link direction).
@@ -108,11 +107,6 @@ class TokenBucket:
         if wait > 0:
             await asyncio.sleep(wait)
         return wait
-
-    async def latency(self) -> None:
-        """The one-way delay; call once per message, before its first chunk."""
-        if self.delay_s > 0:
-            await asyncio.sleep(self.delay_s)
 
     def stats(self) -> BucketStats:
         with self._lock:

@@ -42,6 +42,7 @@ from collections import Counter
 
 from hivemind.p2p import P2P
 
+from swarm.netlab.delayline import DelayLine
 from swarm.netlab.shaper import TokenBucket
 
 PAYLOAD_SHARE = 0.94  # payload bits per wire bit: what hivemind streams carry over a shaped link (docs/bench)
@@ -165,17 +166,16 @@ class FlowPacer:
         return flow
 
 
-async def send_paced(
-    parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None, first: bool = False
-) -> None:
+async def send_paced(parts, writer: asyncio.StreamWriter, flow: Flow | None, egress: TokenBucket | None = None) -> None:
     """Writes one protobuf message, serialized in `parts` (framing.frame_parts), to a hivemind stream
     as `P2P.send_protobuf` does, in pieces paced by `flow` and by `egress` (in-process shaping of all
-    this peer sends: its one-way delay before a payload's `first` message, then its rate). The
-    header leaves before the pieces: as on a real link, the receiver sees a payload begin at once
-    and end after its transfer time (the link meters time it from its first byte)."""
-    if egress is not None and first:
-        await egress.latency()
-    writer.write(P2P.MESSAGE_MARKER + sum(len(part) for part in parts).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    this peer sends: its rate, and its one-way delay, which every byte takes on a delay line without
+    holding the sender: swarm.netlab.delayline). The header leaves before the pieces: as on a real
+    link, the receiver sees a payload begin at once and end after its transfer time (the link meters
+    time it from its first byte)."""
+    line = DelayLine.of(writer, egress.delay_s) if egress is not None and egress.delay_s > 0 else None
+    write = line.put if line is not None else writer.write
+    write(P2P.MESSAGE_MARKER + sum(len(part) for part in parts).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
     if flow is None and egress is None:
         for part in parts:
             writer.write(part)
@@ -184,7 +184,7 @@ async def send_paced(
     owed = 0  # bytes of small parts written at once, charged to the next piece (one wake-up, not two)
     for i, part in enumerate(parts):
         if len(part) < MIN_PIECE_BYTES and i + 1 < len(parts):
-            writer.write(part)
+            write(part)
             owed += len(part)
             continue
         part, offset = memoryview(part), 0
@@ -195,7 +195,9 @@ async def send_paced(
             if egress is not None:
                 await egress.consume(len(piece) + owed)
             owed = 0
-            writer.write(piece)
-            await writer.drain()
+            write(piece)
+            if line is None:
+                await writer.drain()
             offset += len(piece)
-    await writer.drain()
+    if line is None:  # else the line drains as it writes: the bytes have left, their delay runs on
+        await writer.drain()

@@ -24,6 +24,7 @@ from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, RemoteError, short
 from protocols.framing import CHUNK_BYTES, Received, parse_message
 from protocols.version import STREAM
+from swarm.netlab.delayline import DelayLine
 from swarm.transport.hivemind.flow.pacing import send_paced
 
 PROTOCOL = STREAM  # the stream protocol of every stage call (protocols/stage.proto)
@@ -70,10 +71,14 @@ class PeerStream:
     async def send(self, messages, flow=None) -> None:
         """One request's messages, serialized in parts (framing.frame_parts), paced by `flow`
         (swarm.transport.hivemind.flow.pacing) when given."""
-        for i, parts in enumerate(messages):
-            await send_paced(parts, self.writer, flow, self.egress, first=i == 0)
+        for parts in messages:
+            await send_paced(parts, self.writer, flow, self.egress)
 
     async def end(self) -> None:
+        line = DelayLine.existing(self.writer)
+        if line is not None:  # after what is still on its way (swarm.netlab.delayline)
+            line.put(P2P.ERROR_MARKER + bytes(P2P.HEADER_LEN))  # P2P.END_OF_STREAM: an empty error
+            return
         await P2P.send_protobuf(P2P.END_OF_STREAM, self.writer)
 
     async def replies(self) -> AsyncIterator[Received]:

@@ -320,8 +320,8 @@ class StageServer:
         async def write(writer: asyncio.StreamWriter) -> None:
             sent = 0
             try:
-                for i, parts in enumerate(frame_parts(pb.StageReply, kind, head, payload)):
-                    await send_paced(parts, writer, None, self.node.egress, first=i == 0)
+                for parts in frame_parts(pb.StageReply, kind, head, payload):
+                    await send_paced(parts, writer, None, self.node.egress)
                 sent = len(payload)
             finally:
                 if done is not None:
@@ -352,8 +352,8 @@ class StageServer:
                 )
                 flow = pacer.flow(sender)
                 with carrying(flow, len(outcome.payload)):
-                    for i, parts in enumerate(frame_parts(pb.StageReply, "micro_batch", result, outcome.payload)):
-                        await send_paced(parts, writer, flow, self.node.egress, first=i == 0)
+                    for parts in frame_parts(pb.StageReply, "micro_batch", result, outcome.payload):
+                        await send_paced(parts, writer, flow, self.node.egress)
             if TRACER.enabled:
                 times = (started, arrived, waited, began)
                 trace_exchange(hosted.place, head, sender, times, len(frame.payload), len(outcome.payload))
