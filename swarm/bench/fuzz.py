@@ -19,7 +19,9 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from protocols.errors import ProtocolError
+from hivemind.p2p import PeerID
+
+from protocols.errors import ProtocolError, RemoteError
 from protocols.framing import read_frame
 from swarm.bench.fuzz_cases import Case, Cases, Target
 from swarm.transport.hivemind.net.streams import PeerStream
@@ -72,7 +74,11 @@ class Tally:
 
 async def send(p2p, peer_id: str, case: Case, limit_s: float) -> tuple[str, str]:
     """The peer's answer to one case: (outcome, detail)."""
-    stream = await PeerStream.open(p2p, peer_id)
+    if case.handler is not None:  # another handler than the stage protocol's
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), case.handler)
+        stream = PeerStream(reader, writer)
+    else:
+        stream = await PeerStream.open(p2p, peer_id)
     try:
         stream.writer.write(case.data)
         await stream.writer.drain()
@@ -85,6 +91,9 @@ async def send(p2p, peer_id: str, case: Case, limit_s: float) -> tuple[str, str]
         return "hung", ""
     except ProtocolError:  # the stream ended before a reply: the peer closed it
         return "closed", ""
+    except RemoteError as e:  # a hivemind handler's error reply
+        message = str(e)
+        return ("multi-line" if "\n" in message or not message else "refused"), message
     except (ConnectionError, OSError) as e:
         return "closed", str(e)[:80]
     finally:
@@ -115,8 +124,9 @@ async def campaign(
 
     async def one(i: int, stall: bool) -> None:
         target, maker = targets[i % len(targets)], makers[i % len(targets)]
-        case = maker.stall() if stall else maker.next()
         async with slots if not stall else contextlib.nullcontext():
+            # made when its turn comes: the peer's step as it is then, and no case held before
+            case = maker.stall() if stall else maker.next()
             started = time.monotonic()
             try:
                 sender = member if case.member else stranger

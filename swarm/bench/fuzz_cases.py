@@ -26,9 +26,12 @@ from protocols.framing import frame_parts
 from protocols.message import Encoded, Granularity, QuantPart, RawPart
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE
 from swarm.transport.hivemind.trust.admissions import issue
 from swarm.transport.hivemind.trust.signatures import sign_call
 
+# the replicas' all-reduce handler every stage peer registers (swarm.transport.hivemind.stage.averaging)
+AVERAGING_HANDLER = f"{AVERAGING_NAMESPACE}::ReplicaAverager.rpc_aggregate_part"
 # every call but the micro-batch (its own categories below)
 CONTROL_HEADS = {kind: call.request for kind, call in CALLS.items() if call.trust is not Trust.NEIGHBOUR}
 
@@ -73,6 +76,7 @@ class Case:
     stall: bool = False  # the fuzzer stops writing half-way and waits for the peer to close the stream
     hang_up: bool = False  # the fuzzer closes the stream at once (a truncated frame's end never comes)
     member: bool = False  # sent by the fuzzer's member (else by its stranger)
+    handler: str | None = None  # another p2p handler of the peer than the stage protocol's
     notes: dict = field(default_factory=dict)
 
 
@@ -104,10 +108,10 @@ class Cases:
     def _batch(self, step: int = 0, rows: int = 4) -> MicroBatch:
         return MicroBatch(step, self.rng.randrange(1 << 16), torch.arange(rows), torch.zeros(rows, dtype=torch.long))
 
-    def _head(self, admitted: bool, **fields) -> pb.MicroBatchHead:
+    def _head(self, admitted: bool, step: int | None = None, **fields) -> pb.MicroBatchHead:
         t = self.t
         sender = t.member_id if admitted else t.stranger_id
-        batch = self.batch = self._batch(t.step() if admitted else 0)
+        batch = self.batch = self._batch(step if step is not None else t.step() if admitted else 0)
         head = pb.MicroBatchHead(to=address(t.run_id, t.stage), sender=sender, batch=batch_to_meta(batch), budget_s=5)
         for name, value in fields.items():
             setattr(head, name, value)
@@ -239,8 +243,8 @@ class Cases:
             payload = message.SerializeToString()
         elif which == 5:
             payload = self._bytes(self.rng.randint(1, 2048))
-        self._epoch += 1
-        head = self._head(True, epoch=self._epoch if self.rng.random() < 0.95 else (1 << 64) - 1)
+        epoch = self._next_epoch()
+        head = self._head(True, epoch=epoch if self.rng.random() < 0.95 else (1 << 64) - 1)
         return Case("member's bad payload", request_bytes("micro_batch", head, self._carrying(payload)), member=True)
 
     def _carrying(self, body: bytes) -> bytes:
@@ -256,6 +260,32 @@ class Cases:
             carried.targets.stored = self.rng.choice(["float32", "int64", "uint16", "bogus"])
             return envelope.pack(carried, rest)
         return payload
+
+    def zeros_after_refusal(self) -> Case:
+        """A stranger's refused micro-batch, then zeros: what the peer drains after a refusal must
+        not cost it more than the bytes (zeros frame as empty messages)."""
+        head = self._head(False)
+        refused = request_bytes("micro_batch", head, micro_batch_payload(self.batch, inputs=torch.zeros(4, 8)))
+        return Case("zeros after a refusal", refused + bytes(self.rng.choice([1 << 16, 1 << 20])))
+
+    def stale_micro_batch(self) -> Case:
+        """A member's well-formed micro-batch of a past step (a replay): refused as the message's
+        fault, so its sender's upstream never takes the peer for unavailable."""
+        step = self.t.step()
+        if step == 0:  # no past step yet
+            return self.random_bytes()
+        head = self._head(True, step=self.rng.randrange(step), epoch=self._next_epoch())
+        return Case("member's past micro-batch", request_bytes("micro_batch", head, self._activations()), member=True)
+
+    def averaging_length(self) -> Case:
+        """The replicas' all-reduce handler (hivemind's wire format) with an absurd message length."""
+        length = self.rng.randint(4 << 20, 1 << 40)
+        data = P2P.MESSAGE_MARKER + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(1 << 16)
+        return Case("all-reduce's absurd length", data, handler=AVERAGING_HANDLER)
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
 
     def stall(self) -> Case:
         """The member's micro-batch, admitted, whose payload stops coming half-way."""
@@ -276,6 +306,9 @@ class Cases:
                 self.control,
                 self.member_payload,
                 self.big_head,
+                self.zeros_after_refusal,
+                self.stale_micro_batch,
+                self.averaging_length,
             ],
-            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1],
+            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1, 1, 1, 1],
         )[0]()

@@ -95,10 +95,13 @@ class ThroughputRow:
         return from_flat_json(cls, flat)
 
 
-def step_round_trips(config: dict) -> int:
-    """Round trips from the trainer to every stage after a step's last micro-batch (swarm.engine.step
-    over swarm.transport.hivemind.trainer.rounds): gather and apply, and set_grads for the norm when
-    gradients are clipped."""
+def step_round_trips(config: dict, summary: dict | None = None) -> int:
+    """Round trips from the trainer to every stage after a step's last micro-batch: none when every
+    step of the run closed on the way (swarm.transport.hivemind.trainer.closing); else the rounds'
+    (swarm.engine.step over swarm.transport.hivemind.trainer.rounds): gather and apply, and
+    set_grads for the norm when gradients are clipped."""
+    if summary is not None and summary.get("steps") and summary.get("closed_on_the_way") == summary["steps"]:
+        return 0
     return 2 + (config.get("optimizer", {}).get("grad_clip") is not None)
 
 
@@ -202,7 +205,7 @@ def measure_run(
         input_bytes,
         download_limited,
         delay_s,
-        step_round_trips(config),
+        step_round_trips(config, next((r for r in rows if r["type"] == "summary"), None)),
     )
     return {
         "samples_per_s": achieved,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.bench.fluid import StepModel, max_min_rates, simulate
+from swarm.bench.throughput_figures import step_round_trips
 
 MIB = 2**20
 
@@ -79,6 +80,13 @@ def test_every_hop_adds_its_delay_and_the_step_rounds_two_each():
     assert simulate(model).step_s == pytest.approx(alone + 4 * 0.05)
     rounds = StepModel(2, 1, 1, 1, [500_000], [250_000], [0.1, 0.2], rate, 100_000, delay_s=0.05, round_trips=3)
     assert simulate(rounds).step_s == pytest.approx(alone + 4 * 0.05 + 3 * 2 * 0.05)
+
+
+def test_a_run_whose_steps_all_closed_on_the_way_has_no_step_rounds():
+    config = {"optimizer": {"grad_clip": 1.0}}
+    assert step_round_trips(config) == 3
+    assert step_round_trips({"optimizer": {}}, {"steps": 9, "closed_on_the_way": 8}) == 2
+    assert step_round_trips(config, {"steps": 9, "closed_on_the_way": 9}) == 0
 
 
 def test_latency_caps_a_pipeline_of_few_micro_batches_in_flight():

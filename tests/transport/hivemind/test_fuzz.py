@@ -48,6 +48,11 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         reasons = " ".join(tally.reasons["member's bad payload"])
         assert "malformed payload" in reasons and "banned" in reasons, reasons
         assert not any("finite" in r or "banned" in r for r in tally.reasons["stranger's micro-batch"])
+        # a member's replay of a past step is refused as the message's fault (its upstream keeps the peer)
+        assert any("micro-batch of a past" in r for r in tally.reasons["member's past micro-batch"])
+        # the all-reduce handler refuses an absurd length before reading it
+        assert any("a message of _ bytes" in r for r in tally.reasons["all-reduce's absurd length"])
+        assert tally.counts["zeros after a refusal"]["refused"] > 0
         assert tally.counts["stalled stream"]["refused"] + tally.counts["stalled stream"]["closed"] == 4
         assert max_rss_mib() - rss < MEMORY_BOUND_MIB
         assert all(h.runtime is not None and h.meters.processed > 0 for h in hosted)  # every peer still serves

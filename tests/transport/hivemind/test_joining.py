@@ -155,6 +155,7 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
         assert joiner.state.joined is not None and joiner.state.joined[0] == 2 and joiner.state.joined[1] > 0
         assert joiner.meters.processed == run.cfg.train.micro_batches and joiner.state.steps == STEPS
         assert hosted[1].source.served == 1 and not pipeline.following
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
         status = joiner.status()
         assert status.role == "serving" and status.state_bytes_in == joiner.state.joined[1] and status.joined_step == 2
@@ -195,6 +196,7 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         now = pipeline.link_bytes()  # what the dead peer sent before it died still counts
         key = "boundary1.forward.train"
         assert now[key] >= sent[key] + _forward_sent(joiner) - joiner_sent > sent[key]
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _close_to(joiner, run.local, 1)
     finally:
         run.close()
@@ -216,6 +218,7 @@ def test_a_joiner_killed_while_it_follows_is_left_out(swarm):
         for n in range(2, STEPS):
             run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id] and not pipeline.following
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _close_to(hosted[1], run.local, 1)
         release.set()
     finally:
@@ -245,6 +248,7 @@ def test_a_replica_killed_inside_the_step_rounds_is_left_out(swarm):
         for n in range(2, STEPS):
             run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id]
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _close_to(hosted[1], run.local, 1)
     finally:
         run.close()
@@ -267,6 +271,7 @@ def test_a_source_killed_during_the_download_and_a_busy_one_the_joiner_gets_its_
         for n in range(3, STEPS):
             run.step(n)
         assert run.node.peer_id not in run.pipeline.members[1] and hosted[1].source.served == 1
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert joiner.state.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
     finally:
         run.close()
@@ -311,6 +316,7 @@ def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_
         run.kill()
         for n in range(2, STEPS):
             run.step(n)
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _close_to(hosted[1], run.local, 1)
     finally:
         run.close()
@@ -334,6 +340,7 @@ def test_the_last_peer_of_a_stage_waits_for_another_before_it_leaves(swarm):
         left.result(timeout=30)
         assert pipeline.members[1] == [joiner.node.peer_id]
         run.step(4)
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert _close_to(joiner, run.local, 1)
     finally:
         run.close()
@@ -363,6 +370,7 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
                 killer.join()
         assert pipeline.members[1] == [run.hosted[1].node.peer_id, joiner.node.peer_id]
         _wait("the joiner serves", lambda: joiner.role == "serving")
+        run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert joiner.state.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
     finally:
         run.close()

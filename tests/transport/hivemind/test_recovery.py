@@ -135,7 +135,7 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
     [
         ("between steps", "topk:0.2|topk:reuse", 6),
         ("at a micro-batch", "topk:0.2|topk:reuse", 6),
-        ("inside a step round", "topk:0.2|topk:reuse", 6),
+        ("as a step closes", "topk:0.2|topk:reuse", 6),
         ("during a snapshot", "topk:0.2|topk:reuse", 6),
         # error feedback: the copies carry the link ends in use, so the new pairs go on from them
         ("between steps", "topk:0.1+ef21|topk:0.1+ef21", 6),
@@ -153,8 +153,8 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
             hooks[7] = lambda: (run.kill(), run.replace(2.0))
         elif moment == "at a micro-batch":  # the second micro-batch of step 8 is inside it
             _kill_inside(run, run.mortal.chain, "run", lambda head, *_: head.batch.step == 7 and head.batch.index == 1)
-        elif moment == "inside a step round":  # step 8's gradients are being gathered
-            _kill_inside(run, run.mortal.rounds, "handle", lambda kind, head, _: kind == "gather" and head.step == 7)
+        elif moment == "as a step closes":  # step 8 is applied on the way (step 9's first micro-batch brought it)
+            _kill_inside(run, run.mortal.chain.closing, "decided", lambda decision: decision.step == 7)
         else:  # step 9's copies are being taken: the newest complete ones are step 6's
             _kill_inside(run, run.mortal.snapshots, "snapshot", lambda head, _: head.step == 9 and not head.discard)
         results = _Hooked(hooks)

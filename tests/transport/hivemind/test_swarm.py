@@ -15,8 +15,9 @@ import zlib
 
 import pytest
 import torch
-from _swarm_env import assert_same_run, local_rows, smoke, split_batches, swarm_rows
+from _swarm_env import STEPS, assert_same_run, local_rows, smoke, split_batches, swarm_rows
 from _util import frame
+from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
@@ -41,9 +42,12 @@ from swarm.transport.hivemind.net.meta import (
 )
 from swarm.transport.hivemind.net.node import DAEMON_THREADS, NodeOptions, SwarmNode
 from swarm.transport.hivemind.net.streams import PeerStream
+from swarm.transport.hivemind.stage.closing import DECISION
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+from swarm.transport.hivemind.trust.sealed import seal
+from swarm.transport.hivemind.trust.signatures import Refused
 
 CODECS = [
     ("none", "none"),
@@ -71,6 +75,59 @@ def test_oracle_with_clipping_and_two_peers_on_a_stage(swarm, tmp_path):
     )
     rows = swarm_rows(swarm, cfg, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
     assert_same_run(rows, local_rows(cfg, tmp_path))
+    summary = rows[-1]  # two peers on a stage sum their gradients: every step closes by the rounds
+    assert summary["closed_on_the_way"] == 0 and summary["round_calls"]["gather"] == 4 * summary["steps"]
+
+
+def test_a_step_closes_on_the_way_with_the_same_floats(swarm, tmp_path):
+    """One peer per stage, clipping on: no round trip after any step (the norms come back with the
+    replies, the owner's decision goes out with the next micro-batches), and the losses of one process."""
+    cfg = smoke(
+        "model.num_stages=4",
+        "optimizer.grad_clip=0.05",
+        "compression.forward=quant:4+ef",
+        "compression.backward=quant:4",
+    )
+    rows = swarm_rows(swarm, cfg)
+    assert_same_run(rows, local_rows(cfg, tmp_path))
+    summary = rows[-1]
+    assert summary["closed_on_the_way"] == summary["steps"] == STEPS
+    assert summary["round_calls"] == {}  # not one gather, set_grads or apply round
+
+
+def test_only_the_owners_decision_closes_a_step(swarm):
+    """The last step's decision is pending (no micro-batch brought it yet): one signed by another key
+    is refused in one line and changes nothing; the owner's is applied once; settling then asks
+    every peer by a round, and each answers with what it did."""
+    cfg = smoke("model.num_stages=2")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1)])
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 2, data)
+        for items in split_batches(cfg, data, 2):  # (train() would evaluate after the last: that brings it)
+            pipeline.run_many(items)
+            pipeline.step()
+        decision = pipeline.closing.pending
+        assert decision is not None and decision.step == 1 and [h.state.steps for h in hosted] == [1, 1]
+        forged = pb.StepDecision()
+        forged.CopyFrom(decision)
+        seal(RSAPrivateKey(), forged, DECISION)
+        closing = hosted[1].chain.closing
+        with pytest.raises(Refused, match="not signed by the run's owner"):
+            swarm.loop.run(closing.decided(forged))
+        before = [p.detach().clone() for p in hosted[1].runtime.module.parameters()]
+        assert hosted[1].state.steps == 1
+        swarm.loop.run(closing.decided(decision))
+        swarm.loop.run(closing.decided(decision))  # a second micro-batch with it: applied once
+        assert hosted[1].state.steps == 2
+        after = list(hosted[1].runtime.module.parameters())
+        assert any(not torch.equal(p, q) for p, q in zip(before, after, strict=True))
+        pipeline.settle()  # stage 0 applies by the round; stage 1 answers as it did
+        assert [h.state.steps for h in hosted] == [2, 2] and pipeline.closing.pending is None
+        assert pipeline.rounds.calls["apply"] == 2
+    finally:
+        swarm.unhost(run_id)
 
 
 # ---- discovery and status ---------------------------------------------------------------------

@@ -178,13 +178,30 @@ class Requests:
                 return
             yield parse_message(pb.StageRequest, data)
 
-    async def drain(self, timeout: float) -> None:
-        """Reads and drops what is left of a refused request until the caller ends or closes the
-        stream (bounded), so the error reply is not cut short by closing under it."""
+    async def drain(self, timeout: float, limit: int) -> None:
+        """Reads and drops what is left of a refused request until the caller ends the stream (its
+        end marker) or closes it, so the error reply is not cut short by closing under it: at most
+        `limit` bytes in as many messages as a request of that size has, within `timeout`. Messages
+        are skipped unparsed, and one of no bytes ends the drain (no request has one): a flood of
+        zeros reads as a stream of empty messages, and parsing those without yielding to the event
+        loop once froze a stage peer for 30 s (64 zero-filled 2 MiB payloads)."""
+        most = limit // CHUNK_BYTES + 4
+        begun, self._begun = self._begun, False
         with contextlib.suppress(Exception):
-
-            async def drain():
-                async for _ in self.messages():
-                    pass
-
-            await asyncio.wait_for(drain(), timeout)
+            async with asyncio.timeout(timeout):
+                dropped = 0
+                for _ in range(most):
+                    marker = P2P.MESSAGE_MARKER if begun else await self.reader.readexactly(1)
+                    begun = False
+                    if marker != P2P.MESSAGE_MARKER:
+                        return  # the caller's end marker (or garbage)
+                    length = int.from_bytes(await self.reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                    if not length or dropped + length > limit:
+                        return
+                    dropped += length
+                    while length:
+                        chunk = await self.reader.read(min(length, 1 << 16))
+                        if not chunk:
+                            return
+                        length -= len(chunk)
+                    await asyncio.sleep(0)

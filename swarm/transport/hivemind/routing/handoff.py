@@ -101,6 +101,8 @@ class Handoff:
         offer: Callable[[str], float] | None = None,
         proof: pb.StepProof | None = None,
         inputs=None,
+        closing: int = 0,
+        decision: pb.StepDecision | None = None,
     ) -> tuple[Frame, str, tuple[int, int]]:
         """The reply to `batch` with its activations `body` (numbered `sent` on the link to
         `record`'s peer), the peer that gave it and the number the payload had on that link.
@@ -110,7 +112,8 @@ class Handoff:
 
         With a `deadline` every try gets what is left of it; without, each gets the call timeout
         (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
-        can take back from it (pacing); `proof`: the owner's word of the run's step, handed on."""
+        can take back from it (pacing); `proof`: the owner's word of the run's step, handed on, as
+        are `closing` and `decision` (a step closed on the way: swarm.transport.hivemind.stage.closing)."""
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
         tried: set[str] = set()
@@ -136,6 +139,9 @@ class Handoff:
                 head.admission.CopyFrom(admission)
             if proof is not None:
                 head.step_proof.CopyFrom(proof)
+            head.closing = closing
+            if decision is not None and decision.ByteSize():
+                head.decision.CopyFrom(decision)
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
             exchange = Exchange(

@@ -25,13 +25,15 @@ from typing import AsyncIterator  # noqa: UP035  ServicerBase reads rpc_* hints 
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import AllreduceException
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
 from protocols.errors import one_line
+from swarm.transport.hivemind.net.bounded_handler import add_bounded_handlers
 
+AVERAGING_NAMESPACE = "hivepipe.average"  # the p2p handler's namespace: every stage peer's averager
 # Tensors travel as float64 (twice float32's bytes) so that a member's result is exact: see `sum`.
 WIRE_DTYPE = torch.float64
 REMEMBERED_GROUPS = 4096  # finished group ids kept: a late stream for one is refused at once
@@ -40,6 +42,9 @@ REMEMBERED_GROUPS = 4096  # finished group ids kept: a late stream for one is re
 # cost the whole timeout, as nothing of ours goes to it.
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 5.0
+# A member's message carries one part (at most DEFAULT_PART_SIZE_BYTES of values, the runner's
+# default) and a few fields: anything much longer is not a part, and is refused before it is read.
+MAX_PART_MESSAGE_BYTES = 2 * DEFAULT_PART_SIZE_BYTES + (64 << 10)
 
 
 class AveragingError(RuntimeError):
@@ -113,7 +118,8 @@ class ReplicaAverager(ServicerBase):
         self._started = False
 
     async def start(self) -> None:
-        await self.add_p2p_handlers(self.p2p, namespace=self.namespace)
+        # hivemind's handler would read a message of any declared length (net.bounded_handler)
+        await add_bounded_handlers(self, self.p2p, self.namespace, MAX_PART_MESSAGE_BYTES)
         self._started = True
 
     async def stop(self) -> None:

@@ -31,6 +31,7 @@ from swarm.transport.hivemind.flow.pacing import FlowPacer
 from swarm.transport.hivemind.net.meta import meta_to_batch, raw_to_tensor
 from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import RoutingPolicy
+from swarm.transport.hivemind.stage.closing import Closing
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
@@ -60,9 +61,11 @@ class Chain:
         handoff: Handoff | None,
         pacer: FlowPacer,
         serving: Callable[[MicroBatch, pb.StepProof], None],
+        closing: Closing,
     ) -> None:
         self.place, self.state, self.meters, self.work = place, state, meters, work
         self.links, self.handoff, self.pacer, self.serving = links, handoff, pacer, serving
+        self.closing = closing  # steps closed on the way: norms reported, decisions applied
         self.link_grace = place.settings.streams.link_grace_s  # a new link epoch waits this long for its first message
         self.policy = RoutingPolicy.of(place.settings)  # the throughput this peer announces
         self.ordinals = Ordinals()
@@ -82,6 +85,8 @@ class Chain:
                 pb.NOT_READY,
             )
         batch, carried, body = _unpack(head, payload)
+        if head.HasField("decision"):  # the last step closes here first (the owner's word)
+            await self.closing.decided(head.decision)
         self.serving(batch, head.step_proof)
         # from arrival: the sender's clock runs meanwhile
         settings = self.place.settings
@@ -101,6 +106,7 @@ class Chain:
             self.meters.left(done)
             if self.attempts.get(batch.key) is attempt:
                 del self.attempts[batch.key]
+        outcome.metrics = await self.closing.finished(batch, head.closing, outcome.metrics)
         return outcome
 
     async def _chain(
@@ -153,9 +159,7 @@ class Chain:
             if record is None:  # the last stage: gradient (training) or metrics (eval)
                 self._measure(batch, time.perf_counter() - started)
                 return Outcome(message.kind, message.payload, dict(message.metrics), [place.peer_id])
-            return await self._downstream(
-                batch, message, record, sent, ticket, started, deadline, used, attempt, head.step_proof
-            )
+            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used, attempt, head)
         finally:
             if ticket is not None:
                 await self.ordinals.finish(ticket)
@@ -171,10 +175,11 @@ class Chain:
         deadline: float,
         used: list,
         attempt: object,
-        proof: pb.StepProof,
+        head: pb.MicroBatchHead,
     ) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
-        runs our backward."""
+        runs our backward. What the head says of the run (the owner's step proof, a step closed on
+        the way) goes on with them."""
         place, links, work = self.place, self.links, self.work
         elapsed = time.perf_counter() - started
 
@@ -201,7 +206,9 @@ class Chain:
             again,
             deadline=deadline,
             offer=lambda peer: self.pacer.offer(peer, more),
-            proof=proof,
+            proof=head.step_proof,
+            closing=head.closing,
+            decision=head.decision,
         )
         result, reply = frame.head, frame.payload
         route = [place.peer_id, *result.route]

@@ -30,6 +30,7 @@ from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
+from swarm.transport.hivemind.stage.closing import Closing
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.stage.links import NeighbourLinks
@@ -81,8 +82,11 @@ class HostedStage:
         self.handoff = None if place.last else self._handoff()
         if self.handoff is not None:
             self.links.on_restart = self.handoff.restart
-        self.chain = Chain(place, state, self.meters, self.work, self.links, self.handoff, self.pacer, self.serving)
         self.rounds = StageRounds(place, state, self.work, self.links, self.handoff, self.peer)
+        closing = Closing(place, state, self.work, self.rounds, self.gate)
+        self.chain = Chain(
+            place, state, self.meters, self.work, self.links, self.handoff, self.pacer, self.serving, closing
+        )
         self.source = StateSource(place, state, self.work)  # its state for joiners
         self.snapshots = Snapshots(place, state, self.work, self.links, self.handoff, self.gate, self.peer, self.rounds)
         self._setup_lock = asyncio.Lock()
@@ -225,6 +229,12 @@ class HostedStage:
         state = self.state
         if state.joining is not None or state.leaving:
             raise RemoteError(f"stage {self.stage} peer is {state.role}: it takes no micro-batch", pb.UNAVAILABLE)
+        if batch.step < state.steps:  # the sender's mistake (or replay), not this peer's: refused, and
+            # its upstream does not take this peer for unavailable (it may be the stage's only one)
+            raise RemoteError(
+                f"a micro-batch of a past step: stage {self.stage} peer is at step {state.steps}, micro-batch {batch.key}",
+                pb.REFUSED,
+            )
         if batch.step != state.steps:
             shown = proof is not None and self.gate.step_shown(proof, state.session_id, batch.step)
             if batch.step > state.steps and shown:

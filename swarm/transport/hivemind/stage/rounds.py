@@ -50,7 +50,9 @@ class StageRounds:
             handoff,
             peer,
         )
-        self.applied: tuple[int, pb.ApplyReply] | None = None  # the last apply: (step, its reply)
+        # the last apply: ((the state's generation, step), its reply); a state restored to an earlier
+        # step is a new generation, whose apply of the same step is a new one
+        self.applied: tuple[tuple[int, int], pb.ApplyReply] | None = None
         self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
         self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
         self.combining = Combining(place, state, work, peer)  # the gather round: with the peers that share gradients
@@ -86,7 +88,7 @@ class StageRounds:
 
     def apply(self, head: pb.ApplyRequest, payload: bytes) -> tuple[pb.ApplyReply, bytes]:
         state, stage = self.state, self.place.stage
-        if self.applied is not None and self.applied[0] == head.step:
+        if self.applied is not None and self.applied[0] == (state.generation, head.step):
             return self.applied[1], b""
         state.at(head.step, "the apply round")
         cfg, changed = switched_config(state.cfg, stage, head.codecs)  # checked before anything changes
@@ -100,7 +102,7 @@ class StageRounds:
         reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=state.leaving)
         self.told_leaving = state.leaving
         state.stepped()
-        self.applied = (head.step, reply)
+        self.applied = ((state.generation, head.step), reply)
         if changed:  # adaptive compression: new codecs from the next step on
             state.switched(cfg)
             for boundary in changed:

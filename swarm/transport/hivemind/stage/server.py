@@ -33,16 +33,15 @@ from swarm.transport.hivemind.dht.announce import Announcer
 from swarm.transport.hivemind.flow.pacing import carrying, send_paced
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.net.streams import PROTOCOL, Requests
+from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests
 from swarm.transport.hivemind.routing.router import Bans
-from swarm.transport.hivemind.stage.averaging import ReplicaAverager
+from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
 from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.state import PeerServices
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
-AVERAGING_NAMESPACE = "hivepipe.average"  # the all-reduce's p2p handler (swarm.transport.hivemind.stage.averaging)
 MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
 
 
@@ -242,7 +241,7 @@ class StageServer:
                 log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
                 error = pb.ErrorReply(message=one_line(e), code=_code(e))
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
-                await requests.drain(self.settings.streams.drain_s)
+                await requests.drain(self.settings.streams.drain_s, self._limit(kind) + MAX_MESSAGE_BYTES)
                 return False
             await asyncio.wait_for(reply(writer), self.settings.calls.call_timeout_s)  # a caller that stops reading
             return True

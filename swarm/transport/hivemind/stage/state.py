@@ -78,6 +78,7 @@ class StageState:
         self.joining = None  # stage.joining.Joining while it catches up after joining mid-run
         self.joined: tuple[int, int, float] | None = None  # (step, state bytes, seconds) of its join
         self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
+        self.generation = 0  # bumped when the state starts afresh or goes back: its steps count anew
 
     @property
     def session_id(self) -> str:
@@ -110,6 +111,7 @@ class StageState:
         self.joined = None
         self.cfg = self.configured
         self.runtime, self.session, self.tied, self.steps = runtime, session, list(tied), 0
+        self.generation += 1
 
     def follow(self, joining) -> None:
         """Set up mid-run: it catches up (`joining`) before it serves."""
@@ -131,6 +133,7 @@ class StageState:
     def restored(self, cfg: ExperimentConfig, step: int) -> None:
         """A checkpoint or copy of `step` was installed, with `cfg`'s codecs."""
         self.cfg, self.steps = cfg, step
+        self.generation += 1
 
     def switched(self, cfg: ExperimentConfig) -> None:
         """Adaptive compression: `cfg`'s codecs from the next step on."""

@@ -5,7 +5,8 @@ The trainer owns data and schedule: it sends micro-batches to stage-0 peers (eac
 micro-batch through the stages and back: swarm.transport.hivemind.stage.chain), several at once
 and numbered on each link so every stage processes them in the trainer's order. After the last
 micro-batch of a step it runs the synchronous step (swarm.engine.step) across every stage peer
-(`rounds`). At each step boundary it sets up the peers that announced themselves for the run since
+(`rounds`), or, when it can, the step closes on the way, with no round trip
+(swarm.transport.hivemind.trainer.closing). At each step boundary it sets up the peers that announced themselves for the run since
 (`admit`): each joins as a replica that first downloads its stage's state from a peer in service
 (swarm.transport.hivemind.stage.joining) and follows the step rounds until it serves.
 """
@@ -19,18 +20,15 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
-from protocols.errors import RemoteError, TransportError
+from protocols.errors import RemoteError, TransportError, one_line
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
-from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
-from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.flow.ordering import Numbering
 from swarm.transport.hivemind.flow.pacing import FlowPacer
@@ -43,6 +41,8 @@ from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.closing import StepClosing
+from swarm.transport.hivemind.trainer.dispatch import Dispatch
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import StepHooks, SwarmRounds, codec_changes
@@ -90,6 +90,11 @@ class SwarmPipeline:
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
+        fixed_codecs = self.adaptive is None
+        self.closing = StepClosing(place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs)
+        self.dispatch = Dispatch(
+            place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight
+        )
         # the swarm's copies of every stage, every few steps
         self.recovery = Recovery(
             place, membership, position, self.rounds, self.adaptive, self.setups.set_up, self.went_back, snapshot_every
@@ -183,13 +188,22 @@ class SwarmPipeline:
         resume = None if self.fresh else await self.recovery.resume_point(available)
 
         async def one(stage: int, peer_id: str):
-            return stage, peer_id, await self.setups.set_up(stage, peer_id)
+            try:
+                return stage, peer_id, await self.setups.set_up(stage, peer_id)
+            except TransportError as e:  # gone, its record not yet expired: left out if its stage has another
+                return stage, peer_id, e
 
         replies = await asyncio.gather(
             *(one(s, r.peer_id) for s, records in found.items() for r in records if not r.leaving)
         )
         members: dict[int, list[str]] = defaultdict(list)
         for stage, peer_id, reply in replies:
+            if isinstance(reply, TransportError):
+                if not any(s == stage and not isinstance(r, TransportError) for s, _, r in replies):
+                    raise reply
+                self.router.failed(peer_id)
+                log.warning("stage %d peer %s left out: %s", stage, peer_id[-8:], one_line(reply))
+                continue
             members[stage].append(peer_id)
             if reply.tied and not self.tied:
                 self.place.tied[:] = [
@@ -220,7 +234,7 @@ class SwarmPipeline:
         return self.membership.serving(stage)
 
     async def admit(self) -> list[tuple[int, str]]:
-        return await self.setups.admit()
+        return await self.setups.admit(settle=self.closing.settle)
 
     def drop(self, stage: int, peer: str, why: str, left: bool = False) -> None:
         self.membership.drop(stage, peer, why, left)
@@ -230,7 +244,8 @@ class SwarmPipeline:
     def run_many(self, items) -> list[dict[str, float]]:
         """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time."""
         items = list(items)
-        return self._mended(lambda: self.loop.run(self._run_many(items)))
+        self.accounts.step_statuses = None
+        return self._mended(lambda: self.loop.run(self.dispatch.run_many(items)))
 
     def _mended(self, work):
         """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
@@ -247,56 +262,32 @@ class SwarmPipeline:
 
     async def run_again(self, indices: list[int]) -> None:
         """This step's micro-batches `indices` once more (a peer that ran them left)."""
-        await self._run_many([self.position.sent[i] for i in indices])
-
-    async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
-        self.accounts.step_statuses = None
-        window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
-
-        async def one(batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
-            waited = time.time()
-            async with window:  # both locks are fair: micro-batches leave in the order given
-                TRACER.add("wait: in flight", "wait", waited, time.time(), mb=batch.label)
-                return await self._one(batch, inputs, order)
-
-        results = await asyncio.gather(*(one(b, x) for b, x in items), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
-
-    async def _one(self, batch: MicroBatch, inputs: torch.Tensor, order: asyncio.Lock) -> dict[str, float]:
-        async with order:  # numbers are taken in the order the micro-batches were given
-            record = await self.handoff.choose(self.session)
-            sent = self.numbering.take(record.peer_id)
-
-        async def again(peer: str) -> tuple[tuple[int, int], bytes]:
-            return self.numbering.take(peer), b""  # raw inputs, carried: valid on any link
-
-        proof = self.owner.step_proof(self.session, batch.step)
-        frame, _, _ = await self.handoff.send(batch, record, sent, b"", self.session, again, proof=proof, inputs=inputs)
-        result = frame.head
-        if result.kind != pb.DONE:
-            raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
-        if len(result.route) != self.num_stages:
-            raise RuntimeError(
-                f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {self.num_stages}"
-            )
-        if batch.mode is Mode.TRAIN:
-            self.position.finished(batch, inputs, result.route)
-            for stage, peer_id in enumerate(result.route):
-                self.membership.served(peer_id)  # it served a micro-batch: it is in service
-                if peer_id not in self.members.get(stage, []) and self.owner.issued(self.session, peer_id, stage):
-                    self.membership.add(stage, peer_id)  # (a stage's word alone makes no one a member)
-        return dict(result.metrics)
+        await self.dispatch.run_many([self.position.sent[i] for i in indices], again=True)
 
     # ---- the synchronous step ----------------------------------------------------------------
 
     def step(self) -> float:
-        return self._mended(lambda: synchronous_step(self.rounds, self.tied, self.cfg.optimizer.grad_clip))
+        """The step's learning rate: the step closed on the way when it could (trainer.closing),
+        else by the rounds."""
+        grad_clip = self.cfg.optimizer.grad_clip
+        lr = self.closing.close(self.step_index, grad_clip, self.handoff.retries)
+        if lr is not None:
+            self._mended(self.step_done)
+            return lr
+        return self._mended(lambda: synchronous_step(self.rounds, self.tied, grad_clip))
+
+    def settle(self) -> None:
+        """Every stage applies the last step now (a step closed on the way is applied when the next
+        one's micro-batches arrive)."""
+        self._mended(lambda: self.loop.run(self.closing.settle()))
+
+    def settled(self, work):
+        """`work()` once every stage applied the last step (its decision may be pending)."""
+        return self._mended(lambda: (self.loop.run(self.closing.settle()), work())[1])
 
     def snapshot(self, step: int, position: dict) -> None:
-        self._mended(lambda: self.loop.run(self.recovery.snapshot(step, position)))
+        if self.recovery.due(step):
+            self.settled(lambda: self.loop.run(self.recovery.snapshot(step, position)))
 
     def resumed(self) -> dict | None:
         return self._resumed
@@ -304,18 +295,20 @@ class SwarmPipeline:
     def finish(self) -> None:
         """The run is done: the copies the swarm kept of it go."""
         self._state = "finished"
+        self.loop.run(self.closing.settle())
         self.loop.run(self.recovery.discard())
 
     def went_back(self, step: int) -> None:
         """Every stage was restored to `step` (a checkpoint or the swarm's copies): every link
         restarts (new epochs) and this step starts over."""
         self.position.went_back(step)
+        self.closing.forget()
         self.following.clear()
         self.numbering.clear()
 
     def step_done(self) -> None:
         self.position.next_step()
-        self.loop.run(self.setups.admit())
+        self.loop.run(self.setups.admit(settle=self.closing.settle))
 
     async def adapt(self) -> list[pb.BoundaryCodecs]:
         """compression.adaptive: the boundaries whose codecs change from the next step on (every
@@ -346,6 +339,8 @@ class SwarmPipeline:
         """The summary row's account of the swarm's copies and pauses, the step rounds' payload
         bytes, and of adaptive compression: every change, and the latest decisions."""
         notes = {**self.recovery.notes(), "round_bytes": dict(self.rounds.payload_bytes)}
+        notes["round_calls"] = dict(self.rounds.calls)
+        notes["closed_on_the_way"] = self.closing.closed
         if self.adaptive is None:
             return notes
         decisions = {str(b): d.describe() for b, d in sorted(self.adaptive.last.items())}
@@ -375,7 +370,7 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
-        self._mended(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
+        self.settled(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
         step, saved = self.loop.run(self.rounds.load(Path(directory)))

@@ -108,11 +108,15 @@ class Recovery:
 
     # ---- snapshots ---------------------------------------------------------------------------
 
+    def due(self, step: int) -> bool:
+        """Whether the swarm keeps copies at `step`."""
+        return bool(self.every) and not step % self.every and self.taken != step
+
     async def snapshot(self, step: int, position: dict) -> None:
         """Every `every` steps: each peer in service keeps a copy of its stage at `step` with the
         trainer's `position`, and the next stage's first peers fetch one."""
         place, membership, rounds = self.place, self.membership, self.rounds
-        if not self.every or step % self.every or self.taken == step:
+        if not self.due(step):
             return
         if self.taken is not None and place.num_stages > 1:  # the holders fetched the last round's copies
             held = [c for c in self._copies(await self._ask(membership.peers())) if c.hosted != c.stage]

@@ -68,6 +68,7 @@ class SwarmRounds:
             hooks,
         )
         self.payload_bytes: Counter = Counter()  # of the rounds, by kind and direction ("gather.sent")
+        self.calls: Counter = Counter()  # rounds' calls answered, by kind
 
     async def call(
         self, stage: int, peer_id: str, kind: str, payload: bytes = b"", timeout: float | None = None, **fields
@@ -84,6 +85,7 @@ class SwarmRounds:
         return frame
 
     def _tally(self, kind: str, sent: bytes, reply: Frame) -> None:
+        self.calls[kind] += 1
         self.payload_bytes[f"{kind}.sent"] += len(sent)
         self.payload_bytes[f"{kind}.received"] += len(reply.payload)
 
@@ -232,26 +234,29 @@ class SwarmRounds:
     # ---- round 3: apply -------------------------------------------------------------------------
 
     def apply(self, scale: float) -> float:
-        membership, step = self.membership, self.position.step_index
-
         async def run() -> float:
-            codecs = await self.hooks.codecs()
-            answered = await self.every(
-                membership.peers(),
-                lambda s, peer: self.call(s, peer, "apply", step=step, scale=scale, codecs=codecs),
-            )
-            lr = None
-            for (stage, peer), frame in answered.items():
-                if not frame.head.following:
-                    membership.served(peer)
-                    lr = frame.head.lr if lr is None else lr
-                if frame.head.leaving:
-                    membership.drop(stage, peer, "it drained and leaves after this step", left=True)
-            return lr
+            return await self.applied(self.position.step_index, scale, await self.hooks.codecs())
 
         with TRACER.span("apply", "step"):
             lr = self.place.loop.run(run())
         self.hooks.step_done()
+        return lr
+
+    async def applied(self, step: int, scale: float, codecs: list[pb.BoundaryCodecs] = ()) -> float | None:
+        """Every member applies `step` (gradients times `scale`), with `codecs` from the next step
+        on; the learning rate it used. A peer that applied it already answers as it did then."""
+        membership = self.membership
+        answered = await self.every(
+            membership.peers(),
+            lambda s, peer: self.call(s, peer, "apply", step=step, scale=scale, codecs=list(codecs)),
+        )
+        lr = None
+        for (stage, peer), frame in answered.items():
+            if not frame.head.following:
+                membership.served(peer)
+                lr = frame.head.lr if lr is None else lr
+            if frame.head.leaving:
+                membership.drop(stage, peer, "it drained and leaves after this step", left=True)
         return lr
 
     # ---- checkpoints: the stage files, fetched from and installed on the peers ---------------------

@@ -41,9 +41,10 @@ class Setups:
         )
         return frame.head
 
-    async def admit(self) -> list[tuple[int, str]]:
+    async def admit(self, settle=None) -> list[tuple[int, str]]:
         """At a step boundary: sets up the peers that announced themselves for a stage with a peer in
-        service since the last look (the router's cached view), as joiners; those admitted."""
+        service since the last look (the router's cached view), as joiners; those admitted. Before
+        the first is set up, `settle()` (every stage applies the last step: joiners download it)."""
         place, membership = self.place, self.membership
         admitted = []
         for stage in range(place.num_stages):
@@ -51,6 +52,8 @@ class Setups:
             if not sources:
                 continue
             for peer in await membership.candidates(stage, refresh=False):
+                if settle is not None:
+                    await settle()
                 try:
                     await self.set_up(stage, peer, sources)
                 except (TransportError, RemoteError) as e:
