@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarm.compression.spec import SpecError, parse
+from swarm.config.schedule import DelayCorrection
 from swarm.config.target import Target
 
 
@@ -141,6 +142,15 @@ class TrainConfig(_Strict):
     )
     checkpoint_activations: bool = False  # recompute each stage's forward in its backward: less memory per micro-batch
     target: str | None = None  # METRIC=VALUE: stop once an evaluation reaches it (swarm.config.target)
+    # sync: every step applies its own gradients; async: the step before's (swarm.engine.delay)
+    schedule: Literal["sync", "async"] = "sync"
+    delay_correction: str = "none"  # async: none or dc:LAMBDA (delay-compensated gradients)
+
+    @field_validator("delay_correction")
+    @classmethod
+    def _correction_parses(cls, value: str) -> str:
+        DelayCorrection.parse(value)
+        return value
 
     @field_validator("target")
     @classmethod

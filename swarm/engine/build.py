@@ -8,6 +8,8 @@ import json
 import torch
 
 from swarm.config import ExperimentConfig
+from swarm.config.schedule import DelayCorrection
+from swarm.engine.delay import StageDelay
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.optim import make_optimizer, make_scheduler
 from swarm.engine.precision import Forward
@@ -51,7 +53,7 @@ def build_runtime(
     optimizer = make_optimizer(cfg.optimizer, module)
     scheduler = make_scheduler(cfg.optimizer, optimizer, total_steps)
     last = index == cfg.model.num_stages - 1
-    return StageRuntime(
+    runtime = StageRuntime(
         index,
         cfg.model.num_stages,
         module,
@@ -63,6 +65,9 @@ def build_runtime(
         hold_grads,
         Forward(cfg.train.precision, cfg.train.checkpoint_activations, device, cfg.seed),
     )
+    if cfg.train.schedule == "async":
+        runtime.delay = StageDelay(DelayCorrection.parse(cfg.train.delay_correction))
+    return runtime
 
 
 def config_digest(cfg: ExperimentConfig) -> str:

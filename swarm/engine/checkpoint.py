@@ -85,6 +85,7 @@ def stage_state(runtime: StageRuntime, ends: LinkEnds, step: int, in_flight: boo
         "scheduler": None if runtime.scheduler is None else runtime.scheduler.state_dict(),
         "inbound": None if ends.inbound is None else ends.inbound.state_dict(),
         "outbound": None if ends.outbound is None else ends.outbound.state_dict(),
+        "delay": None if runtime.delay is None else runtime.delay.state_dict(),  # train.schedule async
     }
 
 
@@ -106,6 +107,14 @@ def apply_stage_state(runtime: StageRuntime, ends: LinkEnds, state: dict) -> int
             f"checkpoint is of stage {state['stage']}/{state['num_stages']}, this runtime is stage {runtime.index}/{runtime.num_stages}"
         )
     check_module_state(runtime.module, state["module"], f"checkpoint of stage {runtime.index}")  # before anything loads
+    delayed = state.get("delay")  # the gradients an asynchronous schedule applies next (swarm.engine.delay)
+    if (delayed is None) != (runtime.delay is None):
+        ran, runs = (
+            ("an asynchronous", "a synchronous") if delayed is not None else ("a synchronous", "an asynchronous")
+        )
+        raise ValueError(
+            f"checkpoint of stage {runtime.index} is of {ran} schedule; this run has {runs} one (train.schedule)"
+        )
     for name, end in zip(("inbound", "outbound"), ends, strict=True):
         saved = state[name]
         if (end is None) != (saved is None):
@@ -121,6 +130,8 @@ def apply_stage_state(runtime: StageRuntime, ends: LinkEnds, state: dict) -> int
     for name, end in zip(("inbound", "outbound"), ends, strict=True):
         if end is not None:
             end.load_state_dict(state[name])
+    if runtime.delay is not None:
+        runtime.delay.load_state_dict(delayed)
     runtime.clear()
     return int(state["step"])
 

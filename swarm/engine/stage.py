@@ -22,6 +22,7 @@ import torch
 
 from protocols.errors import PayloadError
 from protocols.message import Encoded
+from swarm.engine.delay import StageDelay
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
@@ -53,6 +54,7 @@ class StageRuntime:
         self.hold_grads = hold_grads
         self.held: dict[tuple, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
         self.run_forward = run_forward or Forward(device=self.device)
+        self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
 
     @property
     def first(self) -> bool:

@@ -9,6 +9,7 @@ parsed from its bytes here, at the transport's edge, as a stage peer parses what
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 
 import torch
 
@@ -17,7 +18,7 @@ from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, link_ends
 from swarm.engine.checkpoint import checkpoint_codecs, load_stage, save_stage, stage_file
 from swarm.engine.linkend import LinkEnds
-from swarm.engine.microbatch import Kind, MicroBatch
+from swarm.engine.microbatch import Kind, MicroBatch, Mode
 from swarm.engine.stage import StageRuntime
 from swarm.engine.step import Grads, synchronous_step
 from swarm.models import StagedModel
@@ -54,13 +55,26 @@ class LocalPipeline:
         return message.metrics
 
     def run_many(self, items) -> list[dict[str, float]]:
-        """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap."""
-        return [self._run(batch, inputs) for batch, inputs in items]
+        """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap.
+        An asynchronous schedule's look-ahead runs training micro-batches at the predicted weights."""
+        items = list(items)
+        with ExitStack() as ahead:
+            if items and items[0][0].mode is Mode.TRAIN:
+                for runtime in self.runtimes:
+                    if runtime.delay is not None:
+                        ahead.enter_context(runtime.delay.ahead(runtime.module))
+            return [self._run(batch, inputs) for batch, inputs in items]
 
     # ---- the synchronous step (swarm.engine.step), its rounds on the runtimes -----------------
 
     def step(self) -> float:
-        return synchronous_step(self, self.tied, self.grad_clip)
+        delayed = [r for r in self.runtimes if r.delay is not None]  # train.schedule async (swarm.engine.delay)
+        if delayed and not any([r.delay.swap(r.module) for r in delayed]):  # the first step: nothing yet
+            return self.runtimes[0].optimizer.param_groups[0]["lr"]
+        lr = synchronous_step(self, self.tied, self.grad_clip)
+        for runtime in delayed:
+            runtime.delay.applied(runtime.module)
+        return lr
 
     def gather(self, wanted: dict[int, list[str]]) -> Grads:
         return {stage: self.runtimes[stage].gradients(names) for stage, names in wanted.items()}

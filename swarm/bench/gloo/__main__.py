@@ -45,6 +45,7 @@ def interface_of(ip: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from swarm.config import ConfigError, load_config
+    from swarm.engine.delay import synchronous_only
     from swarm.rates import parse_delay
 
     try:
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if stages < 1 or not 0 <= args.rank < args.world:
             raise ValueError(f"--rank must be in 0..{args.world - 1} and --world at least 2")
         cfg = load_config(args.config, [*args.set, f"model.num_stages={stages}"])
+        synchronous_only(cfg.train.schedule, "torch.distributed's pipeline")
         delay = parse_delay(args.shape_delay) if args.shape_delay else 0.0
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")

@@ -26,6 +26,7 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
+from swarm.engine.delay import synchronous_only
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
@@ -66,6 +67,7 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
+        synchronous_only(cfg.train.schedule, "a swarm")
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
