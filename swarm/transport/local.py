@@ -69,6 +69,7 @@ class LocalPipeline:
 
     def step(self) -> float:
         delayed = [r for r in self.runtimes if r.delay is not None]  # train.schedule async (swarm.engine.delay)
+        # a list, not a generator: every stage swaps, whatever the first one says
         if delayed and not any([r.delay.swap(r.module) for r in delayed]):  # the first step: nothing yet
             return self.runtimes[0].optimizer.param_groups[0]["lr"]
         lr = synchronous_step(self, self.tied, self.grad_clip)

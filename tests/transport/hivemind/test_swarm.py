@@ -42,11 +42,10 @@ from swarm.transport.hivemind.net.meta import (
 )
 from swarm.transport.hivemind.net.node import DAEMON_THREADS, NodeOptions, SwarmNode
 from swarm.transport.hivemind.net.streams import PeerStream
-from swarm.transport.hivemind.stage.closing import DECISION
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
-from swarm.transport.hivemind.trust.sealed import seal
+from swarm.transport.hivemind.trust.sealed import DECISION, seal
 from swarm.transport.hivemind.trust.signatures import Refused
 
 CODECS = [

@@ -29,11 +29,10 @@ from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.state import StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
-from swarm.transport.hivemind.trust import sealed
 from swarm.transport.hivemind.trust.gate import Gate
+from swarm.transport.hivemind.trust.sealed import DECISION
 from swarm.transport.hivemind.trust.signatures import Refused
 
-DECISION = b"decision"  # the kind its signature names (trust.sealed)
 SQUARE = "grad_sq:"  # + the stage: a reply's metric of that stage's squared gradient norm
 RERUN = "step_rerun"  # a reply's metric: a micro-batch of the step finished twice somewhere
 LR = "step_lr"  # a reply's metric: the learning rate the step will be applied with
@@ -105,10 +104,5 @@ class Closing:
         await asyncio.shield(task)
 
     def _check(self, decision: pb.StepDecision) -> None:
-        try:
-            signer = sealed.signer(decision, DECISION)
-        except ValueError as e:
-            raise Refused(f"step decision: {e}") from None
-        ours = (decision.run_id, decision.session) == (self.place.run_id, self.state.session_id)
-        if signer != self.gate.owner or not ours:
+        if not self.gate.owners(decision, DECISION, self.state.session_id):
             raise Refused("a step decision not signed by the run's owner for this session")

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from protocols import stage_pb2 as pb
 from swarm.engine.step import clip_scale
-from swarm.transport.hivemind.stage.closing import DECISION, LR, RERUN, SQUARE
+from swarm.transport.hivemind.stage.closing import LR, RERUN, SQUARE
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
-from swarm.transport.hivemind.trust.sealed import seal
 
 
 class StepClosing:
@@ -81,11 +80,7 @@ class StepClosing:
         squares = 0.0
         for stage in sorted(self.squares):  # in stage order from 0.0, as the set_grads round sums them
             squares += self.squares[stage]
-        place = self.place
-        decision = pb.StepDecision(
-            run_id=place.run_id, session=place.session, step=step, scale=clip_scale(squares, [], grad_clip)
-        )
-        self.pending = seal(place.owner.key, decision, DECISION)
+        self.pending = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
         self.closed += 1
         return self.lr
 

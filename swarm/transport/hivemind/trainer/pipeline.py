@@ -281,11 +281,16 @@ class SwarmPipeline:
     def settle(self) -> None:
         """Every stage applies the last step now (a step closed on the way is applied when the next
         one's micro-batches arrive)."""
-        self._mended(lambda: self.loop.run(self.closing.settle()))
+        self.settled(lambda: None)
 
     def settled(self, work):
         """`work()` once every stage applied the last step (its decision may be pending)."""
-        return self._mended(lambda: (self.loop.run(self.closing.settle()), work())[1])
+
+        def after_settling():
+            self.loop.run(self.closing.settle())
+            return work()
+
+        return self._mended(after_settling)
 
     def snapshot(self, step: int, position: dict) -> None:
         if self.recovery.due(step):

@@ -61,13 +61,17 @@ class Gate:
         if admission.trainer or (not head.snapshot and admission.stage != self.stage):
             raise Refused(f"state of stage {self.stage} asked by a member of stage {admission.stage}")
 
-    def step_shown(self, proof: pb.StepProof, session: str, step: int) -> bool:
-        """Whether `proof` is the owner's word that `session` is at `step` (a neighbour's word is not)."""
+    def owners(self, message, kind: bytes, session: str) -> bool:
+        """Whether `message` (a step proof or decision) is sealed by the run's owner for `session`."""
         try:
-            signer = sealed.signer(proof, b"step")
+            signer = sealed.signer(message, kind)
         except ValueError:
             return False
-        return signer == self.owner and (proof.run_id, proof.session, proof.step) == (self.run_id, session, step)
+        return signer == self.owner and (message.run_id, message.session) == (self.run_id, session)
+
+    def step_shown(self, proof: pb.StepProof, session: str, step: int) -> bool:
+        """Whether `proof` is the owner's word that `session` is at `step` (a neighbour's word is not)."""
+        return self.owners(proof, sealed.STEP, session) and proof.step == step
 
     def shown(self) -> pb.Admission:
         """Ours, to show with a call (empty before the first setup: the callee refuses it)."""

@@ -10,7 +10,7 @@ from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.trust import tokens
 from swarm.transport.hivemind.trust.admissions import Admissions, issue
 from swarm.transport.hivemind.trust.keys import own_peer_id
-from swarm.transport.hivemind.trust.sealed import seal
+from swarm.transport.hivemind.trust.sealed import DECISION, STEP, seal
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,12 @@ class Owner:
     def step_proof(self, session: str, step: int) -> pb.StepProof:
         """The owner's word that `session` is at `step` (signed once per step)."""
         if self._proof is None or (self._proof.session, self._proof.step) != (session, step):
-            self._proof = seal(self.key, pb.StepProof(run_id=self.run_id, session=session, step=step), b"step")
+            self._proof = seal(self.key, pb.StepProof(run_id=self.run_id, session=session, step=step), STEP)
         return self._proof
+
+    def decide(self, session: str, step: int, scale: float) -> pb.StepDecision:
+        """The owner's decision closing `step` of `session`: its gradients times `scale` (0: as they are)."""
+        return seal(self.key, pb.StepDecision(run_id=self.run_id, session=session, step=step, scale=scale), DECISION)
 
     def routable(self, record, session: str) -> bool:
         """Whether a DHT record's peer is admitted to `session` (micro-batches go only to those)."""

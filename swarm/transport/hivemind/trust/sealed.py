@@ -8,6 +8,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
 
+STEP = b"step"  # a step proof: the run is at a step
+DECISION = b"decision"  # a step decision: the owner's word that closes a step (stage.closing)
+
 
 def _unsigned(message, kind: bytes) -> bytes:
     copy = type(message)()
