@@ -106,7 +106,10 @@ def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losse
         assert re.search(rf"\[stage{stage}\.2\] .* joined with the state of step \d+", out.stdout)
         served = re.findall(rf"\[stage{stage}\.2\] stage {stage}: (\d+) micro-batches", out.stdout)
         assert served and int(served[-1]) > 0, out.stdout[-4000:]  # the joiners took work
-    assert "stage 2 peer" in out.stdout and "it drained and leaves after this step" in out.stdout
+    # the trainer heard the stopped peer's goodbye (whether any micro-batch reached it while it
+    # drained, and was refused, depends on when the routers looked at its record)
+    about_stage2 = "\n".join(line for line in out.stdout.splitlines() if "stage 2" in line or "[stage2]" in line)
+    assert "it drained and leaves after this step" in out.stdout, about_stage2[-6000:]
     _same_as_one_process(results, overrides, tmp_path, steps)
     assert daemons_left == 0
 
