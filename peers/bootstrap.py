@@ -42,6 +42,7 @@ async def serve(args: argparse.Namespace) -> int:
         for maddr in await node.maddrs():
             say(maddr)
         await until_stopped()
+        say(f"bootstrap reach: {node.reach.summary(node.relay)}")
     finally:
         if metrics is not None:
             metrics.close()

@@ -163,10 +163,12 @@ async def serve(args: argparse.Namespace) -> int:
         say(f"stage {args.stage}/{cfg.model.num_stages} of run {run_id!r} serving as {node.peer_id}")
         for maddr in await node.maddrs():
             say(f"  listening on {maddr}")
+        say(f"  {node.reach.me.describe()}")
         reporter = asyncio.create_task(_report(hosted, args.report_every))
         await signals.next()
         await _leave(server, signals)
         reporter.cancel()
+        say(f"stage {args.stage} reach: {node.reach.summary(node.relay)}")
     finally:
         write_trace(args, node.peer_id)
         if metrics is not None:

@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()
+        say(f"trainer reach: {node.reach.summary()}")
         adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
     except KeyboardInterrupt:
         if pipeline is not None:

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="stage peers join, die and leave, the trainer dies, during the run: join:1@10,kill:1@30,stop:2@step50,kill:trainer@60 (seconds from the trainer's start, or stepN) or random:SEED[@EVERY]",
     )
+    lab.add_argument(
+        "--nat",
+        metavar="WHO",
+        help="put these processes each behind its own NAT router (namespaces): stage numbers and 'trainer', e.g. 1,2; they dial out, nobody dials in",
+    )
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
     study.add_argument("--results_dir", default="runs/study-cpu", help="results (NAME.jsonl) and checkpoints go here")
@@ -280,6 +285,7 @@ def lab_command(args: argparse.Namespace) -> int:
         pacing=not args.no_pacing,
         churn=args.churn,
         trace=args.trace,
+        nat=args.nat,
     )
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
-from swarm.lab.plan import LinkPlan, RunPlan
+from swarm.lab.plan import LinkPlan, RunPlan, nat_names
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
 
@@ -103,6 +103,7 @@ class Lab:
         pacing: bool = True,
         churn: str | None = None,
         trace: str | None = None,
+        nat: str | None = None,
     ) -> None:
         """ValueError or ChurnError (one line) for an option that does not parse or does not fit."""
         threads = peer_threads(stages + 1)
@@ -110,14 +111,20 @@ class Lab:
             config, stages, threads, results, steps, overrides, device, trainer_args, churn, trace
         )
         self.link_plan = LinkPlan.of(self.run_plan.names, bandwidth, delay, shaping, probe, pacing)
-        if self.run_plan.churn is not None and self.link_plan.in_namespaces:
-            raise ValueError("--churn needs --shaping inprocess on shaped links (namespaces are made before the run)")
+        self.nat = nat_names(nat, stages)
+        if self.run_plan.churn is not None and (self.link_plan.in_namespaces or self.nat):
+            raise ValueError(
+                "--churn needs --shaping inprocess on shaped links, and no --nat (namespaces are made before the run)"
+            )
+        if self.nat and self.link_plan.shaping != "netns":
+            raise ValueError("--nat needs namespaces (as root, without --shaping inprocess)")
         self.output = PrefixedOutput(out or sys.stdout)
         self.startup_timeout = startup_timeout
         self.net: NetLab | None = None  # while the run is in namespaces
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.trainer = TrainerProcess()
         self._boot_lines: queue.Queue[str] = queue.Queue()  # the bootstrap's output, for its address
+        self.joined: tuple[str, str] = ("", "")  # the bootstrap's address and the run id, once started
 
     def _host(self, name: str) -> str:
         return self.net.maddr(name) if self.net is not None else LOOPBACK
@@ -185,18 +192,20 @@ class Lab:
             print(f"error: {e}", file=sys.stderr)
             return 2
         links = self.link_plan
-        if not links.in_namespaces:
+        if not (links.in_namespaces or self.nat):
             if links.shaped:
                 self.output.say("lab", f"in-process shaping: {links.describe_inprocess()}")
                 if links.probe:
                     probe_inprocess(self)
             return self._run_swarm(cfg)
         try:
-            with NetLab(self.run_plan.names, links.rates, links.delay) as net:
+            with NetLab(self.run_plan.names, links.rates, links.delay, nat=self.nat) as net:
                 self.net = net
                 for line in net.summary().splitlines():
                     self.output.say("netlab", line)
-                if links.probe:
+                if links.probe and links.shaped and self.nat:
+                    self.output.say("lab", "no link probe: it dials every process, and nobody can dial one behind NAT")
+                elif links.probe and links.shaped:
                     probe_namespaces(self)
                 return self._run_swarm(cfg)
         except NetlabError as e:
@@ -212,6 +221,7 @@ class Lab:
         plan, run_id = self.run_plan, f"{cfg.name}-{secrets.token_hex(3)}"
         boot = self._start("bootstrap", "peers.bootstrap")
         initial = self._bootstrap_address(boot)
+        self.joined = (initial, run_id)
         joining = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(plan.threads)]
         common = ["--config", plan.config, *joining, *plan.set_args()]
         self.output.say(
@@ -247,6 +257,20 @@ class Lab:
             "lab", f"timeline in {self.run_plan.trace} (Perfetto, chrome://tracing; python -m swarm timeline)"
         )
 
+    def _show_how_peers_were_reached(self) -> None:
+        """peers.status from the bootstrap's namespace, before the peers stop: its `reached` column
+        says how each peer behind NAT was reached (swarm.transport.hivemind.net.reach)."""
+        initial, run_id = self.joined
+        command = [sys.executable, "-m", "peers.status", "--initial_peers", initial, "--run_id", run_id]
+        try:
+            out = subprocess.run(self.net.wrap("bootstrap", command), capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            self.output.say("lab", "peers.status did not answer within 120 s")
+            return
+        for line in (out.stdout + out.stderr).splitlines():
+            if line.strip() and not any(noise in line for noise in _NOISE):
+                self.output.say("status", line)
+
     def _may_exit(self, process: subprocess.Popen) -> bool:
         """Whether a peer other than the trainer may end before the trainer (never, in a swarm)."""
         return False
@@ -273,6 +297,8 @@ class Lab:
                 if counters is not None:
                     counters.poll()
                 time.sleep(0.2)
+            if self.nat and trainer.process.returncode == 0:
+                self._show_how_peers_were_reached()
             if counters is not None and trainer.process.returncode == 0:
                 # the links' own byte counts and the CPU, for bench throughput
                 counters.sample()
@@ -348,7 +374,7 @@ def run_lab(
     trainer_args: list[str] | None = None,
     **shaping,
 ) -> int:
-    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn, trace (see `Lab`)."""
+    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn, trace, nat (see `Lab`)."""
     try:
         lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
     except ValueError as e:

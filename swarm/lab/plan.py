@@ -144,3 +144,20 @@ class LinkPlan:
     def describe_inprocess(self) -> str:
         rates = ", ".join(f"{n} {r}" for n, r in (self.rates or {}).items()) or "no rate limit"
         return f"{rates}; delay {self.delay or 'none'} (each process paces what it sends)"
+
+
+def nat_names(spec: str | None, stages: int) -> list[str]:
+    """`--nat 1,2,trainer` -> ["stage1", "stage2", "trainer"] (ValueError, one line, for anything
+    else: the bootstrap stays reachable, it is every NATed peer's way in)."""
+    names = []
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item == "trainer":
+            names.append("trainer")
+        elif item.isdigit() and int(item) < stages:
+            names.append(f"stage{int(item)}")
+        else:
+            raise ValueError(f"--nat takes stage numbers (0..{stages - 1}) and 'trainer', got {item!r}")
+    return list(dict.fromkeys(names))

@@ -32,12 +32,14 @@ importable from here too)
                                                   once per process in a throwaway namespace
     require() -> Capabilities                   or NetlabError (one line) when namespaces can't work
     NetLab(names, rates=None, delays=None, *, subnet="10.77.0.0/24", prefix="hp",
-           require_delay=False, handle_signals=True, mtu=1500)
+           require_delay=False, handle_signals=True, mtu=1500, nat=())
+        nat: names put each behind its own NAT router (swarm.netlab.nat): they dial out, nobody dials in
         rates/delays: None (unshaped), one value for every link, or {name: value}
         (rates: '100mbit', 5e6, ... see swarm.rates; delays: '20ms', 0.02, ...)
         .start() / .close()  (or `with`)       .links -> {name: Link}
         .topology -> Topology                  names, addresses, the namespaces' tag and the bridge's
-        .namespace(name) .address(name) .maddr(name, port=0) .wrap(name, argv) .namespaces()
+        .namespace(name) .address(name) .public_address(name) .maddr(name, port=0) .wrap(name, argv)
+        .namespaces()
         .missing_delay(name) -> float   .summary() -> str
         .link_bytes() -> {name: (sent, received)}   bytes each link carried so far (kernel counters)
     Link / Direction (swarm.netlab.links): what each link's qdiscs enforce, delay requested/applied
@@ -82,6 +84,7 @@ from swarm.netlab.kernel import (
     run_tool,
 )
 from swarm.netlab.links import Link, shape_direction
+from swarm.netlab.nat import ROUTER_SUFFIX, build_router, private_subnet, require_iptables
 from swarm.netlab.signals import SignalRelay, pass_on
 from swarm.rates import parse_delay, parse_rate
 
@@ -162,9 +165,14 @@ class NetLab:
         handle_signals: bool = True,
         mtu: int = 1500,
         grace: float = 2.0,
+        nat: Sequence[str] = (),
     ) -> None:
         self.topology = Topology(names, subnet, prefix)
         names = self.topology.names
+        unknown = sorted(set(nat) - set(names))
+        if unknown:
+            raise ValueError(f"behind NAT: unknown process(es) {', '.join(unknown)}; processes are {', '.join(names)}")
+        self.nat = [name for name in names if name in set(nat)]  # each behind its own router (swarm.netlab.nat)
         self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
         self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
         self.require_delay, self.handle_signals = require_delay, handle_signals
@@ -181,6 +189,13 @@ class NetLab:
         return self.topology.namespace(name)
 
     def address(self, name: str) -> str:
+        """The address `name`'s process has (behind NAT: its private one, which only its router reaches)."""
+        if name in self.nat:
+            return private_subnet(self.nat.index(name))[1]
+        return self.topology.address(name)
+
+    def public_address(self, name: str) -> str:
+        """The address others see `name` at on the bridge (behind NAT: its router's)."""
         return self.topology.address(name)
 
     def maddr(self, name: str, port: int = 0) -> str:
@@ -241,20 +256,26 @@ class NetLab:
         run_tool([ip, "-n", br, "link", "set", "lo", "up"])
         run_tool([ip, "-n", br, "link", "add", "br0", "type", "bridge"])
         run_tool([ip, "-n", br, "link", "set", "br0", "up"])
+        if self.nat:
+            require_iptables()
         for i, name in enumerate(topology.names):
             ns, port = topology.namespace(name), f"v{i}"
             run_tool([ip, "netns", "add", ns])
             run_tool([ip, "-n", ns, "link", "set", "lo", "up"])
-            veth = ["link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "netns", ns]
+            edge = ns  # the namespace whose eth0 is on the bridge: the process's, or its router's
+            if name in self.nat:
+                edge = ns + ROUTER_SUFFIX
+                build_router(ns, edge, self.nat.index(name), self.mtu)
+            veth = ["link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "netns", edge]
             run_tool([ip, "-n", br, *veth])
             run_tool([ip, "-n", br, "link", "set", port, "master", "br0", "up"])
             address = topology.address(name)
-            run_tool([ip, "-n", ns, "addr", "add", f"{address}/{topology.network.prefixlen}", "dev", "eth0"])
-            run_tool([ip, "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
+            run_tool([ip, "-n", edge, "addr", "add", f"{address}/{topology.network.prefixlen}", "dev", "eth0"])
+            run_tool([ip, "-n", edge, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
             rate, delay = self.rates[name], self.delays[name]
-            up = shape_direction("up", ns, "eth0", rate, delay, netem, self.mtu)
+            up = shape_direction("up", edge, "eth0", rate, delay, netem, self.mtu)
             down = shape_direction("down", br, port, rate, 0.0, netem, self.mtu)
-            self.links[name] = Link(name, ns, address, rate, delay, up, down)
+            self.links[name] = Link(name, edge, address, rate, delay, up, down)
 
     def close(self) -> None:
         """Tears everything down (idempotent; safe from atexit and after a partial start)."""
@@ -283,4 +304,8 @@ class NetLab:
             f"netlab {topology.tag}: {len(topology.names)} namespaces on {topology.network} (bridge in {topology.bridge_ns}); {caps.summary()}"
         ]
         lines += [f"  {self.links[n].describe()}" for n in topology.names if n in self.links]
+        lines += [
+            f"  {n} is behind NAT at {self.address(n)}: its router {topology.address(n)} lets nobody dial in"
+            for n in self.nat
+        ]
         return "\n".join(lines)

@@ -57,6 +57,7 @@ class StageRecord:
     leaving: bool = False  # draining: it takes no new micro-batch and leaves at the next step boundary
     admission: bytes = b""  # the owner's pb.Admission of it to `session` (swarm.transport.hivemind.trust)
     token: bytes = b""  # the owner's pb.Token letting it into a private run (peers.stage --token)
+    relay: str = ""  # behind NAT: the peer that relays streams to it (swarm.transport.hivemind.net.reach)
 
     @classmethod
     def from_value(cls, peer_id: str, value) -> StageRecord | None:
@@ -82,6 +83,7 @@ class StageRecord:
                 leaving=bool(value.get("leaving", False)),
                 admission=bytes(value.get("admission", b"")),
                 token=bytes(value.get("token", b"")),
+                relay=str(value.get("relay", ""))[:128],
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return None
@@ -134,6 +136,7 @@ async def discover(node: SwarmNode, run_id: str, stage: int) -> list[StageRecord
         record = StageRecord.from_value(peer_id, getattr(item, "value", None)) if peer_id else None
         if record is not None and record.stage == stage:
             records.append(record)
+            node.reach.learn(record.peer_id, record.relay)
     return sorted(records, key=lambda r: r.peer_id)
 
 

@@ -179,6 +179,7 @@ class PeerRow:
     recovery: Recovery = field(default_factory=Recovery)
     trust: Trust = field(default_factory=Trust)
     events: list[Event] = field(default_factory=list)  # its recent events, oldest first
+    network: str = "-"  # how it is reached: directly, or behind NAT through a relay (network_text)
 
 
 def _admitted_by(record, run_id: str) -> str:
@@ -218,6 +219,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
             return
         row.reach = Reach(reachable=True, rtt_ms=1000 * (time.perf_counter() - started))
         row.trust = Trust(dict(reply.refused), reply.banned)
+        row.network = network_text(reply.reach) if reply.HasField("reach") else "-"
         row.events = [e for e in (Event.of(x.time, x.kind, x.text) for x in reply.events[-KEEP:]) if e is not None]
         for status in reply.stages:
             if status.stage == row.stage:
@@ -235,6 +237,17 @@ def state_text(row: PeerRow) -> str:
     return role + row.joining.describe() + row.recovery.describe()
 
 
+def network_text(reach: pb.Reach) -> str:
+    """How a peer is reached (swarm.transport.hivemind.net.reach): "direct", or "NAT via <relay>"
+    with how its stage streams arrived, and what it relays for others."""
+    arrived = ", ".join(f"{n} {how}" for how, n in sorted(reach.arrived.items()) if n)
+    text = f"NAT via {reach.relay[-8:]}" if reach.state == "behind NAT" else "direct"
+    text += f" (in: {arrived})" if arrived and reach.state == "behind NAT" else ""
+    if reach.holding or reach.relayed_bytes:
+        text += f", relays {reach.holding} ({_size(reach.relayed_bytes)})"
+    return text
+
+
 def _refused(trust: Trust) -> str:
     total = sum(trust.refused.values())
     if not total:
@@ -250,6 +263,7 @@ def format_table(rows: list[PeerRow]) -> str:
         "stage",
         "peer",
         "address",
+        "reached",
         "state",
         "rtt",
         "samples/s",
@@ -283,6 +297,7 @@ def format_table(rows: list[PeerRow]) -> str:
                 f"{row.stage}/{row.num_stages}",
                 row.peer_id[-8:],
                 address,
+                row.network,
                 state,
                 rtt,
                 f"{row.announced.throughput:.1f}",

@@ -21,9 +21,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.netlab.shaper import TokenBucket
 from swarm.rates import parse_rate
+from swarm.transport.hivemind.net.reach import BEHIND_NAT, Reach, Reachability, check
+from swarm.transport.hivemind.net.relay import Relay
 from swarm.transport.hivemind.net.schemas import validators
 from swarm.transport.hivemind.net.settings import Settings
-from swarm.transport.hivemind.net.streams import StreamPool
+from swarm.transport.hivemind.net.streams import PROTOCOL, StreamPool
 from swarm.transport.hivemind.trust.keys import IdentityError, load_identity
 
 # p2pd's Go threads (GOMAXPROCS). One carries far more than the links hivepipe is for, and Go's
@@ -116,6 +118,7 @@ class SwarmNode:
         downlink_bits: int | None = None,
         settings: Settings | None = None,
         owned_by: bytes = b"",
+        reachability: Reachability | None = None,
     ) -> None:
         self.p2p = p2p
         self.dht = dht
@@ -125,8 +128,12 @@ class SwarmNode:
         self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
+        # how this peer is reached and reaches the others (directly, or through a relay)
+        self.reach = Reach(p2p, reachability or Reachability(), PROTOCOL)
+        self.relay: Relay | None = None  # what it does for peers behind NAT, when it can be dialed itself
         # streams to the peers we call, kept for reuse
-        self.streams = StreamPool(p2p, self.settings.streams.keep_idle_s, egress, self.settings.streams.end_wait_s)
+        streams = self.settings.streams
+        self.streams = StreamPool(p2p, streams.keep_idle_s, egress, streams.end_wait_s, opener=self.reach.open)
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
@@ -151,8 +158,7 @@ class SwarmNode:
             raise RuntimeError(str(e)) from None
         try:
             with _identity(options.identity_path) as (identity_path, key, existed):
-                p2p = await start_daemon(
-                    options.daemon_threads,
+                daemon = dict(
                     initial_peers=initial,
                     host_maddrs=list(options.host_maddrs),
                     announce_maddrs=list(options.announce_maddrs) if options.announce_maddrs else None,
@@ -161,9 +167,18 @@ class SwarmNode:
                     use_relay=options.use_relay,
                     use_auto_relay=options.use_auto_relay,
                     startup_timeout=options.startup_timeout,
-                    dht_mode="client" if options.client_mode else "server",
                     **options.extra,
                 )
+                p2p = await start_daemon(
+                    options.daemon_threads, **daemon, dht_mode="client" if options.client_mode else "server"
+                )
+                reachability = Reachability()
+                if initial and not options.client_mode:  # a client (peers.status) is never called
+                    reachability = await check(p2p, initial)
+                    if reachability.state == BEHIND_NAT:  # nobody can send it DHT requests
+                        await p2p.shutdown()
+                        daemon["check_if_identity_free"] = False  # it was ours a moment ago
+                        p2p = await start_daemon(options.daemon_threads, **daemon, dht_mode="client")
         except IdentityError as e:
             raise RuntimeError(f"--identity_path: {e}") from None
         except Exception as e:
@@ -174,7 +189,7 @@ class SwarmNode:
             dht = await DHTNode.create(
                 p2p=p2p,
                 initial_peers=initial,
-                client_mode=options.client_mode,
+                client_mode=options.client_mode or reachability.state == BEHIND_NAT,
                 num_workers=4,
                 record_validator=validator,
             )
@@ -183,7 +198,20 @@ class SwarmNode:
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
         owned_by = RSASignatureValidator(signing_key).local_public_key
-        return cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by)
+        node = cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by, reachability)
+        await node._serve_reach(options)
+        return node
+
+    async def _serve_reach(self, options: NodeOptions) -> None:
+        """A peer that can be dialed tells others whether they can be, and relays to those that
+        cannot; one behind NAT gets itself held by its relay before anyone looks for it."""
+        if self.reach.behind_nat:
+            self.reach.hold()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.reach.held.wait(), options.startup_timeout)
+        elif not options.client_mode:
+            self.relay = Relay(self.p2p)
+            await self.relay.serve()
 
     @property
     def peer_id(self) -> str:
@@ -195,6 +223,7 @@ class SwarmNode:
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Bounded: the DHT's goodbye talks to the daemon, which may already be gone."""
+        self.reach.close()
         self.streams.close()
         try:
             await asyncio.wait_for(self.dht.shutdown(), timeout)

@@ -35,17 +35,19 @@ def peer_id_of(peer_id) -> PeerID:
     return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(str(peer_id))
 
 
-async def read_message(reader: asyncio.StreamReader, begun: bool = False) -> bytes | None:
+async def read_message(
+    reader: asyncio.StreamReader, begun: bool = False, limit: int = MAX_MESSAGE_BYTES
+) -> bytes | None:
     """The next message's bytes, None at the end of the stream (its end marker, or closed);
     `begun`: its marker was read already. An error marker raises the peer's error; a length over
-    MAX_MESSAGE_BYTES is refused before anything of it is read (a message is one chunk and a head)."""
+    `limit` is refused before anything of it is read (a stage message is one chunk and a head)."""
     try:
         marker = P2P.MESSAGE_MARKER if begun else await reader.readexactly(1)
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
             return None  # the end-of-stream marker, or garbage: either way nothing more to read
         length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-        if length > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"a message of {length} bytes: messages are at most {MAX_MESSAGE_BYTES} bytes")
+        if length > limit:
+            raise ProtocolError(f"a message of {length} bytes: messages are at most {limit} bytes")
         data = await reader.readexactly(length)
     except asyncio.IncompleteReadError:  # the peer closed the stream
         return None
@@ -57,6 +59,18 @@ async def read_message(reader: asyncio.StreamReader, begun: bool = False) -> byt
     return data
 
 
+async def read_one(reader: asyncio.StreamReader, message_type, limit: int):
+    """One whole `message_type` message of at most `limit` bytes (ProtocolError if the stream ends
+    first or it does not parse)."""
+    data = await read_message(reader, limit=limit)
+    if data is None:
+        raise ProtocolError("the stream ended before its message")
+    try:
+        return message_type.FromString(data)
+    except Exception as e:
+        raise ProtocolError(f"a malformed {message_type.__name__}: {e}") from None
+
+
 class PeerStream:
     """The caller's end of one stream to a peer."""
 
@@ -64,8 +78,13 @@ class PeerStream:
         self.reader, self.writer, self.egress = reader, writer, egress  # egress: the node's in-process shaping
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: str, egress=None) -> PeerStream:
-        _, reader, writer = await p2p.call_binary_stream_handler(peer_id_of(peer_id), PROTOCOL)
+    async def open(cls, p2p: P2P, peer_id: str, egress=None, opener=None) -> PeerStream:
+        """`opener(peer_id) -> (reader, writer)` when given (through a relay, if need be:
+        swarm.transport.hivemind.net.reach), else a stream straight to the peer."""
+        if opener is not None:
+            reader, writer = await opener(str(peer_id))
+        else:
+            _, reader, writer = await p2p.call_binary_stream_handler(peer_id_of(peer_id), PROTOCOL)
         return cls(reader, writer, egress)
 
     async def send(self, messages, flow=None) -> None:
@@ -105,8 +124,11 @@ class StreamPool:
     for `keep_s` are closed rather than reused (the server closes streams idle for longer, and a
     reused stream the server had just closed would fail a call)."""
 
-    def __init__(self, p2p: P2P, keep_s: float, egress=None, end_wait_s: float = 0.0, clock=time.monotonic) -> None:
+    def __init__(
+        self, p2p: P2P, keep_s: float, egress=None, end_wait_s: float = 0.0, clock=time.monotonic, opener=None
+    ) -> None:
         self.p2p, self.keep_s, self.egress, self.clock = p2p, keep_s, egress, clock
+        self.opener = opener  # how a new stream is opened (PeerStream.open)
         self.end_wait_s = end_wait_s  # a failed exchange waits this long for the server to close (Exchange.close)
         self._idle: dict[str, list[tuple[PeerStream, float]]] = {}
         self.opened: Counter = Counter()  # streams opened per peer
@@ -120,7 +142,7 @@ class StreamPool:
                 return stream
             stream.close()
         self.opened[peer_id] += 1
-        return await PeerStream.open(self.p2p, peer_id, self.egress)
+        return await PeerStream.open(self.p2p, peer_id, self.egress, self.opener)
 
     def give_back(self, peer_id: str, stream: PeerStream) -> None:
         now = self.clock()
@@ -205,3 +227,18 @@ class Requests:
                             return
                         length -= len(chunk)
                     await asyncio.sleep(0)
+
+
+LINGER_BYTES = 4 << 20  # what a turned-away caller may still send before the stream closes anyway
+LINGER_S = 2.0
+
+
+async def linger(reader: asyncio.StreamReader) -> None:
+    """After a reply to a request left unread: drop what the caller still sends until it closes
+    its end (at most LINGER_BYTES or LINGER_S), so that closing ours does not reset the stream
+    before the caller has read the reply."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(LINGER_S):
+            dropped = 0
+            while dropped < LINGER_BYTES and (chunk := await reader.read(1 << 16)):
+                dropped += len(chunk)

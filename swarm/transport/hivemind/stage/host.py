@@ -204,6 +204,7 @@ class HostedStage:
             download_share=self.pacer.download_share,
             admission=self.gate.admission.SerializeToString() if self.gate.admission is not None else b"",
             token=self.place.token,
+            relay=self.place.node.reach.me.relay,
         )
 
     def _routable(self, record: StageRecord) -> bool:

@@ -33,7 +33,8 @@ from swarm.transport.hivemind.dht.announce import Announcer
 from swarm.transport.hivemind.flow.pacing import carrying, send_paced
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests
+from swarm.transport.hivemind.net.relay import RELAYED
+from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests, linger
 from swarm.transport.hivemind.routing.router import Bans
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
 from swarm.transport.hivemind.stage.chain import trace_exchange
@@ -94,6 +95,8 @@ class StageServer:
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
         await self.node.p2p.add_binary_stream_handler(PROTOCOL, self._serve)
+        if self.node.reach.behind_nat:  # its relay's streams, from callers that cannot dial it
+            await self.node.p2p.add_binary_stream_handler(RELAYED, self._serve_relayed)
         await self.averager.start()
         if announce:
             await self.announcer.announce_now()
@@ -188,14 +191,24 @@ class StageServer:
     # ---- the stream ------------------------------------------------------------------------
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sender = info.peer_id.to_base58()
+        self.node.reach.arrived["direct"] += 1
+        await self._serve_stream(info.peer_id.to_base58(), reader, writer)
+
+    async def _serve_relayed(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = await self.node.reach.caller(info, reader)
+        if sender is None:
+            writer.close()
+            return
+        await self._serve_stream(sender, reader, writer)
+
+    async def _serve_stream(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         requests = Requests(reader)
         with contextlib.closing(writer):
             try:
                 while await requests.next(self.settings.streams.server_idle_s):
                     if (refusal := self._turned_away(sender)) is not None:  # before reading anything of it
                         await P2P.send_protobuf(pb.StageReply(error=refusal), writer)
-                        await _linger(reader)
+                        await linger(reader)
                         return
                     self.active[sender] += 1
                     try:
@@ -368,22 +381,8 @@ class StageServer:
         reply.refused.update(self.refused)
         reply.banned = sum(1 for peer in self.banned.until if self.banned.banned(peer))
         reply.events.extend(event.to_pb() for event in self.events.last())
+        reply.reach.CopyFrom(self.node.reach.status(self.node.relay))
         for (run_id, _), hosted in sorted(self.hosted.items()):
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())
         return reply
-
-
-LINGER_BYTES = 4 << 20  # what a turned-away caller may still send before the stream closes anyway
-LINGER_S = 2.0
-
-
-async def _linger(reader: asyncio.StreamReader) -> None:
-    """After a reply to a request left unread: drop what the caller still sends until it closes
-    its end (at most LINGER_BYTES or LINGER_S), so that closing ours does not reset the stream
-    before the caller has read the reply."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(LINGER_S):
-            dropped = 0
-            while dropped < LINGER_BYTES and (chunk := await reader.read(1 << 16)):
-                dropped += len(chunk)

@@ -1,0 +1,224 @@
+"""How this peer is reached, and how it reaches the others: directly, or through a relay when one
+of the two cannot be dialed (behind NAT). The other end, on peers that can be dialed, is
+swarm.transport.hivemind.net.relay.
+
+At start a peer asks its initial peers whether they can dial it back (`check`); a volunteer passes
+no flag for it. A peer they cannot dial:
+- runs its DHT node as a client (it answers no DHT requests: nobody could send them), as Petals
+  does for peers reachable only through a relay;
+- holds a stream open at the first initial peer that answered (its relay; `Reach.hold`), and
+  names that relay in its stage record;
+- is called through its relay by peers that have no connection to it (a connection it opened
+  itself, to a neighbour it calls, carries that neighbour's calls back directly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+
+from protocols import reach_pb2 as rpb
+from protocols import stage_pb2 as pb
+from protocols.errors import ProtocolError, one_line
+from swarm.transport.hivemind.net.relay import REACH, RELAY, REQUEST_BYTES
+from swarm.transport.hivemind.net.streams import read_one
+
+log = logging.getLogger(__name__)
+
+PUBLIC, BEHIND_NAT, UNKNOWN = "public", "behind NAT", "unknown"
+CHECK_TIMEOUT_S = 10.0
+HOLD_RETRY_S = 2.0
+
+
+@dataclass
+class Reachability:
+    """What the initial peers found: `state` (PUBLIC: one dialed it back; BEHIND_NAT: none could;
+    UNKNOWN: none answered), the address it was dialed at or is seen at, and its relay."""
+
+    state: str = UNKNOWN
+    dialed: str = ""
+    observed: str = ""
+    relay: str = ""  # the peer id holding it (BEHIND_NAT)
+
+    def describe(self) -> str:
+        if self.state == PUBLIC:
+            return f"reachable at {self.dialed}"
+        if self.state == BEHIND_NAT:
+            seen = f", seen as {self.observed}" if self.observed else ""
+            return f"behind NAT (nobody can dial it{seen}): reached through relay {self.relay[-8:]}"
+        return "reachability not checked (no initial peer asked, or none could tell)"
+
+
+def peer_of(maddr: str) -> str | None:
+    """The peer id at the end of a full multiaddr (.../p2p/<id>)."""
+    parts = str(maddr).rstrip("/").split("/")
+    return parts[-1] if len(parts) >= 2 and parts[-2] in ("p2p", "ipfs") else None
+
+
+def listen_addrs(maddrs) -> list[str]:
+    """Our addresses, without the /p2p/ part (the asked peer dials only one at the address it sees
+    us at: loopback on one machine, our public one when we have it)."""
+    return list(dict.fromkeys(str(maddr).split("/p2p/")[0] for maddr in maddrs))
+
+
+async def ask(p2p: P2P, peer: str, addrs: list[str], timeout: float) -> rpb.ReachReply:
+    async def run() -> rpb.ReachReply:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), REACH)
+        try:
+            await P2P.send_protobuf(rpb.ReachRequest(addrs=addrs), writer)
+            return await read_one(reader, rpb.ReachReply, REQUEST_BYTES)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(run(), timeout)
+
+
+async def check(p2p: P2P, initial_peers, timeout: float = CHECK_TIMEOUT_S) -> Reachability:
+    """Asks the initial peers, in order, whether they can dial this peer back; the first answer counts."""
+    addrs = listen_addrs(await p2p.get_visible_maddrs(latest=True))
+    for maddr in initial_peers:
+        peer = peer_of(maddr)
+        if peer is None or peer == p2p.peer_id.to_base58():
+            continue
+        try:
+            reply = await ask(p2p, peer, addrs, timeout)
+        except Exception as e:  # an older peer without the handler, or gone: ask the next
+            log.debug("reachability check via %s failed: %s", peer[-8:], one_line(e))
+            continue
+        if reply.dialed:
+            return Reachability(PUBLIC, dialed=reply.dialed, observed=reply.observed)
+        return Reachability(BEHIND_NAT, observed=reply.observed, relay=peer)
+    return Reachability()
+
+
+class Reach:
+    """This peer's reachability, its hold on its relay (if behind NAT), the others' relays (from
+    their records) and how each stream was opened."""
+
+    def __init__(self, p2p: P2P, me: Reachability, stage_protocol: str) -> None:
+        self.p2p, self.me, self.stage_protocol = p2p, me, stage_protocol
+        self.relays: dict[str, str] = {}  # peer -> its relay, as its record says
+        self.opened: Counter = Counter()  # streams this peer opened: "direct", "relayed"
+        self.arrived: Counter = Counter()  # stage streams that reached it: "direct", "relayed", "refused"
+        self.held = asyncio.Event()  # its relay holds it now
+        self._holding: asyncio.Task | None = None
+
+    @property
+    def behind_nat(self) -> bool:
+        return self.me.state == BEHIND_NAT
+
+    def learn(self, peer: str, relay: str) -> None:
+        if relay:
+            self.relays[peer] = relay
+        else:
+            self.relays.pop(peer, None)
+
+    # ---- being held -----------------------------------------------------------------------------
+
+    def hold(self) -> None:
+        """Keeps a hold stream open at the relay (again after it drops) until `close`."""
+        if self.behind_nat and self._holding is None:
+            self._holding = asyncio.ensure_future(self._hold_forever())
+
+    async def _hold_forever(self) -> None:
+        relay = PeerID.from_base58(self.me.relay)
+        while True:
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(relay, RELAY)
+                try:
+                    await P2P.send_protobuf(rpb.RelayRequest(hold=True), writer)
+                    reply = await asyncio.wait_for(read_one(reader, rpb.RelayReply, REQUEST_BYTES), CHECK_TIMEOUT_S)
+                    if reply.error:
+                        raise ProtocolError(reply.error)
+                    self.held.set()
+                    await reader.read(1)  # until the relay closes it (it sends nothing)
+                finally:
+                    self.held.clear()
+                    writer.close()
+                log.warning("relay %s let go of this peer; holding again", self.me.relay[-8:])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("relay %s does not hold this peer: %s", self.me.relay[-8:], one_line(e))
+            await asyncio.sleep(HOLD_RETRY_S)
+
+    def close(self) -> None:
+        if self._holding is not None:
+            self._holding.cancel()
+            self._holding = None
+
+    def summary(self, relay=None) -> str:
+        """One line: how this peer was reached and reached the others (and what it relayed)."""
+
+        def counts(counter: Counter) -> str:
+            return ", ".join(f"{n} {how}" for how, n in sorted(counter.items()) if n) or "none"
+
+        line = f"{self.me.state}; streams in: {counts(self.arrived)}; streams out: {counts(self.opened)}"
+        if relay is not None and relay.carried:
+            line += (
+                f"; relayed {sum(relay.carried.values()) / 2**20:.1f} MiB for {len(relay.carried)} peer(s) behind NAT"
+            )
+        return line
+
+    def status(self, relay=None) -> pb.Reach:
+        """For peers.status: its reachability, its streams by how they went, and what it relays
+        (`relay`: its swarm.transport.hivemind.net.relay.Relay, when it can be dialed)."""
+        me = self.me
+        reply = pb.Reach(state=me.state, address=me.dialed or me.observed, relay=me.relay)
+        reply.arrived.update(self.arrived)
+        reply.opened.update(self.opened)
+        if relay is not None:
+            reply.holding, reply.relayed_bytes = len(relay.held), sum(relay.carried.values())
+        return reply
+
+    async def caller(self, info, reader) -> str | None:
+        """Who called, on a RELAYED stream: the caller its relay names; None (refused) on a stream
+        from anyone but its own relay, or one that does not begin with a caller."""
+        if not self.behind_nat or info.peer_id.to_base58() != self.me.relay:
+            self.arrived["refused"] += 1
+            return None
+        try:
+            relayed = await asyncio.wait_for(read_one(reader, rpb.Relayed, REQUEST_BYTES), CHECK_TIMEOUT_S)
+            PeerID.from_base58(relayed.caller)
+        except Exception:
+            self.arrived["refused"] += 1
+            return None
+        self.arrived["relayed"] += 1
+        return relayed.caller
+
+    # ---- reaching others ------------------------------------------------------------------------
+
+    async def _connected(self, peer: str) -> bool:
+        with contextlib.suppress(Exception):
+            return any(info.peer_id.to_base58() == peer for info in await self.p2p.list_peers())
+        return False
+
+    async def open(self, peer: str):
+        """(reader, writer) of a new stage stream to `peer`: directly when it can be dialed or a
+        connection to it is open, else through its relay."""
+        relay = self.relays.get(peer)
+        if relay and relay != self.p2p.peer_id.to_base58() and not await self._connected(peer):
+            reader, writer = await self.through(relay, peer)
+            self.opened["relayed"] += 1
+            return reader, writer
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.stage_protocol)
+        self.opened["direct"] += 1
+        return reader, writer
+
+    async def through(self, relay: str, peer: str):
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(relay), RELAY)
+        try:
+            await P2P.send_protobuf(rpb.RelayRequest(target=peer), writer)
+            reply = await read_one(reader, rpb.RelayReply, REQUEST_BYTES)
+        except BaseException:
+            writer.close()
+            raise
+        if reply.error:
+            writer.close()
+            raise ProtocolError(f"relay {relay[-8:]}: {reply.error}")
+        return reader, writer
