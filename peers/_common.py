@@ -37,7 +37,9 @@ def add_network_args(parser: argparse.ArgumentParser, host_default: str = "/ip4/
     )
     net.add_argument("--no_relay", action="store_true", help="do not use libp2p circuit relays")
     net.add_argument(
-        "--use_auto_relay", action="store_true", help="look for relays automatically (for peers behind NAT)"
+        "--use_auto_relay",
+        action="store_true",
+        help="libp2p's auto relay (a peer behind NAT needs no flag: hivepipe relays its streams, docs/swarm.md)",
     )
     net.add_argument("--startup_timeout", type=float, default=30.0, help="seconds to wait for the p2p daemon to start")
     net.add_argument(

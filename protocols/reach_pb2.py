@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0breach.proto\x12\x0ehivepipe.reach\"\x1d\n\x0cReachRequest\x12\r\n\x05\x61\x64\x64rs\x18\x01 \x03(\t\".\n\nReachReply\x12\x0e\n\x06\x64ialed\x18\x01 \x01(\t\x12\x10\n\x08observed\x18\x02 \x01(\t\",\n\x0cRelayRequest\x12\x0c\n\x04hold\x18\x01 \x01(\x08\x12\x0e\n\x06target\x18\x02 \x01(\t\"\x1b\n\nRelayReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x19\n\x07Relayed\x12\x0e\n\x06\x63\x61ller\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0breach.proto\x12\x0ehivepipe.reach\"\x1d\n\x0cReachRequest\x12\r\n\x05\x61\x64\x64rs\x18\x01 \x03(\t\".\n\nReachReply\x12\x0e\n\x06\x64ialed\x18\x01 \x01(\t\x12\x10\n\x08observed\x18\x02 \x01(\t\">\n\x0cRelayRequest\x12\x0c\n\x04hold\x18\x01 \x01(\x08\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x10\n\x08protocol\x18\x03 \x01(\t\"\x1b\n\nRelayReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"+\n\x07Relayed\x12\x0e\n\x06\x63\x61ller\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REACHREPLY']._serialized_start=62
   _globals['_REACHREPLY']._serialized_end=108
   _globals['_RELAYREQUEST']._serialized_start=110
-  _globals['_RELAYREQUEST']._serialized_end=154
-  _globals['_RELAYREPLY']._serialized_start=156
-  _globals['_RELAYREPLY']._serialized_end=183
-  _globals['_RELAYED']._serialized_start=185
-  _globals['_RELAYED']._serialized_end=210
+  _globals['_RELAYREQUEST']._serialized_end=172
+  _globals['_RELAYREPLY']._serialized_start=174
+  _globals['_RELAYREPLY']._serialized_end=201
+  _globals['_RELAYED']._serialized_start=203
+  _globals['_RELAYED']._serialized_end=246
 # @@protoc_insertion_point(module_scope)

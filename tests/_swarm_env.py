@@ -115,6 +115,17 @@ def local_rows(cfg, tmp_path, steps: int = STEPS):
     return read_results(path)
 
 
+def assert_losses_of_one_process(results, config, overrides: list[str], tmp_path, steps: int) -> None:
+    """A lab's results file holds steps 1..`steps` once each, with the losses of one process on
+    `config` with `overrides` (within 1e-5: replicas change the summation order)."""
+    ours = [r for r in read_results(results) if r["type"] == "step"]
+    cfg = load_config(config, overrides)
+    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
+    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
+    for a, b in zip(ours, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+
+
 def assert_same_run(ours, theirs):
     steps = [r for r in ours if r["type"] == "step"]
     reference = [r for r in theirs if r["type"] == "step"]

@@ -84,6 +84,19 @@ class Churn:
             raise ChurnError("--churn: no events given")
         return cls(sorted(events, key=lambda e: (e.at_s, e.at_step or 0)))
 
+    def joiners(self) -> list[str] | None:
+        """The names of the stage peers its joins will start, in order (stage1.2, ...); None when
+        they are drawn as the run goes (random)."""
+        if self.seed is not None:
+            return None
+        count: dict[int, int] = {}
+        names = []
+        for event in self.events:
+            if event.action == "join":
+                count[event.stage] = count.get(event.stage, 1) + 1
+                names.append(f"stage{event.stage}.{count[event.stage]}")
+        return names
+
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
         self._next_random = self._draw_gap() if self.seed is not None else None

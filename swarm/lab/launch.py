@@ -36,7 +36,7 @@ from pathlib import Path
 from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
-from swarm.lab.plan import LinkPlan, RunPlan, nat_names
+from swarm.lab.plan import LinkPlan, RunPlan, base_name, nat_names
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
 
@@ -111,13 +111,19 @@ class Lab:
             config, stages, threads, results, steps, overrides, device, trainer_args, churn, trace
         )
         self.link_plan = LinkPlan.of(self.run_plan.names, bandwidth, delay, shaping, probe, pacing)
-        self.nat = nat_names(nat, stages)
-        if self.run_plan.churn is not None and (self.link_plan.in_namespaces or self.nat):
-            raise ValueError(
-                "--churn needs --shaping inprocess on shaped links, and no --nat (namespaces are made before the run)"
-            )
-        if self.nat and self.link_plan.shaping != "netns":
+        nat_stages = nat_names(nat, stages)
+        if nat_stages and self.link_plan.shaping != "netns":
             raise ValueError("--nat needs namespaces (as root, without --shaping inprocess)")
+        # every process that will run gets its namespace before the run: a churn's joiners too
+        self.names = list(self.run_plan.names)
+        if self.run_plan.churn is not None and (self.link_plan.in_namespaces or nat_stages):
+            joiners = self.run_plan.churn.joiners()
+            if joiners is None:
+                raise ValueError(
+                    "random --churn needs --shaping inprocess and no --nat (its joiners are not known before)"
+                )
+            self.names += joiners
+        self.nat = [name for name in self.names if base_name(name) in nat_stages]  # each behind its own router
         self.output = PrefixedOutput(out or sys.stdout)
         self.startup_timeout = startup_timeout
         self.net: NetLab | None = None  # while the run is in namespaces
@@ -199,7 +205,8 @@ class Lab:
                     probe_inprocess(self)
             return self._run_swarm(cfg)
         try:
-            with NetLab(self.run_plan.names, links.rates, links.delay, nat=self.nat) as net:
+            rates = {name: links.rate(name) for name in self.names} if links.rates else None
+            with NetLab(self.names, rates, links.delay, nat=self.nat) as net:
                 self.net = net
                 for line in net.summary().splitlines():
                     self.output.say("netlab", line)

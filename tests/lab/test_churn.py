@@ -12,12 +12,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _swarm_env import local_rows
+from _swarm_env import assert_losses_of_one_process
 from _util import REPO, SMOKE
 
-from swarm.config import load_config
 from swarm.lab.churn import Churn, ChurnError, ChurnEvent
-from swarm.training.results import read_results
 
 TAG = "HIVEPIPE_CHURN_TEST"  # in the environment of a lab's processes, their p2p daemons' too
 
@@ -110,18 +108,8 @@ def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losse
     # drained, and was refused, depends on when the routers looked at its record)
     about_stage2 = "\n".join(line for line in out.stdout.splitlines() if "stage 2" in line or "[stage2]" in line)
     assert "it drained and leaves after this step" in out.stdout, about_stage2[-6000:]
-    _same_as_one_process(results, overrides, tmp_path, steps)
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     assert daemons_left == 0
-
-
-def _same_as_one_process(results, overrides: list[str], tmp_path, steps: int) -> None:
-    """The lab's results hold steps 1..`steps` once each, with the 3-stage single-process losses."""
-    ours = [r for r in read_results(results) if r["type"] == "step"]
-    cfg = load_config(SMOKE, [*overrides, "model.num_stages=3"])
-    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
-    assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
-    for a, b in zip(ours, reference, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
 
 
 def test_lab_that_loses_a_stages_last_peer_and_its_trainer_keeps_the_single_process_losses(tmp_path):
@@ -152,5 +140,5 @@ def test_lab_that_loses_a_stages_last_peer_and_its_trainer_keeps_the_single_proc
         r"\[trainer\] .* the swarm kept copies of every stage at step 2[05]; resuming there",  # the new trainer
     ):
         assert re.search(line, out.stdout), (line, log)
-    _same_as_one_process(results, overrides, tmp_path, steps)
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     assert daemons_left == 0

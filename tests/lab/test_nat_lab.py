@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from _swarm_env import local_rows
+from _swarm_env import assert_losses_of_one_process, local_rows
 from _util import REPO, SMOKE
 
 from swarm.config import load_config
@@ -43,6 +43,26 @@ def test_two_neighbouring_stages_behind_nat_are_relayed_and_keep_the_single_proc
     reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
     assert [r["step"] for r in ours] == list(range(1, steps + 1))
     assert [r["loss"] for r in ours] == [r["loss"] for r in reference]
+
+
+def test_a_stage_whose_two_peers_are_behind_nat_loses_one_to_kill_9_and_keeps_the_losses(tmp_path):
+    """Stage 1's first peer and a joiner (each behind its own NAT) split its micro-batches and sum
+    their gradients through the relay (the replicas' all-reduce, relayed as the stage streams are);
+    then the first is killed -9: the run goes on with the joiner and one process's losses."""
+    results = tmp_path / "nat-churn.jsonl"
+    steps, overrides = 60, ["train.epochs=100", "train.eval_every=1000"]
+    command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps)]
+    command += ["--nat", "1", "--delay", "20ms", "--churn", "join:1@0,kill:1@step35", "--results", str(results)]
+    command += [a for o in overrides for a in ("--set", o)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "stage1.2 is behind NAT at 192.168.2.2" in text
+    assert re.search(r"\[stage1\.2\] .* joined with the state of step \d+", text), text[-3000:]
+    assert "churn at" in text and "kill stage1\n" in text
+    assert re.search(r"\[trainer\] .* stage 1: peer \w+ left the run", text), text[-3000:]
+    assert re.search(r"\[status\] \S+\s+1/3 .* NAT via \w{8}", text), text[-3000:]
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
 
 
 def test_nat_names_only_stages_and_the_trainer():

@@ -79,6 +79,7 @@ def _peer(row: PeerRow) -> dict:
         "peer_id": row.peer_id,
         "short": short(row.peer_id),
         "address": announced.addrs[0] if announced.addrs else "",
+        "reached": row.network,  # directly, or behind NAT through a relay (survey.network_text)
         "role": row.work.role or ("left" if announced.leaving else ""),
         "state": state_text(row),
         "reachable": reach.reachable,

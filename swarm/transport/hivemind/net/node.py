@@ -25,7 +25,7 @@ from swarm.transport.hivemind.net.reach import BEHIND_NAT, Reach, Reachability, 
 from swarm.transport.hivemind.net.relay import Relay
 from swarm.transport.hivemind.net.schemas import validators
 from swarm.transport.hivemind.net.settings import Settings
-from swarm.transport.hivemind.net.streams import PROTOCOL, StreamPool
+from swarm.transport.hivemind.net.streams import StreamPool
 from swarm.transport.hivemind.trust.keys import IdentityError, load_identity
 
 # p2pd's Go threads (GOMAXPROCS). One carries far more than the links hivepipe is for, and Go's
@@ -119,6 +119,7 @@ class SwarmNode:
         settings: Settings | None = None,
         owned_by: bytes = b"",
         reachability: Reachability | None = None,
+        initial_peers: Sequence[str] = (),
     ) -> None:
         self.p2p = p2p
         self.dht = dht
@@ -129,11 +130,11 @@ class SwarmNode:
         self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
         self.settings = settings or Settings()
         # how this peer is reached and reaches the others (directly, or through a relay)
-        self.reach = Reach(p2p, reachability or Reachability(), PROTOCOL)
+        self.reach = Reach(p2p, reachability or Reachability(), initial_peers)  # from here on, it opens our streams
         self.relay: Relay | None = None  # what it does for peers behind NAT, when it can be dialed itself
         # streams to the peers we call, kept for reuse
         streams = self.settings.streams
-        self.streams = StreamPool(p2p, streams.keep_idle_s, egress, streams.end_wait_s, opener=self.reach.open)
+        self.streams = StreamPool(p2p, streams.keep_idle_s, egress, streams.end_wait_s)
 
     @classmethod
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
@@ -198,7 +199,9 @@ class SwarmNode:
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
         owned_by = RSASignatureValidator(signing_key).local_public_key
-        node = cls(p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by, reachability)
+        node = cls(
+            p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by, reachability, initial
+        )
         await node._serve_reach(options)
         return node
 
@@ -206,6 +209,7 @@ class SwarmNode:
         """A peer that can be dialed tells others whether they can be, and relays to those that
         cannot; one behind NAT gets itself held by its relay before anyone looks for it."""
         if self.reach.behind_nat:
+            await self.reach.serve_relayed()
             self.reach.hold()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.reach.held.wait(), options.startup_timeout)

@@ -10,6 +10,10 @@ no flag for it. A peer they cannot dial:
   names that relay in its stage record;
 - is called through its relay by peers that have no connection to it (a connection it opened
   itself, to a neighbour it calls, carries that neighbour's calls back directly).
+
+`Reach` takes over its node's P2P for that: every stream the node opens (stage calls, the
+replicas' all-reduce, state downloads) goes directly or through the callee's relay, and every
+handler the node registers is also served on streams its relay brings, as the real caller's.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from protocols import reach_pb2 as rpb
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, one_line
-from swarm.transport.hivemind.net.relay import REACH, RELAY, REQUEST_BYTES
+from swarm.transport.hivemind.net.relay import REACH, RELAY, RELAYED, REQUEST_BYTES
 from swarm.transport.hivemind.net.streams import read_one
 
 log = logging.getLogger(__name__)
@@ -98,15 +103,22 @@ async def check(p2p: P2P, initial_peers, timeout: float = CHECK_TIMEOUT_S) -> Re
 
 class Reach:
     """This peer's reachability, its hold on its relay (if behind NAT), the others' relays (from
-    their records) and how each stream was opened."""
+    their records), and its node's streams, opened and served directly or through a relay."""
 
-    def __init__(self, p2p: P2P, me: Reachability, stage_protocol: str) -> None:
-        self.p2p, self.me, self.stage_protocol = p2p, me, stage_protocol
+    OWN = (REACH, RELAY, RELAYED)  # the reach protocols themselves: not counted, never relayed
+
+    def __init__(self, p2p: P2P, me: Reachability, initial_peers=()) -> None:
+        self.p2p, self.me = p2p, me
+        self.initial = [p for p in map(peer_of, initial_peers) if p]  # relays too, when they can be dialed
         self.relays: dict[str, str] = {}  # peer -> its relay, as its record says
         self.opened: Counter = Counter()  # streams this peer opened: "direct", "relayed"
-        self.arrived: Counter = Counter()  # stage streams that reached it: "direct", "relayed", "refused"
+        self.arrived: Counter = Counter()  # streams that reached it: "direct", "relayed", "refused"
+        self.handlers: dict[str, object] = {}  # handler name -> what serves it
         self.held = asyncio.Event()  # its relay holds it now
         self._holding: asyncio.Task | None = None
+        # the daemon's own calls; the node's P2P gets ours in their place
+        self._open, self._add = p2p.call_binary_stream_handler, p2p.add_binary_stream_handler
+        p2p.call_binary_stream_handler, p2p.add_binary_stream_handler = self.call, self.add_handler
 
     @property
     def behind_nat(self) -> bool:
@@ -120,16 +132,20 @@ class Reach:
 
     # ---- being held -----------------------------------------------------------------------------
 
+    async def serve_relayed(self) -> None:
+        """Behind NAT: what its relay brings is served as its handlers' streams."""
+        await self._add(RELAYED, self._relayed)
+
     def hold(self) -> None:
         """Keeps a hold stream open at the relay (again after it drops) until `close`."""
         if self.behind_nat and self._holding is None:
             self._holding = asyncio.ensure_future(self._hold_forever())
 
     async def _hold_forever(self) -> None:
-        relay = PeerID.from_base58(self.me.relay)
         while True:
+            relay = PeerID.from_base58(self.me.relay)
             try:
-                _, reader, writer = await self.p2p.call_binary_stream_handler(relay, RELAY)
+                _, reader, writer = await self._open(relay, RELAY)
                 try:
                     await P2P.send_protobuf(rpb.RelayRequest(hold=True), writer)
                     reply = await asyncio.wait_for(read_one(reader, rpb.RelayReply, REQUEST_BYTES), CHECK_TIMEOUT_S)
@@ -145,7 +161,15 @@ class Reach:
                 raise
             except Exception as e:
                 log.warning("relay %s does not hold this peer: %s", self.me.relay[-8:], one_line(e))
+                self._next_relay()
             await asyncio.sleep(HOLD_RETRY_S)
+
+    def _next_relay(self) -> None:
+        """After its relay failed: the next initial peer (its record names the new one from its
+        next announcement; each initial peer relays, as it can be dialed)."""
+        others = [p for p in self.initial if p != self.p2p.peer_id.to_base58()]
+        if len(others) > 1 and self.me.relay in others:
+            self.me.relay = others[(others.index(self.me.relay) + 1) % len(others)]
 
     def close(self) -> None:
         if self._holding is not None:
@@ -176,9 +200,24 @@ class Reach:
             reply.holding, reply.relayed_bytes = len(relay.held), sum(relay.carried.values())
         return reply
 
-    async def caller(self, info, reader) -> str | None:
-        """Who called, on a RELAYED stream: the caller its relay names; None (refused) on a stream
-        from anyone but its own relay, or one that does not begin with a caller."""
+    # ---- serving --------------------------------------------------------------------------------
+
+    async def add_handler(self, name: str, handler, balanced: bool = False) -> None:
+        """The node's P2P.add_binary_stream_handler: `handler` also serves its relayed streams."""
+        if name in self.OWN:
+            await self._add(name, handler, balanced)
+            return
+        self.handlers[name] = handler
+
+        async def direct(info, reader, writer) -> None:
+            self.arrived["direct"] += 1
+            await handler(info, reader, writer)
+
+        await self._add(name, direct, balanced)
+
+    async def caller(self, info, reader) -> rpb.Relayed | None:
+        """Who called, and which handler, on a RELAYED stream: as its relay says; None (refused) on
+        a stream from anyone but its own relay, or one that does not begin with a caller."""
         if not self.behind_nat or info.peer_id.to_base58() != self.me.relay:
             self.arrived["refused"] += 1
             return None
@@ -188,8 +227,19 @@ class Reach:
         except Exception:
             self.arrived["refused"] += 1
             return None
+        return relayed
+
+    async def _relayed(self, info, reader, writer) -> None:
+        relayed = await self.caller(info, reader)
+        handler = self.handlers.get(relayed.protocol) if relayed is not None else None
+        if handler is None:
+            if relayed is not None:
+                self.arrived["refused"] += 1
+            writer.close()
+            return
         self.arrived["relayed"] += 1
-        return relayed.caller
+        caller = StreamInfo(PeerID.from_base58(relayed.caller), info.addr, relayed.protocol)
+        await handler(caller, reader, writer)
 
     # ---- reaching others ------------------------------------------------------------------------
 
@@ -198,22 +248,44 @@ class Reach:
             return any(info.peer_id.to_base58() == peer for info in await self.p2p.list_peers())
         return False
 
-    async def open(self, peer: str):
-        """(reader, writer) of a new stage stream to `peer`: directly when it can be dialed or a
+    async def call(self, peer_id: PeerID, protocol: str):
+        """The node's P2P.call_binary_stream_handler: directly when the peer can be dialed or a
         connection to it is open, else through its relay."""
+        peer = peer_id.to_base58()
         relay = self.relays.get(peer)
+        if protocol in self.OWN:
+            return await self._open(peer_id, protocol)
         if relay and relay != self.p2p.peer_id.to_base58() and not await self._connected(peer):
-            reader, writer = await self.through(relay, peer)
-            self.opened["relayed"] += 1
-            return reader, writer
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.stage_protocol)
-        self.opened["direct"] += 1
-        return reader, writer
-
-    async def through(self, relay: str, peer: str):
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(relay), RELAY)
+            return await self._relayed_call(peer_id, relay, protocol)
         try:
-            await P2P.send_protobuf(rpb.RelayRequest(target=peer), writer)
+            opened = await self._open(peer_id, protocol)
+        except Exception:
+            # no record named its relay (a replica, a joiner's source): one of the relays we know
+            # may hold it; each refuses at once a peer it does not hold
+            for relay in self.known_relays(peer):
+                with contextlib.suppress(Exception):
+                    return await self._relayed_call(peer_id, relay, protocol)
+            raise
+        self.opened["direct"] += 1
+        return opened
+
+    def known_relays(self, peer: str) -> list[str]:
+        """Relays to try for `peer`: ours, then those of other peers' records (not itself, not us)."""
+        candidates = [self.me.relay, *self.relays.values(), *self.initial]
+        mine = self.p2p.peer_id.to_base58()
+        return [r for r in dict.fromkeys(candidates) if r and r not in (peer, mine)]
+
+    async def _relayed_call(self, peer_id: PeerID, relay: str, protocol: str):
+        reader, writer = await self.through(relay, peer_id.to_base58(), protocol)
+        self.relays.setdefault(peer_id.to_base58(), relay)
+        self.opened["relayed"] += 1
+        return StreamInfo(peer_id, None, protocol), reader, writer
+
+    async def through(self, relay: str, peer: str, protocol: str):
+        """(reader, writer) of a stream to `peer`'s `protocol` handler through `relay`."""
+        _, reader, writer = await self._open(PeerID.from_base58(relay), RELAY)
+        try:
+            await P2P.send_protobuf(rpb.RelayRequest(target=peer, protocol=protocol), writer)
             reply = await read_one(reader, rpb.RelayReply, REQUEST_BYTES)
         except BaseException:
             writer.close()

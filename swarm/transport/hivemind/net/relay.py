@@ -12,9 +12,10 @@ both directions, with no limit but the relay's links:
   caller at, if the caller listens there (a port forward, a public address), and says which. It
   dials nothing else, so nobody can point it at a third party.
 - `RELAY`: a peer that cannot be dialed holds one stream open here (`hold`); a caller asks for a
-  stream to a held peer (`target`), and the relay opens one to the target's stage protocol over
-  the connection the held peer made, and pipes the bytes until either end closes. That stream
-  (`RELAYED`) starts with the caller's peer id, which the held peer takes from its own relay only.
+  stream to one of a held peer's handlers (`target`, `protocol`: the stage protocol, the
+  averager's...), and the relay opens one over the connection the held peer made, and pipes the
+  bytes until either end closes. That stream (`RELAYED`) starts with the caller's peer id and the
+  handler, which the held peer takes from its own relay only.
 
 Every peer that can be dialed serves both (bootstrap, stage peers, the trainer); what it relayed
 is in `Relay.carried` (bytes per held peer) and in its `peers.status` row.
@@ -129,7 +130,7 @@ class Relay:
         if request.hold:
             await self._hold(caller, reader, writer)
         else:
-            await self._connect(caller, request.target, reader, writer)
+            await self._connect(caller, request.target, request.protocol, reader, writer)
 
     async def _hold(self, peer: str, reader, writer) -> None:
         if peer not in self.held and len(self.held) >= MAX_HELD:
@@ -155,7 +156,10 @@ class Relay:
                 log.info("relay: %s no longer held", peer[-8:])
             writer.close()
 
-    async def _connect(self, caller: str, target: str, reader, writer) -> None:
+    async def _connect(self, caller: str, target: str, protocol: str, reader, writer) -> None:
+        if not protocol or protocol in (REACH, RELAY, RELAYED):
+            await self._refuse(writer, f"no relaying to handler {protocol[:40]!r}")
+            return
         if target not in self.held:
             await self._refuse(writer, f"peer {target[-8:]} is not held by this relay")
             return
@@ -166,7 +170,7 @@ class Relay:
             _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(
                 PeerID.from_base58(target), RELAYED
             )
-            await P2P.send_protobuf(rpb.Relayed(caller=caller), target_writer)
+            await P2P.send_protobuf(rpb.Relayed(caller=caller, protocol=protocol), target_writer)
         except Exception as e:
             await self._refuse(writer, f"could not reach {target[-8:]}: {one_line(e)}")
             return

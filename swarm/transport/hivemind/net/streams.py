@@ -78,13 +78,8 @@ class PeerStream:
         self.reader, self.writer, self.egress = reader, writer, egress  # egress: the node's in-process shaping
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: str, egress=None, opener=None) -> PeerStream:
-        """`opener(peer_id) -> (reader, writer)` when given (through a relay, if need be:
-        swarm.transport.hivemind.net.reach), else a stream straight to the peer."""
-        if opener is not None:
-            reader, writer = await opener(str(peer_id))
-        else:
-            _, reader, writer = await p2p.call_binary_stream_handler(peer_id_of(peer_id), PROTOCOL)
+    async def open(cls, p2p: P2P, peer_id: str, egress=None) -> PeerStream:
+        _, reader, writer = await p2p.call_binary_stream_handler(peer_id_of(peer_id), PROTOCOL)
         return cls(reader, writer, egress)
 
     async def send(self, messages, flow=None) -> None:
@@ -124,11 +119,8 @@ class StreamPool:
     for `keep_s` are closed rather than reused (the server closes streams idle for longer, and a
     reused stream the server had just closed would fail a call)."""
 
-    def __init__(
-        self, p2p: P2P, keep_s: float, egress=None, end_wait_s: float = 0.0, clock=time.monotonic, opener=None
-    ) -> None:
+    def __init__(self, p2p: P2P, keep_s: float, egress=None, end_wait_s: float = 0.0, clock=time.monotonic) -> None:
         self.p2p, self.keep_s, self.egress, self.clock = p2p, keep_s, egress, clock
-        self.opener = opener  # how a new stream is opened (PeerStream.open)
         self.end_wait_s = end_wait_s  # a failed exchange waits this long for the server to close (Exchange.close)
         self._idle: dict[str, list[tuple[PeerStream, float]]] = {}
         self.opened: Counter = Counter()  # streams opened per peer
@@ -142,7 +134,7 @@ class StreamPool:
                 return stream
             stream.close()
         self.opened[peer_id] += 1
-        return await PeerStream.open(self.p2p, peer_id, self.egress, self.opener)
+        return await PeerStream.open(self.p2p, peer_id, self.egress)
 
     def give_back(self, peer_id: str, stream: PeerStream) -> None:
         now = self.clock()

@@ -33,7 +33,6 @@ from swarm.transport.hivemind.dht.announce import Announcer
 from swarm.transport.hivemind.flow.pacing import carrying, send_paced
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.net.relay import RELAYED
 from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests, linger
 from swarm.transport.hivemind.routing.router import Bans
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
@@ -95,8 +94,6 @@ class StageServer:
     async def start(self, announce: bool = True) -> None:
         self._addrs = await self.node.maddrs()
         await self.node.p2p.add_binary_stream_handler(PROTOCOL, self._serve)
-        if self.node.reach.behind_nat:  # its relay's streams, from callers that cannot dial it
-            await self.node.p2p.add_binary_stream_handler(RELAYED, self._serve_relayed)
         await self.averager.start()
         if announce:
             await self.announcer.announce_now()
@@ -191,17 +188,7 @@ class StageServer:
     # ---- the stream ------------------------------------------------------------------------
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.node.reach.arrived["direct"] += 1
-        await self._serve_stream(info.peer_id.to_base58(), reader, writer)
-
-    async def _serve_relayed(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sender = await self.node.reach.caller(info, reader)
-        if sender is None:
-            writer.close()
-            return
-        await self._serve_stream(sender, reader, writer)
-
-    async def _serve_stream(self, sender: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = info.peer_id.to_base58()  # through a relay too: the caller it names (net.reach)
         requests = Requests(reader)
         with contextlib.closing(writer):
             try:
