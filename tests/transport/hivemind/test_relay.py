@@ -36,8 +36,7 @@ async def _swarm_with_a_peer_behind_nat():
     assert relay.reach.me.state != BEHIND_NAT and held.reach.me.state == PUBLIC  # loopback dials back
     held.reach.me = Reachability(BEHIND_NAT, relay=relay.peer_id)  # what a NATed peer's check finds
     await held.reach.serve_relayed()
-    held.reach.hold()
-    await asyncio.wait_for(held.reach.held.wait(), 30)
+    await asyncio.wait_for(held.reach.holding.held.wait(), 30)
     callers: asyncio.Queue = asyncio.Queue()
 
     async def who(info, reader, writer):
@@ -127,5 +126,28 @@ def test_a_strangers_bytes_on_the_relays_handlers_cost_it_nothing_and_it_serves_
         finally:
             await stranger.shutdown()
             await relay.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_peer_whose_relay_dies_is_held_by_its_next_initial_peer():
+    async def run():
+        first, second = [await SwarmNode.create(NodeOptions()) for _ in range(2)]
+        initial = [*(await first.maddrs())[:1], *(await second.maddrs())[:1]]
+        held = await SwarmNode.create(NodeOptions(initial_peers=initial))
+        try:
+            held.reach.me = Reachability(BEHIND_NAT, relay=first.peer_id)
+            await held.reach.serve_relayed()
+            await asyncio.wait_for(held.reach.holding.held.wait(), 30)
+            assert first.relay.held.keys() == {held.peer_id}
+            await first.shutdown()
+            for _ in range(600):  # it notices, fails once at the dead relay, then holds at the next
+                if held.peer_id in second.relay.held:
+                    break
+                await asyncio.sleep(0.05)
+            assert second.relay.held.keys() == {held.peer_id} and held.reach.me.relay == second.peer_id
+        finally:
+            await held.shutdown()
+            await second.shutdown()
 
     asyncio.run(run())

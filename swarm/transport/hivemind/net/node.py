@@ -210,9 +210,8 @@ class SwarmNode:
         cannot; one behind NAT gets itself held by its relay before anyone looks for it."""
         if self.reach.behind_nat:
             await self.reach.serve_relayed()
-            self.reach.hold()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.reach.held.wait(), options.startup_timeout)
+                await asyncio.wait_for(self.reach.holding.held.wait(), options.startup_timeout)
         elif not options.client_mode:
             self.relay = Relay(self.p2p)
             await self.relay.serve()

@@ -6,8 +6,8 @@ At start a peer asks its initial peers whether they can dial it back (`check`); 
 no flag for it. A peer they cannot dial:
 - runs its DHT node as a client (it answers no DHT requests: nobody could send them), as Petals
   does for peers reachable only through a relay;
-- holds a stream open at the first initial peer that answered (its relay; `Reach.hold`), and
-  names that relay in its stage record;
+- holds a stream open at the first initial peer that answered (its relay;
+  swarm.transport.hivemind.net.hold), and names that relay in its stage record;
 - is called through its relay by peers that have no connection to it (a connection it opened
   itself, to a neighbour it calls, carries that neighbour's calls back directly).
 
@@ -30,6 +30,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from protocols import reach_pb2 as rpb
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, one_line
+from swarm.transport.hivemind.net.hold import RelayHold
 from swarm.transport.hivemind.net.relay import REACH, RELAY, RELAYED, REQUEST_BYTES
 from swarm.transport.hivemind.net.streams import read_one
 
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 PUBLIC, BEHIND_NAT, UNKNOWN = "public", "behind NAT", "unknown"
 CHECK_TIMEOUT_S = 10.0
-HOLD_RETRY_S = 2.0
 
 
 @dataclass
@@ -114,11 +114,10 @@ class Reach:
         self.opened: Counter = Counter()  # streams this peer opened: "direct", "relayed"
         self.arrived: Counter = Counter()  # streams that reached it: "direct", "relayed", "refused"
         self.handlers: dict[str, object] = {}  # handler name -> what serves it
-        self.held = asyncio.Event()  # its relay holds it now
-        self._holding: asyncio.Task | None = None
         # the daemon's own calls; the node's P2P gets ours in their place
         self._open, self._add = p2p.call_binary_stream_handler, p2p.add_binary_stream_handler
         p2p.call_binary_stream_handler, p2p.add_binary_stream_handler = self.call, self.add_handler
+        self.holding: RelayHold | None = None  # behind NAT: its hold on its relay
 
     @property
     def behind_nat(self) -> bool:
@@ -133,48 +132,15 @@ class Reach:
     # ---- being held -----------------------------------------------------------------------------
 
     async def serve_relayed(self) -> None:
-        """Behind NAT: what its relay brings is served as its handlers' streams."""
+        """Behind NAT: what its relay brings is served as its handlers' streams, and the relay
+        holds it from now on."""
         await self._add(RELAYED, self._relayed)
-
-    def hold(self) -> None:
-        """Keeps a hold stream open at the relay (again after it drops) until `close`."""
-        if self.behind_nat and self._holding is None:
-            self._holding = asyncio.ensure_future(self._hold_forever())
-
-    async def _hold_forever(self) -> None:
-        while True:
-            relay = PeerID.from_base58(self.me.relay)
-            try:
-                _, reader, writer = await self._open(relay, RELAY)
-                try:
-                    await P2P.send_protobuf(rpb.RelayRequest(hold=True), writer)
-                    reply = await asyncio.wait_for(read_one(reader, rpb.RelayReply, REQUEST_BYTES), CHECK_TIMEOUT_S)
-                    if reply.error:
-                        raise ProtocolError(reply.error)
-                    self.held.set()
-                    await reader.read(1)  # until the relay closes it (it sends nothing)
-                finally:
-                    self.held.clear()
-                    writer.close()
-                log.warning("relay %s let go of this peer; holding again", self.me.relay[-8:])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("relay %s does not hold this peer: %s", self.me.relay[-8:], one_line(e))
-                self._next_relay()
-            await asyncio.sleep(HOLD_RETRY_S)
-
-    def _next_relay(self) -> None:
-        """After its relay failed: the next initial peer (its record names the new one from its
-        next announcement; each initial peer relays, as it can be dialed)."""
-        others = [p for p in self.initial if p != self.p2p.peer_id.to_base58()]
-        if len(others) > 1 and self.me.relay in others:
-            self.me.relay = others[(others.index(self.me.relay) + 1) % len(others)]
+        self.holding = RelayHold(self._open, self.me, self.initial, self.p2p.peer_id.to_base58())
+        self.holding.start()
 
     def close(self) -> None:
-        if self._holding is not None:
-            self._holding.cancel()
-            self._holding = None
+        if self.holding is not None:
+            self.holding.close()
 
     def summary(self, relay=None) -> str:
         """One line: how this peer was reached and reached the others (and what it relayed)."""
