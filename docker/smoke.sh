@@ -45,7 +45,11 @@ fi
 
 server=""
 cleanup() {
-    [ -n "${KEEP:-}" ] || docker-compose -p "$PROJECT" -f docker/compose.yaml down -v --remove-orphans >/dev/null 2>&1 || true
+    if [ -z "${KEEP:-}" ]; then
+        for project in "$PROJECT" "$PROJECT-remote"; do
+            docker-compose -p "$project" -f docker/compose.yaml down -v --remove-orphans >/dev/null 2>&1 || true
+        done
+    fi
     [ -n "$server" ] && kill "$server" 2>/dev/null || true
     rm -rf "$WORK"
 }
@@ -141,7 +145,9 @@ up = {r["metric"].get("peer"): r["value"][1] for r in json.load(open(sys.argv[2]
 print(f"[smoke] Prometheus: trainer loss scraped: {bool(loss)}; targets up: {sorted(p for p, v in up.items() if v == '1')}")
 sys.exit(0 if loss and all(up.get(p) == "1" for p in ("bootstrap", "stage0", "stage1", "stage2", "stage3")) else 1)
 EOF
-python3 - "$STEPS" <<'EOF' || fail "the swarm's losses are not one process's"
+cat >"$WORK/same_losses.py" <<'EOF'
+"""The trainer's per-step losses (docker/results/docker.jsonl) against one process on the same
+config (python -m swarm run, one thread as the peers), within 1e-5."""
 import json, os, subprocess, sys, tempfile
 steps = int(sys.argv[1])
 env = dict(os.environ, OMP_NUM_THREADS="1")  # the peers' --threads 1
@@ -155,4 +161,38 @@ print(f"[smoke] losses: swarm {ours}")
 print(f"[smoke]         one process {theirs}")
 sys.exit(0 if len(ours) == len(theirs) == steps and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, theirs)) else 1)
 EOF
+python3 "$WORK/same_losses.py" "$STEPS" || fail "the swarm's losses are not one process's"
+docker-compose -p "$PROJECT" -f docker/compose.yaml down -v >/dev/null 2>&1
+
+# ---- 6. another machine: stage 2 from a second compose project, through published ports -----------
+# (compose.public.yaml: each peer its own published port, the host's address announced)
+host_ip=$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "src") {print $(i + 1); exit}}')
+[ -n "$host_ip" ] || host_ip="$gateway"
+export PUBLIC_IP="$host_ip" STEPS=4 RUN_ID=split RATE="" DELAY=""
+public=(-f docker/compose.yaml -f docker/compose.public.yaml)
+rm -rf docker/results
+say "another machine: stage 2 in project $PROJECT-remote, the rest in $PROJECT, via $host_ip"
+docker-compose -p "$PROJECT" "${public[@]}" up -d bootstrap stage0 stage1 stage3 >"$WORK/a.log" 2>&1 \
+    || fail "compose up (this host): $(tail -n 3 "$WORK/a.log")"
+boot=$(docker-compose -p "$PROJECT" -f docker/compose.yaml exec -T bootstrap python -m swarm.netlab identity /shared/bootstrap.id | tail -n 1)
+INITIAL_PEERS="/ip4/$host_ip/tcp/31337/p2p/$boot" docker-compose -p "$PROJECT-remote" "${public[@]}" \
+    up -d --no-deps stage2 >"$WORK/b.log" 2>&1 || fail "compose up (the other machine): $(tail -n 3 "$WORK/b.log")"
+docker-compose -p "$PROJECT" "${public[@]}" up -d --no-deps trainer >"$WORK/t.log" 2>&1 \
+    || fail "the trainer: $(tail -n 3 "$WORK/t.log")"
+trainer=$(docker-compose -p "$PROJECT" -f docker/compose.yaml ps -q trainer)
+code=$(timeout 600 docker wait "$trainer") || fail "the split swarm's trainer did not finish within 600 s"
+[ "$code" = 0 ] || fail "the split swarm's trainer exited with $code: $(docker logs "$trainer" 2>&1 | tail -n 3)"
+remote=$(docker-compose -p "$PROJECT-remote" -f docker/compose.yaml ps -q stage2)
+# its peer drains on the first SIGTERM (waiting for another peer of its stage); the second leaves now
+docker kill -s TERM "$remote" >/dev/null
+sleep 3
+docker kill -s TERM "$remote" >/dev/null 2>&1 || true
+timeout 60 docker wait "$remote" >/dev/null || fail "the other machine's stage 2 did not stop"
+logs=$(docker logs "$remote" 2>&1)
+while IFS= read -r line; do
+    case "$line" in *"reachable at"* | *"behind NAT"* | *"stage 2 reach:"*) echo "[remote stage2] $line" ;; esac
+done <<<"$logs"
+case "$logs" in *"reachable at /ip4/"*) ;; *) fail "the other machine's stage 2 was not found reachable at its published port" ;; esac
+case "$logs" in *"stage 2 reach: public; streams in: "*direct*) ;; *) fail "the other machine's stage 2 took no stream: $(tail -n 5 <<<"$logs")" ;; esac
+python3 "$WORK/same_losses.py" "$STEPS" || fail "the split swarm's losses are not one process's"
 say "passed"

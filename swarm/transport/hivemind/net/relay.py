@@ -9,8 +9,9 @@ confirm (docs/swarm.md, "Peers behind NAT"). So hivepipe relays its own stage st
 both directions, with no limit but the relay's links:
 
 - `REACH` ("can I be dialed?"): the server opens a TCP connection to the address it sees the
-  caller at, if the caller listens there (a port forward, a public address), and says which. It
-  dials nothing else, so nobody can point it at a third party.
+  caller at, on each port the caller listens on (a public address, a forwarded port, a published
+  container port answer there), and says which answered. It dials no other address, so nobody can
+  point it at a third party.
 - `RELAY`: a peer that cannot be dialed holds one stream open here (`hold`); a caller asks for a
   stream to one of a held peer's handlers (`target`, `protocol`: the stage protocol, the
   averager's...), and the relay opens one over the connection the held peer made, and pipes the
@@ -104,12 +105,13 @@ class Relay:
             request = await read_one(reader, rpb.ReachRequest, REQUEST_BYTES)
             seen = tcp_endpoint(str(info.addr))
             dialed = ""
-            if seen is not None:
-                for addr in list(request.addrs)[:16]:
-                    endpoint = tcp_endpoint(addr)
-                    if endpoint is not None and endpoint[0] == seen[0] and await _connects(*endpoint, self.dial_back_s):
-                        dialed = addr
-                        break
+            # the ports it listens on, at the address it is seen at: a public address, a forwarded
+            # port, a published container port all answer there; nothing else is ever dialed
+            ports = [e[1] for e in map(tcp_endpoint, list(request.addrs)[:16]) if e is not None]
+            for port in dict.fromkeys(ports) if seen is not None else ():
+                if await _connects(seen[0], port, self.dial_back_s):
+                    dialed = f"/{'ip6' if ':' in seen[0] else 'ip4'}/{seen[0]}/tcp/{port}"
+                    break
             observed = f"/ip4/{seen[0]}/tcp/{seen[1]}" if seen else ""
             await P2P.send_protobuf(rpb.ReachReply(dialed=dialed, observed=observed), writer)
         except Exception as e:  # a stranger's garbage: nothing to answer
