@@ -66,8 +66,8 @@ def peer_of(maddr: str) -> str | None:
 
 
 def listen_addrs(maddrs) -> list[str]:
-    """Our addresses, without the /p2p/ part (the asked peer dials only one at the address it sees
-    us at: loopback on one machine, our public one when we have it)."""
+    """Our addresses, without the /p2p/ part (the asked peer dials their ports at the address it
+    sees us at, never their hosts: a private host says nothing to it)."""
     return list(dict.fromkeys(str(maddr).split("/p2p/")[0] for maddr in maddrs))
 
 
