@@ -18,13 +18,20 @@ class ProtocolError(ValueError):
 class RemoteError(RuntimeError):
     """The peer answered, with an error reply (it keeps serving); `code` says what may help."""
 
-    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED) -> None:
+    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED, blamed=(), missing=()) -> None:
         super().__init__(message)
         self.code = code
+        self.blamed = list(blamed)  # GROUP_FAILED: the group members the failure is on
+        self.missing = list(missing)  # STALE: the micro-batches to run again
 
     @property
     def retry_link(self) -> bool:
         return self.code == pb.LINK_RESET
+
+    @property
+    def downstream(self) -> bool:
+        """A peer further down the chain did not answer: this one is fine and may be tried again."""
+        return self.code == pb.DOWNSTREAM
 
     @property
     def other_peer(self) -> bool:

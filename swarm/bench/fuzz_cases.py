@@ -8,6 +8,7 @@ and, from a peer admitted to the stage before (a member whose key was stolen), t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Callable
@@ -50,6 +51,7 @@ class Target:
     member_id: str  # ... and of its member (admitted to the stage before: its key was stolen)
     width: int = 32  # activations per sample at this stage's input (stage > 0)
     step: Callable[[], int] = lambda: 0  # the step the peer is at (a member's payloads pass its step guard)
+    micro_batches: int = 4  # a step's training micro-batches (a replay takes a real index)
 
 
 def targets_of(hosted, pipeline, stranger_id: str, member_id: str) -> list[Target]:
@@ -64,6 +66,7 @@ def targets_of(hosted, pipeline, stranger_id: str, member_id: str) -> list[Targe
             stranger_id,
             member_id,
             step=lambda h=h: h.state.steps,
+            micro_batches=h.state.cfg.train.micro_batches,
         )
         for h in hosted
     ]
@@ -277,6 +280,18 @@ class Cases:
         head = self._head(True, step=self.rng.randrange(step), epoch=self._next_epoch())
         return Case("member's past micro-batch", request_bytes("micro_batch", head, self._activations()), member=True)
 
+    def replayed_micro_batch(self) -> Case:
+        """A member's well-formed micro-batch of the step the peer is at, with a real index and an
+        attempt of its own, and a budget that is not a number or never ends: it never counts toward
+        the step (the gather names the trainer's attempts), and it is never held past the call timeout."""
+        head = self._head(True, step=self.t.step(), epoch=self._next_epoch())
+        head.batch.index = self.rng.randrange(self.t.micro_batches)
+        head.batch.attempt = self._bytes(8)
+        head.budget_s = self.rng.choice([1e308, float("inf"), float("nan"), 5.0])
+        self.batch = dataclasses.replace(self.batch, index=head.batch.index)
+        payload = self._activations()
+        return Case("member's replayed micro-batch", request_bytes("micro_batch", head, payload), member=True)
+
     def averaging_length(self) -> Case:
         """The replicas' all-reduce handler (hivemind's wire format) with an absurd message length."""
         length = self.rng.randint(4 << 20, 1 << 40)
@@ -308,7 +323,8 @@ class Cases:
                 self.big_head,
                 self.zeros_after_refusal,
                 self.stale_micro_batch,
+                self.replayed_micro_batch,
                 self.averaging_length,
             ],
-            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1, 1, 1, 1],
+            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1, 1, 1, 1, 1],
         )[0]()

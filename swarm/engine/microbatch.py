@@ -22,6 +22,7 @@ class MicroBatch:
 
     `weight` scales the loss so micro-batch gradients add up to the batch mean.
     `exact` sends uncompressed tensors (warmup epochs, uncompressed evaluation).
+    `attempt` tells apart the times a swarm's trainer sent it (not part of its key).
     """
 
     step: int
@@ -31,6 +32,7 @@ class MicroBatch:
     mode: Mode = Mode.TRAIN
     weight: float = 1.0
     exact: bool = False
+    attempt: bytes = b""
 
     @property
     def key(self) -> tuple[str, int, int]:

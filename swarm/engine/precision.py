@@ -28,6 +28,13 @@ from swarm.data.base import mix_seed
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def activation_dtypes(precision: str) -> tuple[torch.dtype, ...]:
+    """The dtypes a stage's output (the next stage's input) can have: float32, or the autocast
+    dtype when the last operation ran in it."""
+    lower = DTYPES.get(precision)
+    return (torch.float32,) if lower is None else (torch.float32, lower)
+
+
 def check_precision(precision: str, device: torch.device | str) -> None:
     """One line when `device` cannot autocast to `precision`."""
     if precision not in DTYPES:

@@ -127,6 +127,11 @@ class StageRuntime:
         self.held[batch.key] = [(p, g) for p, g in zip(params, grads, strict=False) if g is not None]
         return grads[-1] if wants_x else None
 
+    def held_digest(self, key) -> float:
+        """The squared norm (in float64) of the gradients held for micro-batch `key`: what a swarm's
+        verification compares between two peers that ran it (0 when none are held)."""
+        return sum(float(g.detach().double().pow(2).sum()) for _, g in self.held.get(key, []))
+
     def accumulate(self, keys) -> None:
         """Gradients := the sum of the held gradients of `keys`, in the given order.
 

@@ -50,6 +50,9 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         assert not any("finite" in r or "banned" in r for r in tally.reasons["stranger's micro-batch"])
         # a member's replay of a past step is refused as the message's fault (its upstream keeps the peer)
         assert any("micro-batch of a past" in r for r in tally.reasons["member's past micro-batch"])
+        # a member's replay at the current step with a real index, with an endless or NaN budget: refused
+        # (not in the owner's roster; or banned for its bad payloads), never answered nor held
+        assert tally.counts["member's replayed micro-batch"]["refused"] > 0, tally.table()
         # the all-reduce handler refuses an absurd length before reading it
         assert any("a message of _ bytes" in r for r in tally.reasons["all-reduce's absurd length"])
         assert tally.counts["zeros after a refusal"]["refused"] > 0

@@ -5,6 +5,7 @@ middle of micro-batches, step rounds and downloads. Every case ends equal to the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -373,4 +374,28 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
         assert joiner.state.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
     finally:
+        run.close()
+
+
+def test_an_open_run_takes_joiners_within_its_admission_limits(swarm):
+    """Two stage-1 peers announce themselves at once; with `joins_per_step` 1 the trainer sets one up
+    at the next step boundary and the other at the one after (a flood of records costs the run one
+    state download per stage and step), and every step keeps the single-process losses."""
+    run = _Run(swarm, mortal=False)
+    settings = swarm.trainer.settings
+    swarm.trainer.settings = dataclasses.replace(
+        settings, limits=dataclasses.replace(settings.limits, joins_per_step=1)
+    )
+    try:
+        pipeline, first = run.pipeline, run.hosted[1].node.peer_id
+        run.step(0)
+        joiners = [run.join(server=swarm.hosts[i][1]).node.peer_id for i in (3, 4)]
+        run.step(1)  # set up at the boundary after step 1: one of them
+        assert pipeline.members[1][0] == first and len(pipeline.members[1]) == 2
+        assert pipeline.members[1][1] in joiners
+        run.step(2)
+        assert sorted(pipeline.members[1][1:]) == sorted(joiners)
+        run.step(3)
+    finally:
+        swarm.trainer.settings = settings
         run.close()

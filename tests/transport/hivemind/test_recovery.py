@@ -18,6 +18,7 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.dht.survey import format_table, survey
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.snapshots import Copy
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
 
@@ -239,3 +240,48 @@ def test_a_holders_failed_fetch_is_reported_at_the_next_snapshot(swarm, caplog):
         assert (2, 3) not in holder.copies and (0, 3) in run.mortal.snapshots.copies  # stage 1 holds stage 0's
     finally:
         run.close()
+
+
+def test_a_new_trainer_restores_only_copies_the_owners_manifest_names(swarm, tmp_path):
+    """The trainer dies at step 8; before a new one starts, a peer announces stage 1 of the run
+    showing copies of every stage at step 9 in the run's lineage (real copies of step 6, relabelled:
+    any weights it likes). The new trainer restores only copies whose SHA-256 a manifest signed by
+    the owner's key names: it goes back to step 6, and the losses are those of one process."""
+    run = _Lossy(swarm)
+    fake_node, fake_server = swarm.mortal_host()
+    try:
+        first = run.pipeline()
+
+        class TrainerDied(Exception):
+            pass
+
+        def die():
+            raise TrainerDied
+
+        before = _Hooked({8: die})
+        with pytest.raises(TrainerDied):
+            train(run.cfg, first, run.data, before, STEPS, progress=False)
+        fake = fake_server.host(HostedStage(fake_node, run.run_id, run.cfg, 1))
+        fake.snapshots.lineage = first.recovery.lineage
+        for hosted in [*run.hosted, run.mortal]:
+            real = hosted.snapshots.copies[(hosted.stage, 6)]
+            fake.snapshots.copies[(hosted.stage, 9)] = Copy(hosted.stage, 9, real.payload, real.codecs)
+        swarm.loop.run(fake_server.announcer.announce_now())
+        assert {(c.stage, c.step) for c in fake.status().snapshots} == {(0, 9), (1, 9), (2, 9)}
+        assert all(m.step != 9 for m in run.mortal.status().manifests) and run.mortal.status().manifests
+        node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+        try:
+            second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
+            second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
+            assert fake_node.peer_id in second.members[1]  # an open run set it up: it announced stage 1
+            assert second.resumed()["step"] == 6
+            after = ResultsWriter(None)
+            after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
+            train(run.cfg, second, run.data, after, STEPS, progress=False)
+            _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
+        finally:
+            swarm.loop.run(node.shutdown())
+    finally:
+        run.close()
+        swarm.loop.run(fake_server.stop())
+        swarm.loop.run(fake_node.shutdown())

@@ -32,6 +32,7 @@ _STORED = {name: np.dtype(name) for name in ("uint8", "int8", "uint16", "int16",
 _INTEGERS = ("int64", "int32", "int16", "int8", "uint8")
 MAX_RANK = 8
 MAX_ELEMENTS = 1 << 31
+MAX_ATTEMPT_BYTES = 16  # a micro-batch attempt's tag (the trainer draws 8)
 _MODES = {Mode.TRAIN: pb.TRAIN, Mode.EVAL: pb.EVAL}
 _MODES_BACK = {v: k for k, v in _MODES.items()}
 
@@ -100,7 +101,12 @@ def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
 
 def batch_to_meta(batch: MicroBatch) -> pb.BatchMeta:
     return pb.BatchMeta(
-        step=batch.step, index=batch.index, mode=_MODES[batch.mode], weight=batch.weight, exact=batch.exact
+        step=batch.step,
+        index=batch.index,
+        mode=_MODES[batch.mode],
+        weight=batch.weight,
+        exact=batch.exact,
+        attempt=batch.attempt,
     )
 
 
@@ -137,7 +143,11 @@ def meta_to_batch(meta: pb.BatchMeta, carried: pb.Carried) -> MicroBatch:
         raise ProtocolError(f"targets of shape {tuple(targets.shape)} do not match {ids.numel()} sample ids")
     if not math.isfinite(meta.weight) or meta.weight < 0:
         raise ProtocolError(f"bad micro-batch weight {meta.weight}")
-    return MicroBatch(int(meta.step), int(meta.index), ids, targets, mode, float(meta.weight), bool(meta.exact))
+    if len(meta.attempt) > MAX_ATTEMPT_BYTES:
+        raise ProtocolError(f"a micro-batch attempt of {len(meta.attempt)} bytes (at most {MAX_ATTEMPT_BYTES})")
+    return MicroBatch(
+        int(meta.step), int(meta.index), ids, targets, mode, float(meta.weight), bool(meta.exact), bytes(meta.attempt)
+    )
 
 
 def tensors_to_payload(named: dict[str, torch.Tensor]) -> tuple[list[pb.TensorSlot], bytes]:

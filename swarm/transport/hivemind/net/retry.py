@@ -4,7 +4,8 @@
   the same stage, the failed one banned for a while (`routing.Bans`); one whose link lost its order
   or state (`RemoteError` with LINK_RESET) is tried again on the same peer, on a new link epoch;
   one whose peer does not serve it now (NOT_READY, UNAVAILABLE: joining, leaving, at another step)
-  on another peer, like a dead one. Other error replies are final (a bad config, a bad payload: trying again would say the same).
+  on another peer, like a dead one; one whose chain lost a later stage's peer past its budget
+  (DOWNSTREAM) on the same peer, which routes elsewhere now. Other error replies are final (a bad config, a bad payload: trying again would say the same).
 - A step round or a setup is idempotent on the peer, so a lost reply is simply retried on the same
   peer, after a growing backoff.
 Either way a call is tried at most `Settings.retries.attempts` times, and never past its deadline.
@@ -32,7 +33,7 @@ class Retry:
 
     def again(self, error: Exception, attempt: int, deadline: float | None = None) -> bool:
         """Whether a call that failed with `error` on its `attempt`-th try (from 0) is tried again."""
-        if isinstance(error, RemoteError) and not (error.retry_link or error.other_peer):
+        if isinstance(error, RemoteError) and not (error.retry_link or error.other_peer or error.downstream):
             return False
         if not isinstance(error, TransportError | RemoteError):
             return False

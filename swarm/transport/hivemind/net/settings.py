@@ -94,6 +94,13 @@ class Limits:
     # Micro-batch payload bytes one peer may have at a stage server at once (declared in the head,
     # counted before the payload is read): a member cannot fill the peer's memory.
     max_held_bytes_per_sender: int = 1 << 31
+    # Admissions to an open run (anyone may announce a stage): a stage takes at most this many new
+    # peers at one step boundary, has at most this many still catching up, and at most this many
+    # members; the others wait for a later boundary. A burst of joiners (a Sybil flood of records)
+    # then costs the run one state download per stage and step, not one per record.
+    joins_per_step: int = 2
+    max_joining: int = 4
+    max_peers_per_stage: int = 32
 
     def __post_init__(self) -> None:
         _positive(self)

@@ -99,10 +99,8 @@ class Handoff:
         again: Callable[[str], Awaitable[tuple[tuple[int, int], bytes]]],
         deadline: float | None = None,
         offer: Callable[[str], float] | None = None,
-        proof: pb.StepProof | None = None,
         inputs=None,
-        closing: int = 0,
-        decision: pb.StepDecision | None = None,
+        carry: pb.MicroBatchHead | None = None,
     ) -> tuple[Frame, str, tuple[int, int]]:
         """The reply to `batch` with its activations `body` (numbered `sent` on the link to
         `record`'s peer), the peer that gave it and the number the payload had on that link.
@@ -112,11 +110,12 @@ class Handoff:
 
         With a `deadline` every try gets what is left of it; without, each gets the call timeout
         (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
-        can take back from it (pacing); `proof`: the owner's word of the run's step, handed on, as
-        are `closing` and `decision` (a step closed on the way: swarm.transport.hivemind.stage.closing)."""
+        can take back from it (pacing); `carry`: a head whose words of the run are handed on: the
+        owner's step proof and roster, and a step closed on the way (`closing`, `decision`:
+        swarm.transport.hivemind.stage.closing)."""
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
-        tried: set[str] = set()
+        tried: set[str] = set(carry.avoid) if carry is not None else set()  # (the owner's verification)
         target = record.peer_id
         attempt = 0
         while True:
@@ -137,11 +136,8 @@ class Handoff:
             )
             if (admission := self.admission()) is not None:
                 head.admission.CopyFrom(admission)
-            if proof is not None:
-                head.step_proof.CopyFrom(proof)
-            head.closing = closing
-            if decision is not None and decision.ByteSize():
-                head.decision.CopyFrom(decision)
+            if carry is not None:
+                _hand_on(carry, head)
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
             exchange = Exchange(
@@ -161,10 +157,12 @@ class Handoff:
                 break
             except (TransportError, RemoteError) as e:
                 self._lose(target)
+                elsewhere = isinstance(e, TransportError) or e.other_peer
+                if elsewhere:  # banned even when no retry is left: the caller's next try goes elsewhere
+                    self.router.failed(target)
                 if not self.retry.again(e, attempt, deadline):
                     raise
-                if isinstance(e, TransportError) or e.other_peer:
-                    self.router.failed(target)
+                if elsewhere:
                     try:
                         record = await self.choose(session, exclude=tried)
                     except NoPeerError:
@@ -195,3 +193,13 @@ class Handoff:
         finally:
             self.awaiting -= 1
             self.waiting[exchange.peer_id] -= 1
+
+
+def _hand_on(carry: pb.MicroBatchHead, head: pb.MicroBatchHead) -> None:
+    """The words of the run in `carry` (the owner's, the step's count, the peers a verification
+    avoids) into `head`."""
+    for name in ("step_proof", "decision", "roster"):
+        if carry.HasField(name):
+            getattr(head, name).CopyFrom(getattr(carry, name))
+    head.closing = carry.closing
+    head.avoid.extend(carry.avoid)

@@ -48,7 +48,12 @@ MAX_PART_MESSAGE_BYTES = 2 * DEFAULT_PART_SIZE_BYTES + (64 << 10)
 
 
 class AveragingError(RuntimeError):
-    """A group's all-reduce did not complete with every member; the message names who failed."""
+    """A group's all-reduce did not complete with every member; the message names who failed, and
+    `peers` (base58) are the members it failed on or was still waiting for."""
+
+    def __init__(self, message: str, peers=()) -> None:
+        super().__init__(message)
+        self.peers = [str(peer) for peer in peers]
 
 
 class _Runner(AllReduceRunner):
@@ -194,12 +199,15 @@ class ReplicaAverager(ServicerBase):
         try:
             deltas = await asyncio.wait_for(self._deltas(runner), self.timeout_s)
         except TimeoutError:
-            peers_text = ", ".join(map(str, runner.waiting_for()))
+            waiting = runner.waiting_for()
             raise AveragingError(
-                f"averaging group {group_id!r}: no result within {self.timeout_s:g} s, waiting for {peers_text}"
+                f"averaging group {group_id!r}: no result within {self.timeout_s:g} s, waiting for {', '.join(map(str, waiting))}",
+                waiting,
             ) from None
         except Exception as e:
-            raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, e)}") from None
+            raise AveragingError(
+                f"averaging group {group_id!r} failed: {self._blame(runner, e)}", runner.failed
+            ) from None
         finally:
             watch.cancel()
             runner.close()
@@ -208,7 +216,7 @@ class ReplicaAverager(ServicerBase):
             while len(self._finished) > REMEMBERED_GROUPS:
                 self._finished.popitem(last=False)
         if runner.failed or runner.tensor_part_container.failed_size:  # a failure after the last part came
-            raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, None)}")
+            raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, None)}", runner.failed)
         k = len(contributors)
         return [
             ((x + d) * k).to(device=t.device, dtype=t.dtype) for x, d, t in zip(local, deltas, tensors, strict=True)

@@ -16,15 +16,19 @@ sender start a new epoch, so both ends restart that link's state together instea
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
-from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault
+from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault, TransportError, one_line
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
+from swarm.engine.precision import activation_dtypes
 from swarm.tracing import TRACER, wall
 from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstile
 from swarm.transport.hivemind.flow.pacing import FlowPacer
@@ -47,9 +51,12 @@ class Outcome:
     route: list[str] = field(default_factory=list)
 
 
+DIGEST = "grad_digest:"  # + the stage: a reply's metric of the squared norm of its gradients of the micro-batch
+
+
 class Chain:
-    """The micro-batches of one hosted stage: `serving(batch, proof)` says whether the stage takes
-    one now (raises if not); `handoff` (None on the last stage) hands them on downstream."""
+    """The micro-batches of one hosted stage: `serving(batch, head, sender)` says whether the stage
+    takes one now (raises if not); `handoff` (None on the last stage) hands them on downstream."""
 
     def __init__(
         self,
@@ -87,17 +94,25 @@ class Chain:
         batch, carried, body = _unpack(head, payload)
         if head.HasField("decision"):  # the last step closes here first (the owner's word)
             await self.closing.decided(head.decision)
-        self.serving(batch, head.step_proof)
+        self.serving(batch, head, sender)
         # from arrival: the sender's clock runs meanwhile
         settings = self.place.settings
-        deadline = time.monotonic() + (head.budget_s or settings.calls.call_timeout_s) - settings.calls.budget_margin_s
+        deadline = (
+            time.monotonic() + _budget(head.budget_s, settings.calls.call_timeout_s) - settings.calls.budget_margin_s
+        )
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
         attempt = self.attempts[batch.key] = object()
+        self.state.attempts.started(batch)
         self.meters.entered()
         done = False
         try:
             outcome = await self._chain(head, batch, carried, body, sender, deadline, used, attempt)
             done = True
+            if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
+                self.state.attempts.finished(batch)  # its gradients are the ones held here now
+                if batch.mode is Mode.TRAIN and self.state.cfg.train.verify:  # every one: none stands out
+                    digest = await self.work.run(runtime.held_digest, batch.key)
+                    outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest
         except BaseException:
             if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
                 await self.work.run(runtime.drop, batch, LinkEnds(*used))
@@ -140,11 +155,12 @@ class Chain:
                     try:
                         data = await self.work.run(self.work.decode, body, batch)
                         batch.check_input(data.shape)  # the engine's check, before our next link is touched
+                        _check_dtype(data.dtype, self.state.cfg.train.precision)
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
                     used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(body)
-                record = None if handoff is None else await handoff.choose(self.state.session_id)
+                record = None if handoff is None else await handoff.choose(self.state.session_id, head.avoid)
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
                     if batch.mode is Mode.TRAIN:
@@ -178,8 +194,8 @@ class Chain:
         head: pb.MicroBatchHead,
     ) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
-        runs our backward. What the head says of the run (the owner's step proof, a step closed on
-        the way) goes on with them."""
+        runs our backward. What the head says of the run (the owner's step proof and roster, a step
+        closed on the way) goes on with them."""
         place, links, work = self.place, self.links, self.work
         elapsed = time.perf_counter() - started
 
@@ -197,19 +213,20 @@ class Chain:
 
         last = self.state.cfg.train.micro_batches - 1
         more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
-        frame, target, sent = await self.handoff.send(
-            batch,
-            record,
-            sent,
-            message.payload,
-            self.state.session_id,
-            again,
-            deadline=deadline,
-            offer=lambda peer: self.pacer.offer(peer, more),
-            proof=head.step_proof,
-            closing=head.closing,
-            decision=head.decision,
-        )
+        try:
+            frame, target, sent = await self.handoff.send(
+                batch,
+                record,
+                sent,
+                message.payload,
+                self.state.session_id,
+                again,
+                deadline=deadline,
+                offer=lambda peer: self.pacer.offer(peer, more),
+                carry=head,
+            )
+        except TransportError as e:  # its peer is banned here now: our caller may simply try us again
+            raise RemoteError(f"stage {place.stage + 1}: {one_line(e)}", pb.DOWNSTREAM) from None
         result, reply = frame.head, frame.payload
         route = [place.peer_id, *result.route]
         if result.kind == pb.DONE:
@@ -259,6 +276,24 @@ class Chain:
                 f"micro-batch {batch.key} reached stage {self.place.stage} again through another peer: this attempt is void",
                 pb.UNAVAILABLE,
             )
+
+
+def _check_dtype(dtype: torch.dtype, precision: str) -> None:
+    """A payload declaring activations of a dtype no stage of this run gives is its sender's fault
+    (an fp16 payload in an fp32 run would pass as exact values and fail stages further on)."""
+    allowed = activation_dtypes(precision)
+    if dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise PayloadError(f"activations in {str(dtype).removeprefix('torch.')}: this run's stages send {names}")
+
+
+def _budget(declared: float, most: float) -> float:
+    """The seconds a micro-batch may take here: what its sender says it waits, never more than any
+    caller of ours waits (a member's 1e308 would park its payload for good), the most when unsaid
+    or not a number."""
+    if not (math.isfinite(declared) and declared > 0):
+        return most
+    return min(declared, most)
 
 
 def _unpack(head: pb.MicroBatchHead, payload: bytes) -> tuple[MicroBatch, pb.Carried, memoryview]:

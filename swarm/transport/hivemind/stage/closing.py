@@ -45,6 +45,7 @@ class Closing:
         # session or a restored state is a new generation: a replayed step counts afresh
         self.done: dict[tuple[int, int], set[int]] = {}
         self.reported: tuple[int, int] | None = None  # the step whose norm this peer reported last
+        self.twice: tuple[int, int] | None = None  # a step of which a micro-batch finished twice before its sum
         self._applying: dict[tuple[int, int], asyncio.Task] = {}
 
     async def finished(self, batch: MicroBatch, closing: int, metrics: dict[str, float]) -> dict[str, float]:
@@ -60,10 +61,14 @@ class Closing:
         if done is None:
             done = self._begin(key)
         if batch.index in done or key == self.reported:
+            if key != self.reported:  # what is held may be either attempt's: only the rounds can tell
+                self.twice = key
             return {**metrics, RERUN: 1.0}
         done.add(batch.index)
         if len(done) < closing:
             return metrics
+        if self.twice == key:
+            return {**metrics, RERUN: 1.0}
         self.reported = key
         summed = await self.work.run(self.work.timed, self._sum, batch.step, closing)
         if summed is None:

@@ -43,11 +43,27 @@ class Combining:
         )
         for result in results:
             if isinstance(result, AveragingError):
-                raise RemoteError(f"stage {self.place.stage}: {result}", pb.GROUP_FAILED) from None
+                blamed = [peer for peer in result.peers if peer != me]
+                raise RemoteError(f"stage {self.place.stage}: {result}", pb.GROUP_FAILED, blamed) from None
             if isinstance(result, BaseException):
                 raise result
         await self.work.run(self.work.timed, self._set, head, groups, results)
         return pb.GatherReply(), b""
+
+    def _check_held(self, head: pb.GatherRequest) -> None:
+        """Raises STALE, naming them, unless every micro-batch the gather counts here is held, of
+        the attempt it names (swarm.transport.hivemind.stage.attempts): the trainer runs those again."""
+        indices = list(head.micro_batches)
+        held = self.state.runtime.held
+        missing = {i for i in indices if (Mode.TRAIN.value, head.step, i) not in held}
+        missing.update(self.state.attempts.stale(head.step, indices, list(head.attempts)))
+        if missing:
+            shown = ", ".join(map(str, sorted(missing)[:8]))
+            raise RemoteError(
+                f"stage {self.place.stage}: micro-batch(es) {shown} of step {head.step} are not held here as the attempts the trainer counted",
+                pb.STALE,
+                missing=sorted(missing),
+            )
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
@@ -63,10 +79,8 @@ class Combining:
         runtime = self.state.runtime
         joining = self.state.joining
         if joining is None:
-            try:
-                runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
-            except KeyError as e:
-                raise RemoteError(str(e.args[0])) from None
+            self._check_held(head)
+            runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
         tied = {name for group in groups if group.names for name in group.names}
         out = []
         for group in groups:

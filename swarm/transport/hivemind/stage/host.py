@@ -22,7 +22,7 @@ from protocols.version import PROTOCOL_VERSION
 from swarm.compression.spec import parse
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
-from swarm.engine.microbatch import MicroBatch
+from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.transport.hivemind.dht.announce import StageRecord
 from swarm.transport.hivemind.flow.pacing import FlowPacer, stage_flows
 from swarm.transport.hivemind.net.calls import Sending
@@ -40,6 +40,7 @@ from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, Stag
 from swarm.transport.hivemind.stage.status import stage_status
 from swarm.transport.hivemind.stage.work import StageWork
 from swarm.transport.hivemind.trust.gate import Gate
+from swarm.transport.hivemind.trust.signatures import Refused
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class HostedStage:
             how = f" to join from {len(request.sources)} peer(s) in service" if request.sources else ""
             self.peer.events.add("setup", f"stage {self.stage}: set up by trainer session {request.session[:8]}{how}")
             if request.sources:  # mid-run: the state comes from a peer in service
-                joining = Joining(place, state, self.work, self.links, self.gate, self.router, self.peer, self.rounds)
+                joining = Joining(place, state, self.work, self.links, self.gate, self.peer, self.rounds)
                 state.follow(joining)
                 joining.start(list(request.sources))
         self.gate.set_up(request)
@@ -208,10 +209,12 @@ class HostedStage:
         )
 
     def _routable(self, record: StageRecord) -> bool:
-        """Only peers the run's owner admitted to our session are handed micro-batches."""
+        """Only peers the run's owner admitted to our session, and still has in its roster, are
+        handed micro-batches."""
+        session = self.state.session_id
         return self.gate.admissions.routable(
-            record.admission, self.gate.owner, self.state.session_id, record.peer_id, record.stage
-        )
+            record.admission, self.gate.owner, session, record.peer_id, record.stage
+        ) and self.gate.listed(record.stage, record.peer_id, session)
 
     # ---- links --------------------------------------------------------------------------------
 
@@ -222,12 +225,20 @@ class HostedStage:
 
     # ---- calls -----------------------------------------------------------------------------
 
-    def serving(self, batch: MicroBatch, proof: pb.StepProof | None = None) -> None:
+    def serving(self, batch: MicroBatch, head: pb.MicroBatchHead | None = None, sender: str | None = None) -> None:
         """Whether this peer takes `batch`: in service (not joining, not leaving), its weights at
         the micro-batch's step. A peer behind the run missed a step's rounds (its trainer left it out
-        after a failure): shown so by the owner's `proof`, it goes idle, and the trainer sets it up
-        afresh as a joiner."""
+        after a failure): shown so by the owner's step proof in `head`, it goes idle, and the trainer
+        sets it up afresh as a joiner. The owner's roster in `head` is kept (routing follows it), and
+        a `sender` it no longer lists is refused (a member left out keeps its admission)."""
         state = self.state
+        proof = head.step_proof if head is not None else None
+        if head is not None and head.HasField("roster"):
+            self.gate.show_roster(head.roster, state.session_id)
+        if sender is not None and self.stage > 0 and not self.gate.listed(self.stage - 1, sender, state.session_id):
+            raise Refused(
+                f"micro-batch from {sender[-8:]}: the owner's roster no longer has it serving stage {self.stage - 1}"
+            )
         if state.joining is not None or state.leaving:
             raise RemoteError(f"stage {self.stage} peer is {state.role}: it takes no micro-batch", pb.UNAVAILABLE)
         if batch.step < state.steps:  # the sender's mistake (or replay), not this peer's: refused, and
@@ -235,6 +246,10 @@ class HostedStage:
             raise RemoteError(
                 f"a micro-batch of a past step: stage {self.stage} peer is at step {state.steps}, micro-batch {batch.key}",
                 pb.REFUSED,
+            )
+        if batch.mode is Mode.TRAIN and batch.index >= state.cfg.train.micro_batches:
+            raise RemoteError(  # no step has it: it would count toward none, and cost compute here
+                f"micro-batch {batch.key} is not one of the step's {state.cfg.train.micro_batches}", pb.REFUSED
             )
         if batch.step != state.steps:
             shown = proof is not None and self.gate.step_shown(proof, state.session_id, batch.step)

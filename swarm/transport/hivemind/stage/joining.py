@@ -32,7 +32,6 @@ from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
 from swarm.engine.linkend import LinkEnds
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
-from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds
@@ -101,12 +100,11 @@ class Joining:
         work: StageWork,
         links: NeighbourLinks,
         gate: Gate,
-        router: Router,
         peer: PeerServices,
         rounds: StageRounds,
     ) -> None:
         self.place, self.state, self.work, self.links = place, state, work, links
-        self.gate, self.router, self.peer, self.rounds = gate, router, peer, rounds
+        self.gate, self.peer, self.rounds = gate, peer, rounds
         self.sources: list[str] = []
         self.kept: list[tuple[str, object, bytes]] = []  # (kind, head, payload) in arrival order
         self.bytes_in = 0
@@ -139,7 +137,7 @@ class Joining:
         tried: set[str] = set()
         pause = settings.retries.backoff_s
         while time.monotonic() - started < settings.calls.state_timeout_s:
-            for source in await self._candidates():
+            for source in self._candidates():
                 tried.add(source[-8:])
                 try:
                     frame = await call(
@@ -186,16 +184,11 @@ class Joining:
         )
         self.peer.changed()
 
-    async def _candidates(self) -> list[str]:
-        """The sources named at setup, then the stage's other peers in service (the DHT's view)."""
-        place = self.place
-        found = [
-            r.peer_id
-            for r in await self.router.peers(place.stage, refresh=True)
-            if r.ready and r.session == self.state.session_id and r.peer_id != place.peer_id
-        ]
-        named = random.sample(self.sources, len(self.sources))
-        return list(dict.fromkeys([*named, *found]))
+    def _candidates(self) -> list[str]:
+        """The sources the owner named in its signed setup (the stage's members in service then), in
+        a random order. Never a DHT record's word: any peer can announce itself ready in the session
+        and offer weights of its own."""
+        return [source for source in random.sample(self.sources, len(self.sources)) if source != self.place.peer_id]
 
     def _install(self, reply: pb.StateReply, payload: bytes) -> bool:
         """On the computing thread: the state, then the kept rounds of the steps after it; False

@@ -239,7 +239,12 @@ class StageServer:
                         log,
                     )
                 log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
-                error = pb.ErrorReply(message=one_line(e), code=_code(e))
+                error = pb.ErrorReply(
+                    message=one_line(e),
+                    code=_code(e),
+                    blamed=getattr(e, "blamed", []),
+                    missing=getattr(e, "missing", []),
+                )
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
                 await requests.drain(self.settings.streams.drain_s, self._limit(kind) + MAX_MESSAGE_BYTES)
                 return False

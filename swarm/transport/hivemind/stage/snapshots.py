@@ -35,6 +35,7 @@ from swarm.transport.hivemind.stage.links import NeighbourLinks
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.trust import manifests
 from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ class Copy:
     payload: bytes  # a stage file without link ends, with "rng" and "trainer" (the position) in it
     codecs: list = field(default_factory=list)  # pb.BoundaryCodecs in force when it was taken
     taken: float = field(default_factory=time.monotonic)
+    sha256: bytes = b""  # of `payload` (the owner's manifest lists it)
+
+    def __post_init__(self) -> None:
+        self.sha256 = manifests.digest(self.payload)
 
 
 class Snapshots:
@@ -72,6 +77,7 @@ class Snapshots:
         self.restored_step = 0
         self.paused_s = 0.0
         self._fetches: dict[tuple[int, int], asyncio.Task] = {}
+        self.manifests = manifests.Kept(place.run_id)  # the owner's word of which copies are the swarm's
 
     # ---- the snapshot round --------------------------------------------------------------------
 
@@ -79,6 +85,9 @@ class Snapshots:
         if head.discard:
             if head.lineage == self.lineage:
                 self._clear()
+            return pb.SnapshotReply(), b""
+        if head.HasField("manifest"):  # after the round: which copies it took, signed
+            self.manifests.keep(head.manifest, self.gate.owner, self.lineage)
             return pb.SnapshotReply(), b""
         self.state.ready()
         self._adopt(head.lineage)
@@ -89,7 +98,7 @@ class Snapshots:
             self._keep(own)
         for order in head.hold:
             self._fetch(int(order.stage), step, list(order.sources))
-        return pb.SnapshotReply(bytes=len(own.payload)), b""
+        return pb.SnapshotReply(bytes=len(own.payload), sha256=own.sha256), b""
 
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""
@@ -131,8 +140,11 @@ class Snapshots:
         else:
             self._keep(task.result())
 
-    async def _download(self, stage: int, step: int, sources: list[tuple[str, int]]) -> Copy:
-        """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that has it."""
+    async def _download(
+        self, stage: int, step: int, sources: list[tuple[str, int]], accepted: frozenset = frozenset()
+    ) -> Copy:
+        """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that
+        has it (one whose SHA-256 is `accepted`, when given: the owner's manifest)."""
         place, errors = self.place, []
         for peer, hosted_stage in sources:
             request = pb.StateRequest(
@@ -149,7 +161,11 @@ class Snapshots:
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
                 continue
-            return Copy(stage, step, frame.payload, list(frame.head.codecs))
+            copy = Copy(stage, step, frame.payload, list(frame.head.codecs))
+            if accepted and copy.sha256 not in accepted:
+                errors.append(f"{peer[-8:]}: its copy is not one the owner's manifest names")
+                continue
+            return copy
         raise RemoteError(
             f"no copy of stage {stage} at step {step} from {len(sources)} source(s) ({'; '.join(errors)})",
             pb.UNAVAILABLE,
@@ -173,10 +189,11 @@ class Snapshots:
         self.state.ready()
         step = int(head.step)
         self._adopt(head.lineage)  # a trainer carries on a lineage of this peer's copies, or starts one
+        accepted = frozenset(head.accepted)
         copy = self.copies.get((place.stage, step))
-        if copy is None:
+        if copy is None or (accepted and copy.sha256 not in accepted):
             sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != place.peer_id]
-            copy = await self._download(place.stage, step, sources)
+            copy = await self._download(place.stage, step, sources, accepted)
             self._keep(copy)
         trainer = await self.work.run(self._install, copy)
         for key in [key for key in self.copies if key[1] > step]:  # the run goes on from `step`
@@ -218,6 +235,7 @@ class Snapshots:
 
     def _clear(self) -> None:
         self.copies.clear()
+        self.manifests.clear()
         for task in self._fetches.values():
             task.cancel()
         self._fetches.clear()
@@ -230,8 +248,14 @@ class Snapshots:
         now = time.monotonic()
         for (stage, step), copy in sorted(self.copies.items()):
             out.snapshots.add(
-                stage=stage, step=step, bytes=len(copy.payload), age_s=now - copy.taken, lineage=self.lineage
+                stage=stage,
+                step=step,
+                bytes=len(copy.payload),
+                age_s=now - copy.taken,
+                lineage=self.lineage,
+                sha256=copy.sha256,
             )
+        out.manifests.extend(self.manifests.all())
         out.restores, out.restored_step, out.paused_s = self.restores, self.restored_step, self.paused_s
 
     def close(self) -> None:

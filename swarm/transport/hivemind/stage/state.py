@@ -23,6 +23,7 @@ from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.routing.router import RoutingPolicy
+from swarm.transport.hivemind.stage.attempts import HeldAttempts
 from swarm.transport.hivemind.stage.clock import ComputeClock
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class StageState:
         self.joined: tuple[int, int, float] | None = None  # (step, state bytes, seconds) of its join
         self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
         self.generation = 0  # bumped when the state starts afresh or goes back: its steps count anew
+        self.attempts = HeldAttempts()  # which attempt of each micro-batch the runtime holds gradients of
 
     @property
     def session_id(self) -> str:
@@ -112,6 +114,7 @@ class StageState:
         self.cfg = self.configured
         self.runtime, self.session, self.tied, self.steps = runtime, session, list(tied), 0
         self.generation += 1
+        self.attempts.clear()
 
     def follow(self, joining) -> None:
         """Set up mid-run: it catches up (`joining`) before it serves."""
@@ -134,6 +137,7 @@ class StageState:
         """A checkpoint or copy of `step` was installed, with `cfg`'s codecs."""
         self.cfg, self.steps = cfg, step
         self.generation += 1
+        self.attempts.clear()
 
     def switched(self, cfg: ExperimentConfig) -> None:
         """Adaptive compression: `cfg`'s codecs from the next step on."""

@@ -7,17 +7,22 @@ owner's decision closing the step before, where one is pending."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import time
 
 import torch
 
 from protocols import stage_pb2 as pb
+from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.ordering import Numbering
 from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.stage.chain import DIGEST
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+from swarm.transport.hivemind.trainer.verify import Verification
 
 
 class Dispatch:
@@ -30,17 +35,22 @@ class Dispatch:
         numbering: Numbering,
         closing: StepClosing,
         in_flight: int,
+        cfg: ExperimentConfig,
     ) -> None:
         self.place, self.membership, self.position = place, membership, position
         self.handoff, self.numbering, self.closing, self.in_flight = handoff, numbering, closing, in_flight
+        self.verification = None  # train.verify: a fraction of micro-batches run again elsewhere and compared
+        if cfg.train.verify:
+            self.verification = Verification(place, membership, position, cfg, self._verify_one, self._run_again)
 
     async def run_many(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False) -> list[dict]:
         """Metrics of each (micro-batch, inputs); `again`: micro-batches of this step run once more."""
         window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
         closing = 0
+        step = not again and bool(items) and items[0][0].mode is Mode.TRAIN  # a step's micro-batches, all of them
         if again:
             self.closing.rerun()
-        elif items and items[0][0].mode is Mode.TRAIN:  # a step's micro-batches, all of them
+        elif step:
             closing = self.closing.plan(items[0][0].step, len(items), self.handoff.retries)
 
         async def one(batch: MicroBatch, inputs: torch.Tensor) -> dict[str, float]:
@@ -53,33 +63,45 @@ class Dispatch:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return results
+        metrics = [result for result, _ in results]
+        if step and self.verification is not None:  # some of them are checked
+            redone = await self.verification.check(items, metrics)
+            metrics = [redone.get(batch.index, result) for (batch, _), result in zip(items, metrics, strict=True)]
+        return [{k: v for k, v in result.items() if not k.startswith(DIGEST)} for result in metrics]
+
+    async def _verify_one(self, item, avoid: tuple[int, list[str]]) -> tuple[dict, list[str]]:
+        """A micro-batch once more, through none of `avoid` (stage, peers): its metrics and route."""
+        self.closing.rerun()  # peers that ran it twice hold the second run's gradients: the rounds count
+        return await self._one(*item, asyncio.Lock(), 0, avoid)
+
+    async def _run_again(self, items) -> list[dict]:
+        return await self.run_many(items, again=True)
 
     async def _one(
-        self, batch: MicroBatch, inputs: torch.Tensor, order: asyncio.Lock, closing: int
-    ) -> dict[str, float]:
+        self, batch: MicroBatch, inputs: torch.Tensor, order: asyncio.Lock, closing: int, avoid=None
+    ) -> tuple[dict[str, float], list[str]]:
+        """Its metrics and route; `avoid`: (stage, peers) it must not go through (a verification's
+        second run: its gradients are not the step's)."""
         place, handoff = self.place, self.handoff
+        if batch.mode is Mode.TRAIN:  # a new attempt: only its gradients count (stage.attempts)
+            batch = dataclasses.replace(batch, attempt=os.urandom(8))
         async with order:  # numbers are taken in the order the micro-batches were given
-            record = await handoff.choose(place.session)
+            record = await handoff.choose(place.session, avoid[1] if avoid and avoid[0] == 0 else ())
             sent = self.numbering.take(record.peer_id)
 
         async def again(peer: str) -> tuple[tuple[int, int], bytes]:
             return self.numbering.take(peer), b""  # raw inputs, carried: valid on any link
 
-        proof = place.owner.step_proof(place.session, batch.step)
         decision = self.closing.decision_for(batch.step)
-        frame, _, _ = await handoff.send(
-            batch,
-            record,
-            sent,
-            b"",
-            place.session,
-            again,
-            proof=proof,
-            inputs=inputs,
+        carry = pb.MicroBatchHead(
+            step_proof=place.owner.step_proof(place.session, batch.step),
+            roster=self.membership.roster(),
             closing=closing,
-            decision=decision,
+            avoid=avoid[1] if avoid else [],
         )
+        if decision is not None and decision.ByteSize():
+            carry.decision.CopyFrom(decision)
+        frame, _, _ = await handoff.send(batch, record, sent, b"", place.session, again, inputs=inputs, carry=carry)
         result = frame.head
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
@@ -89,11 +111,7 @@ class Dispatch:
             )
         metrics = self.closing.heard(batch.step, dict(result.metrics), decision)
         if batch.mode is Mode.TRAIN:
-            self.position.finished(batch, inputs, result.route)
-            for stage, peer_id in enumerate(result.route):
+            self.position.finished(batch, inputs, result.route, counted=avoid is None)
+            for peer_id in result.route:
                 self.membership.served(peer_id)  # it served a micro-batch: it is in service
-                if peer_id not in self.membership.members.get(stage, []) and place.owner.issued(
-                    place.session, peer_id, stage
-                ):
-                    self.membership.add(stage, peer_id)  # (a stage's word alone makes no one a member)
-        return metrics
+        return metrics, list(result.route)

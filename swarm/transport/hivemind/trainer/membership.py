@@ -74,6 +74,20 @@ class Membership:
         self.members: dict[int, list[str]] = {}
         self.following: set[str] = set()
         self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out
+        self.convicted: set[str] = set()  # left out for wrong results (trainer.verify): never set up again
+        self.epoch = 0  # bumped whenever a member comes or goes: the roster stage peers route by
+
+    def routable(self, record) -> bool:
+        """Whether the trainer hands micro-batches to a record's peer: admitted to this session
+        and, for stage 0 (the trainer's only neighbour), a member now."""
+        place = self.place
+        if not place.owner.routable(record, place.session):
+            return False
+        return record.stage != 0 or record.peer_id in self.members.get(0, [])
+
+    def roster(self) -> pb.Roster:
+        """The owner's signed word of who serves which stage now (micro-batches carry it)."""
+        return self.place.owner.roster(self.place.session, self.epoch, self.members)
 
     def serving(self, stage: int) -> list[str]:
         """The stage's members in service (not still catching up)."""
@@ -87,11 +101,13 @@ class Membership:
         """A new setup: these members, none catching up."""
         self.members = {stage: list(peers) for stage, peers in members.items()}
         self.following.clear()
+        self.epoch += 1
 
     def add(self, stage: int, peer: str, following: bool = False) -> None:
         self.members.setdefault(stage, []).append(peer)
         if following:
             self.following.add(peer)
+        self.epoch += 1
 
     def served(self, peer: str) -> None:
         """`peer` finished a micro-batch or an apply as a replica: it is in service."""
@@ -101,10 +117,16 @@ class Membership:
         """`peer` is out of the run: it failed a round, or it `left` (drained, as it said it would)."""
         if peer in self.members.get(stage, []):
             self.members[stage].remove(peer)
+            self.epoch += 1
         self.following.discard(peer)
         self._dropped[peer] = get_dht_time()
         level = logging.INFO if left else logging.WARNING
         self.place.events.add("leave", f"stage {stage}: peer {peer[-8:]} left the run ({why})", level, log)
+
+    def convict(self, stage: int, peer: str, why: str) -> None:
+        """`peer` computed wrong results: out of the run, and never set up again in this session."""
+        self.convicted.add(peer)
+        self.drop(stage, peer, why)
 
     async def candidates(self, stage: int, refresh: bool = True, ours: bool = False) -> list[str]:
         """Peers that announced themselves for `stage` and are not in the run (nor left it since);
@@ -115,6 +137,8 @@ class Membership:
             if peer in self.members.get(stage, []) or record.leaving or (record.session == place.session and not ours):
                 continue
             if place.router.bans.banned(peer) or record.updated <= self._dropped.get(peer, float("-inf")):
+                continue
+            if peer in self.convicted:
                 continue
             found.append(peer)
         return found
@@ -137,17 +161,29 @@ class Position:
         self.step_index = 0
         self.routes: dict[int, list[str]] = {}
         self.sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
+        self.held: dict[tuple[int, str], bytes] = {}  # (index, peer) -> the attempt whose gradients it holds
 
-    def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str]) -> None:
-        self.routes[batch.index] = list(route)
-        self.sent[batch.index] = (batch, inputs)
+    def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str], counted: bool = True) -> None:
+        """`batch` came back through `route`; `counted`: its gradients are the step's (else a
+        verification's second run, whose peers hold its gradients now all the same)."""
+        if counted:
+            self.routes[batch.index] = list(route)
+            self.sent[batch.index] = (batch, inputs)
+        for peer in route:
+            self.held[(batch.index, peer)] = batch.attempt
+
+    def attempt(self, index: int, peer: str) -> bytes:
+        """The attempt of micro-batch `index` whose gradients `peer` holds (the gather names it)."""
+        return self.held.get((index, peer), self.sent[index][0].attempt)
 
     def next_step(self) -> None:
         self.step_index += 1
         self.routes.clear()
         self.sent.clear()
+        self.held.clear()
 
     def went_back(self, step: int) -> None:
         self.step_index = step
         self.routes.clear()
         self.sent.clear()
+        self.held.clear()

@@ -73,7 +73,7 @@ class SwarmPipeline:
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
         owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
         session = uuid.uuid4().hex
-        router = Router(node, run_id, lambda r: owner.routable(r, session), owner.allows)
+        router = Router(node, run_id, lambda r: self.membership.routable(r), owner.allows)
         events = EventLog()
         router.events = events
         self.place = place = TrainerPlace(
@@ -95,7 +95,7 @@ class SwarmPipeline:
         fixed_codecs = self.adaptive is None
         self.closing = StepClosing(place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs)
         self.dispatch = Dispatch(
-            place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight
+            place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight, cfg
         )
         # the swarm's copies of every stage, every few steps
         self.recovery = Recovery(

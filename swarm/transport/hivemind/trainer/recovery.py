@@ -31,6 +31,7 @@ from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
+from swarm.transport.hivemind.trust import manifests
 
 log = logging.getLogger(__name__)
 HOLDERS = 2  # peers of the next stage that fetch a stage's copy
@@ -46,6 +47,7 @@ class Held:
     stage: int
     step: int
     lineage: str
+    sha256: bytes = b""
 
 
 def newest_complete(copies: list[Held], num_stages: int, lineage: str | None = None):
@@ -105,6 +107,9 @@ class Recovery:
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
         self.history = History()
+        # (lineage, step) -> stage -> the SHA-256s of its copies the owner's manifest names: only
+        # those are restored (stage peers keep the signed manifests; a new trainer reads them there)
+        self.accepted: dict[tuple[str, int], dict[int, set[bytes]]] = {}
 
     # ---- snapshots ---------------------------------------------------------------------------
 
@@ -155,8 +160,13 @@ class Recovery:
         try:
             taken = await rounds.every(peers, lambda s, peer: one(s, peer, []))
             self.history.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
+            hashes: dict[int, set[bytes]] = defaultdict(set)
+            for (stage, _), frame in taken.items():
+                hashes[stage].add(bytes(frame.head.sha256))
+            self.accepted[(self.lineage, step)] = hashes
             holders = [(s, peer) for s, peer in peers if peer in orders]
             await rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+            await self._publish(step, hashes, peers)
         except (TransportError, RemoteError) as e:  # the copies are bookkeeping: only a lost stage stops the run
             await membership.probe()
             if not all(serving(s) for s in range(place.num_stages)):
@@ -166,6 +176,21 @@ class Recovery:
         self.history.rounds_s += time.monotonic() - started
         self.taken, self.kept = step, True
         self.history.rounds += 1
+
+    async def _publish(self, step: int, hashes: dict[int, set[bytes]], peers: list[tuple[int, str]]) -> None:
+        """Every peer of the round keeps the owner's signed manifest of its copies (a peer that misses
+        it costs nothing now: a new trainer would restore an older step whose manifest it has)."""
+        place = self.place
+        manifest = manifests.make(place.owner.key, place.run_id, self.lineage, step, hashes)
+        await asyncio.gather(
+            *(
+                self.rounds.call(s, peer, "snapshot", step=step, lineage=self.lineage, manifest=manifest)
+                for s, peer in peers
+            ),
+            return_exceptions=True,
+        )
+        for key in sorted(self.accepted)[: -manifests.KEEP]:
+            del self.accepted[key]
 
     def notes(self) -> dict:
         """The summary row's account: copies taken, their cost and size, and the pauses."""
@@ -205,13 +230,21 @@ class Recovery:
         """Each peer's status of the stage it hosts for this run (an exception: it did not answer)."""
         return await self.place.statuses(peers, self.place.settings.calls.info_timeout_s)
 
-    @staticmethod
-    def _copies(statuses) -> list[Held]:
+    def _copies(self, statuses) -> list[Held]:
+        """The copies the peers say they keep, of those the owner's manifests name (ours, and those
+        the peers keep, signed by our key): a copy no manifest names is never restored."""
+        answered = [status for status in statuses.values() if isinstance(status, pb.StageStatus)]
+        shown = manifests.accepted(
+            [m for status in answered for m in status.manifests], self.place.owner.peer_id, self.place.run_id
+        )
+        for key, stages in shown.items():
+            self.accepted.setdefault(key, stages)
         return [
-            Held(peer, stage, int(c.stage), int(c.step), c.lineage)
+            Held(peer, stage, int(c.stage), int(c.step), c.lineage, bytes(c.sha256))
             for (stage, peer), status in statuses.items()
             if isinstance(status, pb.StageStatus)
             for c in status.snapshots
+            if bytes(c.sha256) in self.accepted.get((c.lineage, int(c.step)), {}).get(int(c.stage), ())
         ]
 
     async def resume_point(self, found: dict[int, list[str]]):
@@ -294,6 +327,7 @@ class Recovery:
         async def one(stage: int, peer: str):
             await self.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
             given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
+            accepted = sorted(self.accepted.get((self.lineage, step), {}).get(stage, ()))
             # a peer without the copy tries the sources in turn, each for up to state_timeout_s
             timeout = place.settings.calls.state_timeout_s * max(1, len(given)) + place.settings.calls.call_timeout_s
             return await self.rounds.call(
@@ -305,6 +339,7 @@ class Recovery:
                 lineage=self.lineage,
                 sources=given,
                 paused_s=paused_s,
+                accepted=accepted,
             )
 
         replies = await asyncio.gather(*(one(s, peer) for s, peer in members), return_exceptions=True)

@@ -156,8 +156,14 @@ class SwarmRounds:
         """Not retried on the peer: its groups are of this attempt only (the next has new ones). Its
         time: the all-reduce's (call_timeout_s) and the computing around it."""
         place = self.place
+        indices = sorted(indices)
+        attempts = [self.position.attempt(i, peer) for i in indices]  # only these attempts count
         head = pb.GatherRequest(
-            to=address(place.run_id, stage), step=self.position.step_index, micro_batches=sorted(indices), groups=groups
+            to=address(place.run_id, stage),
+            step=self.position.step_index,
+            micro_batches=indices,
+            groups=groups,
+            attempts=attempts,
         )
         timeout = 1.5 * place.settings.calls.call_timeout_s + place.settings.calls.reply_grace_s
         frame = await call(place.node.streams, peer, "gather", head, b"", timeout, place.owner.key)
@@ -183,26 +189,60 @@ class SwarmRounds:
             failed = [(s, peer, r) for (s, peer), r in zip(peers, replies, strict=True) if isinstance(r, BaseException)]
             if not failed:
                 return
-            # a peer whose group lost a member is fine itself: only the others leave
-            lost = [
-                (s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code == pb.GROUP_FAILED)
-            ]
+            # a peer whose group lost a member is fine itself, and so is one that holds stale
+            # gradients of some micro-batches (a member replayed them): only the others leave
+            kept = (pb.GROUP_FAILED, pb.STALE)
+            lost = [(s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code in kept)]
+            stale = {i for _, _, e in failed if isinstance(e, RemoteError) and e.code == pb.STALE for i in e.missing}
             for stage, peer, error in lost:
                 if not [other for other in membership.serving(stage) if other != peer]:
                     raise error
                 place.router.failed(peer)
                 membership.drop(stage, peer, f"{one_line(error)}; its micro-batches run again")
-            if not lost:  # only groups failed: a member that did not answer in time leaves
-                await membership.probe()
+            if not lost and not stale and not self._leave_out_blamed(peers, replies):
+                await membership.probe()  # nobody named: a member that does not answer leaves
             rerun = sorted(
                 i
                 for i, route in position.routes.items()
-                if any(peer not in membership.members.get(s, []) for s, peer in enumerate(route))
+                if i in stale or any(peer not in membership.members.get(s, []) for s, peer in enumerate(route))
             )
             if rerun:
                 await self.hooks.run_again(rerun)
             await asyncio.sleep(place.settings.retries.backoff_s * (attempt + 1))
         raise TransportError(f"step {position.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
+
+    def _leave_out_blamed(self, peers: list[tuple[int, str]], replies: list) -> bool:
+        """Only groups failed: the members they failed on leave the run (while their stage keeps a
+        peer in service), so a member that answers its gather with success but never sums with its
+        group cannot hold the step. An info reply proves nothing here. Those whose own reply
+        contradicts the failure (success) leave first, then those more members named, then the
+        latest admitted; a member named only by members already left stays. Whether any left."""
+        stage_of = {peer: stage for stage, peer in peers}
+        accusers: dict[str, set[str]] = defaultdict(set)
+        answered = set()
+        for (_, peer), reply in zip(peers, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                answered.add(peer)
+            elif isinstance(reply, RemoteError) and reply.code == pb.GROUP_FAILED:
+                for named in reply.blamed:
+                    if named in stage_of and named != peer:
+                        accusers[named].add(peer)
+        members = self.membership.members
+
+        def order(peer: str) -> tuple:
+            return peer not in answered, -len(accusers[peer]), -members[stage_of[peer]].index(peer)
+
+        left: set[str] = set()
+        for peer in sorted(accusers, key=order):
+            stage, named_by = stage_of[peer], accusers[peer] - left
+            if not named_by or not [other for other in self.membership.serving(stage) if other != peer]:
+                continue
+            why = ", ".join(sorted(p[-8:] for p in named_by))
+            contradiction = "; it answered the gather round with success" if peer in answered else ""
+            self.place.router.failed(peer)
+            self.membership.drop(stage, peer, f"its averaging group failed on it (named by {why}){contradiction}")
+            left.add(peer)
+        return bool(left)
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
 

@@ -13,6 +13,9 @@ from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
+# The owner's roster rides in every micro-batch's head (64 KiB at most, stage.server.MAX_HEAD_BYTES):
+# 1,024 members make a head of 52.6 KiB with every other field it may carry.
+MAX_MEMBERS = 1024
 
 
 class Setups:
@@ -41,6 +44,14 @@ class Setups:
         )
         return frame.head
 
+    def _room(self, stage: int) -> int:
+        """How many new peers `stage` takes at this step boundary (settings.limits)."""
+        limits, members = self.place.settings.limits, self.membership.members.get(stage, [])
+        joining = sum(peer in self.membership.following for peer in members)
+        total = len(self.membership.peers())
+        room = min(limits.joins_per_step, limits.max_joining - joining, limits.max_peers_per_stage - len(members))
+        return max(0, min(room, MAX_MEMBERS - total))
+
     async def admit(self, settle=None) -> list[tuple[int, str]]:
         """At a step boundary: sets up the peers that announced themselves for a stage with a peer in
         service since the last look (the router's cached view), as joiners; those admitted. Before
@@ -51,7 +62,11 @@ class Setups:
             sources = membership.serving(stage)
             if not sources:
                 continue
-            for peer in await membership.candidates(stage, refresh=False):
+            candidates = await membership.candidates(stage, refresh=False)
+            room = self._room(stage)
+            if len(candidates) > room:
+                log.info("stage %d: %d peer(s) wait to join (admission limits)", stage, len(candidates) - room)
+            for peer in candidates[:room]:
                 if settle is not None:
                     await settle()
                 try:

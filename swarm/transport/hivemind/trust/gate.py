@@ -33,6 +33,8 @@ class Gate:
         self.calls = CallCheck(peer_id)
         self.admissions = Admissions(run_id)
         self.admission: pb.Admission | None = None  # ours, from the setup of the current session
+        self.roster: pb.Roster | None = None  # the newest the owner showed us (routing goes only to its peers)
+        self._listed: dict[int, set[str]] = {}  # of `roster`: stage -> its peers
 
     def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
         assert kind in OWNER_CALLS
@@ -72,6 +74,26 @@ class Gate:
     def step_shown(self, proof: pb.StepProof, session: str, step: int) -> bool:
         """Whether `proof` is the owner's word that `session` is at `step` (a neighbour's word is not)."""
         return self.owners(proof, sealed.STEP, session) and proof.step == step
+
+    def show_roster(self, roster: pb.Roster, session: str) -> None:
+        """A micro-batch brought the owner's roster: kept when it is newer than ours for `session`
+        (a neighbour cannot make one up, nor bring back an older one to route to a member left out)."""
+        known = self.roster
+        if known is not None and known.session == session:
+            if roster.epoch < known.epoch or roster.signature == known.signature:
+                return
+        if roster.session != session or not self.owners(roster, sealed.ROSTER, session):
+            raise Refused("a roster not signed by the run's owner for this session")
+        self.roster = pb.Roster()
+        self.roster.CopyFrom(roster)
+        self._listed = {entry.stage: set(entry.peers) for entry in roster.stages}
+
+    def listed(self, stage: int, peer_id: str, session: str) -> bool:
+        """Whether the owner's newest roster for `session` has `peer_id` serving `stage` (True
+        before any roster came: the admission decides then)."""
+        if self.roster is None or self.roster.session != session:
+            return True
+        return peer_id in self._listed.get(stage, ())
 
     def shown(self) -> pb.Admission:
         """Ours, to show with a call (empty before the first setup: the callee refuses it)."""

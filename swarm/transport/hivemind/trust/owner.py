@@ -10,7 +10,7 @@ from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.trust import tokens
 from swarm.transport.hivemind.trust.admissions import Admissions, issue
 from swarm.transport.hivemind.trust.keys import own_peer_id
-from swarm.transport.hivemind.trust.sealed import DECISION, STEP, seal
+from swarm.transport.hivemind.trust.sealed import DECISION, ROSTER, STEP, seal
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class Owner:
         self.allow, self.private = set(allow), private or bool(allow)
         self._ignored: set[str] = set()  # peers refused (said once)
         self._proof: pb.StepProof | None = None
+        self._roster: pb.Roster | None = None
 
     def allows(self, record) -> bool:
         """Whether the run may take this announced peer: any (an open run), or one allowed by name or
@@ -53,15 +54,19 @@ class Owner:
             self._issued[key] = issue(self.key, self.run_id, session, peer_id, stage, trainer)
         return self._issued[key]
 
-    def issued(self, session: str, peer_id: str, stage: int) -> bool:
-        """Whether this owner admitted `peer_id` to `stage` in `session`."""
-        return (session, peer_id, stage, False) in self._issued
-
     def step_proof(self, session: str, step: int) -> pb.StepProof:
         """The owner's word that `session` is at `step` (signed once per step)."""
         if self._proof is None or (self._proof.session, self._proof.step) != (session, step):
             self._proof = seal(self.key, pb.StepProof(run_id=self.run_id, session=session, step=step), STEP)
         return self._proof
+
+    def roster(self, session: str, epoch: int, members: dict[int, list[str]]) -> pb.Roster:
+        """The owner's word that `members` serve `session` as of `epoch` (signed once per epoch)."""
+        if self._roster is None or (self._roster.session, self._roster.epoch) != (session, epoch):
+            stages = [pb.RosterStage(stage=stage, peers=peers) for stage, peers in sorted(members.items())]
+            roster = pb.Roster(run_id=self.run_id, session=session, epoch=epoch, stages=stages)
+            self._roster = seal(self.key, roster, ROSTER)
+        return self._roster
 
     def decide(self, session: str, step: int, scale: float) -> pb.StepDecision:
         """The owner's decision closing `step` of `session`: its gradients times `scale` (0: as they are)."""

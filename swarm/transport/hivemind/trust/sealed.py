@@ -10,6 +10,8 @@ from swarm.transport.hivemind.trust.keys import peer_id_of, public_key
 
 STEP = b"step"  # a step proof: the run is at a step
 DECISION = b"decision"  # a step decision: the owner's word that closes a step (stage.closing)
+ROSTER = b"roster"  # who serves the run, per stage (routing goes only to them)
+MANIFEST = b"manifest"  # the SHA-256s of a snapshot round's copies (a restore takes only those)
 
 
 def _unsigned(message, kind: bytes) -> bytes:

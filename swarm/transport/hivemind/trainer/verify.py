@@ -1,0 +1,165 @@
+"""Wrong compute caught: `train.verify` runs a fraction of a step's training micro-batches a second
+time, on another peer of one replicated stage, and compares the results.
+
+With equal thread counts a micro-batch gives the same floats on any peer holding the same weights
+(replicas do, bit for bit: swarm.transport.hivemind.stage.averaging), so the check can be tight:
+the loss and the stage's gradient digest (the squared norm of the gradients it holds for that
+micro-batch, which every stage reports with every training micro-batch while verification is on,
+so no member can tell which of its micro-batches are checked) must agree within
+`train.verify_tolerance`, relative. The owner picks the micro-batches and the stage with a system
+random source after the micro-batches ran: a member cannot know in advance which of its results are
+compared. Members set up at the start of the session are incumbents; a peer that joined later is on
+probation until one of its results matched another peer's, and checks go to stages with peers on
+probation first.
+
+When two peers disagree, the one on probation (else the later admitted) is left out of the run and
+never set up again in this session, and this step's micro-batches that went through it run again
+(its earlier steps' work stays: a fraction below 1 leaves some of it unchecked).
+The codecs must keep no state across micro-batches (a second route has other link states) and be
+fixed (no adaptive compression).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from swarm.compression.spec import parse
+from swarm.config import ExperimentConfig
+from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.stage.chain import DIGEST
+from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+
+log = logging.getLogger(__name__)
+
+Item = tuple[MicroBatch, torch.Tensor]
+
+
+def check_verifiable(cfg: ExperimentConfig) -> None:
+    """One line when `cfg` asks for verification its codecs cannot give."""
+    if not cfg.train.verify:
+        return
+    if cfg.compression.adaptive is not None:
+        raise ValueError("train.verify needs fixed codecs: turn compression.adaptive off")
+    for boundary in range(cfg.model.num_stages - 1):
+        link = cfg.compression.link(boundary)
+        for spec in (link.forward, link.backward):
+            if parse(spec).feedback is not None:
+                raise ValueError(
+                    f"train.verify compares two routes of a micro-batch, which {spec!r} (state kept across micro-batches) makes differ: use codecs without error feedback"
+                )
+
+
+class Verification:
+    """`run_one(item, avoid)`: the micro-batch once more, through none of `avoid` = (stage, peers):
+    its metrics and route; `run_again(items)`: this step's micro-batches once more (their metrics)."""
+
+    def __init__(
+        self,
+        place: TrainerPlace,
+        membership: Membership,
+        position: Position,
+        cfg: ExperimentConfig,
+        run_one: Callable[[Item, tuple[int, list[str]]], Awaitable[tuple[dict, list[str]]]],
+        run_again: Callable[[list[Item]], Awaitable[list[dict]]],
+    ) -> None:
+        check_verifiable(cfg)
+        self.place, self.membership, self.position = place, membership, position
+        self.fraction, self.tolerance = cfg.train.verify, cfg.train.verify_tolerance
+        self.run_one, self.run_again = run_one, run_again
+        self.random = random.SystemRandom()  # the members cannot foresee the owner's picks
+        self.incumbents: set[str] | None = None  # the members of the session's start
+        self.trusted: set[str] = set()  # incumbents and peers whose results matched another's
+        self.checks = self.mismatches = 0
+
+    async def check(self, items: list[Item], results: list[dict]) -> dict[int, dict]:
+        """Checks a fraction of a step's finished micro-batches (`results`: their metrics, with the
+        stages' digests); the metrics of micro-batches run again (their peer was left out), by index."""
+        if self.incumbents is None:
+            self.incumbents = {peer for _, peer in self.membership.peers()}
+            self.trusted |= self.incumbents
+        redone: dict[int, dict] = {}
+        for (batch, inputs), metrics in zip(items, results, strict=True):
+            if batch.index in redone or self.random.random() >= self.fraction:
+                continue
+            route = self.position.routes.get(batch.index)
+            pick = self._pick(route) if route is not None else None
+            if pick is None:
+                continue
+            stage, target = pick
+            avoid = [peer for peer in self.membership.members.get(stage, []) if peer != target]
+            again, second_route = await self.run_one((batch, inputs), (stage, avoid))
+            first, second = route[stage], second_route[stage]
+            if second == first:  # the stage before did not avoid it: inconclusive
+                continue
+            self.checks += 1
+            if self._agree(metrics, again, stage):
+                self.trusted.update((first, second))
+                continue
+            self.mismatches += 1
+            suspect = self._suspect(stage, first, second)
+            other = second if suspect == first else first
+            theirs, ours = (metrics, again) if suspect == second else (again, metrics)
+            self._leave_out(stage, suspect, other, batch, ours, theirs)
+            redo = [(b, x) for b, x in self.position.sent.values() if suspect in self.position.routes[b.index]]
+            for (b, _), result in zip(redo, await self.run_again(redo), strict=True):
+                redone[b.index] = result
+        return redone
+
+    def _pick(self, route: list[str]) -> tuple[int, str] | None:
+        """The stage to check and the peer to run the micro-batch again on: a stage with a peer on
+        probation first (its result, or its run of another's), else any with another peer in service."""
+        others = {s: [p for p in self.membership.serving(s) if p != peer] for s, peer in enumerate(route)}
+        probation: list[tuple[int, str]] = []  # (stage, a peer on probation there)
+        for s, peer in enumerate(route):
+            if not others[s]:
+                continue
+            if peer not in self.trusted:  # its result is checked: run again on another
+                probation.append((s, peer))
+            else:  # it runs the micro-batch again
+                probation.extend((s, p) for p in others[s] if p not in self.trusted)
+        if probation:
+            stage, suspect = self.random.choice(probation)
+            if suspect != route[stage]:
+                return stage, suspect
+            return stage, self.random.choice(others[stage])
+        stages = [s for s in others if others[s]]
+        if not stages:
+            return None
+        stage = self.random.choice(stages)
+        return stage, self.random.choice(others[stage])
+
+    def _agree(self, a: dict, b: dict, stage: int) -> bool:
+        for key in ("loss", f"{DIGEST}{stage}"):
+            x, y = a.get(key), b.get(key)
+            if x is None or y is None:
+                return False
+            if abs(x - y) > self.tolerance * max(abs(x), abs(y), 1e-30):
+                return False
+        return True
+
+    def _suspect(self, stage: int, first: str, second: str) -> str:
+        """Of two peers that disagree: the one on probation, else the later admitted."""
+        trusted = [peer for peer in (first, second) if peer in self.trusted]
+        if len(trusted) == 1:
+            return second if trusted[0] == first else first
+        members = self.membership.members.get(stage, [])
+        order = {peer: members.index(peer) if peer in members else len(members) for peer in (first, second)}
+        return max((first, second), key=order.get)
+
+    def _leave_out(self, stage: int, suspect: str, other: str, batch: MicroBatch, ours: dict, theirs: dict) -> None:
+        """`suspect` (whose metrics are `ours`) is out of the session for good."""
+        digest = f"{DIGEST}{stage}"
+        shown = ", ".join(
+            f"{name} {ours.get(key, float('nan')):.9g} vs {theirs.get(key, float('nan')):.9g}"
+            for name, key in (("loss", "loss"), ("gradient digest", digest))
+        )
+        why = (
+            f"its result of micro-batch {batch.key} differed from peer {other[-8:]}'s ({shown}); verified, not trusted"
+        )
+        self.place.router.failed(suspect)
+        self.membership.convict(stage, suspect, why)
+        log.warning("stage %d: peer %s left out: %s", stage, suspect[-8:], why)

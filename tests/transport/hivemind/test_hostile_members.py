@@ -1,0 +1,280 @@
+"""Members of an open run that do not play by the rules, scripted on real hivemind (loopback): each
+run finishes, the hostile member is left out or refused and the trainer's events say why, and the
+losses are those of the run without it (one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import pytest
+import torch
+from _swarm_env import local_rows, smoke
+
+from protocols import stage_pb2 as pb
+from protocols import wire
+from protocols.errors import RemoteError
+from protocols.message import Encoded, RawPart
+from swarm.engine.microbatch import MicroBatch
+from swarm.training.experiment import build_data
+from swarm.training.loop import train
+from swarm.training.results import ResultsWriter
+from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
+from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.stage.host import HostedStage
+
+STEPS = 5
+
+
+def _losses(rows) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in rows if r["type"] == "step"]
+
+
+def _same_losses(ours, theirs) -> None:
+    mine, reference = _losses(ours), _losses(theirs)
+    assert [s for s, _ in mine] == [s for s, _ in reference] == list(range(1, len(reference) + 1))
+    for (step, a), (_, b) in zip(mine, reference, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+
+
+def _close(swarm, run_id: str, node, server) -> None:
+    """The run's stages leave the shared hosts; the test's own host goes away."""
+    swarm.unhost(run_id)
+    swarm.loop.run(server.stop())
+    swarm.loop.run(node.shutdown())
+
+
+def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_out(swarm, tmp_path):
+    """A stage-1 member answers every round with success but has no averaging handler and never
+    joins its group's all-reduce (the issue's fake member): its replica names it in GROUP_FAILED,
+    the trainer leaves it out on that word (not on its info reply, which says it serves), its
+    micro-batches run again on the replica, and the step completes."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    node, server = swarm.mortal_host()
+    hostile = server.host(HostedStage(node, run_id, cfg, 1))
+    swarm.loop.run(server.averager.stop())  # "protocols not supported" for anyone summing with it
+    skipped = []
+
+    async def never_sums(group, tensors, me):
+        skipped.append(group.group_id)
+        return tensors
+
+    hostile.rounds.combining._sum = never_sums
+    swarm.loop.run(server.announcer.announce_now())
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        assert node.peer_id in pipeline.members[1]  # admitted, as an open run admits whoever announces
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert skipped, "the hostile member was never in a group"
+        assert node.peer_id not in pipeline.members[1]
+        why = [e.text for e in pipeline.events.last() if e.kind == "leave" and node.peer_id[-8:] in e.text]
+        assert why and "averaging group failed on it" in why[0] and "answered the gather round with success" in why[0]
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        _close(swarm, run_id, node, server)
+
+
+def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_path):
+    """A stage-0 member re-sends stage 1 a micro-batch it sent a step earlier, relabelled with the
+    current step and an index stage 1 just finished: stage 1 takes it (a member, at the step) and
+    its gradients replace what was held for that index. The gather names the attempt the trainer
+    counted, stage 1 answers STALE for that index, the trainer runs it again, and the losses stay
+    those of one process."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    node, server = swarm.mortal_host()
+    server.host(HostedStage(node, run_id, cfg, 0))  # a second stage 0: the step closes by rounds
+    swarm.loop.run(server.announcer.announce_now())
+    middle = hosted[1]
+    captured: dict[tuple[int, int], tuple[pb.MicroBatchHead, bytes]] = {}
+    run = middle.chain.run
+
+    async def capturing(head, payload, sender):
+        if sender == node.peer_id:
+            captured[(head.batch.step, head.batch.index)] = (head, bytes(payload))
+        return await run(head, payload, sender)
+
+    middle.chain.run = capturing
+    replays, rerun = [], []
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        assert node.peer_id in pipeline.members[0]
+        gather, run_again = pipeline.rounds._gather, pipeline.rounds.hooks.run_again
+
+        async def replayed_first():
+            step = pipeline.position.step_index
+            earlier = sorted(k for k in captured if k[0] == step - 1)
+            now = {i for i, route in pipeline.position.routes.items() if route[1] == middle.node.peer_id}
+            if earlier and now and not replays:
+                old_head, payload = captured[earlier[0]]
+                head = pb.MicroBatchHead()
+                head.CopyFrom(old_head)
+                head.batch.step, head.batch.index = step, min(now)
+                head.epoch, head.seq = time.time_ns(), 0  # a link of its own: no order to wait for
+                head.ClearField("decision")
+                reply = await call(node.streams, middle.node.peer_id, "micro_batch", head, payload, 30)
+                replays.append((step, min(now), reply.head.kind))
+            await gather()
+
+        async def counting(indices):
+            rerun.append(list(indices))
+            await run_again(indices)
+
+        pipeline.rounds._gather = replayed_first
+        pipeline.rounds.hooks.run_again = counting
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert replays and replays[0][2] == pb.BACKWARD, replays  # taken: its gradients were held
+        assert [replays[0][1]] in rerun, (replays, rerun)  # ... and never counted: run again
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        _close(swarm, run_id, node, server)
+
+
+def test_a_members_absurd_budget_and_wrong_dtype_cost_it_not_the_run(swarm, tmp_path):
+    """A member admitted to stage 0 (its key stolen, say) sends stage 1 micro-batches with a budget
+    that is not a number or 1e308 seconds (answered as any other: a budget is capped at what any
+    caller waits), then activations in float16, which no stage of this fp32 run sends: refused as
+    malformed before any model sees them, and the sender banned. The run keeps its losses."""
+    cfg = smoke("model.num_stages=3", "compression.backward=none")  # forward: TopK
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    rogue = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        middle = hosted[1].node.peer_id
+        shape = (4, 8, 8, 8)  # the smoke model's stage-1 input: `width` channels of the 8x8 digit
+        batch = MicroBatch(0, 0, torch.arange(4), torch.zeros(4, dtype=torch.long))
+
+        def head(epoch: int, budget: float) -> pb.MicroBatchHead:
+            made = pb.MicroBatchHead(
+                to=address(run_id, 1), sender=rogue.peer_id, batch=batch_to_meta(batch), budget_s=budget, epoch=epoch
+            )
+            made.admission.CopyFrom(pipeline.owner.admit(pipeline.session, rogue.peer_id, 0))
+            return made
+
+        def payload(dtype) -> bytes:
+            body = wire.encode(Encoded(shape, dtype, RawPart(torch.randn(shape).to(dtype).reshape(-1))))
+            return micro_batch_payload(batch, body)
+
+        for epoch, budget in ((1, float("nan")), (2, 1e308)):
+            reply = swarm.loop.run(
+                call(rogue.streams, middle, "micro_batch", head(epoch, budget), payload(torch.float32), 30)
+            )
+            assert reply.head.kind == pb.BACKWARD
+        with pytest.raises(RemoteError, match="activations in float16: this run's stages send float32"):
+            swarm.loop.run(call(rogue.streams, middle, "micro_batch", head(3, 5.0), payload(torch.float16), 10))
+        with pytest.raises(RemoteError, match="banned") as caught:
+            swarm.loop.run(call(rogue.streams, middle, "micro_batch", head(4, 5.0), payload(torch.float32), 10))
+        assert caught.value.code == pb.REFUSED
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.unhost(run_id)
+        swarm.loop.run(rogue.shutdown())
+
+
+def test_a_member_that_stalls_its_micro_batches_costs_retries_not_the_run(swarm, tmp_path):
+    """A stage-1 member takes micro-batches and never answers them (it answers everything else):
+    each stalled micro-batch runs out of its budget, stage 0 stops routing to the member, the
+    micro-batch runs again through the other stage-1 peer, and the losses stay one process's."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    node, server = swarm.mortal_host()
+    hostile = server.host(HostedStage(node, run_id, cfg, 1))
+    stalled = []
+
+    async def stalls(head, payload, sender):
+        stalled.append((head.batch.step, head.batch.index))
+        await asyncio.sleep(3600)
+
+    hostile.chain.run = stalls
+    swarm.loop.run(server.announcer.announce_now())
+    settings = swarm.trainer.settings  # a micro-batch's budget: the trainer's call timeout
+    swarm.trainer.settings = dataclasses.replace(
+        settings, calls=dataclasses.replace(settings.calls, call_timeout_s=6.0)
+    )
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        assert node.peer_id in pipeline.members[1]
+        hosted[0].handoff.sticky = None
+        hosted[0].router.bans.until.clear()
+        hosted[0].router._random.seed(1)  # noqa: SLF001  its first choice among equals: the hostile member
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert stalled, "the hostile member was never routed to"
+        assert hosted[0].router.bans.failures.get(node.peer_id, 0) >= 1  # stage 0 stopped routing to it
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.trainer.settings = settings
+        _close(swarm, run_id, node, server)
+
+
+class _AfterStep(ResultsWriter):
+    """Results that call `hook()` right after step `after`'s row."""
+
+    def __init__(self, after: int, hook) -> None:
+        super().__init__(None)
+        self.after, self.hook = after, hook
+
+    def write(self, row) -> None:
+        super().write(row)
+        if row.get("type") == "step" and row["step"] == self.after:
+            self.hook()
+
+
+def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work_redone(swarm, tmp_path):
+    """With `train.verify` 1.0 every micro-batch runs a second time through another peer of a
+    replicated stage (stage 1: two honest peers, whose results always agree). A third joins after step 2 and, once it serves, computes with weights
+    of its own (finite, well-formed, wrong). Its first micro-batches disagree with the incumbent's:
+    it is on probation, so it is left out for good and says why, its micro-batches of that step run
+    again, and the losses stay one process's."""
+    cfg = smoke("model.num_stages=3", "train.verify=1.0")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])  # two honest incumbents of stage 1
+    node, server = swarm.mortal_host()
+    wrong = []
+
+    def join() -> None:
+        hostile = server.host(HostedStage(node, run_id, cfg, 1))
+        forward = hostile.work.forward
+
+        def off(batch, data, ends):
+            if not wrong:  # its own weights from its first micro-batch on
+                with torch.no_grad():
+                    next(hostile.runtime.module.parameters()).add_(1e-2)
+            wrong.append(batch.key)
+            return forward(batch, data, ends)
+
+        hostile.work.forward = off
+        swarm.loop.run(server.announcer.announce_now())
+        swarm.loop.run(pipeline.router.peers(1, refresh=True))  # the trainer sees it at the next boundary
+
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        results = _AfterStep(1, join)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        assert wrong, "the hostile member never computed"
+        assert node.peer_id not in pipeline.members[1] and node.peer_id in pipeline.membership.convicted
+        why = [e.text for e in pipeline.events.last() if e.kind == "leave" and node.peer_id[-8:] in e.text]
+        assert why and "differed from peer" in why[0], why
+        verification = pipeline.dispatch.verification  # the honest peers' results always matched
+        assert verification.mismatches == 1 and verification.checks > 2 * cfg.train.micro_batches
+        assert all(h.node.peer_id in pipeline.members[h.stage] for h in hosted)
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        _close(swarm, run_id, node, server)
