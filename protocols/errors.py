@@ -18,11 +18,11 @@ class ProtocolError(ValueError):
 class RemoteError(RuntimeError):
     """The peer answered, with an error reply (it keeps serving); `code` says what may help."""
 
-    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED, blamed=(), missing=()) -> None:
+    def __init__(self, message: str, code: int = pb.ERROR_UNSPECIFIED, blamed=(), stale=()) -> None:
         super().__init__(message)
         self.code = code
         self.blamed = list(blamed)  # GROUP_FAILED: the group members the failure is on
-        self.missing = list(missing)  # STALE: the micro-batches to run again
+        self.stale = list(stale)  # STALE: pb.StaleMicroBatch, the micro-batches to run again
 
     @property
     def retry_link(self) -> bool:

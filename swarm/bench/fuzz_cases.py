@@ -283,7 +283,10 @@ class Cases:
     def replayed_micro_batch(self) -> Case:
         """A member's well-formed micro-batch of the step the peer is at, with a real index and an
         attempt of its own, and a budget that is not a number or never ends: it never counts toward
-        the step (the gather names the trainer's attempts), and it is never held past the call timeout."""
+        the step (the gather names the trainer's attempts), and it is never held past the call timeout.
+        Stage 0's sender is the trainer (whose admission is the owner's key): nothing to replay there."""
+        if self.t.stage == 0:
+            return self.stale_micro_batch()
         head = self._head(True, step=self.t.step(), epoch=self._next_epoch())
         head.batch.index = self.rng.randrange(self.t.micro_batches)
         head.batch.attempt = self._bytes(8)

@@ -139,9 +139,10 @@ class Ordinals:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.done_below == ticket), timeout)
-            except TimeoutError:
-                raise TimeoutError(
-                    f"backward {ticket} waited {timeout:.1f}s for earlier micro-batches ({self.done_below} is not done)"
+            except TimeoutError:  # an earlier one is stuck further down: this one may simply go again
+                raise RemoteError(
+                    f"backward {ticket} waited {timeout:.1f}s for earlier micro-batches ({self.done_below} is not done)",
+                    pb.DOWNSTREAM,
                 ) from None
         try:
             yield

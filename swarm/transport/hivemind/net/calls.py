@@ -103,7 +103,7 @@ class Exchange:
         if self.traced is not None:
             self._trace(waited, began, sent, arrived[0] if arrived else time.time(), len(frame.payload))
         if frame.kind == "error":
-            raise RemoteError(frame.head.message, frame.head.code, frame.head.blamed, frame.head.missing)
+            raise RemoteError(frame.head.message, frame.head.code, frame.head.blamed, frame.head.stale)
         self._complete = True
         return frame
 

@@ -10,6 +10,7 @@ again. While a new attempt of a micro-batch is under way, its held gradients bel
 
 from __future__ import annotations
 
+from protocols import stage_pb2 as pb
 from swarm.engine.microbatch import MicroBatch, Mode
 
 KEEP = 4096  # micro-batches remembered; past that, those of earlier steps go (their gradients are gone too)
@@ -17,30 +18,33 @@ KEEP = 4096  # micro-batches remembered; past that, those of earlier steps go (t
 
 class HeldAttempts:
     def __init__(self) -> None:
-        self._held: dict[tuple, bytes] = {}  # micro-batch key -> the attempt its held gradients are of
+        # micro-batch key -> (the attempt its held gradients are of, the peer that sent it)
+        self._held: dict[tuple, tuple[bytes, str]] = {}
 
     def started(self, batch: MicroBatch) -> None:
         """An attempt of `batch` takes over its state here: what is held is nobody's for now."""
         self._held.pop(batch.key, None)
 
-    def finished(self, batch: MicroBatch) -> None:
-        """`batch`'s attempt finished here: its gradients are the ones held."""
+    def finished(self, batch: MicroBatch, sender: str) -> None:
+        """`batch`'s attempt, from `sender`, finished here: its gradients are the ones held."""
         if batch.mode is not Mode.TRAIN:
             return
         if len(self._held) >= KEEP:
-            self._held = {key: tag for key, tag in self._held.items() if key[1] >= batch.step}
-        self._held[batch.key] = batch.attempt
+            self._held = {key: held for key, held in self._held.items() if key[1] >= batch.step}
+        self._held[batch.key] = (batch.attempt, sender)
 
-    def stale(self, step: int, indices, attempts) -> list[int]:
+    def stale(self, step: int, indices, attempts) -> list[pb.StaleMicroBatch]:
         """Of `step`'s micro-batches `indices`, those whose held gradients are not of the attempt
-        named with it in `attempts` (in the same order). A gather naming no attempts checks none."""
+        named with it in `attempts` (in the same order), with what is held instead and its sender.
+        A gather naming no attempts checks none."""
         if not attempts:
             return []
-        return [
-            index
-            for index, attempt in zip(indices, attempts, strict=False)
-            if self._held.get((Mode.TRAIN.value, step, index)) != attempt
-        ] + list(indices[len(attempts) :])
+        out = []
+        for i, index in enumerate(indices):
+            held, sender = self._held.get((Mode.TRAIN.value, step, index), (b"", ""))
+            if i >= len(attempts) or held != attempts[i]:
+                out.append(pb.StaleMicroBatch(index=index, held=held, sender=sender))
+        return out
 
     def clear(self) -> None:
         self._held.clear()

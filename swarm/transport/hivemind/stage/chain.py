@@ -109,7 +109,7 @@ class Chain:
             outcome = await self._chain(head, batch, carried, body, sender, deadline, used, attempt)
             done = True
             if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
-                self.state.attempts.finished(batch)  # its gradients are the ones held here now
+                self.state.attempts.finished(batch, sender)  # its gradients are the ones held here now
                 if batch.mode is Mode.TRAIN and self.state.cfg.train.verify:  # every one: none stands out
                     digest = await self.work.run(runtime.held_digest, batch.key)
                     outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest

@@ -55,14 +55,16 @@ class Combining:
         the attempt it names (swarm.transport.hivemind.stage.attempts): the trainer runs those again."""
         indices = list(head.micro_batches)
         held = self.state.runtime.held
-        missing = {i for i in indices if (Mode.TRAIN.value, head.step, i) not in held}
-        missing.update(self.state.attempts.stale(head.step, indices, list(head.attempts)))
-        if missing:
-            shown = ", ".join(map(str, sorted(missing)[:8]))
+        stale = {s.index: s for s in self.state.attempts.stale(head.step, indices, list(head.attempts))}
+        for i in indices:
+            if (Mode.TRAIN.value, head.step, i) not in held:
+                stale.setdefault(i, pb.StaleMicroBatch(index=i))
+        if stale:
+            shown = ", ".join(map(str, sorted(stale)[:8]))
             raise RemoteError(
                 f"stage {self.place.stage}: micro-batch(es) {shown} of step {head.step} are not held here as the attempts the trainer counted",
                 pb.STALE,
-                missing=sorted(missing),
+                stale=[stale[i] for i in sorted(stale)],
             )
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:

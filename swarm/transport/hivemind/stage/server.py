@@ -243,7 +243,7 @@ class StageServer:
                     message=one_line(e),
                     code=_code(e),
                     blamed=getattr(e, "blamed", []),
-                    missing=getattr(e, "missing", []),
+                    stale=getattr(e, "stale", []),
                 )
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
                 await requests.drain(self.settings.streams.drain_s, self._limit(kind) + MAX_MESSAGE_BYTES)

@@ -69,6 +69,12 @@ class Dispatch:
             metrics = [redone.get(batch.index, result) for (batch, _), result in zip(items, metrics, strict=True)]
         return [{k: v for k, v in result.items() if not k.startswith(DIGEST)} for result in metrics]
 
+    def notes(self) -> dict:
+        """The summary row's account of verification (train.verify): checks made, and how many differed."""
+        if self.verification is None:
+            return {}
+        return {"verified": {"checks": self.verification.checks, "mismatches": self.verification.mismatches}}
+
     async def _verify_one(self, item, avoid: tuple[int, list[str]]) -> tuple[dict, list[str]]:
         """A micro-batch once more, through none of `avoid` (stage, peers): its metrics and route."""
         self.closing.rerun()  # peers that ran it twice hold the second run's gradients: the rounds count
@@ -85,6 +91,7 @@ class Dispatch:
         place, handoff = self.place, self.handoff
         if batch.mode is Mode.TRAIN:  # a new attempt: only its gradients count (stage.attempts)
             batch = dataclasses.replace(batch, attempt=os.urandom(8))
+            self.position.issue(batch)
         async with order:  # numbers are taken in the order the micro-batches were given
             record = await handoff.choose(place.session, avoid[1] if avoid and avoid[0] == 0 else ())
             sent = self.numbering.take(record.peer_id)

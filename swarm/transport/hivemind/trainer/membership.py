@@ -162,6 +162,11 @@ class Position:
         self.routes: dict[int, list[str]] = {}
         self.sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
         self.held: dict[tuple[int, str], bytes] = {}  # (index, peer) -> the attempt whose gradients it holds
+        self.issued: dict[int, set[bytes]] = {}  # index -> every attempt of it sent in this step
+
+    def issue(self, batch: MicroBatch) -> None:
+        """An attempt of `batch` is sent (a stage holding another one holds a member's replay)."""
+        self.issued.setdefault(batch.index, set()).add(batch.attempt)
 
     def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str], counted: bool = True) -> None:
         """`batch` came back through `route`; `counted`: its gradients are the step's (else a
@@ -181,9 +186,11 @@ class Position:
         self.routes.clear()
         self.sent.clear()
         self.held.clear()
+        self.issued.clear()
 
     def went_back(self, step: int) -> None:
         self.step_index = step
         self.routes.clear()
         self.sent.clear()
         self.held.clear()
+        self.issued.clear()

@@ -348,6 +348,7 @@ class SwarmPipeline:
         notes = {**self.recovery.notes(), "round_bytes": dict(self.rounds.payload_bytes)}
         notes["round_calls"] = dict(self.rounds.calls)
         notes["closed_on_the_way"] = self.closing.closed
+        notes.update(self.dispatch.notes())
         if self.adaptive is None:
             return notes
         decisions = {str(b): d.describe() for b, d in sorted(self.adaptive.last.items())}

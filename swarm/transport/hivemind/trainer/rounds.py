@@ -193,7 +193,9 @@ class SwarmRounds:
             # gradients of some micro-batches (a member replayed them): only the others leave
             kept = (pb.GROUP_FAILED, pb.STALE)
             lost = [(s, peer, e) for s, peer, e in failed if not (isinstance(e, RemoteError) and e.code in kept)]
-            stale = {i for _, _, e in failed if isinstance(e, RemoteError) and e.code == pb.STALE for i in e.missing}
+            reports = [(s, e.stale) for s, _, e in failed if isinstance(e, RemoteError) and e.code == pb.STALE]
+            stale = {report.index for _, found in reports for report in found}
+            self._leave_out_replayers(reports)
             for stage, peer, error in lost:
                 if not [other for other in membership.serving(stage) if other != peer]:
                     raise error
@@ -210,6 +212,22 @@ class SwarmRounds:
                 await self.hooks.run_again(rerun)
             await asyncio.sleep(place.settings.retries.backoff_s * (attempt + 1))
         raise TransportError(f"step {position.step_index}: the gather round kept failing ({one_line(failed[0][2])})")
+
+    def _leave_out_replayers(self, reports: list[tuple[int, list[pb.StaleMicroBatch]]]) -> None:
+        """A stage holding an attempt of a micro-batch the owner never sent holds a replay: its
+        sender (a member of the stage before) is left out for good, while its stage keeps a peer."""
+        issued, membership = self.position.issued, self.membership
+        for stage, found in reports:
+            for report in found:
+                sender = report.sender
+                if not report.held or report.held in issued.get(report.index, ()) or stage == 0:
+                    continue
+                if sender in membership.members.get(stage - 1, []) and [
+                    p for p in membership.serving(stage - 1) if p != sender
+                ]:
+                    self.place.router.failed(sender)
+                    why = f"it sent stage {stage} micro-batch {report.index} of step {self.position.step_index} under an attempt the owner never made (a replay)"
+                    membership.convict(stage - 1, sender, why)
 
     def _leave_out_blamed(self, peers: list[tuple[int, str]], replies: list) -> bool:
         """Only groups failed: the members they failed on leave the run (while their stage keeps a
