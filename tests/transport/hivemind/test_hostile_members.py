@@ -221,6 +221,8 @@ def test_a_member_that_stalls_its_micro_batches_costs_retries_not_the_run(swarm,
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert stalled, "the hostile member was never routed to"
         assert hosted[0].router.bans.failures.get(node.peer_id, 0) >= 1  # stage 0 stopped routing to it
+        said = [e.text for e in hosted[0].peer.events.last() if e.kind == "ban" and node.peer_id[-8:] in e.text]
+        assert said and "not routed to for" in said[0], said  # what peers.status shows of stage 0
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
     finally:
         swarm.trainer.settings = settings
