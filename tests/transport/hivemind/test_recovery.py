@@ -265,7 +265,9 @@ def test_a_new_trainer_restores_only_copies_the_owners_manifest_names(swarm, tmp
         fake.snapshots.lineage = first.recovery.lineage
         for hosted in [*run.hosted, run.mortal]:
             real = hosted.snapshots.copies[(hosted.stage, 6)]
-            fake.snapshots.copies[(hosted.stage, 9)] = Copy(hosted.stage, 9, real.payload, real.codecs)
+            fake.snapshots.copies[(hosted.stage, 9)] = Copy(
+                hosted.stage, 9, real.payload, real.codecs, sha256=real.sha256
+            )
         swarm.loop.run(fake_server.announcer.announce_now())
         assert {(c.stage, c.step) for c in fake.status().snapshots} == {(0, 9), (1, 9), (2, 9)}
         assert all(m.step != 9 for m in run.mortal.status().manifests) and run.mortal.status().manifests

@@ -7,6 +7,7 @@ or another peer of that stage, the failed one banned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -116,6 +117,7 @@ class Handoff:
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
         tried: set[str] = set(carry.avoid) if carry is not None else set()  # (the owner's verification)
+        further: set[str] = set()  # peers that answered DOWNSTREAM once (a second time: another peer)
         target = record.peer_id
         attempt = 0
         while True:
@@ -158,6 +160,10 @@ class Handoff:
             except (TransportError, RemoteError) as e:
                 self._lose(target)
                 elsewhere = isinstance(e, TransportError) or e.other_peer
+                # DOWNSTREAM twice from one peer: another of its stage, if there is one
+                again_downstream = not elsewhere and e.downstream and target in further
+                if not elsewhere and e.downstream:
+                    further.add(target)
                 if elsewhere:  # banned even when no retry is left: the caller's next try goes elsewhere
                     self.router.failed(target)
                 if not self.retry.again(e, attempt, deadline):
@@ -167,6 +173,10 @@ class Handoff:
                         record = await self.choose(session, exclude=tried)
                     except NoPeerError:
                         raise e from None
+                elif again_downstream:
+                    with contextlib.suppress(NoPeerError):
+                        record = await self.choose(session, exclude=tried | {target})
+                        self.router.failed(target)
                 log.warning(
                     "micro-batch %s: stage %d peer %s failed (%s); retrying on %s",
                     batch.key,

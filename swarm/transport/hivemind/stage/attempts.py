@@ -5,7 +5,9 @@ names, in the gather round, the attempt whose route finished. A stage sums only 
 that attempt: a member that replays a real (step, index), with its own payload, replaces what is
 held here but never what is counted; the gather answers STALE and the trainer runs the micro-batch
 again. While a new attempt of a micro-batch is under way, its held gradients belong to no attempt
-(the new one may replace them at any moment): a gather then finds it stale too.
+(the new one may replace them at any moment): a gather then finds it stale too. So does one whose
+attempt finished here twice: every peer on its route knows the attempt, and one of them may have
+sent it again with activations of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class HeldAttempts:
     def __init__(self) -> None:
         # micro-batch key -> (the attempt its held gradients are of, the peer that sent it)
         self._held: dict[tuple, tuple[bytes, str]] = {}
+        self.finished_before: dict[tuple, bytes] = {}  # micro-batch key -> the last attempt that finished here
 
     def started(self, batch: MicroBatch) -> None:
         """An attempt of `batch` takes over its state here: what is held is nobody's for now."""
@@ -31,6 +34,11 @@ class HeldAttempts:
             return
         if len(self._held) >= KEEP:
             self._held = {key: held for key, held in self._held.items() if key[1] >= batch.step}
+            self.finished_before = {key: a for key, a in self.finished_before.items() if key[1] >= batch.step}
+        if self.finished_before.get(batch.key) == batch.attempt:  # a member on its route re-sent it with
+            self._held[batch.key] = (b"", sender)  # payload of its own, maybe: the trainer runs it anew
+            return
+        self.finished_before[batch.key] = batch.attempt
         self._held[batch.key] = (batch.attempt, sender)
 
     def stale(self, step: int, indices, attempts) -> list[pb.StaleMicroBatch]:
@@ -48,3 +56,4 @@ class HeldAttempts:
 
     def clear(self) -> None:
         self._held.clear()
+        self.finished_before.clear()

@@ -49,10 +49,7 @@ class Copy:
     payload: bytes  # a stage file without link ends, with "rng" and "trainer" (the position) in it
     codecs: list = field(default_factory=list)  # pb.BoundaryCodecs in force when it was taken
     taken: float = field(default_factory=time.monotonic)
-    sha256: bytes = b""  # of `payload` (the owner's manifest lists it)
-
-    def __post_init__(self) -> None:
-        self.sha256 = manifests.digest(self.payload)
+    sha256: bytes = b""  # of `payload` (the owner's manifest lists it), hashed on the computing thread
 
 
 class Snapshots:
@@ -118,7 +115,8 @@ class Snapshots:
         saved["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
         buffer = io.BytesIO()
         torch.save(saved, buffer)
-        return Copy(stage, step, buffer.getvalue(), stage_codecs(self.place, state.cfg))
+        payload = buffer.getvalue()
+        return Copy(stage, step, payload, stage_codecs(self.place, state.cfg), sha256=manifests.digest(payload))
 
     def _fetch(self, stage: int, step: int, sources: list[str]) -> None:
         """A neighbour stage's copy of `step`, fetched in the background (unless held or on its way)."""
@@ -161,7 +159,8 @@ class Snapshots:
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
                 continue
-            copy = Copy(stage, step, frame.payload, list(frame.head.codecs))
+            sha256 = await self.work.run(manifests.digest, frame.payload)  # gigabytes: not on the loop
+            copy = Copy(stage, step, frame.payload, list(frame.head.codecs), sha256=sha256)
             if accepted and copy.sha256 not in accepted:
                 errors.append(f"{peer[-8:]}: its copy is not one the owner's manifest names")
                 continue

@@ -176,7 +176,7 @@ class SwarmPipeline:
     async def _setup(self, lr_horizon: int, capacity: int | None, wait_s: float) -> dict[int, list[str]]:
         deadline = time.monotonic() + wait_s
         while True:
-            found = {s: await self.router.peers(s, refresh=True) for s in range(self.num_stages)}
+            found = {s: self.setups.first_few(await self.router.peers(s, refresh=True)) for s in range(self.num_stages)}
             missing = [s for s, records in found.items() if not records]
             if not missing:
                 break

@@ -189,7 +189,7 @@ class Recovery:
             ),
             return_exceptions=True,
         )
-        for key in sorted(self.accepted)[: -manifests.KEEP]:
+        for key in sorted(self.accepted, key=lambda key: key[1])[: -manifests.KEEP]:
             del self.accepted[key]
 
     def notes(self) -> dict:

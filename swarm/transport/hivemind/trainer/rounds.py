@@ -234,9 +234,12 @@ class SwarmRounds:
         peer in service), so a member that answers its gather with success but never sums with its
         group cannot hold the step. An info reply proves nothing here. Those whose own reply
         contradicts the failure (success) leave first, then those more members named, then the
-        latest admitted; a member named only by members already left stays. Whether any left."""
+        latest admitted; a member named only by members already left stays, and so does one whose
+        own failure names one who left (a member that aborts answers the others with errors, so
+        failures cascade). Whether any left."""
         stage_of = {peer: stage for stage, peer in peers}
         accusers: dict[str, set[str]] = defaultdict(set)
+        accused: dict[str, set[str]] = defaultdict(set)  # whom each member's own failure names
         answered = set()
         for (_, peer), reply in zip(peers, replies, strict=True):
             if not isinstance(reply, BaseException):
@@ -245,6 +248,7 @@ class SwarmRounds:
                 for named in reply.blamed:
                     if named in stage_of and named != peer:
                         accusers[named].add(peer)
+                        accused[peer].add(named)
         members = self.membership.members
 
         def order(peer: str) -> tuple:
@@ -254,6 +258,8 @@ class SwarmRounds:
         for peer in sorted(accusers, key=order):
             stage, named_by = stage_of[peer], accusers[peer] - left
             if not named_by or not [other for other in self.membership.serving(stage) if other != peer]:
+                continue
+            if accused[peer] & left:  # its own failure came from one who left: it failed in turn
                 continue
             why = ", ".join(sorted(p[-8:] for p in named_by))
             contradiction = "; it answered the gather round with success" if peer in answered else ""

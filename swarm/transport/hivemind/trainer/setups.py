@@ -44,6 +44,12 @@ class Setups:
         )
         return frame.head
 
+    def first_few(self, records: list) -> list:
+        """Of a stage's records at the session's start, those it takes: at most `max_peers_per_stage`,
+        and its share of `MAX_MEMBERS` (a flood of records must not make the roster outgrow a head)."""
+        limit = min(self.place.settings.limits.max_peers_per_stage, MAX_MEMBERS // self.place.num_stages)
+        return list(records)[:limit]
+
     def _room(self, stage: int) -> int:
         """How many new peers `stage` takes at this step boundary (settings.limits)."""
         limits, members = self.place.settings.limits, self.membership.members.get(stage, [])
