@@ -81,13 +81,16 @@ def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_
         _close(swarm, run_id, node, server)
 
 
-def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_path):
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_path, finished):
     """A stage-0 member re-sends stage 1 a micro-batch it sent a step earlier, relabelled with the
     current step and an index stage 1 just finished: stage 1 takes it (a member, at the step) and
-    its gradients replace what was held for that index. The gather names the attempt the trainer
-    counted, stage 1 answers STALE for that index with the attempt it holds and its sender, the
-    trainer, which never sent that attempt in this step, leaves the sender out for good and runs
-    the micro-batch again, and the losses stay those of one process."""
+    its gradients replace what was held for that index; or (`finished` False) it only starts it,
+    with a link turn that never comes, so what stage 1 holds is nobody's while it waits. The
+    gather names the attempt the trainer counted, stage 1 answers STALE for that index with the
+    attempt it holds (or has under way) and its sender, the trainer, which never sent that attempt
+    in this step, leaves the sender out for good and runs the micro-batch again, and the losses stay
+    those of one process."""
     cfg = smoke("model.num_stages=3")
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
@@ -104,7 +107,7 @@ def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_pat
         return await run(head, payload, sender)
 
     middle.chain.run = capturing
-    replays, rerun = [], []
+    replays, rerun, waiting = [], [], []
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
@@ -120,10 +123,15 @@ def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_pat
                 head = pb.MicroBatchHead()
                 head.CopyFrom(old_head)
                 head.batch.step, head.batch.index = step, min(now)
-                head.epoch, head.seq = time.time_ns(), 0  # a link of its own: no order to wait for
+                head.epoch, head.seq = time.time_ns(), 0 if finished else 5  # a link of its own
                 head.ClearField("decision")
-                reply = await call(node.streams, middle.node.peer_id, "micro_batch", head, payload, 30)
-                replays.append((step, min(now), reply.head.kind))
+                sending = call(node.streams, middle.node.peer_id, "micro_batch", head, payload, 30)
+                if finished:
+                    replays.append((step, min(now), (await sending).head.kind))
+                else:  # message 5 of a new link: it waits for messages 0-4, which never come
+                    waiting.append(asyncio.ensure_future(sending))
+                    replays.append((step, min(now), None))
+                    await asyncio.sleep(0.5)
             await gather()
 
         async def counting(indices):
@@ -134,13 +142,15 @@ def test_a_member_replaying_a_real_micro_batch_index_never_counts(swarm, tmp_pat
         pipeline.rounds.hooks.run_again = counting
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
-        assert replays and replays[0][2] == pb.BACKWARD, replays  # taken: its gradients were held
+        assert replays and replays[0][2] == (pb.BACKWARD if finished else None), replays  # taken
         assert any(replays[0][1] in indices for indices in rerun), (replays, rerun)  # never counted: run again
         assert node.peer_id not in pipeline.members[0] and node.peer_id in pipeline.membership.convicted
         why = [e.text for e in pipeline.events.last() if e.kind == "leave" and node.peer_id[-8:] in e.text]
         assert why and "under an attempt the owner never made (a replay)" in why[0], why
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
     finally:
+        for task in waiting:
+            task.cancel()
         _close(swarm, run_id, node, server)
 
 

@@ -5,7 +5,9 @@ names, in the gather round, the attempt whose route finished. A stage sums only 
 that attempt: a member that replays a real (step, index), with its own payload, replaces what is
 held here but never what is counted; the gather answers STALE and the trainer runs the micro-batch
 again. While a new attempt of a micro-batch is under way, its held gradients belong to no attempt
-(the new one may replace them at any moment): a gather then finds it stale too. So does one whose
+(the new one may replace them at any moment): a gather then finds it stale too, and names the
+attempt under way and its sender (a member that keeps starting attempts it never finishes is
+named, and left out when the owner never sent them). So does one whose
 attempt finished here twice: every peer on its route knows the attempt, and one of them may have
 sent it again with activations of its own.
 """
@@ -23,17 +25,27 @@ class HeldAttempts:
         # micro-batch key -> (the attempt its held gradients are of, the peer that sent it)
         self._held: dict[tuple, tuple[bytes, str]] = {}
         self.finished_before: dict[tuple, bytes] = {}  # micro-batch key -> the last attempt that finished here
+        self._pending: dict[tuple, tuple[bytes, str]] = {}  # micro-batch key -> (attempt under way, sender)
 
-    def started(self, batch: MicroBatch) -> None:
-        """An attempt of `batch` takes over its state here: what is held is nobody's for now."""
+    def started(self, batch: MicroBatch, sender: str) -> None:
+        """An attempt of `batch` from `sender` takes over its state here: what is held is nobody's
+        for now, and a gather names the attempt under way (one the owner never sent is a replay)."""
         self._held.pop(batch.key, None)
+        if batch.mode is Mode.TRAIN:
+            self._pending[batch.key] = (batch.attempt, sender)
+
+    def ended(self, batch: MicroBatch) -> None:
+        """The attempt under way failed here (its state was dropped)."""
+        self._pending.pop(batch.key, None)
 
     def finished(self, batch: MicroBatch, sender: str) -> None:
         """`batch`'s attempt, from `sender`, finished here: its gradients are the ones held."""
         if batch.mode is not Mode.TRAIN:
             return
-        if len(self._held) >= KEEP:
+        self._pending.pop(batch.key, None)
+        if len(self._held) + len(self._pending) >= KEEP:
             self._held = {key: held for key, held in self._held.items() if key[1] >= batch.step}
+            self._pending = {key: held for key, held in self._pending.items() if key[1] >= batch.step}
             self.finished_before = {key: a for key, a in self.finished_before.items() if key[1] >= batch.step}
         if self.finished_before.get(batch.key) == batch.attempt:  # a member on its route re-sent it with
             self._held[batch.key] = (b"", sender)  # payload of its own, maybe: the trainer runs it anew
@@ -49,11 +61,14 @@ class HeldAttempts:
             return []
         out = []
         for i, index in enumerate(indices):
-            held, sender = self._held.get((Mode.TRAIN.value, step, index), (b"", ""))
-            if i >= len(attempts) or held != attempts[i]:
-                out.append(pb.StaleMicroBatch(index=index, held=held, sender=sender))
+            key = (Mode.TRAIN.value, step, index)
+            held = self._held.get(key)
+            if held is None or i >= len(attempts) or held[0] != attempts[i]:
+                shown, sender = held or self._pending.get(key, (b"", ""))
+                out.append(pb.StaleMicroBatch(index=index, held=shown, sender=sender))
         return out
 
     def clear(self) -> None:
         self._held.clear()
+        self._pending.clear()
         self.finished_before.clear()

@@ -102,7 +102,7 @@ class Chain:
         )
         used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
         attempt = self.attempts[batch.key] = object()
-        self.state.attempts.started(batch)
+        self.state.attempts.started(batch, sender)
         self.meters.entered()
         done = False
         try:
@@ -115,6 +115,7 @@ class Chain:
                     outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest
         except BaseException:
             if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
+                self.state.attempts.ended(batch)
                 await self.work.run(runtime.drop, batch, LinkEnds(*used))
             raise
         finally:
