@@ -15,6 +15,7 @@ Examples: `topk:0.1`, `quant:4`, `quant:4/tensor`, `topk:0.1/fp16`, `topk:0.1/q8
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -120,6 +121,13 @@ def _codec(text: str, spec: str) -> Codec:
             raise SpecError(spec, f"TopK ratio must be in (0, 1], got {parts[0]!r}")
         return TopK(ratio, _value_codec(parts[1:], spec))
     raise SpecError(spec, f"unknown codec {text!r}")
+
+
+@functools.cache
+def keeps_state(*specs: str) -> bool:
+    """Whether any of these codec specs keeps state across micro-batches (error feedback, AQ-SGD;
+    cached: a stage asks it per micro-batch)."""
+    return any(parse(spec).feedback is not None for spec in specs)
 
 
 def parse(spec: str) -> CompressionSpec:

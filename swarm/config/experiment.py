@@ -146,7 +146,7 @@ class TrainConfig(_Strict):
     schedule: Literal["sync", "async"] = "sync"
     delay_correction: str = "none"  # async: none or dc:LAMBDA (delay-compensated gradients)
     # a swarm runs this fraction of training micro-batches a second time, on another peer of a
-    # replicated stage, and compares the loss and that stage's gradient (relative tolerance below)
+    # replicated stage, and compares that stage's gradient digests (relative tolerance below)
     verify: float = Field(0, ge=0, le=1)
     verify_tolerance: float = Field(1e-5, ge=0)
 

@@ -24,7 +24,7 @@ class HeldAttempts:
     def __init__(self) -> None:
         # micro-batch key -> (the attempt its held gradients are of, the peer that sent it)
         self._held: dict[tuple, tuple[bytes, str]] = {}
-        self.finished_before: dict[tuple, bytes] = {}  # micro-batch key -> the last attempt that finished here
+        self._finished_before: dict[tuple, bytes] = {}  # micro-batch key -> the last attempt that finished here
         self._pending: dict[tuple, tuple[bytes, str]] = {}  # micro-batch key -> (attempt under way, sender)
 
     def started(self, batch: MicroBatch, sender: str) -> None:
@@ -46,11 +46,11 @@ class HeldAttempts:
         if len(self._held) + len(self._pending) >= KEEP:
             self._held = {key: held for key, held in self._held.items() if key[1] >= batch.step}
             self._pending = {key: held for key, held in self._pending.items() if key[1] >= batch.step}
-            self.finished_before = {key: a for key, a in self.finished_before.items() if key[1] >= batch.step}
-        if self.finished_before.get(batch.key) == batch.attempt:  # a member on its route re-sent it with
+            self._finished_before = {key: a for key, a in self._finished_before.items() if key[1] >= batch.step}
+        if self._finished_before.get(batch.key) == batch.attempt:  # a member on its route re-sent it with
             self._held[batch.key] = (b"", sender)  # payload of its own, maybe: the trainer runs it anew
             return
-        self.finished_before[batch.key] = batch.attempt
+        self._finished_before[batch.key] = batch.attempt
         self._held[batch.key] = (batch.attempt, sender)
 
     def stale(self, step: int, indices, attempts) -> list[pb.StaleMicroBatch]:
@@ -71,4 +71,4 @@ class HeldAttempts:
     def clear(self) -> None:
         self._held.clear()
         self._pending.clear()
-        self.finished_before.clear()
+        self._finished_before.clear()

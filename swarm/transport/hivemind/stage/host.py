@@ -12,14 +12,13 @@ on to the next stage (`handoff`) and measures its throughput for the DHT record 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
 from protocols.version import PROTOCOL_VERSION
-from swarm.compression.spec import parse
+from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
 from swarm.engine.microbatch import MicroBatch, Mode
@@ -43,12 +42,6 @@ from swarm.transport.hivemind.trust.gate import Gate
 from swarm.transport.hivemind.trust.signatures import Refused
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _has_feedback(*specs: str) -> bool:
-    """Whether any of these codec specs keeps state across micro-batches (asked per micro-batch)."""
-    return any(parse(spec).feedback is not None for spec in specs)
 
 
 _BUILD_LOCK = threading.Lock()  # models are built under the global torch seed: one build at a time per process
@@ -221,7 +214,7 @@ class HostedStage:
     def _feedback_out(self) -> bool:
         """Whether the link to the next stage keeps state across micro-batches (error feedback)."""
         link = self.state.cfg.compression.link(self.stage)
-        return _has_feedback(link.forward, link.backward)
+        return keeps_state(link.forward, link.backward)
 
     # ---- calls -----------------------------------------------------------------------------
 

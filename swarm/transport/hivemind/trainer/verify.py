@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from swarm.compression.spec import parse
+from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.stage.chain import DIGEST
@@ -48,7 +48,7 @@ def check_verifiable(cfg: ExperimentConfig) -> None:
     for boundary in range(cfg.model.num_stages - 1):
         link = cfg.compression.link(boundary)
         for spec in (link.forward, link.backward):
-            if parse(spec).feedback is not None:
+            if keeps_state(spec):
                 raise ValueError(
                     f"train.verify compares two routes of a micro-batch, which {spec!r} (state kept across micro-batches) makes differ: use codecs without error feedback"
                 )
