@@ -13,6 +13,9 @@ scheduled ones do what they say (a stop of a stage's last peer waits for another
 - kill: SIGKILL to the process group of the stage's oldest live peer (the peer and its p2p daemon
   die at once, as a machine that loses power);
 - stop: SIGTERM to it (it drains: finishes what it holds and leaves at a step boundary);
+  a kill or stop waits (at most JOIN_WAIT_S) while a joiner of its stage is still joining: the
+  joiner downloads its state from the peers there, and how fast a process starts is not the
+  schedule's to decide;
 - kill:trainer: SIGKILL to the trainer's process group; RESTART_PAUSE_S later the lab starts it
   again with the same command line, and it takes the run over from the copies the stage peers keep
   (its --snapshot_every). The churn clock goes on; join and stop take stages only.
@@ -29,6 +32,7 @@ ACTIONS = ("join", "kill", "stop")
 TRAINER = "trainer"  # the target of kill:trainer@WHEN
 DEFAULT_EVERY_S = 30.0
 RESTART_PAUSE_S = 2.0  # from killing the trainer to starting it again
+JOIN_WAIT_S = 60.0  # the longest a kill or stop waits for a joiner of its stage to finish joining
 _EVENT = re.compile(r"^(join|kill|stop):(\d+|trainer)@(?:(\d+(?:\.\d*)?)s?|step(\d+))$")
 _RANDOM = re.compile(r"^random:(\d+)(?:@(\d+(?:\.\d*)?)s?)?$")
 
@@ -135,6 +139,7 @@ class ChurnRunner:
         self.peers_started = {s: 1 for s in range(lab.run_plan.stages)}
         self.started: float | None = None  # when the trainer had set the stages up
         self.restart_at: float | None = None  # the killed trainer starts again then
+        self.held: list[tuple[ChurnEvent, float]] = []  # kills and stops waiting for a joiner, since when
 
     @property
     def restarting(self) -> bool:
@@ -151,11 +156,29 @@ class ChurnRunner:
         if self.restart_at is not None and now >= self.restart_at:
             self._restart_trainer()
         elapsed = now - self.started
-        for event in self.churn.due(elapsed, {s: len(names) for s, names in self.live.items()}, step):
+        due = self.churn.due(elapsed, {s: len(names) for s, names in self.live.items()}, step)
+        self.held += [(event, now) for event in due]
+        held, self.held = self.held, []
+        for event, since in held:
             if event.stage == TRAINER:
                 self._kill_trainer(now, elapsed)
+            elif event.action != "join" and (joiner := self._joining(event.stage)) and now - since < JOIN_WAIT_S:
+                if now == since:
+                    self.lab.output.say(
+                        "lab", f"churn at {elapsed:.1f}s: {event.action} stage {event.stage} waits for {joiner} to join"
+                    )
+                self.held.append((event, since))
             else:
                 self._do(event, elapsed)
+
+    def _joining(self, stage: int) -> str | None:
+        """A peer the churn started for `stage` that is alive and has not joined the run yet."""
+        processes = dict(self.lab.processes)
+        for name in self.live[stage]:
+            process = processes.get(name)
+            if "." in name and name not in self.lab.joined_peers and process is not None and process.poll() is None:
+                return name
+        return None
 
     def _kill_trainer(self, now: float, elapsed: float) -> None:
         self.lab.signal_peer(self.lab.trainer.process, signal.SIGKILL)  # its p2p daemon too

@@ -44,6 +44,7 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 _STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)?: ")  # the trainer's line per step (peers.trainer)
+_JOINED = "joined with the state of step"  # a joining stage peer's line once it has its state (stage/joining.py)
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
 
 
@@ -131,6 +132,7 @@ class Lab:
         self.trainer = TrainerProcess()
         self._boot_lines: queue.Queue[str] = queue.Queue()  # the bootstrap's output, for its address
         self.joined: tuple[str, str] = ("", "")  # the bootstrap's address and the run id, once started
+        self.joined_peers: set[str] = set()  # the churn's joiners that have their state (a kill waits)
 
     def _host(self, name: str) -> str:
         return self.net.maddr(name) if self.net is not None else LOOPBACK
@@ -170,6 +172,8 @@ class Lab:
                     self._boot_lines.put(line)
                 if name == "trainer" and line.startswith("run "):
                     trainer.ready.set()
+                if _JOINED in line:
+                    self.joined_peers.add(name)
                 if process is trainer.process and (step := _STEP_LINE.match(line)):  # not a killed one's
                     trainer.step = int(step.group(1))
                 if line and not any(noise in line for noise in _NOISE):

@@ -15,7 +15,7 @@ import pytest
 from _swarm_env import assert_losses_of_one_process
 from _util import REPO, SMOKE
 
-from swarm.lab.churn import Churn, ChurnError, ChurnEvent
+from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
 
 TAG = "HIVEPIPE_CHURN_TEST"  # in the environment of a lab's processes, their p2p daemons' too
 
@@ -79,6 +79,55 @@ def test_random_churn_is_seeded_and_never_takes_a_stages_last_peer():
         counts[event.stage] += 1 if event.action == "join" else -1
         assert counts[event.stage] >= 1
     assert {e.action for e in events} == {"join", "kill", "stop"}
+
+
+class _Peer:
+    """A stand-in for a peer's process as the runner sees it: alive until signalled."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def poll(self):
+        return None if not self.signals else -9
+
+
+class _Lab:
+    """What a ChurnRunner reads and calls of a Lab (no processes: its waiting is what is tested)."""
+
+    def __init__(self) -> None:
+        self.run_plan = type("Plan", (), {"stages": 2})()
+        self.trainer = type("Trainer", (), {"ready": type("Ready", (), {"is_set": lambda self: True})()})()
+        self.processes, self.joined_peers, self.lines = [("stage1", _Peer())], set(), []
+        self.output = type("Out", (), {"say": lambda _, name, line: self.lines.append(line)})()
+
+    def _start(self, name: str, *args: str) -> _Peer:
+        self.processes.append((name, _Peer()))
+        return self.processes[-1][1]
+
+    def signal_peer(self, process: _Peer, signum: int) -> None:
+        process.signals.append(signum)
+
+
+def test_a_kill_waits_for_a_joiner_of_its_stage_to_have_its_state():
+    lab = _Lab()
+    runner = ChurnRunner(lab, Churn.parse("join:1@0,kill:1@step3", stages=2), [])
+    runner.poll(0.0, 0)
+    runner.poll(1.0, 3)  # due, but stage1.2 is still joining: the kill waits
+    first = dict(lab.processes)["stage1"]
+    assert first.signals == [] and lab.lines[-1] == "churn at 1.0s: kill stage 1 waits for stage1.2 to join"
+    runner.poll(2.0, 4)
+    assert first.signals == []
+    lab.joined_peers.add("stage1.2")
+    runner.poll(3.0, 5)
+    assert first.signals == [9] and lab.lines[-1] == "churn at 3.0s: kill stage1"
+    # a joiner that never gets there holds a stop at most JOIN_WAIT_S
+    runner = ChurnRunner(lab := _Lab(), Churn.parse("join:1@0,stop:1@1", stages=2), [])
+    runner.poll(0.0, 0)
+    runner.poll(1.0, 0)
+    runner.poll(JOIN_WAIT_S, 0)
+    assert dict(lab.processes)["stage1"].signals == []
+    runner.poll(1.0 + JOIN_WAIT_S, 0)
+    assert dict(lab.processes)["stage1"].signals == [15]
 
 
 def test_lab_with_peers_joining_dying_and_leaving_keeps_the_single_process_losses(tmp_path):
