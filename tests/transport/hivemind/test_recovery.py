@@ -4,12 +4,14 @@ every stage, on real hivemind (loopback). Every case ends with the losses of the
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import threading
 import time
 import uuid
 
 import pytest
+import torch
 from _swarm_env import local_rows, smoke
 
 from swarm.training.experiment import build_data
@@ -21,6 +23,7 @@ from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.snapshots import Copy
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
+from swarm.transport.hivemind.trust import manifests
 
 STEPS = 12
 EVERY = 3
@@ -226,7 +229,7 @@ def test_a_holders_failed_fetch_is_reported_at_the_next_snapshot(swarm, caplog):
     try:
         holder = run.hosted[0].snapshots  # stage 0 holds the last stage's copies
 
-        async def broken(stage, step, sources):
+        async def broken(stage, step, sources, accepted, weights):
             raise RuntimeError("the link broke")
 
         holder._download = broken
@@ -287,3 +290,66 @@ def test_a_new_trainer_restores_only_copies_the_owners_manifest_names(swarm, tmp
         run.close()
         swarm.loop.run(fake_server.stop())
         swarm.loop.run(fake_node.shutdown())
+
+
+def test_a_copy_of_weights_its_replicas_do_not_hold_is_never_restored(swarm, tmp_path):
+    """Stage 1 has two peers; the second is hostile: its copies hold other weights, and it reports
+    the digest its replica reports (so the owner's manifest names its copy). The stage-2 peer
+    holding stage 1's copies fetches from it first; the trainer dies at step 8 and both stage-1
+    peers with it. A new stage-1 peer restores from the holder, whose copy must be the honest one:
+    the holder checked the digest inside the copy it fetched. The losses are those of one process."""
+    run = _Lossy(swarm)
+    hostile_node, hostile_server = swarm.mortal_host()
+    try:
+        hostile = hostile_server.host(HostedStage(hostile_node, run.run_id, run.cfg, 1))
+        take = hostile.snapshots._take
+
+        def forged(step: int, trainer: bytes) -> Copy:
+            honest = take(step, trainer)
+            saved = torch.load(io.BytesIO(honest.payload), weights_only=True)
+            for tensor in saved["module"].values():
+                tensor.add_(0.25)
+            buffer = io.BytesIO()
+            torch.save(saved, buffer)
+            payload = buffer.getvalue()
+            return Copy(1, step, payload, honest.codecs, sha256=manifests.digest(payload), weights=honest.weights)
+
+        hostile.snapshots._take = forged
+        holder = run.hosted[1].snapshots  # stage 2 holds stage 1's copies
+        fetch = holder._fetch
+        first_hostile = lambda sources: sorted(sources, key=lambda peer: peer != hostile_node.peer_id)  # noqa: E731
+        holder._fetch = lambda stage, step, sources, *checks: fetch(stage, step, first_hostile(sources), *checks)
+        swarm.loop.run(hostile_server.announcer.announce_now())
+        first = run.pipeline()
+        assert set(first.members[1]) == {run.node.peer_id, hostile_node.peer_id}
+
+        class TrainerDied(Exception):
+            pass
+
+        def die():
+            raise TrainerDied
+
+        before = _Hooked({8: die})
+        with pytest.raises(TrainerDied):
+            train(run.cfg, first, run.data, before, STEPS, progress=False)
+        honest, forged_copy = run.mortal.snapshots.copies[(1, 6)], hostile.snapshots.copies[(1, 6)]
+        assert honest.weights == forged_copy.weights  # replicas hold the same parameters and optimizer state
+        assert forged_copy.sha256 in first.recovery.accepted[(first.recovery.lineage, 6)][1].copies  # it lied well
+        assert holder.copies[(1, 6)].sha256 == honest.sha256  # the holder refused the forged copy
+        run.kill()
+        swarm.loop.run(hostile_server.stop())
+        swarm.loop.run(hostile_node.shutdown())
+        run.replace(0.0).join()
+        node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+        try:
+            second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
+            second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
+            assert second.members[1] == [run.replacement.place.peer_id] and second.resumed()["step"] == 6
+            after = ResultsWriter(None)
+            after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
+            train(run.cfg, second, run.data, after, STEPS, progress=False)
+            _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
+        finally:
+            swarm.loop.run(node.shutdown())
+    finally:
+        run.close()

@@ -26,7 +26,7 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.engine.checkpoint import stage_state
+from swarm.engine.checkpoint import read_stage, stage_state
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.routing.handoff import Handoff
@@ -50,6 +50,7 @@ class Copy:
     codecs: list = field(default_factory=list)  # pb.BoundaryCodecs in force when it was taken
     taken: float = field(default_factory=time.monotonic)
     sha256: bytes = b""  # of `payload` (the owner's manifest lists it), hashed on the computing thread
+    weights: bytes = b""  # manifests.weights_digest of what it holds, once known (replicas hold it alike)
 
 
 class Snapshots:
@@ -94,8 +95,8 @@ class Snapshots:
             own = await self.work.run(self._take, step, payload)
             self._keep(own)
         for order in head.hold:
-            self._fetch(int(order.stage), step, list(order.sources))
-        return pb.SnapshotReply(bytes=len(own.payload), sha256=own.sha256), b""
+            self._fetch(int(order.stage), step, list(order.sources), frozenset(order.accepted), order.weights_sha256)
+        return pb.SnapshotReply(bytes=len(own.payload), sha256=own.sha256, weights_sha256=own.weights), b""
 
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""
@@ -113,17 +114,44 @@ class Snapshots:
         saved = stage_state(state.runtime, ends, step, in_flight=True)
         saved["rng"] = torch.get_rng_state()
         saved["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
+        saved[manifests.PARAMETERS] = sorted(name for name, _ in state.runtime.module.named_parameters())
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         payload = buffer.getvalue()
-        return Copy(stage, step, payload, stage_codecs(self.place, state.cfg), sha256=manifests.digest(payload))
+        weights = manifests.weights_digest(saved)
+        codecs = stage_codecs(self.place, state.cfg)
+        return Copy(stage, step, payload, codecs, sha256=manifests.digest(payload), weights=weights)
 
-    def _fetch(self, stage: int, step: int, sources: list[str]) -> None:
+    @staticmethod
+    def _weights_of(copy: Copy) -> bytes:
+        """On the computing thread: the digest of the parameters and optimizer state in `copy`, kept
+        with it."""
+        if not copy.weights:
+            copy.weights = manifests.weights_digest(read_stage(io.BytesIO(copy.payload)))
+        return copy.weights
+
+    async def _named(self, copy: Copy, accepted: frozenset, weights: bytes) -> str | None:
+        """Why `copy` is not one the owner's manifest names (its SHA-256 in `accepted`, its weights
+        `weights`, each when given), or None."""
+        if accepted and copy.sha256 not in accepted:
+            return "its copy is not one the owner's manifest names"
+        if weights:
+            try:
+                held = await self.work.run(self._weights_of, copy)
+            except ValueError as e:
+                return f"its copy does not read: {one_line(e, 120)}"
+            if held != weights:
+                return "its copy holds weights other than those its stage's peers agreed on"
+        return None
+
+    def _fetch(self, stage: int, step: int, sources: list[str], accepted: frozenset, weights: bytes) -> None:
         """A neighbour stage's copy of `step`, fetched in the background (unless held or on its way)."""
         key = (stage, step)
         if key in self.copies or (key in self._fetches and not self._fetches[key].done()):
             return
-        task = asyncio.get_running_loop().create_task(self._download(stage, step, [(p, stage) for p in sources]))
+        task = asyncio.get_running_loop().create_task(
+            self._download(stage, step, [(p, stage) for p in sources], accepted, weights)
+        )
         self._fetches[key] = task
         task.add_done_callback(lambda t, key=key: self._fetched(key, t))
 
@@ -139,10 +167,15 @@ class Snapshots:
             self._keep(task.result())
 
     async def _download(
-        self, stage: int, step: int, sources: list[tuple[str, int]], accepted: frozenset = frozenset()
+        self,
+        stage: int,
+        step: int,
+        sources: list[tuple[str, int]],
+        accepted: frozenset = frozenset(),
+        weights: bytes = b"",
     ) -> Copy:
         """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that
-        has it (one whose SHA-256 is `accepted`, when given: the owner's manifest)."""
+        has it (one the owner's manifest names: `_named`)."""
         place, errors = self.place, []
         for peer, hosted_stage in sources:
             request = pb.StateRequest(
@@ -161,8 +194,8 @@ class Snapshots:
                 continue
             sha256 = await self.work.run(manifests.digest, frame.payload)  # gigabytes: not on the loop
             copy = Copy(stage, step, frame.payload, list(frame.head.codecs), sha256=sha256)
-            if accepted and copy.sha256 not in accepted:
-                errors.append(f"{peer[-8:]}: its copy is not one the owner's manifest names")
+            if (why := await self._named(copy, accepted, weights)) is not None:
+                errors.append(f"{peer[-8:]}: {why}")
                 continue
             return copy
         raise RemoteError(
@@ -188,11 +221,11 @@ class Snapshots:
         self.state.ready()
         step = int(head.step)
         self._adopt(head.lineage)  # a trainer carries on a lineage of this peer's copies, or starts one
-        accepted = frozenset(head.accepted)
+        accepted, weights = frozenset(head.accepted), bytes(head.weights_sha256)
         copy = self.copies.get((place.stage, step))
-        if copy is None or (accepted and copy.sha256 not in accepted):
+        if copy is None or await self._named(copy, accepted, weights) is not None:
             sources = [(s.peer_id, int(s.stage)) for s in head.sources if s.peer_id != place.peer_id]
-            copy = await self._download(place.stage, step, sources, accepted)
+            copy = await self._download(place.stage, step, sources, accepted, weights)
             self._keep(copy)
         trainer = await self.work.run(self._install, copy)
         for key in [key for key in self.copies if key[1] > step]:  # the run goes on from `step`

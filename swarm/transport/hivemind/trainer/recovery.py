@@ -107,9 +107,9 @@ class Recovery:
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
         self.history = History()
-        # (lineage, step) -> stage -> the SHA-256s of its copies the owner's manifest names: only
-        # those are restored (stage peers keep the signed manifests; a new trainer reads them there)
-        self.accepted: dict[tuple[str, int], dict[int, set[bytes]]] = {}
+        # (lineage, step) -> stage -> what the owner's manifest names of its copies: only those are
+        # restored (stage peers keep the signed manifests; a new trainer reads them there)
+        self.accepted: dict[tuple[str, int], dict[int, manifests.Named]] = {}
 
     # ---- snapshots ---------------------------------------------------------------------------
 
@@ -160,13 +160,16 @@ class Recovery:
         try:
             taken = await rounds.every(peers, lambda s, peer: one(s, peer, []))
             self.history.copy_bytes.update({stage: int(frame.head.bytes) for (stage, _), frame in taken.items()})
-            hashes: dict[int, set[bytes]] = defaultdict(set)
-            for (stage, _), frame in taken.items():
-                hashes[stage].add(bytes(frame.head.sha256))
-            self.accepted[(self.lineage, step)] = hashes
+            named = self._named(step, peers, taken)
+            self.accepted[(self.lineage, step)] = named
+            for hold in orders.values():
+                for order in hold:
+                    agreed = named.get(int(order.stage), manifests.Named())
+                    order.accepted.extend(sorted(agreed.copies))
+                    order.weights_sha256 = agreed.weights
             holders = [(s, peer) for s, peer in peers if peer in orders]
             await rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
-            await self._publish(step, hashes, peers)
+            await self._publish(step, named, peers)
         except (TransportError, RemoteError) as e:  # the copies are bookkeeping: only a lost stage stops the run
             await membership.probe()
             if not all(serving(s) for s in range(place.num_stages)):
@@ -177,11 +180,33 @@ class Recovery:
         self.taken, self.kept = step, True
         self.history.rounds += 1
 
-    async def _publish(self, step: int, hashes: dict[int, set[bytes]], peers: list[tuple[int, str]]) -> None:
+    def _named(self, step: int, peers: list[tuple[int, str]], taken: dict) -> dict[int, manifests.Named]:
+        """Per stage, the copies of the round the manifest names: those of the peers that report the
+        weights most of the stage's peers report (`peers` in admission order)."""
+        named = {}
+        for stage in range(self.place.num_stages):
+            reports = [
+                (peer, bytes(taken[(s, peer)].head.sha256), bytes(taken[(s, peer)].head.weights_sha256))
+                for s, peer in peers
+                if s == stage and (s, peer) in taken
+            ]
+            if not reports:
+                continue
+            named[stage], outvoted = manifests.agreed(reports)
+            for peer in outvoted:
+                self.place.events.add(
+                    "refuse",
+                    f"stage {stage}: peer {peer[-8:]}'s copy of step {step} holds weights its stage's other peers do not: it is never restored",
+                    logging.WARNING,
+                    log,
+                )
+        return named
+
+    async def _publish(self, step: int, named: dict[int, manifests.Named], peers: list[tuple[int, str]]) -> None:
         """Every peer of the round keeps the owner's signed manifest of its copies (a peer that misses
         it costs nothing now: a new trainer would restore an older step whose manifest it has)."""
         place = self.place
-        manifest = manifests.make(place.owner.key, place.run_id, self.lineage, step, hashes)
+        manifest = manifests.make(place.owner.key, place.run_id, self.lineage, step, named)
         await asyncio.gather(
             *(
                 self.rounds.call(s, peer, "snapshot", step=step, lineage=self.lineage, manifest=manifest)
@@ -244,8 +269,11 @@ class Recovery:
             for (stage, peer), status in statuses.items()
             if isinstance(status, pb.StageStatus)
             for c in status.snapshots
-            if bytes(c.sha256) in self.accepted.get((c.lineage, int(c.step)), {}).get(int(c.stage), ())
+            if bytes(c.sha256) in self._named_of(c.lineage, int(c.step), int(c.stage)).copies
         ]
+
+    def _named_of(self, lineage: str, step: int, stage: int) -> manifests.Named:
+        return self.accepted.get((lineage, step), {}).get(stage) or manifests.Named()
 
     async def resume_point(self, found: dict[int, list[str]]):
         """A new trainer's look at the stage peers `found`: the newest step of which they hold a
@@ -327,7 +355,7 @@ class Recovery:
         async def one(stage: int, peer: str):
             await self.set_up(stage, peer)  # a peer that left the session is built again (else a no-op)
             given = [pb.SnapshotSource(peer_id=other, stage=hosted) for other, hosted in sources.get(stage, [])]
-            accepted = sorted(self.accepted.get((self.lineage, step), {}).get(stage, ()))
+            named = self._named_of(self.lineage, step, stage)
             # a peer without the copy tries the sources in turn, each for up to state_timeout_s
             timeout = place.settings.calls.state_timeout_s * max(1, len(given)) + place.settings.calls.call_timeout_s
             return await self.rounds.call(
@@ -339,7 +367,8 @@ class Recovery:
                 lineage=self.lineage,
                 sources=given,
                 paused_s=paused_s,
-                accepted=accepted,
+                accepted=sorted(named.copies),
+                weights_sha256=named.weights,
             )
 
         replies = await asyncio.gather(*(one(s, peer) for s, peer in members), return_exceptions=True)
