@@ -300,3 +300,35 @@ def test_micro_batch_split_gives_the_asked_count_and_weights_sum_to_one():
     assert [b.size for b, _ in parts] == [2, 2, 1, 1]
     assert math.isclose(sum(b.weight for b, _ in parts), 1.0)
     assert torch.equal(torch.cat([b.sample_ids for b, _ in parts]), ids)
+
+
+@pytest.mark.parametrize(("forward", "backward"), [("lowrank:4", "lowrank:4"), ("lowrank:4/q8+ef21", "lowrank:2+ef")])
+def test_smoke_trains_with_low_rank_both_ways(tmp_path, forward, backward):
+    """The CNN's 4-D boundaries as [batch*channels*height, width] matrices: fewer bytes than
+    uncompressed on every link, finite losses, and evaluations through the compressed links."""
+    from swarm.training.results import read_results
+
+    runs = {}
+    for name, specs in {"none": ("none", "none"), "lowrank": (forward, backward)}.items():
+        cfg = cfg_with(f"compression.forward={specs[0]}", f"compression.backward={specs[1]}", "train.max_steps=4")
+        summary = run_experiment(cfg, tmp_path / f"{name}.jsonl", progress=False)
+        runs[name] = (summary, [r["loss"] for r in read_results(tmp_path / f"{name}.jsonl") if r["type"] == "step"])
+    (dense, _), (low, losses) = runs["none"], runs["lowrank"]
+    assert len(losses) == dense["steps"] == low["steps"] and all(math.isfinite(x) for x in losses)
+    assert set(low["bytes"]) == set(dense["bytes"])
+    assert all(low["bytes"][link] < 0.8 * dense["bytes"][link] for link in dense["bytes"]), low["bytes"]
+    assert math.isfinite(low["final"]["compressed"]["loss"])
+
+
+def test_gpt2_trains_with_low_rank_hidden_states(tiny_text, tmp_path):
+    """[batch, tokens, hidden] boundaries, a rank-4 message per micro-batch both ways, with error feedback."""
+    from swarm.training.results import read_results
+
+    text_dir, tokenizer = tiny_text
+    cfg = gpt2_cfg(
+        text_dir, tokenizer, "train.epochs=6", "compression.forward=lowrank:4+ef21", "compression.backward=lowrank:4+ef"
+    )
+    summary = run_experiment(cfg, tmp_path / "g.jsonl", progress=False)
+    steps = [r["loss"] for r in read_results(tmp_path / "g.jsonl") if r["type"] == "step"]
+    assert sum(steps[-3:]) / 3 < 0.8 * sum(steps[:3]) / 3
+    assert all(summary["bytes"][f"boundary{b}.forward"] > 0 for b in range(3))
