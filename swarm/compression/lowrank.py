@@ -42,8 +42,10 @@ FP16 = Cast(torch.float16)
 
 @functools.lru_cache(maxsize=32)
 def _sketch(cols: int, width: int) -> torch.Tensor:
-    """The fixed Gaussian start of the range finder, per shape (cached: it is drawn per message)."""
-    return torch.randn((cols, width), generator=torch.Generator().manual_seed(_SEED))
+    """The fixed Gaussian start of the range finder, per shape (cached: it is drawn per message).
+    No entry is zero, so a non-finite input value makes its row of M S non-finite (`factorize`)."""
+    sketch = torch.randn((cols, width), generator=torch.Generator().manual_seed(_SEED))
+    return sketch.masked_fill_(sketch == 0, 1.0)
 
 
 def _orthonormal(y: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,11 @@ def factorize(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     [rank, rows] and right [rank, cols] with left^T @ right close to m's best rank-`rank` approximation."""
     rows, cols = m.shape
     width = min(rank + OVERSAMPLE, rows, cols)
-    basis = _orthonormal(m @ _sketch(cols, width).to(m.device))
+    sketched = m @ _sketch(cols, width).to(m.device)
+    # checked here, on rows x width values: a pass over m (torch.isfinite) costs half a factorization
+    if not bool(torch.isfinite(sketched).all()):
+        raise ValueError("cannot compress a tensor with NaN or infinite values (or too large for float32)")
+    basis = _orthonormal(sketched)
     for _ in range(ITERATIONS):  # each round sharpens the basis toward the top singular directions
         basis = _orthonormal(m @ _orthonormal(m.T @ basis))
     u, s, vh = torch.linalg.svd(basis.T @ m, full_matrices=False)
@@ -104,8 +110,6 @@ class LowRank(Codec):
         if rank == 0:
             left, right = m.new_empty((0, rows)), m.new_empty((0, cols))
         else:
-            if not bool(torch.isfinite(m).all()):
-                raise ValueError("cannot compress a tensor with NaN or infinite values")
             left, right = factorize(m, rank)
         part = LowRankPart(rank, self.factors.values(left), self.factors.values(right))
         return Encoded(shape, x.dtype, part)
