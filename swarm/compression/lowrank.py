@@ -12,7 +12,8 @@ activations nor underflow on small gradients as readily as an orthonormal one an
 
 The codec is stateless and deterministic: the sketch S is drawn from a generator seeded with a
 constant, per (cols, width), so the same tensor gives the same bytes every time (with the same
-torch thread count, as the model's own compute). PowerSGD warm-starts S from the previous
+torch thread count, as the model's own compute; decoding, one product over the rank, gives the
+same floats at any thread count, which the two ends of an EF21 link rely on). PowerSGD warm-starts S from the previous
 micro-batch's factors on the same link, which saves iterations; that is left for later, since it
 makes the codec keep state per link, and then the order in which micro-batches cross a link
 changes the bytes: the swarm would need the link-order care that error feedback gets to keep

@@ -146,3 +146,18 @@ def test_error_feedback_sends_a_full_rank_tensor_in_rank_2_pieces(spec):
         errors.append(rel_error(x, y if parsed.mirrored else total / t))
     assert errors[0] > 0.3  # one rank-2 message of a 48 x 10 random matrix misses most of it
     assert errors[-1] < 0.1 * errors[0], errors[::8]
+
+
+def test_decoding_gives_the_same_floats_at_any_thread_count():
+    """Both ends of an EF21 link add the decoded message to their state: peers running different
+    torch thread counts must still agree bit for bit (encoding need not: one end encodes)."""
+    payload = wire.decode(parse("lowrank:16").sender().send(rank_r((4, 128, 96), 16) + torch.randn(4, 128, 96)).payload)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outputs.append(LowRank(16).decode(payload))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
