@@ -5,7 +5,7 @@
 """
 
 from protocols.errors import PayloadError
-from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart, StateStamp
 from protocols.version import PROTOCOL_VERSION
 from protocols.wire import DecodeLimits, decode, encode
 
@@ -14,6 +14,7 @@ __all__ = [
     "Encoded",
     "PROTOCOL_VERSION",
     "Granularity",
+    "LowRankPart",
     "PayloadError",
     "QuantPart",
     "RawPart",

@@ -52,6 +52,19 @@ class SparsePart:
 
 
 @dataclass(frozen=True)
+class LowRankPart:
+    """Low rank: the tensor as a [rows, cols] matrix (cols its last dimension) is left^T @ right.
+
+    Factors are transposed, one row per rank component: `left` holds [rank, rows] values, `right`
+    [rank, cols] (flat, as a `RawPart`, or quantized with one range per component).
+    """
+
+    rank: int
+    left: RawPart | QuantPart
+    right: RawPart | QuantPart
+
+
+@dataclass(frozen=True)
 class StateStamp:
     """Version of the mirrored error-feedback state a message was computed against."""
 
@@ -66,7 +79,7 @@ class Encoded:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    body: RawPart | QuantPart | SparsePart
+    body: RawPart | QuantPart | SparsePart | LowRankPart
     stamp: StateStamp | None = None
     # Filled by protocols.wire: crc32 of the index bytes (what a reused-index reply names).
     index_digest: int = field(default=0, compare=False)

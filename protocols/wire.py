@@ -19,7 +19,7 @@ from protocols import bitpack, fields, indices
 from protocols import compressed_tensor_pb2 as pb
 from protocols.checksum import crc32
 from protocols.errors import PayloadError
-from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart, StateStamp
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart, StateStamp
 from protocols.version import PROTOCOL_VERSION
 
 # torch.frombuffer warns on every read-only buffer (received bytes are): the decoders copy before
@@ -41,6 +41,7 @@ _GRANULARITY = {
 }
 _GRANULARITY_BACK = {v: k for k, v in _GRANULARITY.items()}
 _CODINGS = {"bitmap": pb.BITMAP, "varint": pb.DELTA_VARINT}
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,14 @@ DEFAULT_LIMITS = DecodeLimits()
 def rows_of(shape: tuple[int, ...]) -> int:
     """Samples in a tensor: its first dimension, or 1 for scalars and vectors."""
     return shape[0] if len(shape) >= 2 else 1
+
+
+def matrix_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of a tensor seen as a matrix: its last dimension by the product of the others
+    (a scalar is 1 x 1), as a low-rank payload factors it."""
+    if not shape:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
 
 
 def quant_groups(shape: tuple[int, ...], granularity: Granularity) -> int:
@@ -138,6 +147,21 @@ def _quant_segments(part: QuantPart, check: _BufferBytes) -> list:
     ]
 
 
+def _values_segments(raw_number: int, part: RawPart | QuantPart, check: _BufferBytes) -> list:
+    """Values in a `oneof` of a raw field `raw_number` and a quantized one numbered next."""
+    if isinstance(part, QuantPart):
+        return fields.length_delimited(raw_number + 1, _quant_segments(part, check))
+    return fields.length_delimited(raw_number, _raw_segments(part, check))
+
+
+def _low_rank_segments(part: LowRankPart, check: _BufferBytes) -> list:
+    return [
+        pb.LowRank(rank=part.rank).SerializeToString(),
+        *_values_segments(2, part.left, check),
+        *_values_segments(4, part.right, check),
+    ]
+
+
 def _sparse_segments(part: SparsePart, total: int, check: _BufferBytes) -> tuple[list, int]:
     """The Sparse message's segments and the digest of its indices (sent, or reused)."""
     if part.positions is None:
@@ -146,11 +170,7 @@ def _sparse_segments(part: SparsePart, total: int, check: _BufferBytes) -> tuple
         name, data = indices.encode_indices(part.positions, total)
         coding, raw = _CODINGS[name], _buffer(data)
         digest = crc32(raw)
-    values = (
-        fields.length_delimited(6, _quant_segments(part.values, check))
-        if isinstance(part.values, QuantPart)
-        else fields.length_delimited(5, _raw_segments(part.values, check))
-    )
+    values = _values_segments(5, part.values, check)
     segments = [
         pb.Sparse(kept_per_sample=part.kept_per_sample, index_coding=coding).SerializeToString(),
         *_buffer_field(3, raw, check),
@@ -160,28 +180,37 @@ def _sparse_segments(part: SparsePart, total: int, check: _BufferBytes) -> tuple
     return segments, digest
 
 
+def _body_segments(enc: Encoded, check: _BufferBytes) -> tuple[int, list]:
+    """The body's field number in CompressedTensor and its segments."""
+    body = enc.body
+    if isinstance(body, RawPart):
+        return 4, _raw_segments(body, check)
+    if isinstance(body, QuantPart):
+        return 5, _quant_segments(body, check)
+    if isinstance(body, LowRankPart):
+        return 8, _low_rank_segments(body, check)
+    sparse, enc.index_digest = _sparse_segments(body, enc.numel, check)
+    return 6, sparse
+
+
 def encode(enc: Encoded) -> bytes:
     """Serialize; also records the index digest on `enc` for reused-index replies."""
     check = _BufferBytes()
-    body = enc.body
-    if isinstance(body, RawPart):
-        segments = fields.length_delimited(4, _raw_segments(body, check))
-    elif isinstance(body, QuantPart):
-        segments = fields.length_delimited(5, _quant_segments(body, check))
-    else:
-        sparse, enc.index_digest = _sparse_segments(body, enc.numel, check)
-        segments = fields.length_delimited(6, sparse)
-    tail = pb.CompressedTensor(buffer_length=check.length)
+    number, body = _body_segments(enc, check)
+    body = fields.length_delimited(number, body)
+    stamp = pb.CompressedTensor()
     if enc.stamp is not None:
-        tail.state.version = enc.stamp.version
-        tail.state.sample_versions.extend(enc.stamp.sample_versions)
-        tail.state.warmup = enc.stamp.warmup
+        stamp.state.version = enc.stamp.version
+        stamp.state.sample_versions.extend(enc.stamp.sample_versions)
+        stamp.state.warmup = enc.stamp.warmup
+    # protobuf writes fields in number order: the stamp (7) after most bodies, before a low-rank one (8)
+    stamped = [*body, stamp.SerializeToString()] if number < 7 else [stamp.SerializeToString(), *body]
     segments = [
         pb.CompressedTensor(
             format_version=PROTOCOL_VERSION, shape=enc.shape, dtype=_DTYPES[enc.dtype]
         ).SerializeToString(),
-        *segments,
-        tail.SerializeToString(),
+        *stamped,
+        pb.CompressedTensor(buffer_length=check.length).SerializeToString(),
     ]
     digest = 0
     for segment in segments:
@@ -238,14 +267,7 @@ def _sparse_from(msg: pb.Sparse, shape: tuple[int, ...], check: _BufferBytes) ->
     if k > per_row:
         raise PayloadError(f"TopK keeps {k} values per sample out of {per_row}")
     kept = k * rows
-    which = msg.WhichOneof("values")
-    if which is None:
-        raise PayloadError("TopK payload has no values")
-    values = (
-        _quant_from(msg.quantized_values, (rows, k), check)
-        if which == "quantized_values"
-        else _raw_from(msg.raw_values, kept, check)
-    )
+    values = _values_from(msg, "values", (rows, k), check, "TopK values")
     index_bytes = check.add(msg.indices)
     if msg.index_coding == pb.REUSED:
         if index_bytes:
@@ -268,15 +290,52 @@ def _sparse_from(msg: pb.Sparse, shape: tuple[int, ...], check: _BufferBytes) ->
     return SparsePart(k, positions, values, crc32(index_bytes))
 
 
-def _check_finite(part: RawPart | QuantPart, dtype: torch.dtype) -> None:
-    """Every value the part can decode to is finite in the tensor's dtype: raw values as cast, a
-    quantized group's lowest and highest level (a finite range can still overflow a narrower dtype)."""
+def _extremes(part: RawPart | QuantPart) -> torch.Tensor:
+    """Values that bound what the part decodes to: raw values, a quantized group's lowest and highest level."""
     if isinstance(part, RawPart):
-        values = part.data
-    else:
-        values = torch.cat([part.lows, part.lows + part.steps * ((1 << part.bits) - 1)])
+        return part.data
+    return torch.cat([part.lows, part.lows + part.steps * ((1 << part.bits) - 1)])
+
+
+def _values_from(msg, oneof: str, shape: tuple[int, ...], check: _BufferBytes, what: str) -> RawPart | QuantPart:
+    """The raw or quantized values of `shape` set in the message's `oneof`."""
+    which = msg.WhichOneof(oneof)
+    if which is None:
+        raise PayloadError(f"payload has no {what}")
+    if which.startswith("quantized"):
+        return _quant_from(getattr(msg, which), shape, check)
+    return _raw_from(getattr(msg, which), math.prod(shape), check)
+
+
+def _low_rank_from(msg: pb.LowRank, shape: tuple[int, ...], check: _BufferBytes) -> LowRankPart:
+    rows, cols = matrix_of(shape)
+    if msg.rank > min(rows, cols):  # also bounds each factor by the tensor's element count
+        raise PayloadError(f"low-rank payload of rank {msg.rank} for a {rows} x {cols} matrix")
+    left = _values_from(msg, "left", (msg.rank, rows), check, "low-rank left factor")
+    right = _values_from(msg, "right", (msg.rank, cols), check, "low-rank right factor")
+    return LowRankPart(msg.rank, left, right)
+
+
+def _check_finite(part: RawPart | QuantPart, dtype: torch.dtype) -> None:
+    """Every value the part can decode to is finite in the tensor's dtype (a finite quantization
+    range can still overflow a narrower dtype)."""
+    values = _extremes(part)
     if values.numel() and not bool(torch.isfinite(values.to(dtype)).all()):
         raise PayloadError(f"values are not finite as {str(dtype).removeprefix('torch.')}")
+
+
+def _largest(part: RawPart | QuantPart) -> float:
+    values = _extremes(part)
+    return float(values.double().abs().max()) if values.numel() else 0.0
+
+
+def _check_low_rank_finite(part: LowRankPart) -> None:
+    """The factors are finite and their product, computed in float32, cannot overflow: each
+    element is a sum of `rank` products of one value of each factor. (A decoder saturates what a
+    narrower dtype cannot hold.)"""
+    bound = part.rank * _largest(part.left) * _largest(part.right)
+    if not bound <= _FLOAT32_MAX:  # also NaN
+        raise PayloadError("low-rank factors are not finite, or their product overflows float32")
 
 
 def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
@@ -306,16 +365,21 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     check = _BufferBytes()
     which = msg.WhichOneof("body")
     if which == "raw":
-        body: RawPart | QuantPart | SparsePart = _raw_from(msg.raw, numel, check)
+        body: RawPart | QuantPart | SparsePart | LowRankPart = _raw_from(msg.raw, numel, check)
     elif which == "quantized":
         body = _quant_from(msg.quantized, shape, check)
     elif which == "sparse":
         body = _sparse_from(msg.sparse, shape, check)
+    elif which == "low_rank":
+        body = _low_rank_from(msg.low_rank, shape, check)
     else:
         raise PayloadError("payload has no body")
     if check.length != msg.buffer_length:
         raise PayloadError(f"payload carries {check.length} buffer bytes, header says {msg.buffer_length}")
-    _check_finite(body.values if isinstance(body, SparsePart) else body, dtype)
+    if isinstance(body, LowRankPart):
+        _check_low_rank_finite(body)
+    else:
+        _check_finite(body.values if isinstance(body, SparsePart) else body, dtype)
     stamp = None
     if msg.HasField("state"):
         stamp = StateStamp(msg.state.version, tuple(msg.state.sample_versions), msg.state.warmup)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from protocols import wire
-from protocols.message import Encoded, Granularity, QuantPart, SparsePart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, SparsePart
 from swarm.compression import Cast, Codec, Quantize, TopK, TopKReuse
+from swarm.compression.lowrank import LowRank
 
 G = Granularity
 CODECS = {
@@ -28,6 +29,9 @@ CODECS = {
     "topk:0.25/q4": TopK(0.25, Quantize(4, G.SAMPLE)),
     "topk:0.2/q8/stochastic": TopK(0.2, Quantize(8, G.SAMPLE, stochastic=True)),
     "topk:1.0": TopK(1.0),
+    "lowrank:2": LowRank(2),
+    "lowrank:3/q8": LowRank(3, Quantize(8, G.SAMPLE)),
+    "lowrank:64/fp32": LowRank(64, Cast(torch.float32)),
 }
 
 SHAPES = [
@@ -59,8 +63,15 @@ def through_wire(enc):
 
 def codec_of(enc: Encoded) -> Codec:
     """A codec of the payload's own kind (a receiver decodes only its link codec's payloads):
-    `none` for raw values, which takes them in any dtype; a TopK's ratio does not matter to decode."""
+    `none` for raw values, which takes them in any dtype; a TopK's ratio does not matter to decode;
+    a low-rank payload's rank is the link's when it is below the matrix's dimensions."""
     body = enc.body
+    if isinstance(body, LowRankPart):
+        factors = body.left
+        inner = (
+            Quantize(factors.bits, factors.granularity) if isinstance(factors, QuantPart) else Cast(factors.data.dtype)
+        )
+        return LowRank(max(body.rank, 1), inner)
     values = body.values if isinstance(body, SparsePart) else body
     inner = Quantize(values.bits, values.granularity) if isinstance(values, QuantPart) else Cast()
     if not isinstance(body, SparsePart):

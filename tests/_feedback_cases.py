@@ -20,6 +20,9 @@ MIRRORED = [
     "quant:4+aqsgd/q4",
     "topk:0.3/q6+aqsgd/q8",
     "quant:2/tensor+aqsgd/bf16",
+    "lowrank:2+ef21",
+    "lowrank:3/q8+ef21/sample",
+    "lowrank:2+aqsgd/fp16",
 ]
 PER_SAMPLE = [s for s in MIRRORED if "aqsgd" in s or "/sample" in s]
 GLOBAL = [s for s in MIRRORED if s not in PER_SAMPLE]

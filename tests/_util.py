@@ -70,15 +70,22 @@ def buffers_of(msg: pb.CompressedTensor) -> list[bytes]:
     def quant(q):
         return [q.codes, q.lows, q.steps]
 
+    def values(m, oneof: str):
+        which = m.WhichOneof(oneof)
+        if which is None:
+            return []
+        part = getattr(m, which)
+        return quant(part) if which.startswith("quantized") else [part.data]
+
     which = msg.WhichOneof("body")
     if which == "raw":
         return [msg.raw.data]
     if which == "quantized":
         return quant(msg.quantized)
     if which == "sparse":
-        s = msg.sparse
-        inner = quant(s.quantized_values) if s.WhichOneof("values") == "quantized_values" else [s.raw_values.data]
-        return [s.indices, *inner]
+        return [msg.sparse.indices, *values(msg.sparse, "values")]
+    if which == "low_rank":
+        return [*values(msg.low_rank, "left"), *values(msg.low_rank, "right")]
     return []
 
 

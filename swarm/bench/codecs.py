@@ -3,7 +3,10 @@
 Bits come from the serialized payload (what would cross the network). Speeds are MB/s of the
 fp32 input through encode (math + serialization to bytes) and decode (parsing, validation and
 math), the median of several repeats. Reference rows time hivemind's FLOAT16 codec through the
-same steps and torch.topk alone.
+same steps and torch.topk alone; on the [tokens x hidden] tensors, the low-rank codecs are set
+against torch.svd_lowrank (the same kind of randomized factorization) and torch.linalg.svd cut to
+the same rank (the best error any rank-R message can have), each timed as factorization
+("encode") and product ("decode"), with no payload.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ CODECS = (
     "topk:0.05/fp16",
     "topk:reuse/fp16",
 )
+LOW_RANK_CODECS = ("lowrank:8", "lowrank:32", "lowrank:32/q8", "lowrank:32/fp32")
+LOW_RANK_REFERENCE = 32  # the rank of the torch.linalg rows
 STORE_FORMATS = ("fp32", "fp16", "q8", "q6", "q4")
 CIFAR_TRAIN_SAMPLES = 50_000
 
@@ -146,6 +151,30 @@ def torch_topk_probe(name: str, x: torch.Tensor, ratio: float = 0.1) -> Probe:
     )
 
 
+def _factors_probe(codec: str, name: str, x: torch.Tensor, factorize: Callable) -> Probe:
+    """A torch factorization of x as a [rows, last dim] matrix: factorize -> (u, s, v), decode u s v^T."""
+    m = x.reshape(-1, x.shape[-1])
+    return Probe(
+        codec,
+        name,
+        x,
+        lambda: factorize(m),
+        lambda usv: (usv[0] * usv[1]) @ usv[2].T,
+        lambda usv, y: (None, _rel_error(m, y), None),
+    )
+
+
+def torch_low_rank_probes(name: str, x: torch.Tensor, rank: int = LOW_RANK_REFERENCE) -> list[Probe]:
+    def truncated_svd(m):
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, :rank], s[:rank], vh[:rank].T
+
+    return [
+        _factors_probe(f"torch:svd_lowrank:{rank}", name, x, lambda m: torch.svd_lowrank(m, q=rank, niter=2)),
+        _factors_probe(f"torch:linalg.svd:{rank}", name, x, truncated_svd),
+    ]
+
+
 def store_probe(name: str, x: torch.Tensor, fmt: str) -> Probe:
     """AQ-SGD buffer: bytes per sample in this format, and what storing costs in accuracy."""
     ids = list(range(x.shape[0]))
@@ -179,6 +208,8 @@ def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]
     for name, x in tensors.items():
         probes = [hivemind_float16_probe(name, x), torch_topk_probe(name, x)]
         probes += [codec_probe(name, x, spec) for spec in CODECS]
+        if name.startswith("gpt2."):  # [tokens x hidden]: what the low-rank codecs are for
+            probes += [codec_probe(name, x, spec) for spec in LOW_RANK_CODECS] + torch_low_rank_probes(name, x)
         if name.startswith("resnet18.layer1"):
             probes += [store_probe(name, x, fmt) for fmt in STORE_FORMATS]
         results = [p.once() for p in probes]  # warm-up; also what rows report on
@@ -238,6 +269,11 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool]]:
         if (r := by.get(("topk:0.1", tensor))) is not None and topk_ref is not None:
             ratio = _round_trip_seconds(r) / (1 / topk_ref.encode_mbps)
             out.append((f"{tensor}: topk:0.1 enc+dec time <= 1.5x torch.topk", f"{ratio:.2f}x", ratio <= 1.5))
+        svd = by.get((f"torch:linalg.svd:{LOW_RANK_REFERENCE}", tensor))
+        if (r := by.get((f"lowrank:{LOW_RANK_REFERENCE}/fp32", tensor))) is not None and svd is not None:
+            ratio = r.rel_error / svd.rel_error if svd.rel_error else 1.0
+            what = f"{tensor}: {r.codec} error <= 1.1x torch.linalg.svd's at rank {LOW_RANK_REFERENCE}"
+            out.append((what, f"{ratio:.3f}x", ratio <= 1.1))
         for r in rows:
             if r.tensor == tensor and r.extra and r.codec == f"aqsgd-store:{DEFAULT_STORE}":
                 frac = r.extra["fraction_of_fp32"]

@@ -3,7 +3,11 @@
 - post-ReLU ResNet-18 (CIFAR) boundaries: per-channel scale and bias before the ReLU, so
   channels differ in magnitude and sparsity as real feature maps do (~50% zeros);
 - a GPT-2-like residual-stream activation: per-channel scales with a few outlier channels;
-- an activation gradient of the same shape: heavy-tailed (Student-t) and small.
+- an activation gradient of the same shape: heavy-tailed (Student-t) and small;
+- an anisotropic residual stream of the same shape: tokens drawn with a covariance whose
+  spectrum falls as 1/i (singular value i of the [tokens, hidden] matrix ~ 1/i) in random
+  directions, the low-rank structure real hidden states have and the two above lack (an
+  assumption for the low-rank codecs' rows, not a measurement of a trained model).
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ def activation_gradient(shape: tuple[int, ...], gen: torch.Generator) -> torch.T
     return normal.div_(chi).mul_(1e-4)  # Student-t with 3 degrees of freedom, scaled
 
 
+def anisotropic_activation(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    width = shape[-1]
+    directions = torch.linalg.qr(torch.randn((width, width), generator=gen)).Q
+    spectrum = 1.0 / torch.arange(1, width + 1, dtype=torch.float32)
+    tokens = torch.randn((*shape[:-1], width), generator=gen)
+    return (tokens * spectrum) @ directions.T
+
+
 def benchmark_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
     """name -> tensor; `scale` < 1 shrinks the batch dimension for quick runs."""
     gen = torch.Generator().manual_seed(seed)
@@ -44,4 +56,5 @@ def benchmark_tensors(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tens
         "resnet18.layer2 [100,128,16,16]": post_relu((batch(100), 128, 16, 16), gen),
         "gpt2.activation [8,1024,768]": transformer_activation((batch(8), 1024, 768), gen),
         "gpt2.gradient [8,1024,768]": activation_gradient((batch(8), 1024, 768), gen),
+        "gpt2.anisotropic [8,1024,768]": anisotropic_activation((batch(8), 1024, 768), gen),
     }

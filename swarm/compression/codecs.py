@@ -4,6 +4,7 @@
 - `Quantize`: k-bit min-max codes, per tensor, sample or channel.
 - `TopK`: per-sample TopK; its values go through an inner `Cast` or `Quantize`.
 - `TopKReuse`: values at the positions of the forward message on the same link (values only).
+- `LowRank` (`swarm.compression.lowrank`): two rank-R factors of the tensor as a matrix.
 
 `decode` is each codec's one way back, for received payloads and for a sender's own error
 feedback alike; it refuses, with a one-line `PayloadError`, a payload this codec does not produce
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from protocols.errors import PayloadError
-from protocols.message import Encoded, Granularity, QuantPart, RawPart, SparsePart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart
 from protocols.wire import rows_of
 from swarm.compression.quantize import dequantize, quantize
 from swarm.compression.topk import Selection, gather, scatter, top_positions
@@ -141,15 +142,19 @@ ValueCodec = Cast | Quantize
 
 
 def describe(enc: Encoded) -> str:
-    """A payload's kind in the spec grammar's words, for refusals: fp16, quant:4/sample, topk/q8."""
+    """A payload's kind in the spec grammar's words, for refusals: fp16, quant:4/sample, topk/q8, lowrank:8/fp16."""
     body = enc.body
     if isinstance(body, SparsePart):
-        values = body.values
-        kind = f"q{values.bits}" if isinstance(values, QuantPart) else _dtype_name(values.data.dtype)
-        return f"{'topk' if body.positions is not None else 'topk:reuse'}/{kind}"
+        return f"{'topk' if body.positions is not None else 'topk:reuse'}/{_values_kind(body.values)}"
+    if isinstance(body, LowRankPart):
+        return f"lowrank:{body.rank}/{_values_kind(body.left)}"
     if isinstance(body, QuantPart):
         return f"quant:{body.bits}/{body.granularity.value}"
     return _dtype_name(body.data.dtype)
+
+
+def _values_kind(values: RawPart | QuantPart) -> str:
+    return f"q{values.bits}" if isinstance(values, QuantPart) else _dtype_name(values.data.dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -176,7 +181,7 @@ class _Sparse(Codec):
 
     @property
     def _values_spec(self) -> str:
-        return "" if self.inner == Cast() else f"/{_inner_spec(self.inner)}"
+        return "" if self.inner == Cast() else f"/{inner_spec(self.inner)}"
 
     def _positions(self, enc: Encoded, reuse: Selection | None) -> torch.Tensor:
         raise NotImplementedError
@@ -255,7 +260,7 @@ class TopKReuse(_Sparse):
         return reuse.positions
 
 
-def _inner_spec(inner: ValueCodec) -> str:
+def inner_spec(inner: ValueCodec) -> str:
     if isinstance(inner, Quantize):
         return f"q{inner.bits}" + ("/stochastic" if inner.stochastic else "")
     return inner.spec

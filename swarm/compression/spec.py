@@ -5,12 +5,14 @@
                | "quant:" BITS { "/" ("tensor" | "sample" | "channel" | "stochastic") }
                | "topk:" RATIO { "/" value }          RATIO in (0, 1]
                | "topk:reuse" { "/" value }            backward only: the forward's indices
+               | "lowrank:" RANK [ "/" factor ]       RANK >= 1; factors fp16 by default
     value     := "fp32" | "fp16" | "bf16" | "q" BITS [ "/stochastic" ]    (TopK values)
+    factor    := "fp32" | "fp16" | "bf16" | "q" BITS                      (low-rank factors)
     feedback  := ("ef" | "ef21" | "efmixed") [ "/sample" ] | "aqsgd" [ "/" STORE ]
     STORE     := "fp32" | "fp16" | "bf16" | "q1".."q8"      (AQ-SGD buffer format, default q6)
 
 Examples: `topk:0.1`, `quant:4`, `quant:4/tensor`, `topk:0.1/fp16`, `topk:0.1/q8`,
-`topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`.
+`topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`, `lowrank:8`, `lowrank:32/q8+ef21`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch
 from protocols.message import Granularity
 from swarm.compression.codecs import Cast, Codec, Quantize, TopK, TopKReuse
 from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender, Receiver, Sender
+from swarm.compression.lowrank import LowRank
 from swarm.compression.state import STORE_FORMATS, check_store_format
 
 VALID_FORMS = (
     "none | fp32 | fp16 | bf16 | quant:BITS[/tensor|/sample|/channel][/stochastic] | "
-    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...]; "
+    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...] | lowrank:RANK[/fp16|/bf16|/fp32|/qBITS]; "
     "optionally +ef | +ef21 | +efmixed (each [/sample]) | +aqsgd[/STORE]"
 )
 DEFAULT_STORE = "q6"  # AQ-SGD buffers: 6-bit codes, under a quarter of an fp32 copy
@@ -90,6 +93,19 @@ def _value_codec(options: list[str], spec: str) -> Cast | Quantize:
     raise SpecError(spec, f"unknown TopK value format {'/'.join(options)!r}")
 
 
+def _low_rank(parts: list[str], spec: str) -> LowRank:
+    if not re.fullmatch(r"[1-9][0-9]{0,5}", parts[0]):
+        raise SpecError(spec, f"low rank must be an integer in 1..999999, got {parts[0]!r}")
+    factors = parts[1:]
+    if factors in ([], ["fp16"]):
+        return LowRank(int(parts[0]))
+    if factors in (["fp32"], ["bf16"]):
+        return LowRank(int(parts[0]), Cast(_CASTS[factors[0]]))
+    if len(factors) == 1 and factors[0].startswith("q"):
+        return LowRank(int(parts[0]), Quantize(_bits(factors[0][1:], spec), Granularity.SAMPLE))
+    raise SpecError(spec, f"unknown low-rank factor format {'/'.join(factors)!r}")
+
+
 def _quant(arg: str, options: list[str], spec: str) -> Quantize:
     granularity = Granularity.SAMPLE
     stochastic = False
@@ -120,6 +136,8 @@ def _codec(text: str, spec: str) -> Codec:
         if not 0.0 < ratio <= 1.0:
             raise SpecError(spec, f"TopK ratio must be in (0, 1], got {parts[0]!r}")
         return TopK(ratio, _value_codec(parts[1:], spec))
+    if name == "lowrank" and parts:
+        return _low_rank(parts, spec)
     raise SpecError(spec, f"unknown codec {text!r}")
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from _util import cli_here
 
-from swarm.bench.codecs import CODECS
+from swarm.bench.codecs import CODECS, LOW_RANK_CODECS
 
 REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
 
@@ -31,10 +31,27 @@ def test_json_rows_have_the_documented_keys(rows):
 
 def test_every_codec_and_reference_is_measured_on_every_tensor(rows):
     tensors = {r["tensor"] for r in rows}
-    assert len(tensors) == 4
+    assert len(tensors) == 5
     for tensor in tensors:
         codecs = {r["codec"] for r in rows if r["tensor"] == tensor}
         assert set(CODECS) | {"hivemind:float16", "torch:topk:0.1"} <= codecs
+        low_rank = set(LOW_RANK_CODECS) | {"torch:svd_lowrank:32", "torch:linalg.svd:32"}
+        assert low_rank <= codecs if tensor.startswith("gpt2.") else not low_rank & codecs
+
+
+def test_low_rank_rows_against_torch_linalg(rows):
+    """lowrank:R's bits are its two factors; its error is near the truncated SVD's at the same rank
+    on the tensor with a falling spectrum, and far below TopK's at fewer bits."""
+    by = {(r["codec"], r["tensor"]): r for r in rows}
+    tensor = next(t for _, t in by if t.startswith("gpt2.anisotropic"))
+    rows_, cols = 1024, 768  # --scale 0.02 keeps one sample of [8, 1024, 768]
+    assert by[("lowrank:32", tensor)]["bits_per_element"] == pytest.approx(
+        16 * 32 * (rows_ + cols) / (rows_ * cols), rel=0.01
+    )
+    assert by[("lowrank:32/q8", tensor)]["bits_per_element"] < 0.55 * by[("lowrank:32", tensor)]["bits_per_element"]
+    best = by[("torch:linalg.svd:32", tensor)]["rel_error"]
+    assert best <= by[("lowrank:32/fp32", tensor)]["rel_error"] < 1.1 * best
+    assert by[("lowrank:32", tensor)]["rel_error"] < 0.5 * by[("topk:0.1/fp16", tensor)]["rel_error"]
 
 
 def test_bits_per_element_come_from_payload_sizes(rows):

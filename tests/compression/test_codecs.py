@@ -90,6 +90,8 @@ def test_reuse_roundtrip_through_bytes(inner, dtype, case):
         "topk:0.1",
         "topk:0.2/q4",
         "topk:0.5/bf16",
+        "lowrank:2",
+        "lowrank:2/q8",
     ],
 )
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=DTYPE_IDS.get)
@@ -147,6 +149,9 @@ LINK_TAKES = {
     "topk:0.5/fp16": {"topk:0.5/fp16"},
     "topk:0.5/q4": {"topk:0.5/q4"},
     "topk:0.5/q8": {"topk:0.5/q8"},
+    "lowrank:2": {"lowrank:2"},
+    "lowrank:2/q8": {"lowrank:2/q8"},
+    "lowrank:4": {"lowrank:4"},
 }
 
 
@@ -176,6 +181,10 @@ def test_refusals_name_the_payload_in_spec_words():
         ("topk:0.1/q8", "quant:8"): "a topk/q8 payload on a quant:8/sample link",
         ("fp16", "bf16"): "a fp16 payload on a bf16 link",
         ("topk:0.5/fp16", "topk:0.5/q8"): "a topk/fp16 payload on a topk:0.5/q8 link",
+        ("lowrank:2", "lowrank:3"): "a lowrank:2/fp16 payload on a lowrank:3 link",
+        ("lowrank:2/q8", "lowrank:2"): "a lowrank:2/q8 payload on a lowrank:2 link",
+        ("lowrank:2", "quant:8"): "a lowrank:2/fp16 payload on a quant:8/sample link",
+        ("fp16", "lowrank:2/bf16"): "a fp16 payload on a lowrank:2/bf16 link",
     }
     for (sent, link), message in cases.items():
         with pytest.raises(PayloadError, match=f"^{message}$"):

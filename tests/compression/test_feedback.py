@@ -274,6 +274,8 @@ def test_sender_state_independent_of_input_mutation(spec):
         "topk:0.2+efmixed",
         "topk:0.3/q4+efmixed/sample",
         "quant:3/tensor+ef/sample",
+        "lowrank:2+ef",
+        "lowrank:2/q8+ef/sample",
     ],
 )
 def test_error_feedback_telescopes(spec):

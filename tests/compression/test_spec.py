@@ -12,6 +12,7 @@ from protocols.message import Granularity
 from swarm.cli import main
 from swarm.compression import Cast, CompressionSpec, Quantize, SpecError, TopK, TopKReuse, parse
 from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender
+from swarm.compression.lowrank import LowRank
 from swarm.config import ConfigError, load_config
 
 G = Granularity
@@ -51,6 +52,16 @@ VALID = {
     "quant:4+aqsgd/q4": (Quantize(4, G.SAMPLE), "aqsgd", True, "q4"),
     "fp16+aqsgd/bf16": (Cast(torch.float16), "aqsgd", True, "bf16"),
     "  TopK:0.1/FP16+EF21  ": (TopK(0.1, Cast(torch.float16)), "ef21", False, None),
+    "lowrank:8": (LowRank(8), None, False, None),
+    "lowrank:1/fp16": (LowRank(1), None, False, None),
+    "lowrank:32/q8": (LowRank(32, Quantize(8, G.SAMPLE)), None, False, None),
+    "lowrank:4/q4": (LowRank(4, Quantize(4, G.SAMPLE)), None, False, None),
+    "lowrank:16/bf16": (LowRank(16, Cast(torch.bfloat16)), None, False, None),
+    "lowrank:16/fp32": (LowRank(16, Cast(torch.float32)), None, False, None),
+    "lowrank:8+ef": (LowRank(8), "ef", False, None),
+    "lowrank:8/q8+ef21": (LowRank(8, Quantize(8, G.SAMPLE)), "ef21", False, None),
+    "lowrank:4+ef21/sample": (LowRank(4), "ef21", True, None),
+    "lowrank:4+aqsgd/fp16": (LowRank(4), "aqsgd", True, "fp16"),
 }
 
 
@@ -137,6 +148,23 @@ TYPOS = [
     "topk:0.1+ef21+ef",
     "topk:0.1++ef",
     "+ef21",
+    "lowrank",
+    "lowrank:",
+    "lowrank:0",
+    "lowrank:-1",
+    "lowrank:08",
+    "lowrank:1.5",
+    "lowrank:x",
+    "lowrank:1000000",
+    "lowrank:8/",
+    "lowrank:8/none",
+    "lowrank:8/fp8",
+    "lowrank:8/q9",
+    "lowrank:8/q8/stochastic",
+    "lowrank:8/q8/fp16",
+    "lowrank:8/tensor",
+    "lowrank:8+efmixed",
+    "low-rank:8",
 ]
 
 
@@ -146,7 +174,7 @@ def test_typos_raise_spec_error(text):
         parse(text)
     message = str(info.value)
     assert "\n" not in message and "\r" not in message
-    for form in ("quant:BITS", "topk:RATIO", "topk:reuse", "ef21", "aqsgd", "fp16"):
+    for form in ("quant:BITS", "topk:RATIO", "topk:reuse", "lowrank:RANK", "ef21", "aqsgd", "fp16"):
         assert form in message, form
     assert repr(text) in message or text.strip() in message
 
@@ -172,6 +200,7 @@ TOKENS = [
     "quant",
     "topk",
     "reuse",
+    "lowrank",
     ":",
     "/",
     "+",

@@ -279,12 +279,19 @@ def test_gpt2_tied_embedding_stays_tied_and_matches_one_stage(tiny_text, tmp_pat
     assert tied_weight_drift(staged.stages, staged.tied) == 0.0
 
 
-def test_gpt2_recipe_with_topk_reuse_reduces_the_loss(tiny_text, tmp_path):
+@pytest.mark.parametrize(
+    ("forward", "backward"),
+    [
+        ("topk:0.3", "topk:reuse"),
+        ("lowrank:4+ef21", "lowrank:4+ef"),  # [batch, tokens, hidden] as a rank-4 message per micro-batch
+    ],
+)
+def test_gpt2_recipe_reduces_the_loss(tiny_text, tmp_path, forward, backward):
     from swarm.training.results import read_results
 
     text_dir, tokenizer = tiny_text
     cfg = gpt2_cfg(
-        text_dir, tokenizer, "train.epochs=6", "compression.forward=topk:0.3", "compression.backward=topk:reuse"
+        text_dir, tokenizer, "train.epochs=6", f"compression.forward={forward}", f"compression.backward={backward}"
     )
     summary = run_experiment(cfg, tmp_path / "g.jsonl", progress=False)
     steps = [r["loss"] for r in read_results(tmp_path / "g.jsonl") if r["type"] == "step"]
@@ -300,3 +307,21 @@ def test_micro_batch_split_gives_the_asked_count_and_weights_sum_to_one():
     assert [b.size for b, _ in parts] == [2, 2, 1, 1]
     assert math.isclose(sum(b.weight for b, _ in parts), 1.0)
     assert torch.equal(torch.cat([b.sample_ids for b, _ in parts]), ids)
+
+
+@pytest.mark.parametrize(("forward", "backward"), [("lowrank:4", "lowrank:4"), ("lowrank:4/q8+ef21", "lowrank:2+ef")])
+def test_smoke_trains_with_low_rank_both_ways(tmp_path, forward, backward):
+    """The CNN's 4-D boundaries as [batch*channels*height, width] matrices: fewer bytes than
+    uncompressed on every link, finite losses, and evaluations through the compressed links."""
+    from swarm.training.results import read_results
+
+    runs = {}
+    for name, specs in {"none": ("none", "none"), "lowrank": (forward, backward)}.items():
+        cfg = cfg_with(f"compression.forward={specs[0]}", f"compression.backward={specs[1]}", "train.max_steps=4")
+        summary = run_experiment(cfg, tmp_path / f"{name}.jsonl", progress=False)
+        runs[name] = (summary, [r["loss"] for r in read_results(tmp_path / f"{name}.jsonl") if r["type"] == "step"])
+    (dense, _), (low, losses) = runs["none"], runs["lowrank"]
+    assert len(losses) == dense["steps"] == low["steps"] and all(math.isfinite(x) for x in losses)
+    assert set(low["bytes"]) == set(dense["bytes"])
+    assert all(low["bytes"][link] < 0.8 * dense["bytes"][link] for link in dense["bytes"]), low["bytes"]
+    assert math.isfinite(low["final"]["compressed"]["loss"])

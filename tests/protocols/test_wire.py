@@ -39,6 +39,9 @@ def _corpus():
         "topk:0.25/q4",
         "topk:1.0/bf16",
         "topk:0.3/q8",
+        "lowrank:2",
+        "lowrank:3/q8",
+        "lowrank:8/bf16",
     ]:
         items.append((spec, parse(spec).sender().send(x).payload, None))
     items.append(("quant:6/channel 4-D", parse("quant:6/channel").sender().send(make((2, 3, 2, 2))).payload, None))
@@ -63,6 +66,9 @@ def _corpus():
     s = parse("topk:0.25+ef21").sender()
     s.send(x).commit()
     items.append(("topk+ef21 stamped", s.send(x).payload, None))
+    lr = parse("lowrank:2+ef21").sender()  # the stamp (field 7) goes before a low-rank body (field 8)
+    lr.send(x).commit()
+    items.append(("lowrank+ef21 stamped", lr.send(x).payload, None))
     a = parse("quant:4+aqsgd/q4").sender()
     a.send(x, sample_ids=[10, 11, 12], warmup=True).commit()
     items.append(("quant+aqsgd stamped", a.send(x, sample_ids=[10, 11, 12]).payload, None))
@@ -262,6 +268,16 @@ def sparse_msg(shape=(2, 8), k=2, positions=(0, 3, 8, 15)):
     return m
 
 
+def low_rank_msg(shape=(4, 3), rank=2):
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    m = pb.CompressedTensor(format_version=PROTOCOL_VERSION, shape=shape, dtype=pb.FLOAT32)
+    m.low_rank.rank = rank
+    m.low_rank.raw_left.wire_dtype = m.low_rank.raw_right.wire_dtype = pb.FLOAT16
+    m.low_rank.raw_left.data = struct.pack(f"<{rank * rows}e", *([0.5] * (rank * rows)))
+    m.low_rank.raw_right.data = struct.pack(f"<{rank * cols}e", *([0.25] * (rank * cols)))
+    return m
+
+
 def assert_rejected(m: pb.CompressedTensor, limits: DecodeLimits = wire.DEFAULT_LIMITS):
     """Sealed (correct length and checksum), yet refused by a semantic check."""
     payload = seal(m)
@@ -274,7 +290,7 @@ def assert_rejected(m: pb.CompressedTensor, limits: DecodeLimits = wire.DEFAULT_
 
 
 def test_handmade_messages_are_valid():
-    for m in (raw_msg(), quant_msg(), sparse_msg()):
+    for m in (raw_msg(), quant_msg(), sparse_msg(), low_rank_msg()):
         enc = wire.decode(seal(m))
         assert enc.shape == tuple(m.shape)
     enc = wire.decode(seal(sparse_msg()))
@@ -373,11 +389,11 @@ def test_no_body():
     assert_rejected(m)
 
 
-@pytest.mark.parametrize("body", ["raw", "quant", "sparse"])
+@pytest.mark.parametrize("body", ["raw", "quant", "sparse", "low_rank"])
 @pytest.mark.parametrize("shape", [(2**20, 2**20, 2**20), (2**62, 2), (2**63, 2**63), (2**64 - 1,), (65536, 65536)])
 def test_oversize_shape_rejected_before_allocation(body, shape):
     """Tiny buffers, gigantic shape: refused on the limit (allocating would raise another error)."""
-    m = {"raw": raw_msg, "quant": quant_msg, "sparse": sparse_msg}[body]()
+    m = {"raw": raw_msg, "quant": quant_msg, "sparse": sparse_msg, "low_rank": low_rank_msg}[body]()
     del m.shape[:]
     m.shape.extend(shape)
     text = assert_rejected(m)
@@ -427,11 +443,14 @@ def test_receiver_rejects_unrepresentable_empty_shapes():
     PayloadError (wire.decode accepts these because only the element count is limited)."""
     failures = []
     for shape in [(2**64 - 1, 0), (2**63, 0), (0, 2**63), (3, 0, 2**63 + 5)]:
-        for body in ("raw", "quant", "sparse"):
-            m = {"raw": raw_msg, "quant": quant_msg, "sparse": sparse_msg}[body]()
+        for body in ("raw", "quant", "sparse", "low_rank"):
+            m = {"raw": raw_msg, "quant": quant_msg, "sparse": sparse_msg, "low_rank": low_rank_msg}[body]()
             del m.shape[:]
             m.shape.extend(shape)
-            if body == "raw":
+            if body == "low_rank":
+                m.low_rank.rank = 0
+                m.low_rank.raw_left.data = m.low_rank.raw_right.data = b""
+            elif body == "raw":
                 m.raw.data = b""
             elif body == "quant":
                 m.quantized.codes = m.quantized.lows = m.quantized.steps = b""

@@ -143,7 +143,7 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         ("during a snapshot", "topk:0.2|topk:reuse", 6),
         # error feedback: the copies carry the link ends in use, so the new pairs go on from them
         ("between steps", "topk:0.1+ef21|topk:0.1+ef21", 6),
-        ("between steps", "topk:0.3+aqsgd|none", 6),
+        ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
     ],
 )
 def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(

@@ -48,12 +48,12 @@ from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trust.sealed import DECISION, seal
 from swarm.transport.hivemind.trust.signatures import Refused
 
-CODECS = [
+CODECS = [  # forward topk+ef21: test_oracle_with_clipping_and_two_peers_on_a_stage
     ("none", "none"),
     ("quant:4", "quant:4"),
     ("topk:0.1", "topk:reuse"),
-    ("topk:0.1+ef21", "topk:0.1+ef21"),
-    ("topk:0.3+aqsgd", "none"),
+    ("lowrank:4+ef21", "topk:0.1+ef21"),
+    ("topk:0.3+aqsgd", "lowrank:4+ef"),
 ]
 
 
