@@ -4,6 +4,7 @@ and the run goes on with the single-process losses."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from _swarm_env import assert_same_run, local_rows, smoke
 from _util import SMOKE
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -251,3 +253,38 @@ def test_a_peer_trusts_the_first_setup_that_succeeds_and_nobody_else_after(swarm
         _refused(swarm, swarm.trainer, peer, "setup", setup, key=stranger.key, match="not by the run's owner")
     finally:
         swarm.unhost(run_id)
+
+
+def test_a_strangers_oversized_dht_request_never_reaches_a_peer(swarm):
+    """The DHT's handlers are hivemind's unary ones: a request crosses the p2p daemons whole. A
+    stranger that lifts its own client's limit and sends 8 and 64 MiB to a stage peer's
+    `rpc_find`: the peer's daemon never hands them over (they fail at the caller), 1 MiB does arrive
+    (and is refused as malformed), and the peer's DHT still answers. Memory: docs/security.md."""
+    node = swarm.hosts[0][0]
+    handlers = node.p2p._client.control.unary_handlers
+    name = "DHTProtocol.rpc_find"
+    find, seen = handlers[name], []
+
+    async def recording(data: bytes, remote):
+        seen.append(len(data))
+        return await find(data, remote)
+
+    handlers[name] = recording
+    stranger = swarm.loop.run(P2P.create(initial_peers=swarm.maddrs))
+    try:
+        stranger._client.control.persistent_conn_max_msg_size = 1 << 30  # past its own client's check
+        failed = []
+        for size in (1 << 20, 8 << 20, 64 << 20):
+            call_ = stranger._client.call_unary_handler(node.p2p.peer_id, name, bytes(size))
+            try:
+                swarm.loop.run(asyncio.wait_for(call_, 5))
+            except Exception as e:  # noqa: BLE001  what the stranger hears is not the point: what arrived is
+                failed.append((size, type(e).__name__))
+        assert seen == [1 << 20], seen
+        assert failed[0] == (1 << 20, "P2PHandlerError") and [size for size, _ in failed[1:]] == [8 << 20, 64 << 20]
+    finally:
+        handlers[name] = find
+        swarm.loop.run(stranger.shutdown())
+    key = f"hivepipe-test-{uuid.uuid4().hex[:8]}"
+    assert swarm.loop.run(node.dht.store(key, b"still here", get_dht_time() + 30))
+    assert swarm.loop.run(swarm.trainer.dht.get(key, latest=True)).value == b"still here"
