@@ -96,6 +96,41 @@ def _same_losses(ours, theirs) -> None:
     assert [v for _, v in evals] == pytest.approx([v for _, v in reference_evals], rel=1e-5)
 
 
+class _TrainerDied(Exception):
+    pass
+
+
+def _until_the_trainer_dies(run, pipeline, at_step: int) -> _Hooked:
+    """Trains until the trainer dies right after step `at_step`; the rows it wrote."""
+
+    def die():
+        raise _TrainerDied
+
+    before = _Hooked({at_step: die})
+    with pytest.raises(_TrainerDied):
+        train(run.cfg, pipeline, run.data, before, STEPS, progress=False)
+    return before
+
+
+def _a_new_trainer_from_step_6(run, before: _Hooked, tmp_path) -> list[str]:
+    """A new trainer of the run resumes it from the swarm's copies of step 6 and trains to the end
+    with one process's losses (the dead one's rows up to step 6 kept); its stage-1 members."""
+    swarm = run.swarm
+    node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+    try:
+        second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
+        second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
+        members = list(second.members[1])
+        assert second.resumed()["step"] == 6
+        after = ResultsWriter(None)
+        after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
+        train(run.cfg, second, run.data, after, STEPS, progress=False)
+        _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
+        return members
+    finally:
+        swarm.loop.run(node.shutdown())
+
+
 def test_newest_complete_takes_the_newest_step_every_stage_has_a_copy_of():
     copies = [
         Held("a", 0, 0, 3, "L"),
@@ -254,16 +289,7 @@ def test_a_new_trainer_restores_only_copies_the_owners_manifest_names(swarm, tmp
     fake_node, fake_server = swarm.mortal_host()
     try:
         first = run.pipeline()
-
-        class TrainerDied(Exception):
-            pass
-
-        def die():
-            raise TrainerDied
-
-        before = _Hooked({8: die})
-        with pytest.raises(TrainerDied):
-            train(run.cfg, first, run.data, before, STEPS, progress=False)
+        before = _until_the_trainer_dies(run, first, at_step=8)
         fake = fake_server.host(HostedStage(fake_node, run.run_id, run.cfg, 1))
         fake.snapshots.lineage = first.recovery.lineage
         for hosted in [*run.hosted, run.mortal]:
@@ -274,18 +300,8 @@ def test_a_new_trainer_restores_only_copies_the_owners_manifest_names(swarm, tmp
         swarm.loop.run(fake_server.announcer.announce_now())
         assert {(c.stage, c.step) for c in fake.status().snapshots} == {(0, 9), (1, 9), (2, 9)}
         assert all(m.step != 9 for m in run.mortal.status().manifests) and run.mortal.status().manifests
-        node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
-        try:
-            second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
-            second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
-            assert fake_node.peer_id in second.members[1]  # an open run set it up: it announced stage 1
-            assert second.resumed()["step"] == 6
-            after = ResultsWriter(None)
-            after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
-            train(run.cfg, second, run.data, after, STEPS, progress=False)
-            _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
-        finally:
-            swarm.loop.run(node.shutdown())
+        second = _a_new_trainer_from_step_6(run, before, tmp_path)
+        assert fake_node.peer_id in second  # an open run set it up: it announced stage 1
     finally:
         run.close()
         swarm.loop.run(fake_server.stop())
@@ -322,16 +338,7 @@ def test_a_copy_of_weights_its_replicas_do_not_hold_is_never_restored(swarm, tmp
         swarm.loop.run(hostile_server.announcer.announce_now())
         first = run.pipeline()
         assert set(first.members[1]) == {run.node.peer_id, hostile_node.peer_id}
-
-        class TrainerDied(Exception):
-            pass
-
-        def die():
-            raise TrainerDied
-
-        before = _Hooked({8: die})
-        with pytest.raises(TrainerDied):
-            train(run.cfg, first, run.data, before, STEPS, progress=False)
+        before = _until_the_trainer_dies(run, first, at_step=8)
         honest, forged_copy = run.mortal.snapshots.copies[(1, 6)], hostile.snapshots.copies[(1, 6)]
         assert honest.weights == forged_copy.weights  # replicas hold the same parameters and optimizer state
         assert forged_copy.sha256 in first.recovery.accepted[(first.recovery.lineage, 6)][1].copies  # it lied well
@@ -340,16 +347,6 @@ def test_a_copy_of_weights_its_replicas_do_not_hold_is_never_restored(swarm, tmp
         swarm.loop.run(hostile_server.stop())
         swarm.loop.run(hostile_node.shutdown())
         run.replace(0.0).join()
-        node = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
-        try:
-            second = SwarmPipeline(node, swarm.loop, run.cfg, run.run_id, snapshot_every=EVERY)
-            second.setup(Schedule.of(run.cfg, len(run.data[0]), STEPS).lr_horizon, len(run.data[0]), wait_s=20)
-            assert second.members[1] == [run.replacement.place.peer_id] and second.resumed()["step"] == 6
-            after = ResultsWriter(None)
-            after.keep([r for r in before.rows if r["type"] == "config" or r.get("step", 0) <= 6])
-            train(run.cfg, second, run.data, after, STEPS, progress=False)
-            _same_losses(after.rows, local_rows(run.cfg, tmp_path, STEPS))
-        finally:
-            swarm.loop.run(node.shutdown())
+        assert _a_new_trainer_from_step_6(run, before, tmp_path) == [run.replacement.place.peer_id]
     finally:
         run.close()
