@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="seeds per row the findings compare: the config's seed, +1, ... (other rows run once)",
     )
+    study.add_argument(
+        "--every_row", action="store_true", help="with --seeds: the rows no finding compares at every seed too"
+    )
     study.add_argument("--status", action="store_true", help="print every run's state and exit")
     study.add_argument(
         "--heartbeat",
@@ -212,9 +215,20 @@ def study_command(args: argparse.Namespace) -> int:
 
     try:
         if args.status:
-            print("\n".join(format_status(plan(discover(args.configs, args.results_dir, args.only, args.seeds)))))
+            print(
+                "\n".join(
+                    format_status(plan(discover(args.configs, args.results_dir, args.only, args.seeds), args.every_row))
+                )
+            )
             return 0
-        failed = run_study(args.configs, args.results_dir, args.only, heartbeat=args.heartbeat, seeds=args.seeds)
+        failed = run_study(
+            args.configs,
+            args.results_dir,
+            args.only,
+            heartbeat=args.heartbeat,
+            seeds=args.seeds,
+            every_row=args.every_row,
+        )
     except (ValueError, StudyLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

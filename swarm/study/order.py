@@ -52,10 +52,11 @@ def settling_rows(entries: list[Entry]) -> list[str]:
     return baselines + [name for name in study.used if name not in baselines]
 
 
-def plan(entries: list[Entry]) -> list[Entry]:
-    """The runs a study makes, in the order it makes them (see the module's docstring)."""
+def plan(entries: list[Entry], every_row: bool = False) -> list[Entry]:
+    """The runs a study makes, in the order it makes them (see the module's docstring);
+    `every_row`: the rows no finding compares run at every seed too (after the others)."""
     rank = {name: i for i, name in enumerate(settling_rows(entries))}
-    kept = [e for e in entries if e.row in rank or e.replicate == 0]
+    kept = [e for e in entries if e.row in rank or e.replicate == 0 or every_row]
 
     def order(entry: Entry) -> tuple:
         if entry.row in rank:

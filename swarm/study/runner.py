@@ -69,6 +69,7 @@ def run_study(
     progress: bool | None = None,
     out=None,
     seeds: int = 1,
+    every_row: bool = False,
 ) -> int:
     """Run every unfinished run of the study's plan in order; returns the number of runs that failed.
 
@@ -82,7 +83,7 @@ def run_study(
     out = out or sys.stdout
     results_dir = Path(results_dir)
     progress = sys.stderr.isatty() if progress is None else progress
-    entries = plan(discover(config_dir, results_dir, only, seeds))
+    entries = plan(discover(config_dir, results_dir, only, seeds), every_row)
     if not entries:
         raise ValueError(f"no configs in {config_dir}" + (f" match {only}" if only else ""))
     lock = _lock(results_dir)

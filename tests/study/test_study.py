@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _study_configs import write_tiny_configs
 from _util import REPO
 
 from swarm.cli import main
@@ -23,28 +24,14 @@ from swarm.study.runs import load_run
 from swarm.training.experiment import run_experiment
 from swarm.training.results import ResultsWriter, read_results
 
-TINY = """\
-name: {name}
-seed: 0
-model: {{name: digits_mlp, num_stages: 3}}
-data: {{name: digits, options: {{train_size: 160}}}}
-optimizer: {{name: sgd, lr: 0.1, schedule: cosine}}
-train: {{epochs: 3, batch_size: 40, micro_batches: 2, eval_batch_size: 400, eval_every: 1}}
-compression: {{forward: '{fw}', backward: '{bw}'}}
-report: {{table: 'Table 2: TopK', row: {row}, paper: {{acc_off: {off}, acc_on: {on}}}}}
-"""
-
 
 def write_configs(directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     rows = [
         ("a-base", "none", "none", "No compression", 93.0, 93.0),
         ("b-top20", "topk:0.2", "topk:0.2", "Top 20%", 86.74, 92.73),
         ("c-top10", "topk:0.1", "topk:0.1", "Top 10%", 75.89, 91.87),
     ]
-    for name, fw, bw, row, off, on in rows:
-        (directory / f"{name}.yaml").write_text(TINY.format(name=name, fw=fw, bw=bw, row=row, off=off, on=on))
-    return directory
+    return write_tiny_configs(directory, rows)
 
 
 def losses(path: Path) -> list[tuple[int, float]]:
