@@ -135,6 +135,8 @@ def write_study_report(
         f"python -m swarm report --study {config_dir} --results_dir {results_dir} --out {out_dir}",
         "```",
         "",
+        "Seeds, stamps, what the verdicts mean, and the scale that fits a 3-seed study: [seeds-and-scale.md](seeds-and-scale.md).",
+        "",
         f"Status ({datetime.date.today().isoformat()}): {len(finished)} of {len(runs)} runs finished"
         + (f" in {minutes:.0f} minutes of training" if finished else "")
         + (f"; not finished yet: {', '.join(r['name'] for r in unfinished)}." if unfinished else "."),
