@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="only configs whose name matches (glob, or substring); repeatable",
     )
+    study.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=1,
+        help="seeds per row the findings compare: the config's seed, +1, ... (other rows run once)",
+    )
+    study.add_argument(
+        "--every_row", action="store_true", help="with --seeds: the rows no finding compares at every seed too"
+    )
     study.add_argument("--status", action="store_true", help="print every run's state and exit")
     study.add_argument(
         "--heartbeat",
@@ -166,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--results_dir", default="runs/study-cpu", help="where the study's results are")
     report.add_argument("--out", default="docs/results", help="output directory")
+    report.add_argument(
+        "--mix_commits",
+        action="store_true",
+        help="allow results of different commits in one table (each row then names its commit)",
+    )
     return parser
 
 
@@ -194,13 +208,27 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def study_command(args: argparse.Namespace) -> int:
-    from swarm.study.runner import StudyLocked, discover, format_status, run_study
+    from swarm.study.entries import discover
+    from swarm.study.order import plan
+    from swarm.study.progress import format_status
+    from swarm.study.runner import StudyLocked, run_study
 
     try:
         if args.status:
-            print("\n".join(format_status(discover(args.configs, args.results_dir, args.only))))
+            print(
+                "\n".join(
+                    format_status(plan(discover(args.configs, args.results_dir, args.only, args.seeds), args.every_row))
+                )
+            )
             return 0
-        failed = run_study(args.configs, args.results_dir, args.only, heartbeat=args.heartbeat)
+        failed = run_study(
+            args.configs,
+            args.results_dir,
+            args.only,
+            heartbeat=args.heartbeat,
+            seeds=args.seeds,
+            every_row=args.every_row,
+        )
     except (ValueError, StudyLocked) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -214,9 +242,9 @@ def report_command(args: argparse.Namespace) -> int:
 
     try:
         if args.results:
-            written = write_report(args.results, args.out)
+            written = write_report(args.results, args.out, args.mix_commits)
         else:
-            written = write_study_report(args.study, args.results_dir, args.out)
+            written = write_study_report(args.study, args.results_dir, args.out, args.mix_commits)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,28 +11,29 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+from swarm.study.entries import discover, status
 from swarm.study.findings import MARGIN, check_all, format_findings
 from swarm.study.rerun import section as swarm_section
-from swarm.study.runner import discover, status
-from swarm.study.runs import as_row, load_run, pending_run
+from swarm.study.runs import as_row, group_seeds, load_run, pending_run
 from swarm.study.tables import results_page
 
 
-def write_report(paths: list[str], out_dir: str) -> list[Path]:
+def write_report(paths: list[str], out_dir: str, mix_commits: bool = False) -> list[Path]:
     """Write results.md and one PNG per table into out_dir; returns the files written."""
     runs = [load_run(p) for p in paths]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines, pngs = results_page(runs, out, "# Results")
+    lines, pngs = results_page(runs, out, "# Results", mix_commits)
     md = out / "results.md"
     md.write_text("\n".join(lines))
     return [md, *pngs]
 
 
 def study_runs(config_dir: str | Path, results_dir: str | Path) -> list[dict]:
-    """Every config of a study as a run: finished, partial (results so far) or pending."""
+    """Every config of a study at every seed it has results for, as a run: finished, partial
+    (results so far) or pending."""
     runs = []
-    for entry in discover(config_dir, results_dir):
+    for entry in discover(config_dir, results_dir, seeds=None):
         if entry.cfg is None:
             raise ValueError(f"{entry.config_path}: {entry.error}")
         state = status(entry).state
@@ -66,8 +67,9 @@ def caveats(runs: list[dict]) -> list[str]:
             f"  {train_size} for {resnet['train']['epochs']:g} epochs, against width 64 on all 50,000 images for 100 epochs.",
             "  Absolute accuracies are far below the paper's ~93%: compare each row with our own baseline (the",
             '  "(on) − baseline" columns), not with the paper\'s absolute numbers.',
-            f"- **One seed, {test_size} test images.** The paper reports the best of 5 runs (Tables 1-2) or one run (Tables",
-            f"  3-4) on 10,000 test images. Differences below ~{MARGIN:g} points here are noise; the findings use that margin.",
+            f"- **Seeds, {test_size} test images.** The paper reports the best of 5 runs (Tables 1-2) or one run (Tables",
+            "  3-4) on 10,000 test images. Here each row is the mean ± std over its seeds (the 'seeds' column); a",
+            "  finding counts a difference only outside 2 x the pooled std of the rows it compares (swarm.study.noise).",
             "- **Short training changes what compression does.** The paper explains compressed inference beating",
             "  uncompressed inference by the model adapting to the compressed distribution over 100 epochs; here it",
             f"  has {resnet['train']['epochs']:g}.",
@@ -105,18 +107,20 @@ def caveats(runs: list[dict]) -> list[str]:
     return lines
 
 
-def write_study_report(config_dir: str | Path, results_dir: str | Path, out_dir: str | Path) -> list[Path]:
+def write_study_report(
+    config_dir: str | Path, results_dir: str | Path, out_dir: str | Path, mix_commits: bool = False
+) -> list[Path]:
     """results.md, PNGs and README.md (the reading of the paper's findings) for a study."""
     runs = study_runs(config_dir, results_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines, pngs = results_page(runs, out, "# CPU-scale study: results next to the paper's tables")
+    lines, pngs = results_page(runs, out, "# CPU-scale study: results next to the paper's tables", mix_commits)
     md = out / "results.md"
     md.write_text("\n".join(lines))
     finished = [r for r in runs if r["state"] == "finished"]
     unfinished = [r for r in runs if r["state"] != "finished"]
     minutes = sum((r["summary"] or {}).get("wall_time_s", 0.0) for r in finished) / 60
-    findings = check_all([as_row(r) for r in runs])
+    findings = check_all([as_row(g) for g in group_seeds(runs)])
     rerun = swarm_section(results_dir, f"{Path(str(results_dir)).as_posix()}-lab")
     readme = [
         "# Reproducing the paper's findings at CPU scale",
@@ -126,10 +130,12 @@ def write_study_report(config_dir: str | Path, results_dir: str | Path, out_dir:
         "written by its `generate.py`); tables with the paper's figures next to ours: [results.md](results.md).",
         "",
         "```bash",
-        f"mkdir -p {results_dir} && nohup nice -n 19 python -m swarm study {config_dir} --results_dir {results_dir} > {Path(str(results_dir)).as_posix()}.log 2>&1 &",
-        f"python -m swarm study {config_dir} --results_dir {results_dir} --status   # progress",
+        f"mkdir -p {results_dir} && nohup nice -n 19 python -m swarm study {config_dir} --results_dir {results_dir} --seeds 3 > {Path(str(results_dir)).as_posix()}.log 2>&1 &",
+        f"python -m swarm study {config_dir} --results_dir {results_dir} --seeds 3 --status   # progress, time left",
         f"python -m swarm report --study {config_dir} --results_dir {results_dir} --out {out_dir}",
         "```",
+        "",
+        "Seeds, stamps, what the verdicts mean, and the scale that fits a 3-seed study: [seeds-and-scale.md](seeds-and-scale.md).",
         "",
         f"Status ({datetime.date.today().isoformat()}): {len(finished)} of {len(runs)} runs finished"
         + (f" in {minutes:.0f} minutes of training" if finished else "")
@@ -137,8 +143,11 @@ def write_study_report(config_dir: str | Path, results_dir: str | Path, out_dir:
         "",
         "## What holds at this scale",
         "",
-        f"Each finding is checked from the measured rows only, with a {MARGIN:g}-point margin for accuracy; "
-        "'(so far)' marks a verdict from the rows finished so far, 'pending' one that has none of its rows yet.",
+        "Each finding is checked from the measured rows only: a difference counts when it is outside the noise,",
+        "2 x the pooled std over seeds of the rows compared (swarm.study.noise); 'within noise' when it is not,",
+        "'not judged: single seed' when a row it compares has one seed (in brackets: the lean with a fixed",
+        f"{MARGIN:g}-point / 0.1-nat guess). Claims of closeness keep the paper's {MARGIN:g}-point tolerance. '(so far)'",
+        "marks a verdict from the rows finished so far, 'pending' one that has none of its rows yet.",
         "",
         *format_findings(findings),
         "",

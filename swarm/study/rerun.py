@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import ExperimentConfig
-from swarm.study.runner import same_config
+from swarm.study.entries import same_config
 from swarm.study.runs import load_run
 
 

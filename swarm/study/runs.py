@@ -2,15 +2,18 @@
 `study`), or a config not run yet; and the figures the tables and findings take from it.
 
 A run is a dict: `path`, `name`, `config` (the config as logged), `steps` and `evals` (its rows of
-those types), `summary` (None until the run finished) and `state` (finished, partial or pending).
+those types), `summary` (None until the run finished), `state` (finished, partial or pending) and
+`stamp` (what produced it, swarm.training.stamp; None for files written before stamps). A row of a
+table is the runs of one config at its seeds (`group_seeds`).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
-from swarm.study.findings import Row
+from swarm.study.rows import Row
 from swarm.training.results import read_results
 
 
@@ -28,6 +31,7 @@ def load_run(path: str | Path) -> dict:
         "evals": [r for r in rows if r["type"] == "eval"],
         "summary": summary,
         "state": "finished" if summary else "partial",
+        "stamp": config.get("stamp"),
     }
 
 
@@ -41,6 +45,7 @@ def pending_run(cfg) -> dict:
         "evals": [],
         "summary": None,
         "state": "pending",
+        "stamp": None,
     }
 
 
@@ -91,16 +96,39 @@ def setup_key(run: dict) -> str:
     """What must match for two runs to share a baseline: everything but compression and labels."""
     cfg = run["config"]
     train = {k: v for k, v in cfg["train"].items() if k != "warmup_epochs"}
-    return json.dumps([cfg["model"], cfg["data"], cfg["optimizer"], train, cfg["seed"]], sort_keys=True)
+    return json.dumps([cfg["model"], cfg["data"], cfg["optimizer"], train], sort_keys=True)
 
 
-def as_row(run: dict) -> Row:
-    """The figures swarm.study.findings checks (accuracies in %)."""
-    done = run["state"] == "finished"
+def group_seeds(runs: list[dict]) -> list[list[dict]]:
+    """The runs of one experiment at different seeds together (same name, same config but the seed), in order."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        config = {k: v for k, v in run["config"].items() if k != "seed"}
+        groups.setdefault(json.dumps([run["name"], config], sort_keys=True), []).append(run)
+    return list(groups.values())
 
-    def pct(value):
-        return None if value is None else 100 * value
 
+def finished(group: list[dict]) -> list[dict]:
+    return [r for r in group if r["state"] == "finished"]
+
+
+def per_seed(group: list[dict], figure, *args) -> list[float]:
+    """`figure(run, *args)` of each finished run of a row that has it (e.g. best, final, bytes_per_sample)."""
+    values = [figure(r, *args) for r in finished(group)]
+    return [v for v in values if v is not None]
+
+
+def as_row(group: list[dict]) -> Row:
+    """The figures swarm.study.findings checks (accuracies in %): means over the finished seeds, and each seed's."""
+    run = group[0]
+    seeds = {
+        "acc_off": [100 * v for v in per_seed(group, best, "uncompressed", "accuracy")],
+        "acc_on": [100 * v for v in per_seed(group, best, "compressed", "accuracy")],
+        "loss_off": per_seed(group, final, "uncompressed", "loss"),
+        "loss_on": per_seed(group, final, "compressed", "loss"),
+    }
+    seeds = {k: v for k, v in seeds.items() if v}
+    means = {k: statistics.fmean(v) for k, v in seeds.items()}
     comp = run["config"]["compression"]
     return Row(
         name=run["name"],
@@ -108,10 +136,8 @@ def as_row(run: dict) -> Row:
         forward=comp["forward"],
         backward=comp["backward"],
         warmup=run["config"]["train"].get("warmup_epochs", 0.0),
-        finished=done,
-        acc_off=pct(best(run, "uncompressed", "accuracy")) if done else None,
-        acc_on=pct(best(run, "compressed", "accuracy")) if done else None,
-        loss_off=final(run, "uncompressed", "loss") if done else None,
-        loss_on=final(run, "compressed", "loss") if done else None,
+        finished=bool(finished(group)),
         paper=paper(run),
+        seeds=seeds,
+        **means,
     )

@@ -28,6 +28,7 @@ from swarm.tracing import TRACER
 from swarm.training.checkpoints import Checkpointing, latest_run, load_run, run_step, save_run
 from swarm.training.progress import RunProgress
 from swarm.training.results import ResultsWriter
+from swarm.training.stamp import stamp
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ def train(
                 "name": cfg.name,
                 "config": cfg.model_dump(mode="json"),
                 "started": datetime.datetime.now(datetime.UTC).isoformat(),
+                "stamp": stamp(),
             }
         )
     generator = torch.Generator().manual_seed(cfg.seed)

@@ -1,7 +1,8 @@
 """Results as JSON lines: one object per line with a "type" (config, step, eval, summary).
 
 Schema (every line has "type"):
-- config:  {"name", "config": {...}, "started": ISO time}
+- config:  {"name", "config": {...}, "started": ISO time, "stamp": {"commit", "torch", "threads"}}
+           (stamp: swarm.training.stamp; files written before it existed have none)
 - step:    {"step", "epoch", "loss", "lr", "samples", "exact", "bytes": {"boundary<i>.<direction>": bytes this step}, "time_s", "at": unix time}
            swarm runs add "stages" (each stage peer's compute so far, as in the stages row) and, with
            adaptive compression, "codecs"

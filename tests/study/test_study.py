@@ -9,41 +9,29 @@ import sys
 from pathlib import Path
 
 import pytest
+from _study_configs import write_tiny_configs
 from _util import REPO
 
 from swarm.cli import main
 from swarm.config import load_config
 from swarm.lab.launch import Lab
+from swarm.study.entries import discover, same_config, status
 from swarm.study.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
 from swarm.study.report import write_study_report
 from swarm.study.rerun import compare
-from swarm.study.runner import StudyLocked, _lock, discover, run_study, same_config, status
+from swarm.study.runner import StudyLocked, _lock, run_study
 from swarm.study.runs import load_run
 from swarm.training.experiment import run_experiment
 from swarm.training.results import ResultsWriter, read_results
 
-TINY = """\
-name: {name}
-seed: 0
-model: {{name: digits_mlp, num_stages: 3}}
-data: {{name: digits, options: {{train_size: 160}}}}
-optimizer: {{name: sgd, lr: 0.1, schedule: cosine}}
-train: {{epochs: 3, batch_size: 40, micro_batches: 2, eval_batch_size: 400, eval_every: 1}}
-compression: {{forward: '{fw}', backward: '{bw}'}}
-report: {{table: 'Table 2: TopK', row: {row}, paper: {{acc_off: {off}, acc_on: {on}}}}}
-"""
-
 
 def write_configs(directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
     rows = [
         ("a-base", "none", "none", "No compression", 93.0, 93.0),
         ("b-top20", "topk:0.2", "topk:0.2", "Top 20%", 86.74, 92.73),
         ("c-top10", "topk:0.1", "topk:0.1", "Top 10%", 75.89, 91.87),
     ]
-    for name, fw, bw, row, off, on in rows:
-        (directory / f"{name}.yaml").write_text(TINY.format(name=name, fw=fw, bw=bw, row=row, off=off, on=on))
-    return directory
+    return write_tiny_configs(directory, rows)
 
 
 def losses(path: Path) -> list[tuple[int, float]]:
@@ -143,7 +131,7 @@ def test_study_report_puts_paper_and_measured_figures_side_by_side(study, tmp_pa
     ours = 100 * summary["best"]["compressed"]["accuracy"]
     row = next(line for line in md.splitlines() if line.startswith("| Top 20% |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert f"{ours:.2f}" in cells and "92.73" in cells and "86.74" in cells  # ours and the paper's, one row
+    assert f"{ours:.2f}†" in cells and "92.73" in cells and "86.74" in cells  # ours (one seed) and the paper's, one row
     per_sample = sum(summary["bytes_per_sample"].values()) / 1024
     assert f"{per_sample:.1f}" in cells
     pending = next(line for line in md.splitlines() if line.startswith("| Top 10% |"))
@@ -154,26 +142,71 @@ def test_study_report_puts_paper_and_measured_figures_side_by_side(study, tmp_pa
     assert any(p.suffix == ".png" and p.stat().st_size > 1000 for p in written)
 
 
-def _quant_row(fw: int, bw: int, acc: float) -> Row:
+def _three_seeds(mean: float, spread: float) -> list[float]:
+    """Three seeds with mean `mean` and standard deviation `spread`."""
+    return [mean - spread, mean, mean + spread]
+
+
+def _quant_row(fw: int, bw: int, acc: float, spread: float = 0.5) -> Row:
+    seeds = _three_seeds(acc, spread)
     return Row(
-        f"fw{fw}-bw{bw}", "resnet18", f"quant:{fw}/tensor", f"quant:{bw}/tensor", finished=True, acc_off=acc, acc_on=acc
+        f"fw{fw}-bw{bw}",
+        "resnet18",
+        f"quant:{fw}/tensor",
+        f"quant:{bw}/tensor",
+        finished=True,
+        acc_off=acc,
+        acc_on=acc,
+        seeds={"acc_on": seeds, "acc_off": seeds},
     )
 
 
-def test_findings_are_read_from_the_numbers():
-    # gradient-heavy splits win by more than the margin in both measured pairs; the third pair is pending
+def test_findings_are_judged_against_the_spread():
+    # gradient-heavy splits win by more than 2 x the pooled std (1.0) in both measured pairs; the third is pending
     rows = [_quant_row(4, 2, 40.0), _quant_row(2, 4, 50.0), _quant_row(4, 4, 45.0), _quant_row(2, 6, 52.0)]
     finding = gradients_more_sensitive(Study(rows))
     assert finding.verdict == "holds (so far)" and "pending: fw4-bw6, fw2-bw8" in finding.ours
-    rows[1] = _quant_row(2, 4, 30.0)
+    assert "+10.00 (noise ±1.00, n 3)" in finding.ours  # the comparison that decided it
+    rows[1] = _quant_row(2, 4, 30.0)  # one clearly better, one clearly worse
     assert gradients_more_sensitive(Study(rows)).verdict == "mixed (so far)"
-    lm = [
-        Row("r", "gpt2", "topk:0.1", "topk:reuse", finished=True, loss_on=6.0, loss_off=6.5),
-        Row("s", "gpt2", "topk:0.1", "topk:0.1", finished=True, loss_on=6.05, loss_off=7.0),
-    ]
-    assert independent_topk_diverges(Study(lm)).verdict == "does not hold"
-    lm[1].loss_on = 8.0
-    assert independent_topk_diverges(Study(lm)).verdict == "holds"
+    rows[1], rows[3] = _quant_row(2, 4, 38.0), _quant_row(2, 6, 43.0)  # both worse by 2 > noise 1
+    assert gradients_more_sensitive(Study(rows)).verdict == "does not hold (so far)"
+    # the same differences with a spread of 3 points a seed (noise 6): within noise
+    wide = [_quant_row(4, 2, 40.0, 3), _quant_row(2, 4, 45.0, 3), _quant_row(4, 4, 45.0, 3), _quant_row(2, 6, 50.0, 3)]
+    assert gradients_more_sensitive(Study(wide)).verdict == "within noise (so far)"
+    # one seed: no spread, not judged (the lean with the fixed 2-point guess given)
+    single = [Row(r.name, r.model, r.forward, r.backward, finished=True, acc_on=r.acc_on) for r in rows[:2]]
+    single[1].acc_on = 50.0
+    assert (
+        gradients_more_sensitive(Study(single)).verdict
+        == "not judged: single seed (holds with the fixed guess) (so far)"
+    )
+
+    def lm(loss_separate: float) -> list[Row]:
+        return [
+            Row(
+                "r",
+                "gpt2",
+                "topk:0.1",
+                "topk:reuse",
+                finished=True,
+                loss_on=6.0,
+                seeds={"loss_on": _three_seeds(6.0, 0.1)},
+            ),
+            Row(
+                "s",
+                "gpt2",
+                "topk:0.1",
+                "topk:0.1",
+                finished=True,
+                loss_on=loss_separate,
+                seeds={"loss_on": _three_seeds(loss_separate, 0.1)},
+            ),
+        ]
+
+    assert independent_topk_diverges(Study(lm(6.05))).verdict == "does not hold"  # +0.05: not 1 nat worse
+    assert independent_topk_diverges(Study(lm(8.0))).verdict == "holds"  # +2 nats, noise 0.2
+    assert independent_topk_diverges(Study(lm(7.1))).verdict == "within noise"  # +1.1: 1 nat within 0.2
     assert all(f.verdict == "pending" for f in check_all([]))
 
 
@@ -213,6 +246,12 @@ def test_the_papers_own_figures_pass_every_check():
                 paper.get("eval_loss"),
                 paper.get("eval_loss"),
                 dict(paper),
+                # three seeds a hair apart: the paper's differences are all outside such noise
+                {
+                    key: _three_seeds(paper[source], 0.01)
+                    for key, source in (("acc_off", "acc_off"), ("acc_on", "acc_on"), ("loss_on", "eval_loss"))
+                    if source in paper
+                },
             )
         )
     findings = check_all(rows)
