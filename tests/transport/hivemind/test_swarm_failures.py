@@ -270,6 +270,28 @@ def test_a_lookup_that_finds_nobody_keeps_the_last_answer_for_a_while(swarm):
         swarm.loop.run(keeping.choose(1))
 
 
+def test_a_ban_steers_to_a_stages_other_peer_and_a_stages_only_peer_is_tried_again(swarm):
+    """A failed peer is banned: the router chooses the stage's other peer. With every peer of the
+    stage banned it chooses the one whose ban ends first, not NoPeerError (a lab run died at step 0
+    when one dial from stage 0 to stage 1's only peer failed: stage 0 then refused every micro-batch
+    with "no live peer serves stage 1"). Only peers excluded by the caller are never chosen."""
+    from swarm.transport.hivemind.dht.announce import StageRecord, announce
+    from swarm.transport.hivemind.routing.router import NoPeerError, Router
+
+    run_id = uuid.uuid4().hex[:8]
+    first, second = swarm.hosts[0][0], swarm.hosts[1][0]
+    for node in (first, second):
+        assert swarm.loop.run(announce(node, run_id, StageRecord(node.peer_id, 1, 4, [], ready=True), ttl=30))
+    router = Router(swarm.trainer, run_id, refresh_s=0.0)
+    router.failed(first.peer_id)
+    assert {swarm.loop.run(router.choose(1)).peer_id for _ in range(5)} == {second.peer_id}
+    router.failed(second.peer_id)  # both banned; the first's ban ends first
+    assert swarm.loop.run(router.choose(1)).peer_id == first.peer_id
+    assert swarm.loop.run(router.choose(1, exclude={first.peer_id})).peer_id == second.peer_id
+    with pytest.raises(NoPeerError, match="no live peer serves stage 1"):
+        swarm.loop.run(router.choose(1, exclude={first.peer_id, second.peer_id}))
+
+
 def test_a_micro_batch_sent_again_while_its_first_attempt_is_still_downstream_supersedes_it(swarm):
     """Stage 1's peer dies while its micro-batch sits at stage 3; stage 0 sends it again through the
     other stage-1 peer, so stage 2 gets it twice. The old attempt's reply comes back first: it must

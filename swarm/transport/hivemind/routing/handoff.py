@@ -7,6 +7,7 @@ or another peer of that stage, the failed one banned.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -172,7 +173,11 @@ class Handoff:
                     try:
                         record = await self.choose(session, exclude=tried)
                     except NoPeerError:
-                        raise e from None
+                        if not isinstance(e, TransportError) or len(tried) > 1:
+                            raise e from None
+                        # the stage's only peer failed to answer: once more after a pause (a dial can
+                        # fail once); a dead one fails again and the error goes up
+                        await asyncio.sleep(self.retry.backoff_s * (attempt + 1))
                 elif again_downstream:
                     with contextlib.suppress(NoPeerError):
                         record = await self.choose(session, exclude=tried | {target})

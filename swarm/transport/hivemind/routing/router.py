@@ -157,22 +157,26 @@ class Router:
         waiting: Mapping[str, int] | None = None,
     ) -> StageRecord:
         """The best ready peer for `stage` (set up by `session`, when given): `sticky` if it is still
-        usable, else by score; `waiting`: peer -> micro-batches the caller awaits from it."""
+        usable, else by score; `waiting`: peer -> micro-batches the caller awaits from it. When every
+        usable peer is banned, the one whose ban ends first: a ban steers work to the stage's other
+        peers, and without one a stage's only peer is tried again (one failed dial, a daemon's
+        hiccup, must not end the run; a dead peer fails again at once, and the trainer's recovery
+        finds it gone)."""
+        usable: list[StageRecord] = []
         for refresh in (False, True):
             records = await self.peers(stage, refresh)
-            candidates = [
+            usable = [
                 r
                 for r in records
-                if r.peer_id not in exclude
-                and not self.bans.banned(r.peer_id)
-                and r.ready
-                and session in (None, r.session)
-                and self.routable(r)
+                if r.peer_id not in exclude and r.ready and session in (None, r.session) and self.routable(r)
             ]
+            candidates = [r for r in usable if not self.bans.banned(r.peer_id)]
             if candidates:
                 break
         else:
-            raise NoPeerError(f"no live peer serves stage {stage} of run {self.run_id!r}")
+            if not usable:
+                raise NoPeerError(f"no live peer serves stage {stage} of run {self.run_id!r}")
+            candidates = [min(usable, key=lambda r: self.bans.until.get(r.peer_id, 0.0))]
         return self.policy.pick(candidates, sticky, waiting, self._random)
 
     def failed(self, peer_id: str) -> float:
