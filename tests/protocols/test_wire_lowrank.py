@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 from _util import seal
-from test_wire import assert_rejected, low_rank_msg
+from test_wire_messages import assert_rejected, low_rank_msg
 
 from protocols import PayloadError, wire
 from protocols import compressed_tensor_pb2 as pb
