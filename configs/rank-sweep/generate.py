@@ -16,11 +16,12 @@ Edit this file, not the YAMLs, and rerun it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import yaml
+
+from swarm.config.generated import generator_main
 
 HERE = Path(__file__).resolve().parent
 BASE = HERE.parent / "bench" / "time-to-target.yaml"
@@ -52,22 +53,7 @@ def configs() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a written YAML differs")
-    parser.add_argument("--out", default=str(HERE), help="directory to write (default: next to this script)")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    differing = [
-        name for name, text in configs().items() if not (out / name).exists() or (out / name).read_text() != text
-    ]
-    if args.check:
-        for name in differing:
-            print(f"{out / name} differs from what configs/rank-sweep/generate.py writes", file=sys.stderr)
-        return 1 if differing else 0
-    for name in differing:
-        (out / name).write_text(configs()[name])
-    print(f"{len(configs())} configs in {out} ({len(differing)} written)")
-    return 0
+    return generator_main(configs, HERE, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":
