@@ -50,7 +50,11 @@ def pending_run(cfg) -> dict:
 
 
 def language(run: dict) -> bool:
-    return run["config"]["data"]["name"] == "wikitext2"
+    """A language model's run (its table shows eval loss and perplexity): its evaluations report a
+    perplexity (any text data, a tokenizer's or bytes); a run not evaluated yet goes by its data."""
+    if run["evals"]:
+        return "perplexity" in (run["evals"][-1].get("uncompressed") or {})
+    return run["config"]["data"]["name"] in ("wikitext2", "text")
 
 
 def best(run: dict, mode: str, key: str) -> float | None:

@@ -188,3 +188,17 @@ def test_entries_name_seeds_after_the_seed_they_train_with(tmp_path):
     entries = discover(configs, tmp_path / "runs", seeds=2)
     assert [(e.name, e.cfg.seed, e.row) for e in entries] == [("a-base", 5, "a-base"), ("a-base.seed6", 6, "a-base")]
     assert isinstance(entries[1], Entry) and status(entries[1]).state == "pending"
+
+
+def test_a_language_models_table_is_told_by_its_perplexity_not_its_dataset_name():
+    from swarm.study.runs import language
+
+    def run(data: str, evals: list[dict]) -> dict:
+        return {"config": {"data": {"name": data}}, "evals": evals}
+
+    bytes_lm = [{"uncompressed": {"loss": 2.6, "perplexity": 13.5, "accuracy": 0.3}}]
+    images = [{"uncompressed": {"loss": 1.2, "accuracy": 0.48}}]
+    assert language(run("text", bytes_lm))  # a byte-level model on plain text (configs/rank-sweep)
+    assert language(run("wikitext2", bytes_lm))
+    assert not language(run("cifar10", images))
+    assert language(run("text", [])) and not language(run("cifar10", []))  # not evaluated yet: by its data
