@@ -33,8 +33,8 @@ def subspace_segments(part: SubspacePart, check: BufferBytes) -> list:
     return segments if part.basis is None else [*segments, *values_segments(5, part.basis, check)]
 
 
-def _check_rank(kind: str, rank: int, rows: int, cols: int) -> None:
-    if rank > min(rows, cols):  # also bounds each factor by the tensor's element count
+def _check_rank(kind: str, rank: int, rows: int, cols: int, bound: int | None = None) -> None:
+    if rank > (min(rows, cols) if bound is None else bound):  # also bounds each factor by the element count
         raise PayloadError(f"{kind} payload of rank {rank} for a {rows} x {cols} matrix")
 
 
@@ -49,7 +49,7 @@ def low_rank_from(msg: pb.LowRank, shape: tuple[int, ...], check: BufferBytes) -
 def subspace_from(msg: pb.Subspace, shape: tuple[int, ...], check: BufferBytes) -> SubspacePart:
     rows, cols = matrix_of(shape)
     # a basis found from this tensor has rank <= rows; a held one may serve a smaller micro-batch
-    _check_rank("subspace", msg.rank, rows if msg.WhichOneof("basis") else msg.rank, cols)
+    _check_rank("subspace", msg.rank, rows, cols, None if msg.WhichOneof("basis") else cols)
     coefficients = values_from(msg, "coefficients", (msg.rank, rows), check, "subspace coefficients")
     basis = None
     if msg.WhichOneof("basis") is not None:
