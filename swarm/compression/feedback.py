@@ -195,9 +195,9 @@ def _load_state_dict(end, state: dict) -> None:
     states = _states(end)
     for key, name in _STATE_NAMES.items():
         if (key in states) != (key in state):
-            have, got = ("a" if key in states else "no"), ("a" if key in state else "no")
+            got, have = ("a", "none") if key in state else ("no", "one")
             raise ValueError(
-                f"checkpoint has {got} {name} state where this {type(end).__name__} keeps {have} (was the compression spec changed?)"
+                f"checkpoint has {got} {name} state, this {type(end).__name__} keeps {have} (was the compression spec changed?)"
             )
     for key, table in states.items():
         table.load_state_dict(state[key])

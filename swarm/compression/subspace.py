@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from protocols.errors import PayloadError
-from protocols.message import Encoded, QuantPart, SubspacePart
+from protocols.message import Encoded, QuantPart, RawPart, SubspacePart
 from protocols.wire import matrix_of
 from swarm.compression.codecs import Cast, Codec, Quantize, ValueCodec, inner_spec
 from swarm.compression.lowrank import FP16, product, top_singular
@@ -81,14 +81,14 @@ class Subspace(Codec):
 
     # -- the math: a fresh basis, coefficients, the product ---------------------------------
 
-    def fresh_basis(self, m: torch.Tensor, rank: int) -> tuple[Cast, torch.Tensor]:
+    def fresh_basis(self, m: torch.Tensor, rank: int) -> tuple[RawPart, torch.Tensor]:
         """The top `rank` right singular directions of m as wire values, and the float32 basis
         [rank, cols] both ends will hold: decoded from those values, not the range finder's floats."""
         _, _, right = top_singular(m, rank)
         part = self.basis_codec.values(right)
         return part, self.read_basis(part, rank, m.shape[1], m.device)
 
-    def read_basis(self, part, rank: int, cols: int, device=None) -> torch.Tensor:
+    def read_basis(self, part: RawPart, rank: int, cols: int, device=None) -> torch.Tensor:
         return self.basis_codec.decode_values(part, (rank, cols), torch.float32, device)
 
     def message(self, x: torch.Tensor, m: torch.Tensor, basis: torch.Tensor, version: int, basis_part=None) -> Encoded:

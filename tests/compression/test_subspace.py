@@ -239,9 +239,9 @@ def test_checkpoint_carries_the_basis():
     for t in range(4, 8):  # the copy goes on as the original does, byte for byte
         a, b = link.step(drifting(t))[0].payload, copy.step(drifting(t))[0].payload
         assert a == b
-    with pytest.raises(ValueError, match="subspace basis state where this Sender keeps no"):
+    with pytest.raises(ValueError, match="has a subspace basis state, this Sender keeps none"):
         parse("lowrank:4").sender().load_state_dict(saved["s"])
-    with pytest.raises(ValueError, match="no subspace basis state where this Receiver keeps a"):
+    with pytest.raises(ValueError, match="has no subspace basis state, this Receiver keeps one"):
         copy.receiver.load_state_dict({})
 
 
