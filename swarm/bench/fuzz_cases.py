@@ -24,7 +24,7 @@ from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.calls import CALLS, Trust
 from protocols.framing import frame_parts
-from protocols.message import Encoded, Granularity, QuantPart, RawPart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE
@@ -222,7 +222,7 @@ class Cases:
     def member_payload(self) -> Case:
         """From a member admitted to the stage before: its own link, garbage in the payload."""
         t = self.t
-        which = self.rng.randrange(6)
+        which = self.rng.randrange(8)
         shape = (4, t.width)
         if which == 0:  # absurd shape
             enc = Encoded((1 << 20, 1 << 20), torch.float32, RawPart(torch.zeros(1)))
@@ -232,6 +232,13 @@ class Cases:
             codes = torch.zeros(4 * t.width, dtype=torch.uint8)
             ranges = torch.tensor([float("inf")]), torch.ones(1)
             enc = Encoded(shape, torch.float32, QuantPart(8, Granularity.TENSOR, codes, *ranges))
+        elif which == 6:  # low-rank factors that are not finite
+            left, right = RawPart(torch.full((2 * 4,), float("inf"))), RawPart(torch.randn(2 * t.width))
+            enc = Encoded(shape, torch.float32, LowRankPart(2, left, right))
+        elif which == 7:  # a rank the matrix cannot have, with factors of another one
+            enc = Encoded(
+                shape, torch.float32, LowRankPart(64, RawPart(torch.randn(8)), RawPart(torch.randn(2 * t.width)))
+            )
         else:
             enc = Encoded(shape, torch.float32, RawPart(torch.randn(shape)))
         try:

@@ -227,6 +227,20 @@ def test_study_configs_are_generated_and_carry_the_papers_figures():
     assert tables == {"Table 1": 8, "Table 2": 6, "Table 3": 5, "Table 4": 4, "Table 5": 6}
 
 
+def test_rank_sweep_configs_are_generated_from_the_time_to_target_config():
+    generator = REPO / "configs" / "rank-sweep" / "generate.py"
+    result = subprocess.run([sys.executable, str(generator), "--check"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    base = load_config(REPO / "configs" / "bench" / "time-to-target.yaml")
+    sweep = {p.stem: load_config(p) for p in sorted((REPO / "configs" / "rank-sweep").glob("*.yaml"))}
+    codecs = {name: (cfg.compression.forward, cfg.compression.backward) for name, cfg in sweep.items()}
+    assert codecs["rank-r0-none"] == ("none", "none")
+    assert sorted(int(fw.split(":")[1]) for fw, bw in codecs.values() if fw == bw != "none") == [1, 2, 4, 8, 16, 32, 64]
+    for cfg in sweep.values():  # only the codec differs from the benchmark's config
+        assert cfg.model == base.model and cfg.optimizer == base.optimizer and cfg.train == base.train, cfg.name
+        assert len({c.report.table for c in sweep.values()}) == 1
+
+
 def test_the_papers_own_figures_pass_every_check():
     """The rules behind the verdicts are faithful to the paper: its own tables satisfy them all."""
     rows = []
