@@ -5,7 +5,16 @@
 """
 
 from protocols.errors import PayloadError
-from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart, StateStamp
+from protocols.message import (
+    Encoded,
+    Granularity,
+    LowRankPart,
+    QuantPart,
+    RawPart,
+    SparsePart,
+    StateStamp,
+    SubspacePart,
+)
 from protocols.version import PROTOCOL_VERSION
 from protocols.wire import DecodeLimits, decode, encode
 
@@ -20,6 +29,7 @@ __all__ = [
     "RawPart",
     "SparsePart",
     "StateStamp",
+    "SubspacePart",
     "decode",
     "encode",
 ]

@@ -65,6 +65,21 @@ class LowRankPart:
 
 
 @dataclass(frozen=True)
+class SubspacePart:
+    """Subspace: the tensor as a [rows, cols] matrix is coefficients^T @ basis, with `basis`
+    [rank, cols] (orthonormal rows) held by both ends of the link, or carried here (`basis` not
+    None) to be installed as version `basis_version`. Laid out like `LowRankPart`'s factors:
+    `coefficients` [rank, rows] like its left, `basis` like its right. Version 0: a standalone
+    message with its own basis, outside the link's state.
+    """
+
+    rank: int
+    basis_version: int
+    coefficients: RawPart | QuantPart
+    basis: RawPart | QuantPart | None = None
+
+
+@dataclass(frozen=True)
 class StateStamp:
     """Version of the mirrored error-feedback state a message was computed against."""
 
@@ -79,7 +94,7 @@ class Encoded:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    body: RawPart | QuantPart | SparsePart | LowRankPart
+    body: RawPart | QuantPart | SparsePart | LowRankPart | SubspacePart
     stamp: StateStamp | None = None
     # Filled by protocols.wire: crc32 of the index bytes (what a reused-index reply names).
     index_digest: int = field(default=0, compare=False)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from protocols import wire
-from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, SparsePart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, SparsePart, SubspacePart
 from swarm.compression import Cast, Codec, Quantize, TopK, TopKReuse
+from swarm.compression.basis import LinkSubspace
 from swarm.compression.lowrank import LowRank
+from swarm.compression.subspace import Subspace
 
 G = Granularity
 CODECS = {
@@ -32,6 +34,9 @@ CODECS = {
     "lowrank:2": LowRank(2),
     "lowrank:3/q8": LowRank(3, Quantize(8, G.SAMPLE)),
     "lowrank:64/fp32": LowRank(64, Cast(torch.float32)),
+    "subspace:2": Subspace(2),  # standalone messages: each carries its basis
+    "subspace:3/q8": Subspace(3, Quantize(8, G.SAMPLE)),
+    "subspace:64/fp32": Subspace(64, Cast(torch.float32)),
 }
 
 SHAPES = [
@@ -64,7 +69,7 @@ def through_wire(enc):
 def codec_of(enc: Encoded) -> Codec:
     """A codec of the payload's own kind (a receiver decodes only its link codec's payloads):
     `none` for raw values, which takes them in any dtype; a TopK's ratio does not matter to decode;
-    a low-rank payload's rank is the link's when it is below the matrix's dimensions."""
+    a low-rank or subspace payload's rank is the link's when it is below the matrix's dimensions."""
     body = enc.body
     if isinstance(body, LowRankPart):
         factors = body.left
@@ -72,6 +77,11 @@ def codec_of(enc: Encoded) -> Codec:
             Quantize(factors.bits, factors.granularity) if isinstance(factors, QuantPart) else Cast(factors.data.dtype)
         )
         return LowRank(max(body.rank, 1), inner)
+    if isinstance(body, SubspacePart):
+        values = body.coefficients
+        inner = Quantize(values.bits, values.granularity) if isinstance(values, QuantPart) else Cast(values.data.dtype)
+        codec = Subspace(max(body.rank, 1), inner)
+        return codec if body.basis_version == 0 else LinkSubspace(codec)  # a fresh end takes a first basis
     values = body.values if isinstance(body, SparsePart) else body
     inner = Quantize(values.bits, values.granularity) if isinstance(values, QuantPart) else Cast()
     if not isinstance(body, SparsePart):

@@ -86,6 +86,8 @@ def buffers_of(msg: pb.CompressedTensor) -> list[bytes]:
         return [msg.sparse.indices, *values(msg.sparse, "values")]
     if which == "low_rank":
         return [*values(msg.low_rank, "left"), *values(msg.low_rank, "right")]
+    if which == "subspace":
+        return [*values(msg.subspace, "coefficients"), *values(msg.subspace, "basis")]
     return []
 
 

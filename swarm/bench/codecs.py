@@ -6,7 +6,10 @@ math), the median of several repeats. Reference rows time hivemind's FLOAT16 cod
 same steps and torch.topk alone; on the [tokens x hidden] tensors, the low-rank codecs are set
 against torch.svd_lowrank (the same kind of randomized factorization) and torch.linalg.svd cut to
 the same rank (the best error any rank-R message can have), each timed as factorization
-("encode") and product ("decode"), with no payload.
+("encode") and product ("decode"), with no payload. Subspace rows send a message in a basis both
+ends already hold, installed from another micro-batch of the same boundary (`next_batch`); their
+`refresh` rows send the message that finds and carries a new basis (once every K), and `extra`
+gives the bits per element amortized over K messages.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ CODECS = (
     "topk:reuse/fp16",
 )
 LOW_RANK_CODECS = ("lowrank:8", "lowrank:32", "lowrank:32/q8", "lowrank:32/fp32")
+SUBSPACE_CODECS = ("subspace:8", "subspace:32", "subspace:32/q8")
+REFRESH = " refresh"  # the row of a subspace codec's basis-carrying message
 LOW_RANK_REFERENCE = 32  # the rank of the torch.linalg rows
 STORE_FORMATS = ("fp32", "fp16", "q8", "q6", "q4")
 CIFAR_TRAIN_SAMPLES = 50_000
@@ -127,6 +132,48 @@ def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
     )
 
 
+def subspace_probes(name: str, x: torch.Tensor, prior: torch.Tensor, spec: str) -> list[Probe]:
+    """A message in a held basis (installed from `prior`, another micro-batch) and a refresh."""
+    parsed = parse(spec)
+    every = parsed.codec.every
+    sender, receiver = parsed.sender(), parsed.receiver()
+    first = sender.send(prior)
+    receiver.receive(wire.decode(first.payload)).commit()
+    first.commit()
+    fresh = parsed.sender()  # never committed: every message finds and carries a basis
+    sizes = {}
+
+    def report(kind: str):
+        def bits(payload, y):
+            sizes[kind] = len(payload)
+            extra = None
+            if len(sizes) == 2:  # both rows measured: the cost over K messages of one basis
+                mean = (sizes["refresh"] + (every - 1) * sizes["held"]) / every
+                extra = {"every": every, "amortized_bits_per_element": mean * 8 / x.numel()}
+            return len(payload) * 8 / x.numel(), _rel_error(x, y), extra
+
+        return bits
+
+    return [
+        Probe(
+            spec,
+            name,
+            x,
+            lambda: sender.send(x).payload,
+            lambda payload: receiver.receive(wire.decode(payload)).tensor,
+            report("held"),
+        ),
+        Probe(
+            spec + REFRESH,
+            name,
+            x,
+            lambda: fresh.send(x).payload,
+            lambda payload: parsed.receiver().receive(wire.decode(payload)).tensor,
+            report("refresh"),
+        ),
+    ]
+
+
 def hivemind_float16_probe(name: str, x: torch.Tensor) -> Probe:
     return Probe(
         "hivemind:float16",
@@ -203,6 +250,7 @@ def store_probe(name: str, x: torch.Tensor, fmt: str) -> Probe:
 def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]:
     """Measure every probe of a tensor in rounds, so load changes hit all rows alike."""
     tensors = benchmark_tensors(scale)
+    priors = benchmark_tensors(scale, next_batch=True)
     rows = []
     bar = tqdm(total=len(tensors) * (repeat + 1), desc="bench codecs", unit="round", disable=not progress, leave=False)
     for name, x in tensors.items():
@@ -210,6 +258,7 @@ def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]
         probes += [codec_probe(name, x, spec) for spec in CODECS]
         if name.startswith("gpt2."):  # [tokens x hidden]: what the low-rank codecs are for
             probes += [codec_probe(name, x, spec) for spec in LOW_RANK_CODECS] + torch_low_rank_probes(name, x)
+            probes += [p for spec in SUBSPACE_CODECS for p in subspace_probes(name, x, priors[name], spec)]
         if name.startswith("resnet18.layer1"):
             probes += [store_probe(name, x, fmt) for fmt in STORE_FORMATS]
         results = [p.once() for p in probes]  # warm-up; also what rows report on
@@ -292,7 +341,15 @@ def format_table(rows: list[Row]) -> str:
             f"{r.tensor:34s} {r.codec:22s} {_fmt(r.bits_per_element, '9.3f')} {_fmt(r.rel_error, '9.2e')} "
             f"{_fmt(r.encode_mbps, '9.0f')} {_fmt(r.decode_mbps, '9.0f')}"
         )
-    stores = [r for r in rows if r.extra]
+    amortized = [r for r in rows if r.extra and "amortized_bits_per_element" in r.extra]
+    if amortized:
+        lines.append("")
+        lines.append("subspace bits per element over the K messages of one basis (K-1 held, one refresh):")
+        for r in amortized:
+            lines.append(
+                f"  {r.tensor:34s} {r.codec.removesuffix(REFRESH):16s} K={r.extra['every']:<3d} {r.extra['amortized_bits_per_element']:.3f}"
+            )
+    stores = [r for r in rows if r.extra and "bytes_per_sample" in r.extra]
     if stores:
         lines.append("")
         lines.append(

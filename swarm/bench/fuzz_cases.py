@@ -24,7 +24,7 @@ from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.calls import CALLS, Trust
 from protocols.framing import frame_parts
-from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SubspacePart
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE
@@ -222,7 +222,7 @@ class Cases:
     def member_payload(self) -> Case:
         """From a member admitted to the stage before: its own link, garbage in the payload."""
         t = self.t
-        which = self.rng.randrange(8)
+        which = self.rng.randrange(10)
         shape = (4, t.width)
         if which == 0:  # absurd shape
             enc = Encoded((1 << 20, 1 << 20), torch.float32, RawPart(torch.zeros(1)))
@@ -239,6 +239,11 @@ class Cases:
             enc = Encoded(
                 shape, torch.float32, LowRankPart(64, RawPart(torch.randn(8)), RawPart(torch.randn(2 * t.width)))
             )
+        elif which == 8:  # subspace coefficients that are not finite, with a basis
+            coefficients, basis = RawPart(torch.full((2 * 4,), float("inf"))), RawPart(torch.rand(2 * t.width) - 0.5)
+            enc = Encoded(shape, torch.float32, SubspacePart(2, 1, coefficients, basis))
+        elif which == 9:  # coefficients in a basis version no end of the link installed
+            enc = Encoded(shape, torch.float32, SubspacePart(2, 1 << 40, RawPart(torch.randn(2 * 4).half())))
         else:
             enc = Encoded(shape, torch.float32, RawPart(torch.randn(shape)))
         try:

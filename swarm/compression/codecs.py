@@ -5,6 +5,8 @@
 - `TopK`: per-sample TopK; its values go through an inner `Cast` or `Quantize`.
 - `TopKReuse`: values at the positions of the forward message on the same link (values only).
 - `LowRank` (`swarm.compression.lowrank`): two rank-R factors of the tensor as a matrix.
+- `Subspace` (`swarm.compression.subspace`): coefficients in a basis both ends of a link hold; the
+  one codec with link state of its own (`link_state`, `delivered`: `swarm.compression.basis`).
 
 `decode` is each codec's one way back, for received payloads and for a sender's own error
 feedback alike; it refuses, with a one-line `PayloadError`, a payload this codec does not produce
@@ -14,12 +16,13 @@ Exact payloads (`EXACT`, what warmup and uncompressed evaluation send) are the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from protocols.errors import PayloadError
-from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart
+from protocols.message import Encoded, Granularity, LowRankPart, QuantPart, RawPart, SparsePart, SubspacePart
 from protocols.wire import rows_of
 from swarm.compression.quantize import dequantize, quantize
 from swarm.compression.topk import Selection, gather, scatter, top_positions
@@ -32,6 +35,17 @@ class Codec:
     """Stateless math: encode returns in-memory parts, decode inverts them."""
 
     spec: str
+    link_state = None  # state kept per link, changed as messages are delivered (a subspace basis)
+
+    def delivered(self, enc: Encoded) -> Callable[[], None] | None:
+        """The change that delivering `enc` makes to `link_state`, applied when the message is
+        committed; None for codecs without link state."""
+        return None
+
+    @property
+    def standalone(self) -> Codec:
+        """This codec's messages that need no link state (evaluation sends them)."""
+        return self
 
     def encode(self, x: torch.Tensor, reuse: Selection | None = None) -> Encoded:
         raise NotImplementedError
@@ -142,12 +156,14 @@ ValueCodec = Cast | Quantize
 
 
 def describe(enc: Encoded) -> str:
-    """A payload's kind in the spec grammar's words, for refusals: fp16, quant:4/sample, topk/q8, lowrank:8/fp16."""
+    """A payload's kind in the spec grammar's words, for refusals: fp16, quant:4/sample, topk/q8, lowrank:8/fp16, subspace:8/q8."""
     body = enc.body
     if isinstance(body, SparsePart):
         return f"{'topk' if body.positions is not None else 'topk:reuse'}/{_values_kind(body.values)}"
     if isinstance(body, LowRankPart):
         return f"lowrank:{body.rank}/{_values_kind(body.left)}"
+    if isinstance(body, SubspacePart):
+        return f"subspace:{body.rank}/{_values_kind(body.coefficients)}"
     if isinstance(body, QuantPart):
         return f"quant:{body.bits}/{body.granularity.value}"
     return _dtype_name(body.data.dtype)

@@ -11,7 +11,9 @@ link's codec (`Codec.decode`), or with `EXACT` for exact payloads. Stateful vari
 
 State changes only when the caller commits a message it knows was delivered (`commit()` on the
 `Outgoing` / `Incoming`); mirrored payloads carry state versions, and a receiver whose state
-differs raises `StateMismatchError` instead of silently diverging.
+differs raises `StateMismatchError` instead of silently diverging. A codec may keep link state of
+its own (`Codec.link_state`: the subspace codec's basis); it changes on the same commit
+(`Codec.delivered`) and is reset and checkpointed with the end's table.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ def _ids(sample_ids, rows: int) -> list[int]:
     return ids
 
 
+def _then(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
+    """Both state changes of one delivered message: the end's table, then its codec's link state."""
+    if first is None or second is None:
+        return first or second
+
+    def apply() -> None:
+        first()
+        second()
+
+    return apply
+
+
 def _commit_if_current(table, shape, ids, based_on: tuple[int, ...], write: Callable[[], object]) -> Callable[[], None]:
     def apply() -> None:
         if table.versions(shape, ids) != based_on:
@@ -92,26 +106,28 @@ class Sender:
     def send(self, x: torch.Tensor, sample_ids=None, reuse: Selection | None = None, warmup: bool = False) -> Outgoing:
         """Encode x. `reuse`: the forward selection (topk:reuse); `warmup`: send exact values."""
         enc, apply = self._encode(x, sample_ids, reuse, warmup)
+        apply = _then(apply, self.codec.delivered(enc))  # right after encoding: the state it saw
         payload = wire.encode(enc)
         return Outgoing(apply, payload, selection_of(enc))
 
     def send_stateless(self, x: torch.Tensor, exact: bool = False) -> Outgoing:
         """Encode with the plain codec (or exactly), touching no state: for evaluation."""
-        return Outgoing(None, wire.encode((EXACT if exact else self.codec).encode(x)))
+        return Outgoing(None, wire.encode((EXACT if exact else self.codec.standalone).encode(x)))
 
     def reset(self) -> None:
         """Forget all state (a new peer on the other end)."""
+        _reset(self)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this end: its state table, if it has one."""
-        return _table_state(self)
+        """What a checkpoint keeps of this end: its state table and its codec's link state, if any."""
+        return _state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        _load_table_state(self, state)
+        _load_state_dict(self, state)
 
     @property
     def state_bytes(self) -> int:
-        return 0
+        return _state_bytes(self)
 
 
 class Receiver:
@@ -131,40 +147,60 @@ class Receiver:
 
     def receive(self, enc: Encoded, sample_ids=None, reuse: Selection | None = None, device=None) -> Incoming:
         tensor, apply = self._decode(enc, sample_ids, reuse, device)
+        apply = _then(apply, self._codec(enc).delivered(enc))  # right after decoding: the state it saw
         return Incoming(apply, tensor, selection_of(enc))
 
     def receive_stateless(self, enc: Encoded, device=None) -> Incoming:
         """Decode a stateless payload (evaluation): no versions, no state."""
-        return Incoming(None, self._codec(enc).decode(enc, device))
+        return Incoming(None, (EXACT if is_exact(enc) else self.codec.standalone).decode(enc, device))
 
     def reset(self) -> None:
-        pass
+        _reset(self)
 
     def state_dict(self) -> dict:
-        return _table_state(self)
+        return _state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        _load_table_state(self, state)
+        _load_state_dict(self, state)
 
     @property
     def state_bytes(self) -> int:
-        return 0
+        return _state_bytes(self)
 
 
-def _table_state(end) -> dict:
-    table = getattr(end, "table", None)
-    return {} if table is None else {"table": table.state_dict()}
+_STATE_NAMES = {"table": "error-feedback", "basis": "subspace basis"}
 
 
-def _load_table_state(end, state: dict) -> None:
-    table = getattr(end, "table", None)
-    if (table is None) != ("table" not in state):
-        have, got = ("no" if table is None else "a"), ("no" if "table" not in state else "a")
-        raise ValueError(
-            f"checkpoint has {got} error-feedback state where this {type(end).__name__} keeps {have} state (was the compression spec changed?)"
-        )
-    if table is not None:
-        table.load_state_dict(state["table"])
+def _states(end) -> dict:
+    """What an end keeps across messages, by checkpoint key: its error-feedback table, its codec's
+    link state (both ends of a mirrored link keep theirs: the sender's counts too)."""
+    states = {"table": getattr(end, "table", None), "basis": end.codec.link_state}
+    return {key: state for key, state in states.items() if state is not None}
+
+
+def _reset(end) -> None:  # both ends forget together (a new neighbour)
+    for state in _states(end).values():
+        state.reset()
+
+
+def _state_bytes(end) -> int:
+    return sum(state.nbytes for state in _states(end).values())
+
+
+def _state_dict(end) -> dict:
+    return {key: state.state_dict() for key, state in _states(end).items()}
+
+
+def _load_state_dict(end, state: dict) -> None:
+    states = _states(end)
+    for key, name in _STATE_NAMES.items():
+        if (key in states) != (key in state):
+            got, have = ("a", "none") if key in state else ("no", "one")
+            raise ValueError(
+                f"checkpoint has {got} {name} state, this {type(end).__name__} keeps {have} (was the compression spec changed?)"
+            )
+    for key, table in states.items():
+        table.load_state_dict(state[key])
 
 
 def _table(per_sample: bool, store: str, path, capacity):
@@ -224,13 +260,6 @@ class ErrorFeedbackSender(Sender):
             self.table, shape, ids, versions, lambda: self.table.save(ids, residual, new_versions)
         )
 
-    def reset(self) -> None:
-        self.table.reset()
-
-    @property
-    def state_bytes(self) -> int:
-        return self.table.nbytes
-
 
 class _Mirrored:
     """Shared by both ends of EF21 / AQ-SGD: the state table and the stamp check."""
@@ -246,13 +275,6 @@ class _Mirrored:
 
     def _keys(self, shape, sample_ids):
         return _ids(sample_ids, rows_of(shape)) if self.per_sample else None
-
-    def reset(self) -> None:  # both ends forget together (a new neighbour)
-        self.table.reset()
-
-    @property
-    def state_bytes(self) -> int:  # both ends keep a table: the sender's counts too
-        return self.table.nbytes
 
 
 class _ReceiverKeys:

@@ -53,9 +53,10 @@ def _orthonormal(y: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(y, mode="reduced").Q
 
 
-def factorize(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-`rank` factors of a float32 matrix m (rows x cols, rank <= min(rows, cols)): left
-    [rank, rows] and right [rank, cols] with left^T @ right close to m's best rank-`rank` approximation."""
+def top_singular(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The range finder: approximations of the top `rank` singular triplets of a float32 matrix m
+    (rows x cols, rank <= min(rows, cols)): left vectors [rows, rank], values [rank], right
+    vectors [rank, cols] (orthonormal rows), so m is close to left @ diag(values) @ right."""
     rows, cols = m.shape
     width = min(rank + OVERSAMPLE, rows, cols)
     sketched = m @ _sketch(cols, width).to(m.device)
@@ -66,18 +67,26 @@ def factorize(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(ITERATIONS):  # each round sharpens the basis toward the top singular directions
         basis = _orthonormal(m @ _orthonormal(m.T @ basis))
     u, s, vh = torch.linalg.svd(basis.T @ m, full_matrices=False)
-    root = s[:rank].sqrt()
-    left = (basis @ u[:, :rank]).T * root[:, None]
-    right = vh[:rank] * root[:, None]
-    return left.contiguous(), right.contiguous()
+    return basis @ u[:, :rank], s[:rank], vh[:rank]
 
 
-def _saturated(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y (float32) as `dtype`, with values beyond its range at its largest finite value."""
+def factorize(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-`rank` factors of a float32 matrix m (rows x cols, rank <= min(rows, cols)): left
+    [rank, rows] and right [rank, cols] with left^T @ right close to m's best rank-`rank` approximation."""
+    vectors, values, right = top_singular(m, rank)
+    root = values.sqrt()
+    return (vectors.T * root[:, None]).contiguous(), (right * root[:, None]).contiguous()
+
+
+def product(left: torch.Tensor, right: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """left^T @ right (float32 factors [rank, rows] and [rank, cols]) as a tensor of `shape` and
+    `dtype`, with values beyond the dtype's range at its largest finite value. One product over the
+    rank: the same floats at any thread count (mirrored state on both ends relies on it)."""
+    y = left.T @ right
     if dtype in (torch.float16, torch.bfloat16):
         limit = torch.finfo(dtype).max
         y = y.clamp_(-limit, limit)
-    return y.to(dtype)
+    return y.to(dtype).reshape(shape)
 
 
 @dataclass(frozen=True, repr=False)
@@ -131,4 +140,4 @@ class LowRank(Codec):
         rows, cols = matrix_of(enc.shape)
         left = self.factors.decode_values(part.left, (part.rank, rows), torch.float32, device)
         right = self.factors.decode_values(part.right, (part.rank, cols), torch.float32, device)
-        return _saturated(left.T @ right, enc.dtype).reshape(enc.shape)
+        return product(left, right, enc.shape, enc.dtype)

@@ -6,13 +6,17 @@
                | "topk:" RATIO { "/" value }          RATIO in (0, 1]
                | "topk:reuse" { "/" value }            backward only: the forward's indices
                | "lowrank:" RANK [ "/" factor ]       RANK >= 1; factors fp16 by default
+               | "subspace:" RANK [ "/" factor ] [ "/every" K ]   coefficients fp16, K = 32 by default
     value     := "fp32" | "fp16" | "bf16" | "q" BITS [ "/stochastic" ]    (TopK values)
-    factor    := "fp32" | "fp16" | "bf16" | "q" BITS                      (low-rank factors)
+    factor    := "fp32" | "fp16" | "bf16" | "q" BITS      (low-rank factors, subspace coefficients)
     feedback  := ("ef" | "ef21" | "efmixed") [ "/sample" ] | "aqsgd" [ "/" STORE ]
     STORE     := "fp32" | "fp16" | "bf16" | "q1".."q8"      (AQ-SGD buffer format, default q6)
 
 Examples: `topk:0.1`, `quant:4`, `quant:4/tensor`, `topk:0.1/fp16`, `topk:0.1/q8`,
-`topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`, `lowrank:8`, `lowrank:32/q8+ef21`.
+`topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`, `lowrank:8`, `lowrank:32/q8+ef21`,
+`subspace:8`, `subspace:8/q8/every16+ef`. A subspace codec keeps mirrored link state of its own (the
+basis), so it takes only sender-side feedback (`+ef`): EF21 or AQ-SGD would put a second mirrored
+state, with its own versions and warmup, in the same messages.
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ from dataclasses import dataclass
 import torch
 
 from protocols.message import Granularity
+from swarm.compression.basis import LinkSubspace
 from swarm.compression.codecs import Cast, Codec, Quantize, TopK, TopKReuse
 from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender, Receiver, Sender
-from swarm.compression.lowrank import LowRank
+from swarm.compression.lowrank import FP16, LowRank
 from swarm.compression.state import STORE_FORMATS, check_store_format
+from swarm.compression.subspace import DEFAULT_EVERY, Subspace
 
 VALID_FORMS = (
     "none | fp32 | fp16 | bf16 | quant:BITS[/tensor|/sample|/channel][/stochastic] | "
-    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...] | lowrank:RANK[/fp16|/bf16|/fp32|/qBITS]; "
-    "optionally +ef | +ef21 | +efmixed (each [/sample]) | +aqsgd[/STORE]"
+    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...] | lowrank:RANK[/fp16|/bf16|/fp32|/qBITS] | "
+    "subspace:RANK[/fp16|/bf16|/fp32|/qBITS][/everyK]; "
+    "optionally +ef | +ef21 | +efmixed (each [/sample]) | +aqsgd[/STORE] (subspace: +ef only)"
 )
 DEFAULT_STORE = "q6"  # AQ-SGD buffers: 6-bit codes, under a quarter of an fp32 copy
 _CASTS = {"none": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -58,22 +65,33 @@ class CompressionSpec:
         return self.feedback in ("ef21", "aqsgd")
 
     @property
+    def keeps_state(self) -> bool:
+        """Whether messages change state kept across micro-batches: error feedback, a subspace basis."""
+        return self.feedback is not None or isinstance(self.codec, Subspace)
+
+    @property
     def reuses_indices(self) -> bool:
         return isinstance(self.codec, TopKReuse)
 
+    def _end_codec(self) -> Codec:
+        """The codec one link end runs: a subspace codec with that end's own basis."""
+        return LinkSubspace(self.codec) if isinstance(self.codec, Subspace) else self.codec
+
     def sender(self, store_path=None, capacity: int | None = None) -> Sender:
+        codec = self._end_codec()
         if self.feedback in ("ef", "efmixed"):
             return ErrorFeedbackSender(
-                self.codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity
+                codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity
             )
         if self.mirrored:
-            return MirroredSender(self.codec, self.per_sample, self.store, store_path, capacity)
-        return Sender(self.codec)
+            return MirroredSender(codec, self.per_sample, self.store, store_path, capacity)
+        return Sender(codec)
 
     def receiver(self, store_path=None, capacity: int | None = None) -> Receiver:
+        codec = self._end_codec()
         if self.mirrored:
-            return MirroredReceiver(self.codec, self.per_sample, self.store, store_path, capacity)
-        return Receiver(self.codec)
+            return MirroredReceiver(codec, self.per_sample, self.store, store_path, capacity)
+        return Receiver(codec)
 
 
 def _bits(text: str, spec: str) -> int:
@@ -93,17 +111,34 @@ def _value_codec(options: list[str], spec: str) -> Cast | Quantize:
     raise SpecError(spec, f"unknown TopK value format {'/'.join(options)!r}")
 
 
+def _count(text: str, spec: str, what: str) -> int:
+    if not re.fullmatch(r"[1-9][0-9]{0,5}", text):
+        raise SpecError(spec, f"{what} must be an integer in 1..999999, got {text!r}")
+    return int(text)
+
+
+def _factors(options: list[str], spec: str, what: str) -> Cast | Quantize:
+    """The format of low-rank factors or subspace coefficients: fp16 (default), fp32, bf16 or qBITS."""
+    if options in ([], ["fp16"]):
+        return FP16
+    if options in (["fp32"], ["bf16"]):
+        return Cast(_CASTS[options[0]])
+    if len(options) == 1 and options[0].startswith("q"):
+        return Quantize(_bits(options[0][1:], spec), Granularity.SAMPLE)
+    raise SpecError(spec, f"unknown {what} format {'/'.join(options)!r}")
+
+
 def _low_rank(parts: list[str], spec: str) -> LowRank:
-    if not re.fullmatch(r"[1-9][0-9]{0,5}", parts[0]):
-        raise SpecError(spec, f"low rank must be an integer in 1..999999, got {parts[0]!r}")
-    factors = parts[1:]
-    if factors in ([], ["fp16"]):
-        return LowRank(int(parts[0]))
-    if factors in (["fp32"], ["bf16"]):
-        return LowRank(int(parts[0]), Cast(_CASTS[factors[0]]))
-    if len(factors) == 1 and factors[0].startswith("q"):
-        return LowRank(int(parts[0]), Quantize(_bits(factors[0][1:], spec), Granularity.SAMPLE))
-    raise SpecError(spec, f"unknown low-rank factor format {'/'.join(factors)!r}")
+    return LowRank(_count(parts[0], spec, "low rank"), _factors(parts[1:], spec, "low-rank factor"))
+
+
+def _subspace(parts: list[str], spec: str) -> Subspace:
+    rank = _count(parts[0], spec, "subspace rank")
+    options, every = parts[1:], DEFAULT_EVERY
+    if options and options[-1].startswith("every"):
+        every = _count(options[-1].removeprefix("every"), spec, "subspace refresh interval every")
+        options = options[:-1]
+    return Subspace(rank, _factors(options, spec, "subspace coefficient"), every)
 
 
 def _quant(arg: str, options: list[str], spec: str) -> Quantize:
@@ -138,14 +173,16 @@ def _codec(text: str, spec: str) -> Codec:
         return TopK(ratio, _value_codec(parts[1:], spec))
     if name == "lowrank" and parts:
         return _low_rank(parts, spec)
+    if name == "subspace" and parts:
+        return _subspace(parts, spec)
     raise SpecError(spec, f"unknown codec {text!r}")
 
 
 @functools.cache
 def keeps_state(*specs: str) -> bool:
-    """Whether any of these codec specs keeps state across micro-batches (error feedback, AQ-SGD;
-    cached: a stage asks it per micro-batch)."""
-    return any(parse(spec).feedback is not None for spec in specs)
+    """Whether any of these codec specs keeps state across micro-batches (error feedback, AQ-SGD,
+    a subspace basis; cached: a stage asks it per micro-batch)."""
+    return any(parse(spec).keeps_state for spec in specs)
 
 
 def parse(spec: str) -> CompressionSpec:
@@ -161,6 +198,8 @@ def parse(spec: str) -> CompressionSpec:
     if not plus:
         return CompressionSpec(text, codec)
     name, _, option = feedback_text.partition("/")
+    if isinstance(codec, Subspace) and name in ("ef21", "aqsgd"):
+        raise SpecError(spec, f"a subspace codec keeps its basis mirrored already: it takes +ef, not +{name}")
     if name in ("ef", "ef21", "efmixed"):
         if option not in ("", "sample"):
             raise SpecError(spec, f"{name} takes only /sample, got {option!r}")

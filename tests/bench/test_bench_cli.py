@@ -7,7 +7,7 @@ import sys
 import pytest
 from _util import cli_here
 
-from swarm.bench.codecs import CODECS, LOW_RANK_CODECS
+from swarm.bench.codecs import CODECS, LOW_RANK_CODECS, REFRESH, SUBSPACE_CODECS
 
 REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
 
@@ -36,6 +36,7 @@ def test_every_codec_and_reference_is_measured_on_every_tensor(rows):
         codecs = {r["codec"] for r in rows if r["tensor"] == tensor}
         assert set(CODECS) | {"hivemind:float16", "torch:topk:0.1"} <= codecs
         low_rank = set(LOW_RANK_CODECS) | {"torch:svd_lowrank:32", "torch:linalg.svd:32"}
+        low_rank |= set(SUBSPACE_CODECS) | {spec + REFRESH for spec in SUBSPACE_CODECS}
         assert low_rank <= codecs if tensor.startswith("gpt2.") else not low_rank & codecs
 
 
@@ -111,3 +112,17 @@ def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses(capsys):
     assert "largest relative loss difference to one process 0.00e+00" in out
     result = cli_here(capsys, "bench", "fuzz", "--count", "0")
     assert result.returncode == 2 and "--count: expected a positive integer" in result.stderr
+
+
+def test_subspace_rows_cost_rank_over_cols_and_a_refresh_what_lowrank_does(rows):
+    """A message in a held basis: 16 R / cols bits per element; the refresh carrying the basis
+    costs what a lowrank:R message does; amortized over K = 32 in between, near the held cost."""
+    by = {(r["codec"], r["tensor"]): r for r in rows}
+    tensor = next(t for _, t in by if t.startswith("gpt2.anisotropic"))
+    held, refresh = by[("subspace:32", tensor)], by[("subspace:32" + REFRESH, tensor)]
+    assert held["bits_per_element"] == pytest.approx(16 * 32 / 768, rel=0.01)
+    assert refresh["bits_per_element"] == pytest.approx(by[("lowrank:32", tensor)]["bits_per_element"], rel=0.01)
+    amortized = refresh["amortized_bits_per_element"]
+    assert held["bits_per_element"] < amortized < held["bits_per_element"] * 1.05
+    # a basis from another micro-batch of a falling spectrum: within 10% of lowrank's fresh error
+    assert held["rel_error"] < 1.1 * by[("lowrank:32", tensor)]["rel_error"]

@@ -13,6 +13,7 @@ from swarm.cli import main
 from swarm.compression import Cast, CompressionSpec, Quantize, SpecError, TopK, TopKReuse, parse
 from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, MirroredSender
 from swarm.compression.lowrank import LowRank
+from swarm.compression.subspace import Subspace
 from swarm.config import ConfigError, load_config
 
 G = Granularity
@@ -62,6 +63,14 @@ VALID = {
     "lowrank:8/q8+ef21": (LowRank(8, Quantize(8, G.SAMPLE)), "ef21", False, None),
     "lowrank:4+ef21/sample": (LowRank(4), "ef21", True, None),
     "lowrank:4+aqsgd/fp16": (LowRank(4), "aqsgd", True, "fp16"),
+    "subspace:8": (Subspace(8), None, False, None),
+    "subspace:1/fp16": (Subspace(1), None, False, None),
+    "subspace:8/q8": (Subspace(8, Quantize(8, G.SAMPLE)), None, False, None),
+    "subspace:4/bf16/every16": (Subspace(4, Cast(torch.bfloat16), 16), None, False, None),
+    "subspace:4/every1": (Subspace(4, every=1), None, False, None),
+    "subspace:16/fp32/every32": (Subspace(16, Cast(torch.float32)), None, False, None),
+    "subspace:8/q4+ef": (Subspace(8, Quantize(4, G.SAMPLE)), "ef", False, None),
+    "subspace:8+ef/sample": (Subspace(8), "ef", True, None),
 }
 
 
@@ -165,6 +174,27 @@ TYPOS = [
     "lowrank:8/tensor",
     "lowrank:8+efmixed",
     "low-rank:8",
+    "subspace",
+    "subspace:",
+    "subspace:0",
+    "subspace:08",
+    "subspace:2.5",
+    "subspace:8/",
+    "subspace:8/fp8",
+    "subspace:8/q0",
+    "subspace:8/q8/stochastic",
+    "subspace:8/every0",
+    "subspace:8/every",
+    "subspace:8/every-1",
+    "subspace:8/every1000000",
+    "subspace:8/every32/q8",
+    "subspace:8/every8/every8",
+    "subspace:8/q8/fp16",
+    "subspace:8+ef21",
+    "subspace:8+ef21/sample",
+    "subspace:8+aqsgd",
+    "subspace:8/q8+aqsgd/fp16",
+    "subspace:8+efmixed",
 ]
 
 
@@ -174,7 +204,7 @@ def test_typos_raise_spec_error(text):
         parse(text)
     message = str(info.value)
     assert "\n" not in message and "\r" not in message
-    for form in ("quant:BITS", "topk:RATIO", "topk:reuse", "lowrank:RANK", "ef21", "aqsgd", "fp16"):
+    for form in ("quant:BITS", "topk:RATIO", "topk:reuse", "lowrank:RANK", "subspace:RANK", "ef21", "aqsgd", "fp16"):
         assert form in message, form
     assert repr(text) in message or text.strip() in message
 
@@ -201,6 +231,8 @@ TOKENS = [
     "topk",
     "reuse",
     "lowrank",
+    "subspace",
+    "every8",
     ":",
     "/",
     "+",

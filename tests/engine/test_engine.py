@@ -309,7 +309,10 @@ def test_micro_batch_split_gives_the_asked_count_and_weights_sum_to_one():
     assert torch.equal(torch.cat([b.sample_ids for b, _ in parts]), ids)
 
 
-@pytest.mark.parametrize(("forward", "backward"), [("lowrank:4", "lowrank:4"), ("lowrank:4/q8+ef21", "lowrank:2+ef")])
+@pytest.mark.parametrize(
+    ("forward", "backward"),
+    [("lowrank:4", "lowrank:4"), ("lowrank:4/q8+ef21", "lowrank:2+ef"), ("subspace:4/every4", "subspace:2+ef")],
+)
 def test_smoke_trains_with_low_rank_both_ways(tmp_path, forward, backward):
     """The CNN's 4-D boundaries as [batch*channels*height, width] matrices: fewer bytes than
     uncompressed on every link, finite losses, and evaluations through the compressed links."""

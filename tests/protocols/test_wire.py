@@ -40,6 +40,8 @@ def _corpus():
         "lowrank:2",
         "lowrank:3/q8",
         "lowrank:8/bf16",
+        "subspace:2",  # a link's first message: it carries the basis (version 1)
+        "subspace:3/q8/every4",
     ]:
         items.append((spec, parse(spec).sender().send(x).payload, None))
     items.append(("quant:6/channel 4-D", parse("quant:6/channel").sender().send(make((2, 3, 2, 2))).payload, None))
@@ -67,6 +69,7 @@ def _corpus():
     lr = parse("lowrank:2+ef21").sender()  # the stamp (field 7) goes before a low-rank body (field 8)
     lr.send(x).commit()
     items.append(("lowrank+ef21 stamped", lr.send(x).payload, None))
+    items.append(("subspace:2/fp32 standalone", parse("subspace:2/fp32").sender().send_stateless(x).payload, None))
     a = parse("quant:4+aqsgd/q4").sender()
     a.send(x, sample_ids=[10, 11, 12], warmup=True).commit()
     items.append(("quant+aqsgd stamped", a.send(x, sample_ids=[10, 11, 12]).payload, None))

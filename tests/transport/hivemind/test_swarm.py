@@ -50,7 +50,7 @@ from swarm.transport.hivemind.trust.signatures import Refused
 
 CODECS = [  # forward topk+ef21: test_oracle_with_clipping_and_two_peers_on_a_stage
     ("none", "none"),
-    ("quant:4", "quant:4"),
+    ("subspace:4", "quant:4"),  # quant:4 both ways before: the forward basis is mirrored link state
     ("topk:0.1", "topk:reuse"),
     ("lowrank:4+ef21", "topk:0.1+ef21"),
     ("topk:0.3+aqsgd", "lowrank:4+ef"),
