@@ -32,3 +32,10 @@ def test_an_asynchronous_schedule_overlaps_steps_with_the_floats_of_one_process(
     synchronous = [r["loss"] for r in local_rows(smoke(*overrides), tmp_path, steps=6) if r["type"] == "step"]
     assert synchronous[0] == reference[0]["loss"]  # the same first step; then one step late
     assert all(loss != r["loss"] for loss, r in zip(synchronous[1:], reference[1:], strict=True))
+
+
+def test_a_stage_with_two_peers_is_refused_at_the_first_step_in_one_line(swarm):
+    """Replicas sum their gradients by the rounds, which cannot apply a step late yet."""
+    cfg = smoke("model.num_stages=3", "train.schedule=async")
+    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm with one peer per stage, "):
+        swarm_rows(swarm, cfg, steps=2, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
