@@ -147,21 +147,23 @@ class StageRuntime:
 
         Repeatable (held gradients stay until `apply_step`), so a step whose micro-batches had to
         be re-run can accumulate again. Raises KeyError, before touching anything, if a key is not held."""
-        missing = [key for key in keys if key not in self.held]
-        if missing:
-            raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
-        params = dict(self.module.named_parameters())
-        for p in params.values():
-            p.grad = None
-        for key in keys:
-            for name, g in self.held[key]:
-                p = params[name]
-                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        sums = self._summed(keys)
+        for name, p in self.module.named_parameters():
+            p.grad = sums.get(name)
 
     def held_sq_norm(self, keys) -> float:
         """`grad_sq_norm` after `accumulate(keys)`, the same floats, leaving every p.grad alone: an
         asynchronous schedule's step is summed while an earlier one is not applied yet. Raises
         KeyError if a key is not held."""
+        sums = self._summed(keys)
+        total = 0.0
+        for name, _ in self.module.named_parameters():  # grad_sq_norm's order
+            if name in sums:
+                total += float(sums[name].detach().float().pow(2).sum())
+        return total
+
+    def _summed(self, keys) -> dict[str, torch.Tensor]:
+        """Parameter name -> the sum of its held gradients of `keys`, added in the given order."""
         missing = [key for key in keys if key not in self.held]
         if missing:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
@@ -169,11 +171,7 @@ class StageRuntime:
         for key in keys:
             for name, g in self.held[key]:
                 sums[name] = g.clone() if name not in sums else sums[name].add_(g)
-        total = 0.0
-        for name, _ in self.module.named_parameters():  # grad_sq_norm's order
-            if name in sums:
-                total += float(sums[name].detach().float().pow(2).sum())
-        return total
+        return sums
 
     def _gradient_message(
         self,
