@@ -71,8 +71,9 @@ def build_runtime(
 
 
 def config_digest(cfg: ExperimentConfig) -> str:
-    """What a stage's computation depends on (seed, model, optimizer, compression, precision): the
-    trainer and every stage peer must agree on it. Where a peer keeps its AQ-SGD rows is its own business."""
+    """What a stage's computation depends on (seed, model, optimizer, compression, precision, an
+    asynchronous schedule): the trainer and every stage peer must agree on it. Where a peer keeps
+    its AQ-SGD rows is its own business."""
     data = cfg.model_dump(
         mode="json",
         include={
@@ -84,4 +85,8 @@ def config_digest(cfg: ExperimentConfig) -> str:
         },
         exclude={"compression": {"store_dir"}},
     )
+    if (
+        cfg.train.schedule != "sync"
+    ):  # a stage applies a step late (swarm.engine.delay); sync runs' digests as they were
+        data["schedule"] = [cfg.train.schedule, cfg.train.delay_correction]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -26,8 +26,12 @@ class Rewound(Exception):
 
 
 class Pipeline(Protocol):
-    def run_many(self, items: Sequence[tuple[MicroBatch, torch.Tensor]]) -> list[dict[str, float]]:
-        """Runs each (micro-batch, inputs) forward and (training) backward; the metrics of each, in order."""
+    def run_many(
+        self, items: Sequence[tuple[MicroBatch, torch.Tensor]], following: Sequence = ()
+    ) -> list[dict[str, float]]:
+        """Runs each (micro-batch, inputs) forward and (training) backward; the metrics of each, in
+        order. `following` (train.schedule async only): the next step's micro-batches, which the
+        pipeline may start before returning; the next call hands them over again and gets theirs."""
 
     def step(self) -> float:
         """After every micro-batch of a step went backward: the synchronous step; the learning rate it used."""

@@ -12,6 +12,12 @@ With `hold_grads` (the swarm), each micro-batch's parameter gradients are kept a
 step says which micro-batches count (`accumulate`): a micro-batch retried after a failure further
 down the pipeline then never counts twice. Held gradients are added in micro-batch order, so the
 sums equal the in-process run's direct accumulation.
+
+With an asynchronous schedule in a swarm (swarm.engine.delay), a stage applies an update while
+micro-batches of the step before are still waiting for their backward here. Their saved graphs
+reference the parameters they ran with, so the update goes to fresh Parameter objects (`_stash`:
+PipeDream-2BW's weight stashing, at most two versions alive) and each forward remembers the objects
+it used; gradients are held by parameter name, so they sum onto whichever objects are current.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ class StageRuntime:
         self.loss_fn = loss_fn
         self.metrics_fn = metrics_fn
         self.device = torch.device(device)
-        self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # micro-batch key -> (input, output, the (name, parameter) pairs its forward ran with)
+        self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
         self.hold_grads = hold_grads
-        self.held: dict[tuple, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: see _stash
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
 
@@ -89,7 +96,7 @@ class StageRuntime:
             message = self._finish(batch, x, y, ends)
         else:
             if training:
-                self._saved[batch.key] = (x, y)
+                self._saved[batch.key] = (x, y, self._trained())
             out = ends.outbound.send(batch, y.detach())
             message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
         commit_received()
@@ -103,13 +110,16 @@ class StageRuntime:
             return Message(Kind.DONE, -1, batch, metrics=metrics)
         loss = self.loss_fn(logits, targets)
         metrics["loss"] = float(loss.detach())
-        x_grad = self._backprop(batch, loss * batch.weight, None, x)
+        x_grad = self._backprop(batch, loss * batch.weight, None, x, self._trained())
         return self._gradient_message(batch, x, x_grad, ends, metrics)
 
     # ---- backward --------------------------------------------------------------------------
 
+    def _trained(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+
     def _backprop(
-        self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor
+        self, batch: MicroBatch, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor, trained
     ) -> torch.Tensor | None:
         """Backward through this stage; the input's gradient (None for stage 0's input)."""
         if not output.requires_grad:  # nothing up to here trains (a LoRA run's frozen embedding stage)
@@ -120,11 +130,11 @@ class StageRuntime:
             with self.run_forward.recomputing(self.module):
                 output.backward(grad_output)
             return x.grad
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for _, p in trained]  # the objects the forward ran with (a newer version may be current)
         wants_x = x.requires_grad
         with self.run_forward.recomputing(self.module):
             grads = torch.autograd.grad(output, [*params, x] if wants_x else params, grad_output, allow_unused=True)
-        self.held[batch.key] = [(p, g) for p, g in zip(params, grads, strict=False) if g is not None]
+        self.held[batch.key] = [(name, g) for (name, _), g in zip(trained, grads, strict=False) if g is not None]
         return grads[-1] if wants_x else None
 
     def held_digest(self, key) -> float:
@@ -137,14 +147,31 @@ class StageRuntime:
 
         Repeatable (held gradients stay until `apply_step`), so a step whose micro-batches had to
         be re-run can accumulate again. Raises KeyError, before touching anything, if a key is not held."""
+        sums = self._summed(keys)
+        for name, p in self.module.named_parameters():
+            p.grad = sums.get(name)
+
+    def held_sq_norm(self, keys) -> float:
+        """`grad_sq_norm` after `accumulate(keys)`, the same floats, leaving every p.grad alone: an
+        asynchronous schedule's step is summed while an earlier one is not applied yet. Raises
+        KeyError if a key is not held."""
+        sums = self._summed(keys)
+        total = 0.0
+        for name, _ in self.module.named_parameters():  # grad_sq_norm's order
+            if name in sums:
+                total += float(sums[name].detach().float().pow(2).sum())
+        return total
+
+    def _summed(self, keys) -> dict[str, torch.Tensor]:
+        """Parameter name -> the sum of its held gradients of `keys`, added in the given order."""
         missing = [key for key in keys if key not in self.held]
         if missing:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
-        for p in self.module.parameters():
-            p.grad = None
+        sums: dict[str, torch.Tensor] = {}
         for key in keys:
-            for p, g in self.held[key]:
-                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+            for name, g in self.held[key]:
+                sums[name] = g.clone() if name not in sums else sums[name].add_(g)
+        return sums
 
     def _gradient_message(
         self,
@@ -165,13 +192,13 @@ class StageRuntime:
         saved = self._saved.pop(batch.key, None)
         if saved is None:
             raise KeyError(f"stage {self.index} has no forward state for micro-batch {batch.key}")
-        x, y = saved
+        x, y, trained = saved
         if tuple(payload.shape) != tuple(y.shape):  # else autograd's error, from deep inside torch
             raise PayloadError(
                 f"micro-batch {batch.key}: gradient of shape {payload.shape} for output {tuple(y.shape)}"
             )
         incoming = ends.outbound.receive(batch, payload, self.device)
-        x_grad = self._backprop(batch, y, incoming.tensor.to(y.dtype), x)
+        x_grad = self._backprop(batch, y, incoming.tensor.to(y.dtype), x, trained)
         message = self._gradient_message(batch, x, x_grad, ends, metrics)
         incoming.commit()
         return message
@@ -238,15 +265,44 @@ class StageRuntime:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
-    def apply_step(self) -> float:
-        """Optimizer and schedule step; returns the learning rate used."""
+    def apply_step(self, keys=None) -> float:
+        """Optimizer and schedule step; returns the learning rate used. `keys`: the micro-batches
+        whose held gradients it applied (an asynchronous schedule's step; later steps' stay held),
+        else every held gradient goes."""
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.delay is not None and self._saved:
+            self._stash()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.held.clear()
+        if keys is None:
+            self.held.clear()
+        else:
+            for key in keys:
+                self.held.pop(key, None)
         return lr
+
+    def _stash(self) -> None:
+        """Fresh Parameter objects (same values, same gradients) for the optimizer to step, so the
+        graphs of micro-batches still waiting for their backward keep the version they ran with."""
+        fresh: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id -> (old, kept alive; new)
+        for module in self.module.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in fresh:  # a parameter registered twice (tied within the stage) stays one
+                    new = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                    new.grad, p.grad = p.grad, None
+                    fresh[id(p)] = (p, new)
+                module._parameters[name] = fresh[id(p)][1]
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in fresh:
+                    new = group["params"][i] = fresh[id(p)][1]
+                    if p in state:
+                        state[new] = state.pop(p)
 
     @property
     def pending(self) -> int:

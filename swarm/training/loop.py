@@ -113,6 +113,12 @@ def _traced(name: str, fn, *args):
         return fn(*args)
 
 
+def _run_many(pipeline: Pipeline, pieces: list, following: list) -> list[dict[str, float]]:
+    """The step's metrics; the next step's micro-batches go along when there are (the keyword only
+    then: only pipelines that run an asynchronous schedule take it)."""
+    return pipeline.run_many(pieces, following=following) if following else pipeline.run_many(pieces)
+
+
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in now.items() if k.endswith(".train") and v - before.get(k, 0)}
 
@@ -125,6 +131,28 @@ def _skip_batches(loader: DataLoader, count: int):
     for _ in range(count):
         next(indices if indices is not None else batches)
     return batches
+
+
+class _Peekable:
+    """An iterator that can show its next item before it is taken (the next step's batch, which an
+    asynchronous schedule's pipeline starts early); `peek` is None at the end."""
+
+    def __init__(self, items) -> None:
+        self._items, self._next = iter(items), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next is not None:
+            item, self._next = self._next, None
+            return item
+        return next(self._items)
+
+    def peek(self):
+        if self._next is None:
+            self._next = next(self._items, None)
+        return self._next
 
 
 def train(
@@ -199,6 +227,18 @@ def train(
         bar.set_postfix(shown)
         return row
 
+    def ahead(after: int, batches: _Peekable) -> list:
+        """An asynchronous schedule's next step, started with this one's micro-batches unless the
+        pipeline drains at `after` (an evaluation, a checkpoint, the epoch's or the run's end):
+        its micro-batches only need the step before this one applied (swarm.engine.delay)."""
+        evaluated = after % schedule.eval_every_steps == 0 or after >= schedule.total_steps
+        saved = checkpoint is not None and (after % checkpoint.every == 0 if checkpoint.every else evaluated)
+        following = None if evaluated or saved else batches.peek()
+        if following is None:
+            return []
+        exact = after < schedule.warmup_steps
+        return split_micro_batches(after, *following, cfg.train.micro_batches, Mode.TRAIN, exact)
+
     def position(epoch_start: torch.Tensor) -> dict:
         """What resumes the loop at this step boundary (with the stages' state of the same step)."""
         return {
@@ -224,16 +264,18 @@ def train(
             generator=generator,
             collate_fn=collate,
         )
-        for ids, inputs, targets in _skip_batches(loader, done_in_epoch):
+        batches = _Peekable(_skip_batches(loader, done_in_epoch))
+        for ids, inputs, targets in batches:
             try:
                 pipeline.snapshot(step, position(epoch_start))
                 done_in_epoch += 1
                 exact = step < schedule.warmup_steps
                 pieces = split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, exact)
+                following = ahead(step + 1, batches) if cfg.train.schedule == "async" else ()
                 losses = [
                     metrics["loss"] * batch.weight
                     for (batch, _), metrics in zip(
-                        pieces, _traced(f"micro-batches {step}", pipeline.run_many, pieces), strict=True
+                        pieces, _traced(f"micro-batches {step}", _run_many, pipeline, pieces, following), strict=True
                     )
                 ]
                 lr = _traced(f"step {step}", pipeline.step)

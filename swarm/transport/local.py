@@ -54,8 +54,9 @@ class LocalPipeline:
             raise
         return message.metrics
 
-    def run_many(self, items) -> list[dict[str, float]]:
-        """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap.
+    def run_many(self, items, following=()) -> list[dict[str, float]]:
+        """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap
+        (`following`, the next step's micro-batches a swarm starts early, wait for their own call).
         An asynchronous schedule's look-ahead runs training micro-batches at the predicted weights."""
         items = list(items)
         with ExitStack() as ahead:

@@ -109,9 +109,12 @@ def test_a_checkpoint_carries_the_gradients_the_next_step_applies(tmp_path):
         synchronous.load_checkpoint(tmp_path)
 
 
-def test_a_swarm_refuses_the_asynchronous_schedule_in_one_line():
+def test_a_swarm_refuses_what_it_cannot_run_asynchronously_yet_in_one_line():
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
-    cfg = load_config(SMOKE, ["train.schedule=async"])
-    with pytest.raises(ValueError, match=r"train.schedule: async runs in one process so far .* a swarm runs"):
-        SwarmPipeline(None, None, cfg, "run")  # refused before anything of the swarm is touched
+    cfg = load_config(SMOKE, ["train.schedule=async", "train.delay_correction=dc:0.1", "train.verify=0.1"])
+    with pytest.raises(
+        ValueError,
+        match=r"^train.schedule: async in a swarm runs without train.verify, train.delay_correction dc:0.1, the swarm's copies \(--snapshot_every 0\) so far \(python -m swarm run has them\)$",
+    ):
+        SwarmPipeline(None, None, cfg, "run", snapshot_every=10)  # refused before anything of the swarm is touched

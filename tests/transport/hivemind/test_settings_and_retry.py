@@ -16,7 +16,7 @@ from protocols.errors import PayloadError, RemoteError, TransportError
 from protocols.message import Encoded, RawPart, SparsePart
 from swarm.transport.hivemind.net.retry import Retry
 from swarm.transport.hivemind.net.settings import Settings
-from swarm.transport.hivemind.trainer.pipeline import micro_batches_in_flight
+from swarm.transport.hivemind.trainer.dispatch import micro_batches_in_flight
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "30"])

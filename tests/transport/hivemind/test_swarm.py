@@ -107,8 +107,9 @@ def test_only_the_owners_decision_closes_a_step(swarm):
         for items in split_batches(cfg, data, 2):  # (train() would evaluate after the last: that brings it)
             pipeline.run_many(items)
             pipeline.step()
-        decision = pipeline.closing.pending
-        assert decision is not None and decision.step == 1 and [h.state.steps for h in hosted] == [1, 1]
+        assert list(pipeline.closing.pending) == [1]  # step -> its decision
+        decision = pipeline.closing.pending[1]
+        assert decision.step == 1 and [h.state.steps for h in hosted] == [1, 1]
         forged = pb.StepDecision()
         forged.CopyFrom(decision)
         seal(RSAPrivateKey(), forged, DECISION)
@@ -123,7 +124,7 @@ def test_only_the_owners_decision_closes_a_step(swarm):
         after = list(hosted[1].runtime.module.parameters())
         assert any(not torch.equal(p, q) for p, q in zip(before, after, strict=True))
         pipeline.settle()  # stage 0 applies by the round; stage 1 answers as it did
-        assert [h.state.steps for h in hosted] == [2, 2] and pipeline.closing.pending is None
+        assert [h.state.steps for h in hosted] == [2, 2] and pipeline.closing.pending == {}
         assert pipeline.rounds.calls["apply"] == 2
     finally:
         swarm.unhost(run_id)

@@ -92,9 +92,8 @@ class Chain:
                 pb.NOT_READY,
             )
         batch, carried, body = _unpack(head, payload)
-        if head.HasField("decision"):  # the last step closes here first (the owner's word)
-            await self.closing.decided(head.decision)
-        self.serving(batch, head, sender)
+        if self.closing.depth == 1:  # else in link order (`_chain`)
+            await self._admit(head, batch, sender)
         # from arrival: the sender's clock runs meanwhile
         settings = self.place.settings
         deadline = (
@@ -125,6 +124,15 @@ class Chain:
         outcome.metrics = await self.closing.finished(batch, head.closing, outcome.metrics)
         return outcome
 
+    async def _admit(self, head: pb.MicroBatchHead, batch: MicroBatch, sender: str) -> None:
+        """The last step closes here first (the owner's word), then the micro-batch is checked. With
+        an asynchronous schedule, in link order: micro-batches of the step before, numbered before
+        this one, must have run their forward at the weights the decision replaces."""
+        if head.HasField("decision"):
+            await self.closing.decided(head.decision)
+        self.serving(batch, head, sender)
+        self.closing.entered(batch)
+
     async def _chain(
         self,
         head: pb.MicroBatchHead,
@@ -146,6 +154,8 @@ class Chain:
                 head.epoch, head.seq, max(deadline - time.monotonic(), settings.calls.min_budget_s), self.link_grace
             ) as fresh:
                 TRACER.add("wait: link order", "wait", waited, time.time(), mb=batch.label)
+                if self.closing.depth > 1:
+                    await self._admit(head, batch, sender)
                 if place.first:
                     data = _inputs(carried, body)
                 else:

@@ -18,6 +18,12 @@ so those travel with the micro-batches instead:
 The floats are those of the rounds. A step whose micro-batches were retried or run again, or whose
 norms did not all arrive, closes by the rounds (held gradients are summed again, so nothing counts
 twice).
+
+With an asynchronous schedule (swarm.engine.delay) the decision closing step t comes with step
+t + 2's micro-batches, and step t + 1's may be in flight meanwhile: two steps are open here at once,
+a step's norm is taken from its held gradients without touching the parameters' (`held_sq_norm`:
+the same floats), and the apply sums them (stage.rounds). The learning rate a step reports is the
+one its micro-batches ran at: the rate the one-process engine's step t applies g_{t-1} with.
 """
 
 from __future__ import annotations
@@ -44,7 +50,11 @@ class Closing:
         # (the state's generation, step) -> its micro-batches whose backward finished here; a new
         # session or a restored state is a new generation: a replayed step counts afresh
         self.done: dict[tuple[int, int], set[int]] = {}
-        self.reported: tuple[int, int] | None = None  # the step whose norm this peer reported last
+        self.reported: list[tuple[int, int]] = []  # the steps whose norm this peer reported last
+        # steps open at once: two with an asynchronous schedule, whose steps' learning rates are
+        # those at their first micro-batch here ((generation, step) -> rate)
+        self.depth = 2 if state.cfg.train.schedule == "async" else 1
+        self.lrs: dict[tuple[int, int], float] = {}
         self.twice: tuple[int, int] | None = None  # a step of which a micro-batch finished twice before its sum
         self._applying: dict[tuple[int, int], asyncio.Task] = {}
 
@@ -60,8 +70,8 @@ class Closing:
         done = self.done.get(key)
         if done is None:
             done = self._begin(key)
-        if batch.index in done or key == self.reported:
-            if key != self.reported:  # what is held may be either attempt's: only the rounds can tell
+        if batch.index in done or key in self.reported:
+            if key not in self.reported:  # what is held may be either attempt's: only the rounds can tell
                 self.twice = key
             return {**metrics, RERUN: 1.0}
         done.add(batch.index)
@@ -69,7 +79,7 @@ class Closing:
             return metrics
         if self.twice == key:
             return {**metrics, RERUN: 1.0}
-        self.reported = key
+        self.reported = [*self.reported, key][-self.depth :]
         summed = await self.work.run(self.work.timed, self._sum, batch.step, closing)
         if summed is None:
             return {**metrics, RERUN: 1.0}
@@ -77,19 +87,34 @@ class Closing:
         return {**metrics, f"{SQUARE}{self.place.stage}": square, LR: lr}
 
     def _begin(self, key: tuple[int, int]) -> set[int]:
-        self.done = {key: set()}  # one step at a time: what earlier ones left goes
+        kept = list(self.done.items())[1 - self.depth :] if self.depth > 1 else []
+        self.done = {**dict(kept), key: set()}  # `depth` steps at a time: what earlier ones left goes
         return self.done[key]
+
+    def entered(self, batch: MicroBatch) -> None:
+        """A micro-batch, past its decision: an asynchronous step's learning rate is the one its
+        first micro-batch found here (later updates may come before its norm is reported)."""
+        if self.depth > 1 and batch.mode is Mode.TRAIN:
+            key = (self.state.generation, batch.step)
+            if key not in self.lrs:
+                self.lrs = {**dict(list(self.lrs.items())[-self.depth :]), key: self._lr()}
+
+    def _lr(self) -> float:
+        return self.state.runtime.optimizer.param_groups[0]["lr"]
 
     def _sum(self, step: int, count: int) -> tuple[float, float] | None:
         """On the computing thread: the step's gradients (its micro-batches' held ones, in index
         order) and their squared norm; the learning rate the step will be applied with. None when
         a micro-batch's gradients are no longer held (a retry of it failed here)."""
         runtime = self.state.runtime
+        keys = [(Mode.TRAIN.value, step, i) for i in range(count)]
         try:
-            runtime.accumulate([(Mode.TRAIN.value, step, i) for i in range(count)])
+            if self.depth > 1:  # an earlier step may not be applied yet: its p.grad are not ours
+                return runtime.held_sq_norm(keys), self.lrs.get((self.state.generation, step), self._lr())
+            runtime.accumulate(keys)
         except KeyError:
             return None
-        return runtime.grad_sq_norm(), runtime.optimizer.param_groups[0]["lr"]
+        return runtime.grad_sq_norm(), self._lr()
 
     async def decided(self, decision: pb.StepDecision) -> None:
         """A micro-batch brought the owner's decision closing `decision.step`: applied once, before
@@ -97,7 +122,7 @@ class Closing:
         state = self.state
         if decision.step != state.steps or state.joining is not None or state.leaving:
             return  # applied already (by a round, or by another micro-batch), or not ours to apply
-        if self.reported != (state.generation, decision.step):
+        if (state.generation, decision.step) not in self.reported:
             return  # the step's gradients are not all here (a decision replayed after a restore)
         key = (state.generation, decision.step)  # a state restored to an earlier step applies it anew
         task = self._applying.get(key)

@@ -234,7 +234,8 @@ class HostedStage:
             )
         if state.joining is not None or state.leaving:
             raise RemoteError(f"stage {self.stage} peer is {state.role}: it takes no micro-batch", pb.UNAVAILABLE)
-        if batch.step < state.steps:  # the sender's mistake (or replay), not this peer's: refused, and
+        low, high = state.serving()
+        if batch.step < low:  # the sender's mistake (or replay), not this peer's: refused, and
             # its upstream does not take this peer for unavailable (it may be the stage's only one)
             raise RemoteError(
                 f"a micro-batch of a past step: stage {self.stage} peer is at step {state.steps}, micro-batch {batch.key}",
@@ -244,11 +245,11 @@ class HostedStage:
             raise RemoteError(  # no step has it: it would count toward none, and cost compute here
                 f"micro-batch {batch.key} is not one of the step's {state.cfg.train.micro_batches}", pb.REFUSED
             )
-        if batch.step != state.steps:
+        if not low <= batch.step <= high:
             shown = proof is not None and self.gate.step_shown(proof, state.session_id, batch.step)
-            if batch.step > state.steps and shown:
+            if batch.step > high and shown:
                 self.abandon_join(f"it is at step {state.steps}, the run at step {batch.step}")
-            state.at(batch.step, f"micro-batch {batch.key}")
+            state.serves(batch.step, f"micro-batch {batch.key}")
         self.meters.first_batch(state.joined is not None, self.stage)
 
     def abandon_join(self, reason: str) -> None:

@@ -20,6 +20,7 @@ import torch
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, RemoteError
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
+from swarm.engine.microbatch import Mode
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import payload_to_tensors
 from swarm.transport.hivemind.routing.handoff import Handoff
@@ -95,11 +96,18 @@ class StageRounds:
         runtime = state.runtime
         if not (math.isfinite(head.scale) and head.scale >= 0):
             raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
+        keys = None
+        if runtime.delay is not None:  # an asynchronous step is summed when applied (stage.closing)
+            keys = [(Mode.TRAIN.value, head.step, i) for i in range(state.cfg.train.micro_batches)]
+            try:
+                runtime.accumulate(keys)
+            except KeyError as e:
+                raise RemoteError(f"stage {stage}: {e.args[0]}: step {head.step} is not applied") from None
         if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):
             raise RemoteError(f"stage {stage}: non-finite gradients at step {head.step}: the step is not applied")
         if head.scale:
             runtime.scale_grads(head.scale)
-        reply = pb.ApplyReply(lr=runtime.apply_step(), leaving=state.leaving)
+        reply = pb.ApplyReply(lr=runtime.apply_step(keys), leaving=state.leaving)
         self.told_leaving = state.leaving
         state.stepped()
         self.applied = ((state.generation, head.step), reply)

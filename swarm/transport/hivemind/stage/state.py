@@ -105,6 +105,25 @@ class StageState:
                 f"stage {self.place.stage} peer is at step {self.steps}, {what} of step {step}", pb.UNAVAILABLE
             )
 
+    def serving(self) -> tuple[int, int]:
+        """The first and last step whose micro-batches its weights serve: after n updates, step n;
+        with an asynchronous schedule (swarm.engine.delay) step n + 1, each update applying the
+        gradients of the step before the last (the first step applies nothing: steps 0 and 1 both
+        run at the initial weights)."""
+        if self.cfg.train.schedule != "async":
+            return self.steps, self.steps
+        return (self.steps + 1, self.steps + 1) if self.steps else (0, 1)
+
+    def serves(self, step: int, what: str) -> None:
+        """Raises unless its weights serve micro-batches of `step` (`at`, for micro-batches)."""
+        low, high = self.serving()
+        if self.cfg.train.schedule != "async":
+            self.at(step, what)
+        elif not low <= step <= high:
+            raise RemoteError(
+                f"stage {self.place.stage} peer's weights serve step {high}, {what} of step {step}", pb.UNAVAILABLE
+            )
+
     # ---- transitions -----------------------------------------------------------------------------
 
     def started(self, session: tuple, runtime, tied: list) -> None:

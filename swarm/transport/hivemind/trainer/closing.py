@@ -8,9 +8,16 @@ again, or a stage's norm did not come back, it closes by the rounds (swarm.engin
 same floats. A decision no micro-batch has brought yet is applied by a round (`settle`) before
 anything that needs every stage past the step: admitting a joiner (it downloads a stage's state), a
 copy, a checkpoint, the run's end.
+
+With an asynchronous schedule (swarm.engine.delay, `depth` 2) step t's decision comes with step
+t + 2's micro-batches (it applies g_t, a step late), step t + 1's may be out while step t's are, and
+every step must close on the way: the rounds cannot apply a step late yet, so a step that cannot
+ends the run with a one-line error.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from protocols import stage_pb2 as pb
 from swarm.engine.step import clip_scale
@@ -19,83 +26,110 @@ from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
 
+@dataclasses.dataclass
+class _Open:
+    """A step whose micro-batches are out, closing on the way."""
+
+    retries: int  # the handoff's retries when its micro-batches went out
+    squares: dict[int, float] = dataclasses.field(default_factory=dict)  # stage -> its squared gradient norm
+    lr: float | None = None
+    clean: bool = True  # no micro-batch of it retried or run again
+
+
 class StepClosing:
     def __init__(
-        self, place: TrainerPlace, membership: Membership, rounds: SwarmRounds, micro_batches: int, fixed_codecs: bool
+        self,
+        place: TrainerPlace,
+        membership: Membership,
+        rounds: SwarmRounds,
+        micro_batches: int,
+        fixed_codecs: bool,
+        depth: int = 1,
     ) -> None:
         self.place, self.membership, self.rounds = place, membership, rounds
-        self.micro_batches, self.fixed_codecs = micro_batches, fixed_codecs
-        self.step: int | None = None  # the step whose micro-batches are out, closing on the way
-        self.squares: dict[int, float] = {}  # stage -> its squared gradient norm, as reported
-        self.lr: float | None = None
-        self.clean = False  # no micro-batch of the step retried or run again
-        self.pending: pb.StepDecision | None = None  # the last decision, until a micro-batch brought it
+        self.micro_batches, self.fixed_codecs, self.depth = micro_batches, fixed_codecs, depth
+        self.open: dict[int, _Open] = {}  # the steps closing on the way (`depth` at most)
+        self.pending: dict[int, pb.StepDecision] = {}  # step -> its decision, until a micro-batch brought it
+        self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
-        self._retries = 0  # the handoff's retries when the step's micro-batches went out
 
     def plan(self, step: int, count: int, retries: int) -> int:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds)."""
         members = self.membership
         alone = all(len(members.members.get(s, [])) == 1 for s in range(self.place.num_stages))
         eligible = alone and not members.following and not self.place.tied and self.fixed_codecs
+        self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
         if not eligible or count != self.micro_batches:
-            self.step = None
+            if self.depth > 1:
+                raise ValueError(
+                    f"step {step}: train.schedule async runs in a swarm with one peer per stage, no joiner, no tied parameters and fixed codecs"
+                )
             return 0
-        self.step, self.squares, self.lr, self.clean, self._retries = step, {}, None, True, retries
+        self.open[step] = _Open(retries)
         return count
 
     def heard(self, step: int, metrics: dict[str, float], decision: pb.StepDecision | None) -> dict[str, float]:
         """A micro-batch of `step`, sent with `decision`, came back with these metrics: what they
         report of the step's closing is taken out (the rest is the loop's)."""
-        if decision is not None and decision is self.pending:
-            self.pending = None  # every stage applied it before serving the micro-batch
+        if decision is not None and self.pending.get(decision.step) is decision:
+            del self.pending[decision.step]  # every stage applied it before serving the micro-batch
         ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(SQUARE) or k in (RERUN, LR)]}
-        if step != self.step:
+        closing = self.open.get(step)
+        if closing is None:
             return metrics
         if RERUN in ours:
-            self.clean = False
+            closing.clean = False
         for key, value in ours.items():
             if key.startswith(SQUARE):
-                self.squares[int(key.removeprefix(SQUARE))] = value
-        self.lr = ours.get(LR, self.lr)
+                closing.squares[int(key.removeprefix(SQUARE))] = value
+        closing.lr = ours.get(LR, closing.lr)
         return metrics
 
     def rerun(self) -> None:
         """Micro-batches of the step run again (a peer that ran them left): it closes by the rounds."""
-        self.clean = False
+        for closing in self.open.values():
+            closing.clean = False
 
     def close(self, step: int, grad_clip: float | None, retries: int) -> float | None:
         """The learning rate of `step` closed on the way (its decision now pending for the next
         step's micro-batches), or None: it closes by the rounds."""
+        closing = self.open.pop(step, None)
         on_the_way = (
-            step == self.step
-            and self.clean
-            and retries == self._retries
-            and sorted(self.squares) == list(range(self.place.num_stages))
-            and self.lr is not None
+            closing is not None
+            and closing.clean
+            and retries == closing.retries
+            and sorted(closing.squares) == list(range(self.place.num_stages))
+            and closing.lr is not None
         )
-        self.step = None
         if not on_the_way:
+            if self.depth > 1:
+                raise RuntimeError(
+                    f"step {step} of a train.schedule async run could not close on the way (a micro-batch retried or run again, or a norm lost): the rounds cannot apply a step late yet"
+                )
             return None
         squares = 0.0
-        for stage in sorted(self.squares):  # in stage order from 0.0, as the set_grads round sums them
-            squares += self.squares[stage]
-        self.pending = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
+        for stage in sorted(closing.squares):  # in stage order from 0.0, as the set_grads round sums them
+            squares += closing.squares[stage]
+        # a decision older than the one the next micro-batches bring is applied or never will be
+        self.pending = {s: d for s, d in self.pending.items() if s > step - self.depth}
+        self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
+        self.last = step
         self.closed += 1
-        return self.lr
+        return closing.lr
 
     def decision_for(self, step: int) -> pb.StepDecision | None:
-        """The decision micro-batches of `step` bring (the one closing the step before)."""
-        return self.pending if self.pending is not None and self.pending.step + 1 == step else None
+        """The decision micro-batches of `step` bring (the one closing the step `depth` before)."""
+        return self.pending.get(step - self.depth)
 
     async def settle(self) -> None:
-        """The pending decision, applied now by a round on every peer (one that a micro-batch
+        """The pending decisions the stages' weights are past (an asynchronous schedule's last one
+        is applied a step later), applied now by a round on every peer (one that a micro-batch
         brought already answers with what it did)."""
-        decision = self.pending
-        if decision is not None:
-            await self.rounds.applied(decision.step, decision.scale)
-            self.pending = None
+        for step in sorted(self.pending):
+            if step <= self.last - (self.depth - 1):
+                await self.rounds.applied(step, self.pending[step].scale)
+                del self.pending[step]
 
     def forget(self) -> None:
         """The stages went back to an earlier state: no decision is pending."""
-        self.pending, self.step = None, None
+        self.pending, self.open, self.last = {}, {}, None

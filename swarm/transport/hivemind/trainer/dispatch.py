@@ -2,7 +2,12 @@
 stage-0 peer in the order given (every stage processes them in that order), each carried through
 the stages and back by stage 0 (swarm.transport.hivemind.stage.chain). A training micro-batch's heads
 say how the step closes (swarm.transport.hivemind.trainer.closing), and every micro-batch brings the
-owner's decision closing the step before, where one is pending."""
+owner's decision closing the step before, where one is pending.
+
+With an asynchronous schedule the loop hands over the next step's micro-batches with a step's
+(`following`): they queue behind the step's in the same window and order, so they enter the
+pipeline while the step's are still in flight (the pipeline no longer drains at every step), and
+the next `run_many` of them waits for what was started."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from collections import Counter
 
 import torch
 
@@ -39,13 +45,42 @@ class Dispatch:
     ) -> None:
         self.place, self.membership, self.position = place, membership, position
         self.handoff, self.numbering, self.closing, self.in_flight = handoff, numbering, closing, in_flight
+        self.window: asyncio.Semaphore | None = None  # micro-batches in flight, of every call
+        self.order: asyncio.Lock | None = None  # numbers taken in the order given, across calls
+        self.ahead: tuple[list[tuple], asyncio.Task] | None = None  # the next step's, started early: keys, task
+        self.out: Counter = Counter()  # step -> its training micro-batches sent and not back yet
+        self.overlapped: set[int] = set()  # steps of which a micro-batch went out while the step before's were out
         self.verification = None  # train.verify: a fraction of micro-batches run again elsewhere and compared
         if cfg.train.verify:
             self.verification = Verification(place, membership, position, cfg, self._verify_one, self._run_again)
 
-    async def run_many(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False) -> list[dict]:
-        """Metrics of each (micro-batch, inputs); `again`: micro-batches of this step run once more."""
-        window, order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
+    async def run_many(
+        self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False, following=()
+    ) -> list[dict]:
+        """Metrics of each (micro-batch, inputs); `again`: micro-batches of this step run once more;
+        `following`: the next step's, started behind these (an asynchronous schedule)."""
+        if self.window is None:  # made in the event loop's thread
+            self.window, self.order = asyncio.Semaphore(self.in_flight), asyncio.Lock()
+        ahead, self.ahead = self.ahead, None
+        keys = [batch.key for batch, _ in items]
+        if ahead is not None and ahead[0] != keys:  # the loop's mistake: what was started is not wanted
+            ahead[1].cancel()
+            await asyncio.gather(ahead[1], return_exceptions=True)
+            raise RuntimeError(f"micro-batches {ahead[0][:1]}... were started ahead, then {keys[:1]}... asked for")
+        task = ahead[1] if ahead is not None else asyncio.ensure_future(self._run_many(items, again))
+        if following:
+            self.ahead = ([batch.key for batch, _ in following], asyncio.ensure_future(self._run_many(following)))
+        try:
+            return await task
+        except BaseException:
+            if self.ahead is not None:  # nothing of the next step goes on without this one
+                self.ahead[1].cancel()
+                await asyncio.gather(self.ahead[1], return_exceptions=True)
+                self.ahead = None
+            raise
+
+    async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False) -> list[dict]:
+        window, order = self.window, self.order
         closing = 0
         step = not again and bool(items) and items[0][0].mode is Mode.TRAIN  # a step's micro-batches, all of them
         if again:
@@ -70,10 +105,12 @@ class Dispatch:
         return [{k: v for k, v in result.items() if not k.startswith(DIGEST)} for result in metrics]
 
     def notes(self) -> dict:
-        """The summary row's account of verification (train.verify): checks made, and how many differed."""
+        """The summary row's account of verification (train.verify): checks made, and how many
+        differed; of an asynchronous schedule's steps started while the step before was in flight."""
+        notes = {"overlapped_steps": len(self.overlapped)} if self.overlapped else {}
         if self.verification is None:
-            return {}
-        return {"verified": {"checks": self.verification.checks, "mismatches": self.verification.mismatches}}
+            return notes
+        return {**notes, "verified": {"checks": self.verification.checks, "mismatches": self.verification.mismatches}}
 
     async def _verify_one(self, item, avoid: tuple[int, list[str]]) -> tuple[dict, list[str]]:
         """A micro-batch once more, through none of `avoid` (stage, peers): its metrics and route."""
@@ -81,7 +118,7 @@ class Dispatch:
         return await self._one(*item, asyncio.Lock(), 0, avoid)
 
     async def _run_again(self, items) -> list[dict]:
-        return await self.run_many(items, again=True)
+        return await self._run_many(items, again=True)
 
     async def _one(
         self, batch: MicroBatch, inputs: torch.Tensor, order: asyncio.Lock, closing: int, avoid=None
@@ -108,7 +145,16 @@ class Dispatch:
         )
         if decision is not None and decision.ByteSize():
             carry.decision.CopyFrom(decision)
-        frame, _, _ = await handoff.send(batch, record, sent, b"", place.session, again, inputs=inputs, carry=carry)
+        training = batch.mode is Mode.TRAIN
+        if training and self.out[batch.step - 1]:
+            self.overlapped.add(batch.step)
+        self.out[batch.step] += training
+        try:
+            frame, _, _ = await handoff.send(batch, record, sent, b"", place.session, again, inputs=inputs, carry=carry)
+        finally:
+            self.out[batch.step] -= training
+            if not self.out[batch.step]:
+                del self.out[batch.step]
         result = frame.head
         if result.kind != pb.DONE:
             raise RuntimeError(f"stage 0 finished micro-batch {batch.key} with kind {result.kind}, expected DONE")
@@ -122,3 +168,14 @@ class Dispatch:
             for peer_id in result.route:
                 self.membership.served(peer_id)  # it served a micro-batch: it is in service
         return metrics, list(result.route)
+
+
+def micro_batches_in_flight(asked: int | None, num_stages: int, settings) -> int:
+    """Micro-batches in the pipeline at once: `asked`, or two per stage; never more than a stage
+    peer takes from one sender at once (it refuses the rest)."""
+    limit = settings.limits.max_requests_per_sender
+    if asked is not None and asked > limit:
+        raise ValueError(
+            f"train.in_flight={asked}: a stage peer takes at most {limit} micro-batches of one sender at once (max_requests_per_sender)"
+        )
+    return asked or min(2 * num_stages, limit)

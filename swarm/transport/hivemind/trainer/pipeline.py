@@ -26,7 +26,6 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
-from swarm.engine.delay import synchronous_only
 from swarm.engine.pipeline import Rewound
 from swarm.engine.step import synchronous_step
 from swarm.models import TiedPair
@@ -43,7 +42,8 @@ from swarm.transport.hivemind.routing.router import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.closing import StepClosing
-from swarm.transport.hivemind.trainer.dispatch import Dispatch
+from swarm.transport.hivemind.trainer.dispatch import Dispatch, micro_batches_in_flight
+from swarm.transport.hivemind.trainer.late import DEPTH, refuse_unsupported
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import StepHooks, SwarmRounds, codec_changes
@@ -67,7 +67,7 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        synchronous_only(cfg.train.schedule, "a swarm")
+        refuse_unsupported(cfg, snapshot_every)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
@@ -93,7 +93,8 @@ class SwarmPipeline:
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
         fixed_codecs = self.adaptive is None
-        self.closing = StepClosing(place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs)
+        depth = DEPTH[cfg.train.schedule]
+        self.closing = StepClosing(place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs, depth)
         self.dispatch = Dispatch(
             place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight, cfg
         )
@@ -243,11 +244,12 @@ class SwarmPipeline:
 
     # ---- micro-batches -----------------------------------------------------------------------
 
-    def run_many(self, items) -> list[dict[str, float]]:
-        """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time."""
+    def run_many(self, items, following=()) -> list[dict[str, float]]:
+        """Metrics of each (micro-batch, inputs), `in_flight` of them in the pipeline at a time;
+        `following`: the next step's, started behind them (train.schedule async: trainer.dispatch)."""
         items = list(items)
         self.accounts.step_statuses = None
-        return self._mended(lambda: self.loop.run(self.dispatch.run_many(items)))
+        return self._mended(lambda: self.loop.run(self.dispatch.run_many(items, following=list(following))))
 
     def _mended(self, work):
         """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
@@ -257,6 +259,8 @@ class SwarmPipeline:
             try:
                 return work()
             except (TransportError, RemoteError, NoPeerError) as e:
+                if self.closing.depth > 1:  # no copies to go back to (trainer.late)
+                    raise
                 position = self.loop.run(self.recovery.recover(e))
                 if position is None:
                     raise
@@ -378,22 +382,13 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
+        refuse_unsupported(self.cfg, 0, checkpoints=True)
         self.settled(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
+        refuse_unsupported(self.cfg, 0, checkpoints=True)
         step, saved = self.loop.run(self.rounds.load(Path(directory)))
         if saved is not None:
             self.adaptive.restore(saved)
         self.went_back(step)
         return step
-
-
-def micro_batches_in_flight(asked: int | None, num_stages: int, settings) -> int:
-    """Micro-batches in the pipeline at once: `asked`, or two per stage; never more than a stage
-    peer takes from one sender at once (it refuses the rest)."""
-    limit = settings.limits.max_requests_per_sender
-    if asked is not None and asked > limit:
-        raise ValueError(
-            f"train.in_flight={asked}: a stage peer takes at most {limit} micro-batches of one sender at once (max_requests_per_sender)"
-        )
-    return asked or min(2 * num_stages, limit)
