@@ -39,20 +39,25 @@ class LocalPipeline:
         """One micro-batch through the pipeline (and back when training); its metrics."""
         message = self.runtimes[0].forward(batch, inputs, self.ends[0])
         try:
-            while message.kind is not Kind.DONE:
-                stage, ends = self.runtimes[message.to_stage], self.ends[message.to_stage]
-                received = wire.decode(message.payload)  # our own bytes: the default limits
-                if message.kind is Kind.FORWARD:
-                    following = stage.forward(batch, received, ends)
-                else:
-                    following = stage.backward(batch, received, message.metrics, ends)
-                message.delivered()
-                message = following
+            message = self.carry(batch, message)
         except Exception:
             for runtime, ends in zip(self.runtimes, self.ends, strict=True):
                 runtime.drop(batch, ends)
             raise
         return message.metrics
+
+    def carry(self, batch: MicroBatch, message):
+        """`message` on through the stages until `batch` is done; the last message (its metrics)."""
+        while message.kind is not Kind.DONE:
+            stage, ends = self.runtimes[message.to_stage], self.ends[message.to_stage]
+            received = wire.decode(message.payload)  # our own bytes: the default limits
+            if message.kind is Kind.FORWARD:
+                following = stage.forward(batch, received, ends)
+            else:
+                following = stage.backward(batch, received, message.metrics, ends)
+            message.delivered()
+            message = following
+        return message
 
     def run_many(self, items, following=()) -> list[dict[str, float]]:
         """(micro-batch, inputs) pairs one after another: the swarm's order, without the overlap

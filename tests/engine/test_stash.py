@@ -9,10 +9,9 @@ import pytest
 import torch
 from _util import SMOKE
 
-from protocols import wire
 from swarm.config import load_config
 from swarm.data import collate
-from swarm.engine.microbatch import Kind, Mode
+from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import split_micro_batches
 from swarm.transport.local import build_local_pipeline
@@ -36,15 +35,7 @@ def _pipeline(schedule: str):
 
 def _on(pipeline, batch, message) -> None:
     """`message` through the rest of the pipeline, until the micro-batch is done."""
-    while message.kind is not Kind.DONE:
-        stage, ends = pipeline.runtimes[message.to_stage], pipeline.ends[message.to_stage]
-        received = wire.decode(message.payload)
-        if message.kind is Kind.FORWARD:
-            following = stage.forward(batch, received, ends)
-        else:
-            following = stage.backward(batch, received, message.metrics, ends)
-        message.delivered()
-        message = following
+    pipeline.carry(batch, message)
 
 
 def _update(runtime, keys) -> None:
