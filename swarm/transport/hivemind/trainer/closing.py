@@ -93,8 +93,9 @@ class StepClosing:
             closing.clean = False
 
     def close(self, step: int, grad_clip: float | None, retries: int) -> float | None:
-        """The learning rate of `step` closed on the way (its decision now pending for the next
-        step's micro-batches), or None: it closes by the rounds."""
+        """The learning rate of `step` closed on the way (its decision now pending for the
+        micro-batches `depth` steps later), or None: it closes by the rounds (an asynchronous
+        step by the one round of `late`)."""
         closing = self.open.pop(step, None)
         on_the_way = (
             closing is not None
