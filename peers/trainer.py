@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--snapshot_every",
         type=int,
-        default=None,
-        help="steps between the copies of every stage the swarm keeps (a lost stage or trainer goes back to them; 0: none; default 10, 0 with train.schedule async)",
+        default=10,
+        help="steps between the copies of every stage the swarm keeps (a lost stage or trainer goes back to them; 0: none; default 10)",
     )
     parser.add_argument(
         "--fresh",
@@ -132,12 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
     if bad := [peer for peer in args.allow if not is_peer_id(peer)]:
         return fail(f"--allow takes peer ids, got {bad[0]!r}")
-    if args.snapshot_every is None:  # an asynchronous schedule's swarm keeps no copies yet (trainer.late)
-        args.snapshot_every = 0 if cfg.train.schedule == "async" else 10
     if args.snapshot_every < 0:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
     try:
-        refuse_unsupported(cfg, args.snapshot_every, checkpoints=bool(args.checkpoint_dir))
+        refuse_unsupported(cfg)
     except ValueError as e:
         return fail(str(e))
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None

@@ -162,6 +162,26 @@ class StageRuntime:
                 total += float(sums[name].detach().float().pow(2).sum())
         return total
 
+    def held_kept(self, step: int, count: int) -> dict[str, torch.Tensor] | None:
+        """An asynchronous step's held gradients as one process keeps them (`StageDelay.kept`: the
+        sum of the step's `count` micro-batches, in index order, the same floats), so that a swarm's
+        checkpoint or copy is one process's; None when none of them is held (no step ran yet)."""
+        keys = step_keys(step, count)
+        if not any(key in self.held for key in keys):
+            return None
+        return self._summed(keys)
+
+    def hold_kept(self, step: int, count: int, kept: dict[str, torch.Tensor] | None) -> None:
+        """The inverse of `held_kept`: all of `kept` held as the step's first micro-batch's, nothing
+        as the others' (summing them gives `kept`, the same floats), so the step is applied and its
+        norm taken as if its micro-batches had just run here."""
+        if kept is None:
+            return
+        first, *others = step_keys(step, count)
+        self.held[first] = list(kept.items())
+        for key in others:
+            self.held[key] = []
+
     def _summed(self, keys) -> dict[str, torch.Tensor]:
         """Parameter name -> the sum of its held gradients of `keys`, added in the given order."""
         missing = [key for key in keys if key not in self.held]
@@ -307,3 +327,8 @@ class StageRuntime:
     @property
     def pending(self) -> int:
         return len(self._saved)
+
+
+def step_keys(step: int, count: int) -> list[tuple]:
+    """The keys of a step's `count` training micro-batches, in index order."""
+    return [(Mode.TRAIN.value, step, i) for i in range(count)]

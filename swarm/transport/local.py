@@ -133,6 +133,9 @@ class LocalPipeline:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
         return steps.pop()
 
+    def keeps_copies(self, step: int) -> bool:
+        return False
+
     def snapshot(self, step: int, position: dict) -> None:
         """One process keeps no copies: it is the whole run (its checkpoints are files)."""
 

@@ -1,6 +1,7 @@
 """The training loop with `train.schedule: async`: it hands the pipeline the next step's
 micro-batches with a step's (a swarm starts them early: trainer.dispatch), except where the
-pipeline drains after the step (an evaluation, a checkpoint, the epoch's or the run's end)."""
+pipeline drains after the step (an evaluation, a checkpoint, a swarm's copies, the epoch's or the
+run's end)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.local import build_local_pipeline
 
 
-def _run(schedule: str, tmp_path, checkpoint_every: int | None = None):
+def _run(schedule: str, tmp_path, checkpoint_every: int | None = None, copies_every: int | None = None):
     """Every call's (step of its micro-batches, step of `following`'s or None), and the losses."""
     # 10 steps an epoch (400 samples of 40), an evaluation every 5
     cfg = load_config(
@@ -32,6 +33,8 @@ def _run(schedule: str, tmp_path, checkpoint_every: int | None = None):
         return run_many(items, following)
 
     pipeline.run_many = recording
+    if copies_every:  # as a swarm's --snapshot_every
+        pipeline.keeps_copies = lambda step: step % copies_every == 0
     results = ResultsWriter(None)
     checkpoint = Checkpointing(tmp_path, checkpoint_every) if checkpoint_every else None
     train(cfg, pipeline, build_data(cfg), results, 12, progress=False, checkpoint=checkpoint)
@@ -50,3 +53,9 @@ def test_a_checkpoint_drains_too_and_a_synchronous_loop_hands_nothing_over(tmp_p
     assert [step for step, ahead in calls if ahead is None] == [2, 4, 5, 8, 9, 11]
     calls, _ = _run("sync", tmp_path / "sync")
     assert all(ahead is None for _, ahead in calls)
+
+
+def test_the_swarms_copies_drain_too(tmp_path):
+    calls, losses = _run("async", tmp_path, copies_every=4)
+    assert [step for step, ahead in calls if ahead is None] == [3, 4, 7, 9, 11]  # copies at steps 4 and 8
+    assert losses == _run("async", tmp_path / "plain")[1]  # draining changes nothing of the floats

@@ -3,8 +3,19 @@ shared swarm: the oracle is one process's asynchronous run (swarm.engine.delay).
 
 from __future__ import annotations
 
+import shutil
+import uuid
+
 import pytest
+import torch
 from _swarm_env import local_rows, smoke, swarm_rows
+
+from protocols import stage_pb2 as pb
+from protocols.errors import RemoteError
+from swarm.training.checkpoints import Checkpointing, run_dir
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import train
+from swarm.training.results import ResultsWriter, read_results
 
 
 def test_an_asynchronous_schedule_overlaps_steps_with_the_floats_of_one_process(swarm, tmp_path):
@@ -35,7 +46,110 @@ def test_an_asynchronous_schedule_overlaps_steps_with_the_floats_of_one_process(
 
 
 def test_a_stage_with_two_peers_is_refused_at_the_first_step_in_one_line(swarm):
-    """Replicas sum their gradients by the rounds, which cannot apply a step late yet."""
+    """Replicas sum their gradients by the rounds, which apply a step at once."""
     cfg = smoke("model.num_stages=3", "train.schedule=async")
     with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm with one peer per stage, "):
         swarm_rows(swarm, cfg, steps=2, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
+
+
+def _losses(rows) -> list[float]:
+    return [r["loss"] for r in rows if r["type"] == "step"]
+
+
+def _close(ours: list[float], theirs: list[float]) -> None:
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+
+
+def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swarm, tmp_path):
+    """Checkpoints at steps 3 and 6 hold each stage's last step's gradients unapplied, written as one
+    process's kept ones (StageState.saved). With the newest lost, a new trainer session resumes the
+    swarm from step 3 (its stages hold step 2's gradients again; the trainer makes step 2's decision
+    anew from their norms, a round), one process resumes the same files, and the swarm resumes one
+    process's checkpoint: each repeats the uninterrupted one-process run, clipping and error feedback
+    included."""
+    cfg = smoke(
+        "model.num_stages=3",
+        "optimizer.grad_clip=0.05",
+        "compression.forward=topk:0.2+ef21",
+        "compression.backward=topk:0.2+ef21",
+        "train.eval_every=100",
+        "train.schedule=async",
+    )
+    ours, theirs = tmp_path / "swarm", tmp_path / "one"
+    run_experiment(cfg, tmp_path / "one.jsonl", 6, progress=False, checkpoint=Checkpointing(str(theirs), 3))
+    reference = _losses(read_results(tmp_path / "one.jsonl"))
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    data = build_data(cfg)
+
+    def swarm_run(directory) -> tuple[list[dict], dict]:
+        rows = ResultsWriter(None)
+        pipeline = swarm.pipeline(cfg, run_id, 6, data)
+        train(cfg, pipeline, data, rows, 6, progress=False, checkpoint=Checkpointing(str(directory), 3))
+        return rows.rows, pipeline.summary_notes()
+
+    try:
+        first, _ = swarm_run(ours)
+        _close(_losses(first), reference)
+        for stage in range(3):  # one process's format: the sum of step 2's gradients, not yet applied
+            mine, one = (torch.load(run_dir(d, 3) / f"stage{stage}.pt", weights_only=True) for d in (ours, theirs))
+            assert mine["step"] == one["step"] == 3 and mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
+            for name, grad in one["delay"]["kept"].items():
+                assert torch.allclose(mine["delay"]["kept"][name], grad, rtol=1e-5, atol=1e-7), (stage, name)
+        shutil.rmtree(run_dir(ours, 6))
+        resumed, notes = swarm_run(ours)
+        assert [r["step"] for r in resumed if r["type"] == "step"] == [4, 5, 6]
+        _close(_losses(resumed), reference[3:])
+        assert notes["round_calls"]["gather"] == 3  # the held norms of step 2, once per stage
+        assert notes["closed_on_the_way"] == 3
+        shutil.rmtree(run_dir(theirs, 6))
+        _close(_losses(swarm_run(theirs)[0]), reference[3:])  # one process's checkpoint, in the swarm
+    finally:
+        swarm.unhost(run_id)
+    shutil.rmtree(run_dir(ours, 6))
+    local = tmp_path / "resumed.jsonl"
+    run_experiment(cfg, local, 6, progress=False, checkpoint=Checkpointing(str(ours), 3))
+    _close(_losses(read_results(local)), reference[3:])  # the swarm's checkpoint, in one process
+
+
+def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(swarm, tmp_path):
+    """Micro-batch 1 of step 4 goes through every stage, but stage 0's reply is lost: the trainer
+    sends it again, and every stage holds it once more (held per micro-batch: it counts once). The
+    step cannot close on the way, so one round takes every stage's norm of its held gradients; its
+    decision still rides with step 6's micro-batches, and the losses are one process's."""
+    cfg = smoke(
+        "model.num_stages=3",
+        "optimizer.grad_clip=0.05",
+        "compression.forward=quant:4",
+        "compression.backward=quant:4",
+        "train.schedule=async",
+    )
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    chain = hosted[0].chain
+    original, lost = chain.run, []
+
+    async def reply_lost_once(head, payload, sender):
+        outcome = await original(head, payload, sender)
+        if (head.batch.step, head.batch.index) == (4, 1) and not lost:
+            lost.append(head.batch.attempt)
+            raise RemoteError("stage 1 did not answer in time (a test's lost reply)", pb.DOWNSTREAM)
+        return outcome
+
+    chain.run = reply_lost_once
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 8, data)
+        rows = ResultsWriter(None)
+        train(cfg, pipeline, data, rows, 8, progress=False)  # step 4 is followed by an evaluation
+    finally:
+        swarm.unhost(run_id)
+    assert lost and pipeline.handoff.retries == 1
+    theirs = local_rows(cfg, tmp_path, steps=8)
+    _close(_losses(rows.rows), _losses(theirs))
+    lrs = ([r["lr"] for r in run if r["type"] == "step"] for run in (rows.rows, theirs))
+    assert next(lrs) == pytest.approx(next(lrs))  # step 4's: the rate its micro-batches ran at, by the round
+    summary = rows.rows[-1]
+    assert summary["closed_on_the_way"] == 7 and summary["round_calls"] == {"gather": 3}

@@ -29,8 +29,11 @@ STEPS = 12
 EVERY = 3
 
 
-def _cfg(forward: str = "topk:0.2", backward: str = "topk:reuse"):
-    return smoke("model.num_stages=3", f"compression.forward={forward}", f"compression.backward={backward}")
+def _cfg(forward: str = "topk:0.2", backward: str = "topk:reuse", *more: str):
+    return smoke("model.num_stages=3", f"compression.forward={forward}", f"compression.backward={backward}", *more)
+
+
+ASYNC = ("topk:0.2", "topk:reuse", "optimizer.grad_clip=0.05", "train.schedule=async")  # swarm.engine.delay
 
 
 class _Hooked(ResultsWriter):
@@ -179,6 +182,10 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         # error feedback: the copies carry the link ends in use, so the new pairs go on from them
         ("between steps", "subspace:4|topk:0.1+ef21", 6),  # and the forward's subspace basis
         ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
+        # train.schedule async: the copies hold each stage's last step's gradients unapplied (the
+        # loop drains before a copy); step 8's micro-batches were out when stage 1 died
+        ("between steps", "|".join(ASYNC), 6),
+        ("as a step closes", "|".join(ASYNC), 6),  # step 7 applied (step 9's micro-batch brought it)
     ],
 )
 def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(
@@ -193,7 +200,8 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         elif moment == "at a micro-batch":  # the second micro-batch of step 8 is inside it
             _kill_inside(run, run.mortal.chain, "run", lambda head, *_: head.batch.step == 7 and head.batch.index == 1)
         elif moment == "as a step closes":  # step 8 is applied on the way (step 9's first micro-batch brought it)
-            _kill_inside(run, run.mortal.chain.closing, "decided", lambda decision: decision.step == 7)
+            late = run.cfg.train.schedule == "async"  # a decision comes a step later
+            _kill_inside(run, run.mortal.chain.closing, "decided", lambda decision: decision.step == 7 - late)
         else:  # step 9's copies are being taken: the newest complete ones are step 6's
             _kill_inside(run, run.mortal.snapshots, "snapshot", lambda head, _: head.step == 9 and not head.discard)
         results = _Hooked(hooks)
@@ -216,8 +224,11 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         run.close()
 
 
-def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
-    run = _Lossy(swarm)
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path, schedule):
+    """async: the new trainer makes the decision of step 5 (whose gradients the copies of step 6
+    hold unapplied) anew from every stage's norm of them, and it rides with step 7's micro-batches."""
+    run = _Lossy(swarm, _cfg(*ASYNC) if schedule == "async" else None)
     try:
 
         class TrainerDied(Exception):

@@ -23,7 +23,10 @@ With an asynchronous schedule (swarm.engine.delay) the decision closing step t c
 t + 2's micro-batches, and step t + 1's may be in flight meanwhile: two steps are open here at once,
 a step's norm is taken from its held gradients without touching the parameters' (`held_sq_norm`:
 the same floats), and the apply sums them (stage.rounds). The learning rate a step reports is the
-one its micro-batches ran at: the rate the one-process engine's step t applies g_{t-1} with.
+one its micro-batches ran at: the rate the one-process engine's step t applies g_{t-1} with. A step
+that cannot close on the way is counted by a round instead (the gather round's `held` form:
+stage.combine), and a restored state holds its last step's gradients again (StageState.restored):
+either way its decision applies them (`StageState.counted`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import asyncio
 
 from protocols import stage_pb2 as pb
 from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.engine.stage import step_keys
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.state import StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
@@ -52,9 +56,8 @@ class Closing:
         self.done: dict[tuple[int, int], set[int]] = {}
         self.reported: list[tuple[int, int]] = []  # the steps whose norm this peer reported last
         # steps open at once: two with an asynchronous schedule, whose steps' learning rates are
-        # those at their first micro-batch here ((generation, step) -> rate)
+        # those at their first micro-batch here (`StageState.rates`)
         self.depth = 2 if state.cfg.train.schedule == "async" else 1
-        self.lrs: dict[tuple[int, int], float] = {}
         self.twice: tuple[int, int] | None = None  # a step of which a micro-batch finished twice before its sum
         self._applying: dict[tuple[int, int], asyncio.Task] = {}
 
@@ -95,9 +98,9 @@ class Closing:
         """A micro-batch, past its decision: an asynchronous step's learning rate is the one its
         first micro-batch found here (later updates may come before its norm is reported)."""
         if self.depth > 1 and batch.mode is Mode.TRAIN:
-            key = (self.state.generation, batch.step)
-            if key not in self.lrs:
-                self.lrs = {**dict(list(self.lrs.items())[-self.depth :]), key: self._lr()}
+            key, rates = (self.state.generation, batch.step), self.state.rates
+            if key not in rates:
+                self.state.rates = {**dict(list(rates.items())[-self.depth :]), key: self._lr()}
 
     def _lr(self) -> float:
         return self.state.runtime.optimizer.param_groups[0]["lr"]
@@ -107,10 +110,10 @@ class Closing:
         order) and their squared norm; the learning rate the step will be applied with. None when
         a micro-batch's gradients are no longer held (a retry of it failed here)."""
         runtime = self.state.runtime
-        keys = [(Mode.TRAIN.value, step, i) for i in range(count)]
+        keys = step_keys(step, count)
         try:
             if self.depth > 1:  # an earlier step may not be applied yet: its p.grad are not ours
-                return runtime.held_sq_norm(keys), self.lrs.get((self.state.generation, step), self._lr())
+                return runtime.held_sq_norm(keys), self.state.rates.get((self.state.generation, step), self._lr())
             runtime.accumulate(keys)
         except KeyError:
             return None
@@ -122,9 +125,9 @@ class Closing:
         state = self.state
         if decision.step != state.steps or state.joining is not None or state.leaving:
             return  # applied already (by a round, or by another micro-batch), or not ours to apply
-        if (state.generation, decision.step) not in self.reported:
-            return  # the step's gradients are not all here (a decision replayed after a restore)
         key = (state.generation, decision.step)  # a state restored to an earlier step applies it anew
+        if key not in self.reported and key not in state.counted:
+            return  # the step's gradients are not all here (a decision replayed after a restore)
         task = self._applying.get(key)
         if task is None:
             self._check(decision)

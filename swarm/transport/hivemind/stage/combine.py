@@ -35,6 +35,8 @@ class Combining:
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
+        if head.held:  # an asynchronous step closing by the rounds (trainer.closing): its norm only
+            return await self.work.run(self.work.timed, self._held, head), b""
         me = self.place.peer_id
         groups = list(head.groups)
         local = await self.work.run(self.work.timed, self._local, head, groups)
@@ -67,6 +69,19 @@ class Combining:
                 stale=[stale[i] for i in sorted(stale)],
             )
 
+    def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
+        """On the computing thread: the squared norm of the sum of the step's held gradients, with
+        every p.grad left alone (the step before may not be applied yet: swarm.engine.delay), and
+        the rate the step ran at here. Its decision applies what was counted (`StageState.counted`)."""
+        state = self.state
+        if state.joining is not None:
+            raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
+        self._check_held(head)
+        square = state.runtime.held_sq_norm(_keys(head))
+        state.count(int(head.step))
+        lr = state.rates.get((state.generation, int(head.step)), state.runtime.optimizer.param_groups[0]["lr"])
+        return pb.GatherReply(held_sq_norm=square, lr=lr)
+
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
@@ -82,7 +97,7 @@ class Combining:
         joining = self.state.joining
         if joining is None:
             self._check_held(head)
-            runtime.accumulate([(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)])
+            runtime.accumulate(_keys(head))
         tied = {name for group in groups if group.names for name in group.names}
         out = []
         for group in groups:
@@ -129,3 +144,8 @@ class Combining:
             if param.grad is not None and name not in self.uncounted:
                 total += float(param.grad.detach().float().pow(2).sum())
         return total
+
+
+def _keys(head: pb.GatherRequest) -> list[tuple]:
+    """The held gradients a gather counts, in index order (the sums are one process's)."""
+    return [(Mode.TRAIN.value, head.step, i) for i in sorted(head.micro_batches)]

@@ -19,8 +19,8 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, RemoteError
-from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
-from swarm.engine.microbatch import Mode
+from swarm.engine.checkpoint import apply_stage_state, read_stage
+from swarm.engine.stage import step_keys
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import payload_to_tensors
 from swarm.transport.hivemind.routing.handoff import Handoff
@@ -98,7 +98,7 @@ class StageRounds:
             raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
         keys = None
         if runtime.delay is not None:  # an asynchronous step is summed when applied (stage.closing)
-            keys = [(Mode.TRAIN.value, head.step, i) for i in range(state.cfg.train.micro_batches)]
+            keys = step_keys(head.step, state.cfg.train.micro_batches)
             try:
                 runtime.accumulate(keys)
             except KeyError as e:
@@ -130,7 +130,7 @@ class StageRounds:
                 f"stage {self.place.stage} peer is still joining: it has no state to save", pb.UNAVAILABLE
             )
         sticky = self.handoff.sticky if self.handoff is not None else None
-        saved = stage_state(state.runtime, self.links.in_use(sticky), head.step)
+        saved = state.saved(self.links.in_use(sticky), head.step)
         saved["rng"] = torch.get_rng_state()
         buffer = io.BytesIO()
         torch.save(saved, buffer)

@@ -26,7 +26,7 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.engine.checkpoint import read_stage, stage_state
+from swarm.engine.checkpoint import read_stage
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.routing.handoff import Handoff
@@ -101,7 +101,7 @@ class Snapshots:
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""
         state, stage = self.state, self.place.stage
-        if state.joining is not None or state.steps != step:
+        if state.joining is not None or state.steps != state.drained(step):
             raise RemoteError(
                 f"stage {stage} peer is {state.role} at step {state.steps}: no copy of step {step}", pb.UNAVAILABLE
             )
@@ -111,7 +111,7 @@ class Snapshots:
         sticky = self.handoff.sticky if self.handoff is not None else None
         carry = not state.runtime.pending and state.cfg.compression.store_dir is None
         ends = self.links.in_use(sticky) if carry else NO_ENDS
-        saved = stage_state(state.runtime, ends, step, in_flight=True)
+        saved = state.saved(ends, step, in_flight=True)
         saved["rng"] = torch.get_rng_state()
         saved["trainer"] = torch.frombuffer(bytearray(trainer), dtype=torch.uint8) if trainer else None
         saved[manifests.PARAMETERS] = sorted(name for name, _ in state.runtime.module.named_parameters())

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
 from swarm.config import ExperimentConfig
+from swarm.engine.checkpoint import stage_state
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.net.events import EventLog
@@ -81,6 +82,11 @@ class StageState:
         self.leaving = False  # draining: it takes no new micro-batch and leaves after this step
         self.generation = 0  # bumped when the state starts afresh or goes back: its steps count anew
         self.attempts = HeldAttempts()  # which attempt of each micro-batch the runtime holds gradients of
+        # train.schedule async (swarm.engine.delay): the (generation, step)s whose held gradients a
+        # round counted (their norm) or a restore installed, so their decisions apply them
+        # (stage.closing); two at most, as two steps are open at once
+        self.counted: list[tuple[int, int]] = []
+        self.rates: dict[tuple[int, int], float] = {}  # async: (generation, step) -> the rate it ran at here
 
     @property
     def session_id(self) -> str:
@@ -104,6 +110,26 @@ class StageState:
             raise RemoteError(
                 f"stage {self.place.stage} peer is at step {self.steps}, {what} of step {step}", pb.UNAVAILABLE
             )
+
+    def drained(self, step: int) -> int:
+        """The optimizer steps taken by a state drained after `step` of the loop's steps: with an
+        asynchronous schedule the last step's gradients are held, not applied yet (swarm.engine.delay)."""
+        return max(step - 1, 0) if self.cfg.train.schedule == "async" else step
+
+    def saved(self, ends, step: int, in_flight: bool = False) -> dict:
+        """This stage drained after `step` of the loop's steps, as one process's stage file
+        (swarm.engine.checkpoint): with an asynchronous schedule the last step's held gradients,
+        summed, are its kept ones, so either transport resumes the other's."""
+        if self.runtime.delay is not None and self.steps != self.drained(step):
+            raise RemoteError(
+                f"stage {self.place.stage} peer has applied {self.steps} step(s): it holds no state of step {step}",
+                pb.UNAVAILABLE,
+            )
+        saved = stage_state(self.runtime, ends, step, in_flight)
+        if self.runtime.delay is not None:
+            kept = self.runtime.held_kept(step - 1, self.cfg.train.micro_batches) if step else None
+            saved["delay"] = {"kept": kept, "then": None, "moved": None}  # delay corrections are refused
+        return saved
 
     def serving(self) -> tuple[int, int]:
         """The first and last step whose micro-batches its weights serve: after n updates, step n;
@@ -153,10 +179,23 @@ class StageState:
         self.steps += 1
 
     def restored(self, cfg: ExperimentConfig, step: int) -> None:
-        """A checkpoint or copy of `step` was installed, with `cfg`'s codecs."""
-        self.cfg, self.steps = cfg, step
+        """A checkpoint or copy of `step` was installed, with `cfg`'s codecs. With an asynchronous
+        schedule its kept gradients (the step before's) are held again, applied when that step's
+        decision comes, as if its micro-batches had just run here."""
+        self.cfg = cfg
+        self.steps = self.drained(step)
         self.generation += 1
         self.attempts.clear()
+        self.counted = []
+        delay = self.runtime.delay
+        if delay is not None and delay.kept is not None:
+            kept, delay.kept = delay.kept, None  # a swarm's stage holds its gradients per micro-batch
+            self.runtime.hold_kept(step - 1, cfg.train.micro_batches, kept)
+            self.count(step - 1)
+
+    def count(self, step: int) -> None:
+        """Its held gradients of `step` were counted (asynchronous schedule): its decision applies them."""
+        self.counted = [*self.counted, (self.generation, step)][-2:]
 
     def switched(self, cfg: ExperimentConfig) -> None:
         """Adaptive compression: `cfg`'s codecs from the next step on."""

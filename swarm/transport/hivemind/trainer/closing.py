@@ -10,9 +10,11 @@ anything that needs every stage past the step: admitting a joiner (it downloads 
 copy, a checkpoint, the run's end.
 
 With an asynchronous schedule (swarm.engine.delay, `depth` 2) step t's decision comes with step
-t + 2's micro-batches (it applies g_t, a step late), step t + 1's may be out while step t's are, and
-every step must close on the way: the rounds cannot apply a step late yet, so a step that cannot
-ends the run with a one-line error.
+t + 2's micro-batches (it applies g_t, a step late) and step t + 1's may be out while step t's are.
+A step that cannot close on the way closes by one round (`late`: every stage's norm of its held
+gradients, nothing applied) and its decision still rides with step t + 2's micro-batches. A
+checkpoint or copy of an asynchronous run holds the last step's gradients unapplied: after a
+restore the decision of that step is made again the same way (`reopen`).
 """
 
 from __future__ import annotations
@@ -91,8 +93,9 @@ class StepClosing:
             closing.clean = False
 
     def close(self, step: int, grad_clip: float | None, retries: int) -> float | None:
-        """The learning rate of `step` closed on the way (its decision now pending for the next
-        step's micro-batches), or None: it closes by the rounds."""
+        """The learning rate of `step` closed on the way (its decision now pending for the
+        micro-batches `depth` steps later), or None: it closes by the rounds (an asynchronous
+        step by the one round of `late`)."""
         closing = self.open.pop(step, None)
         on_the_way = (
             closing is not None
@@ -102,20 +105,38 @@ class StepClosing:
             and closing.lr is not None
         )
         if not on_the_way:
-            if self.depth > 1:
-                raise RuntimeError(
-                    f"step {step} of a train.schedule async run could not close on the way (a micro-batch retried or run again, or a norm lost): the rounds cannot apply a step late yet"
-                )
             return None
         squares = 0.0
         for stage in sorted(closing.squares):  # in stage order from 0.0, as the set_grads round sums them
             squares += closing.squares[stage]
+        self._decide(step, squares, grad_clip)
+        self.closed += 1
+        return closing.lr
+
+    async def late(self, step: int, grad_clip: float | None) -> float:
+        """An asynchronous step that could not close on the way: every stage's norm of its held
+        gradients by a round, and its decision pending for step + 2's micro-batches all the same
+        (the same floats); the learning rate the step ran at."""
+        squares, lr = await self.rounds.held(step, self.micro_batches)
+        self._decide(step, squares, grad_clip)
+        return lr
+
+    async def reopen(self, step: int, grad_clip: float | None) -> None:
+        """The stages went back to `step` (a checkpoint or the swarm's copies): none of its
+        decisions is pending, but with an asynchronous schedule the stages hold the gradients of
+        the step before, whose decision is made again from their norms (a round) and rides with
+        step + 1's micro-batches, as it would have."""
+        self.forget()
+        if self.depth > 1 and step:
+            squares, _ = await self.rounds.held(step - 1, self.micro_batches)
+            self._decide(step - 1, squares, grad_clip)
+
+    def _decide(self, step: int, squares: float, grad_clip: float | None) -> None:
+        """The owner's signed decision closing `step`, pending for the micro-batches `depth` after."""
         # a decision older than the one the next micro-batches bring is applied or never will be
         self.pending = {s: d for s, d in self.pending.items() if s > step - self.depth}
         self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
         self.last = step
-        self.closed += 1
-        return closing.lr
 
     def decision_for(self, step: int) -> pb.StepDecision | None:
         """The decision micro-batches of `step` bring (the one closing the step `depth` before)."""

@@ -73,11 +73,15 @@ class Dispatch:
         try:
             return await task
         except BaseException:
-            if self.ahead is not None:  # nothing of the next step goes on without this one
-                self.ahead[1].cancel()
-                await asyncio.gather(self.ahead[1], return_exceptions=True)
-                self.ahead = None
+            await self.abandon()  # nothing of the next step goes on without this one
             raise
+
+    async def abandon(self) -> None:
+        """What was started ahead goes (the run went back to an earlier step, or this one failed)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead[1].cancel()
+            await asyncio.gather(ahead[1], return_exceptions=True)
 
     async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False) -> list[dict]:
         window, order = self.window, self.order

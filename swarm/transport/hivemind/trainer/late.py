@@ -4,11 +4,18 @@ of the step before it, so the next step's micro-batches enter while a step's are
 arrives (trainer.closing, stage.closing) and keeps the version step t + 1's pending backward needs
 (swarm.engine.stage: weight stashing).
 
+A drained stage holds its last step's gradients unapplied: its checkpoints and the swarm's copies
+write them as one process's kept gradients (StageState.saved), a restore holds them again and the
+trainer makes that step's decision anew (trainer.closing `reopen`); a step that cannot close on the
+way closes by a round of the held gradients' norms (`late`).
+
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
 (compression.adaptive), verification, recomputed activations (a backward would recompute at the
-newer weights), a delay correction other than none, the swarm's copies and checkpoints (a drained
-stage would have to write its kept gradients). A stage with two peers, a joiner or tied parameters
-are refused at the first step they meet (trainer.closing).
+newer weights), a delay correction other than none (a swarm's stages apply the gradients as
+computed). A stage with two peers, a joiner or tied parameters are refused at the first step they
+meet (trainer.closing: their gradients are summed by rounds that apply a step at once).
+A retried micro-batch of step t must come back before step t + 1's first micro-batch reached its
+stages: past that its stages' weights serve step t + 1 only, and the retry is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from swarm.config.schedule import DelayCorrection
 DEPTH = {"sync": 1, "async": 2}  # steps a stage has open at once (trainer.closing's depth)
 
 
-def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int, checkpoints: bool = False) -> None:
+def refuse_unsupported(cfg: ExperimentConfig) -> None:
     """Raises ValueError, in one line, for what a swarm cannot run with an asynchronous schedule yet."""
     if cfg.train.schedule == "sync":
         return
@@ -32,10 +39,6 @@ def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int, checkpoints: 
         missing.append("train.checkpoint_activations")
     if DelayCorrection.parse(cfg.train.delay_correction).kind != "none":
         missing.append(f"train.delay_correction {cfg.train.delay_correction}")
-    if snapshot_every:
-        missing.append("the swarm's copies (--snapshot_every 0)")
-    if checkpoints:
-        missing.append("checkpoints")
     if missing:
         raise ValueError(
             f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run has them)"

@@ -67,7 +67,7 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        refuse_unsupported(cfg, snapshot_every)  # train.schedule async: what it runs without so far
+        refuse_unsupported(cfg)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
@@ -259,8 +259,6 @@ class SwarmPipeline:
             try:
                 return work()
             except (TransportError, RemoteError, NoPeerError) as e:
-                if self.closing.depth > 1:  # no copies to go back to (trainer.late)
-                    raise
                 position = self.loop.run(self.recovery.recover(e))
                 if position is None:
                     raise
@@ -280,6 +278,10 @@ class SwarmPipeline:
         if lr is not None:
             self._mended(self.step_done)
             return lr
+        if self.closing.depth > 1:  # an asynchronous step is applied late: its norms by a round
+            lr = self._mended(lambda: self.loop.run(self.closing.late(self.step_index, grad_clip)))
+            self._mended(self.step_done)
+            return lr
         return self._mended(lambda: synchronous_step(self.rounds, self.tied, grad_clip))
 
     def settle(self) -> None:
@@ -296,6 +298,9 @@ class SwarmPipeline:
 
         return self._mended(after_settling)
 
+    def keeps_copies(self, step: int) -> bool:
+        return self.recovery.due(step)
+
     def snapshot(self, step: int, position: dict) -> None:
         if self.recovery.due(step):
             self.settled(lambda: self.loop.run(self.recovery.snapshot(step, position)))
@@ -309,13 +314,15 @@ class SwarmPipeline:
         self.loop.run(self.closing.settle())
         self.loop.run(self.recovery.discard())
 
-    def went_back(self, step: int) -> None:
+    async def went_back(self, step: int) -> None:
         """Every stage was restored to `step` (a checkpoint or the swarm's copies): every link
-        restarts (new epochs) and this step starts over."""
+        restarts (new epochs), this step starts over, and what was started ahead of it goes; an
+        asynchronous run's last decision is made again (trainer.closing)."""
+        await self.dispatch.abandon()
         self.position.went_back(step)
-        self.closing.forget()
         self.following.clear()
         self.numbering.clear()
+        await self.closing.reopen(step, self.cfg.optimizer.grad_clip)
 
     def step_done(self) -> None:
         self.position.next_step()
@@ -382,13 +389,11 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
-        refuse_unsupported(self.cfg, 0, checkpoints=True)
         self.settled(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
-        refuse_unsupported(self.cfg, 0, checkpoints=True)
         step, saved = self.loop.run(self.rounds.load(Path(directory)))
         if saved is not None:
             self.adaptive.restore(saved)
-        self.went_back(step)
+        self.loop.run(self.went_back(step))
         return step

@@ -90,7 +90,7 @@ class Recovery:
         rounds: SwarmRounds,
         adaptive: AdaptiveCodecs | None,
         set_up: Callable[[int, str], Awaitable[object]],
-        went_back: Callable[[int], None],
+        went_back: Callable[[int], Awaitable[None]],
         every: int,
     ) -> None:
         self.place, self.membership, self.position, self.rounds, self.adaptive = (
@@ -389,6 +389,6 @@ class Recovery:
             raise RuntimeError(f"the copies of step {step} carry no trainer position")
         if self.adaptive is not None and "adaptive" in position:  # the codecs go back with the copies
             self.adaptive.restore_saved(position["adaptive"])
-        self.went_back(step)
+        await self.went_back(step)
         self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
         return position

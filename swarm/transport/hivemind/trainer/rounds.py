@@ -323,6 +323,24 @@ class SwarmRounds:
                 membership.drop(stage, peer, "it drained and leaves after this step", left=True)
         return lr
 
+    # ---- a step applied late (train.schedule async), closing by a round -------------------------------
+
+    async def held(self, step: int, count: int) -> tuple[float, float]:
+        """Every stage's squared norm of the sum of its held gradients of `step`'s `count`
+        micro-batches (a micro-batch run twice is held once; no p.grad is touched: the step before
+        may not be applied yet), summed in stage order as the set_grads round sums them; and the
+        learning rate the step ran at (stage 0's)."""
+        indices = list(range(count))
+        answered = await self.every(
+            self.membership.peers(),
+            lambda s, peer: self.call(s, peer, "gather", step=step, micro_batches=indices, held=True),
+        )
+        by_stage = {stage: frame.head for (stage, _), frame in answered.items()}  # one peer per stage
+        squares = 0.0
+        for stage in range(self.place.num_stages):
+            squares += by_stage[stage].held_sq_norm
+        return squares, by_stage[0].lr
+
     # ---- checkpoints: the stage files, fetched from and installed on the peers ---------------------
 
     async def save(self, directory: Path, step: int) -> None:

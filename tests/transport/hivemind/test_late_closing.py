@@ -1,0 +1,64 @@
+"""The trainer's side of an asynchronous step that closes late (trainer.closing), in process: the
+rounds are a stand-in that reports held norms, the owner signs for real."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.engine.step import clip_scale
+from swarm.transport.hivemind.trainer.closing import StepClosing
+from swarm.transport.hivemind.trust.owner import Owner
+
+
+class _Rounds:
+    """Every stage's held norm of a step (their sum), the rate, and the applies a settle makes."""
+
+    def __init__(self, squares: float) -> None:
+        self.squares, self.asked, self.applies = squares, [], []
+
+    async def held(self, step: int, count: int) -> tuple[float, float]:
+        self.asked.append((step, count))
+        return self.squares, 0.04
+
+    async def applied(self, step: int, scale: float) -> None:
+        self.applies.append(step)
+
+
+def _closing(depth: int = 2, squares: float = 9.0) -> StepClosing:
+    owner = Owner(RSAPrivateKey.process_wide(), "run", (), False)
+    place = SimpleNamespace(owner=owner, session="s", num_stages=3, tied=[])
+    return StepClosing(place, None, _Rounds(squares), 4, True, depth)
+
+
+def test_a_step_that_cannot_close_on_the_way_closes_by_one_round_and_its_decision_rides_two_steps_later():
+    closing = _closing()
+    assert closing.close(5, 0.5, retries=0) is None  # never planned (a micro-batch retried): by the round
+    assert asyncio.run(closing.late(5, 0.5)) == 0.04
+    assert closing.rounds.asked == [(5, 4)]
+    decision = closing.decision_for(7)
+    assert decision.step == 5 and decision.scale == clip_scale(9.0, [], 0.5) > 0
+    assert closing.decision_for(6) is None and closing.last == 5 and closing.closed == 0
+
+
+@pytest.mark.parametrize("step", [0, 1, 6])
+def test_a_restored_asynchronous_run_makes_its_last_steps_decision_again(step):
+    closing = _closing()
+    closing.pending = {9: closing.place.owner.decide("s", 9, 0.0)}  # of the steps given up
+    asyncio.run(closing.reopen(step, 0.5))
+    if not step:  # nothing ran before step 0: nothing is held, nothing pending
+        assert closing.pending == {} and closing.rounds.asked == []
+        return
+    assert list(closing.pending) == [step - 1] and closing.rounds.asked == [(step - 1, 4)]
+    assert closing.decision_for(step + 1).scale == clip_scale(9.0, [], 0.5)  # with step + 1's micro-batches
+    asyncio.run(closing.settle())  # a drain before step `step` runs: the decision still waits
+    assert closing.rounds.applies == [] and step - 1 in closing.pending
+
+
+def test_a_synchronous_run_reopens_nothing():
+    closing = _closing(depth=1)
+    asyncio.run(closing.reopen(6, 0.5))
+    assert closing.pending == {} and closing.rounds.asked == [] and closing.last is None
