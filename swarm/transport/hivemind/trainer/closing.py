@@ -12,7 +12,7 @@ copy, a checkpoint, the run's end.
 With an asynchronous schedule (swarm.engine.delay, `depth` 2) step t's decision comes with step
 t + 2's micro-batches (it applies g_t, a step late), step t + 1's may be out while step t's are, and
 every step must close on the way: the rounds cannot apply a step late yet, so a step that cannot
-ends the run with a one-line error.
+ends the run with a one-line error. With dc a step's norms come a step late (trainer.late_norms).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 from protocols import stage_pb2 as pb
+from swarm.config.schedule import DelayCorrection
 from swarm.engine.step import clip_scale
-from swarm.transport.hivemind.stage.closing import LR, RERUN, SQUARE
+from swarm.transport.hivemind.stage.closing import LATE, LR, RERUN, SQUARE
+from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
@@ -45,6 +47,7 @@ class StepClosing:
         micro_batches: int,
         fixed_codecs: bool,
         depth: int = 1,
+        correction: str = "none",
     ) -> None:
         self.place, self.membership, self.rounds = place, membership, rounds
         self.micro_batches, self.fixed_codecs, self.depth = micro_batches, fixed_codecs, depth
@@ -52,6 +55,8 @@ class StepClosing:
         self.pending: dict[int, pb.StepDecision] = {}  # step -> its decision, until a micro-batch brought it
         self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
+        dc = depth > 1 and DelayCorrection.parse(correction).kind == "dc"
+        self.late = LateDecisions(place.num_stages, self._decide) if dc else None  # dc's norms, a step late
 
     def plan(self, step: int, count: int, retries: int) -> int:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds)."""
@@ -73,7 +78,9 @@ class StepClosing:
         report of the step's closing is taken out (the rest is the loop's)."""
         if decision is not None and self.pending.get(decision.step) is decision:
             del self.pending[decision.step]  # every stage applied it before serving the micro-batch
-        ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(SQUARE) or k in (RERUN, LR)]}
+        ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith((SQUARE, LATE)) or k in (RERUN, LR)]}
+        if self.late is not None:
+            self.late.heard(step, ours)
         closing = self.open.get(step)
         if closing is None:
             return metrics
@@ -98,7 +105,7 @@ class StepClosing:
             closing is not None
             and closing.clean
             and retries == closing.retries
-            and sorted(closing.squares) == list(range(self.place.num_stages))
+            and (self.late is not None or sorted(closing.squares) == list(range(self.place.num_stages)))
             and closing.lr is not None
         )
         if not on_the_way:
@@ -107,15 +114,27 @@ class StepClosing:
                     f"step {step} of a train.schedule async run could not close on the way (a micro-batch retried or run again, or a norm lost): the rounds cannot apply a step late yet"
                 )
             return None
-        squares = 0.0
-        for stage in sorted(closing.squares):  # in stage order from 0.0, as the set_grads round sums them
-            squares += closing.squares[stage]
-        # a decision older than the one the next micro-batches bring is applied or never will be
-        self.pending = {s: d for s, d in self.pending.items() if s > step - self.depth}
-        self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
+        if self.late is not None:  # decided when its norms come (on the loop, where they are heard)
+            self.place.loop.run(self.late.closed(step, grad_clip))
+        else:
+            self._decide(step, closing.squares, grad_clip)
         self.last = step
         self.closed += 1
         return closing.lr
+
+    def _decide(self, step: int, squares: dict[int, float], grad_clip: float | None) -> None:
+        """The owner's decision closing `step`, pending for the micro-batches that bring it."""
+        total = 0.0
+        for stage in sorted(squares):  # in stage order from 0.0, as the set_grads round sums them
+            total += squares[stage]
+        # a decision older than the one the next micro-batches bring is applied or never will be
+        self.pending = {s: d for s, d in self.pending.items() if s > step - self.depth}
+        self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(total, [], grad_clip))
+
+    async def ready(self, step: int) -> None:
+        """Returns once the decision micro-batches of `step` bring is made, if one is coming (dc)."""
+        if self.late is not None:
+            await self.late.ready(step - self.depth)
 
     def decision_for(self, step: int) -> pb.StepDecision | None:
         """The decision micro-batches of `step` bring (the one closing the step `depth` before)."""
@@ -133,3 +152,5 @@ class StepClosing:
     def forget(self) -> None:
         """The stages went back to an earlier state: no decision is pending."""
         self.pending, self.open, self.last = {}, {}, None
+        if self.late is not None:
+            self.late.forget()
