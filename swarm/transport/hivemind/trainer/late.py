@@ -6,15 +6,15 @@ arrives (trainer.closing, stage.closing) and keeps the version step t + 1's pend
 
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
 (compression.adaptive), verification, recomputed activations (a backward would recompute at the
-newer weights), a delay correction other than none, the swarm's copies and checkpoints (a drained
-stage would have to write its kept gradients). A stage with two peers, a joiner or tied parameters
-are refused at the first step they meet (trainer.closing).
+newer weights), the swarm's copies and checkpoints (a drained stage would have to write its kept
+gradients). A stage with two peers, a joiner or tied parameters are refused at the first step they
+meet (trainer.closing). Every delay correction runs (swarm.engine.versions; dc's norms come a step
+late: trainer.late_norms).
 """
 
 from __future__ import annotations
 
 from swarm.config import ExperimentConfig
-from swarm.config.schedule import DelayCorrection
 
 DEPTH = {"sync": 1, "async": 2}  # steps a stage has open at once (trainer.closing's depth)
 
@@ -30,8 +30,6 @@ def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int, checkpoints: 
         missing.append("train.verify")
     if cfg.train.checkpoint_activations:
         missing.append("train.checkpoint_activations")
-    if DelayCorrection.parse(cfg.train.delay_correction).kind != "none":
-        missing.append(f"train.delay_correction {cfg.train.delay_correction}")
     if snapshot_every:
         missing.append("the swarm's copies (--snapshot_every 0)")
     if checkpoints:
