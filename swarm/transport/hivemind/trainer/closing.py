@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocols import stage_pb2 as pb
+from swarm.config.experiment import TrainConfig
 from swarm.config.schedule import DelayCorrection
 from swarm.engine.step import clip_scale
 from swarm.transport.hivemind.stage.closing import LATE, LR, RERUN, SQUARE
@@ -44,18 +45,17 @@ class StepClosing:
         place: TrainerPlace,
         membership: Membership,
         rounds: SwarmRounds,
-        micro_batches: int,
+        train: TrainConfig,
         fixed_codecs: bool,
         depth: int = 1,
-        correction: str = "none",
     ) -> None:
         self.place, self.membership, self.rounds = place, membership, rounds
-        self.micro_batches, self.fixed_codecs, self.depth = micro_batches, fixed_codecs, depth
+        self.micro_batches, self.fixed_codecs, self.depth = train.micro_batches, fixed_codecs, depth
         self.open: dict[int, _Open] = {}  # the steps closing on the way (`depth` at most)
         self.pending: dict[int, pb.StepDecision] = {}  # step -> its decision, until a micro-batch brought it
         self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
-        dc = depth > 1 and DelayCorrection.parse(correction).kind == "dc"
+        dc = depth > 1 and DelayCorrection.parse(train.delay_correction).kind == "dc"
         self.late = LateDecisions(place.num_stages, self._decide) if dc else None  # dc's norms, a step late
 
     def plan(self, step: int, count: int, retries: int) -> int:

@@ -93,10 +93,8 @@ class SwarmPipeline:
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
         fixed_codecs = self.adaptive is None
-        depth, correction = DEPTH[cfg.train.schedule], cfg.train.delay_correction
-        self.closing = StepClosing(
-            place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs, depth, correction
-        )
+        depth = DEPTH[cfg.train.schedule]
+        self.closing = StepClosing(place, membership, self.rounds, cfg.train, fixed_codecs, depth)
         self.dispatch = Dispatch(
             place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight, cfg
         )
