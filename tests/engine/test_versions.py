@@ -82,3 +82,17 @@ def test_a_swarms_stages_give_one_process_floats_for_every_correction(correction
     if correction != "none":  # the correction ran: not the uncorrected run's floats
         plain, _ = _run(load_config(SMOKE, BASE), STEPS)
         assert ours[:2] == plain[:2] and ours[3:] != plain[3:]
+
+
+def test_look_ahead_runs_a_step_with_parameter_objects_of_its_own_and_gives_the_module_back():
+    cfg = load_config(SMOKE, [*BASE, "train.delay_correction=lookahead"])
+    runtime = _as_a_swarm(cfg, 3)[1].runtimes[1]  # two updates applied: `moved` is the second's
+    own = dict(runtime.module.named_parameters())
+    with runtime.versions.running(3, runtime.module):
+        inside = dict(runtime.module.named_parameters())
+    moved = runtime.delay.moved
+    assert moved.keys() == own.keys()
+    assert all(inside[n] is not p and torch.equal(inside[n], p + moved[n]) for n, p in own.items())
+    assert all(a is b for a, b in zip(own.values(), runtime.module.parameters(), strict=True))
+    runtime.versions.applied(3, runtime.module)  # the step's version goes with its apply
+    assert runtime.versions.ahead == {}
