@@ -14,6 +14,7 @@ from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.optim import make_optimizer, make_scheduler
 from swarm.engine.precision import Forward
 from swarm.engine.stage import StageRuntime
+from swarm.engine.versions import StepVersions
 from swarm.models import StagedModel, build_model
 
 
@@ -67,6 +68,8 @@ def build_runtime(
     )
     if cfg.train.schedule == "async":
         runtime.delay = StageDelay(DelayCorrection.parse(cfg.train.delay_correction))
+        if hold_grads:  # a swarm's stage: two steps open at once (swarm.engine.versions)
+            runtime.versions = StepVersions(runtime.delay)
     return runtime
 
 

@@ -40,6 +40,17 @@ def synchronous_only(schedule: str, where: str) -> None:
         )
 
 
+def compensated(grad: torch.Tensor, now: torch.Tensor, then: torch.Tensor, strength: float) -> torch.Tensor:
+    """dc: g + LAMBDA g*g (v_now - v_then), in this order of operations (a swarm's stage computes it
+    too, and must get the same floats)."""
+    return grad + strength * grad * grad * (now - then)
+
+
+def predict_(weights: torch.Tensor, move: torch.Tensor) -> torch.Tensor:
+    """lookahead: `weights` (in place) become the predicted v + moved."""
+    return weights.add_(move)
+
+
 class StageDelay:
     """One stage's gradients of its last step, applied a step late."""
 
@@ -62,13 +73,18 @@ class StageDelay:
             p.grad = None
         if kept is None:
             return False
-        if self.correction.kind == "lookahead":
-            self.before = {name: params[name].detach().clone() for name in kept}
+        self.updating(module, kept)
         for name, grad in kept.items():
-            if then is not None:  # dc: g + LAMBDA g*g (v_now - v_then)
-                grad = grad + self.correction.strength * grad * grad * (params[name].detach() - then[name])
+            if then is not None:
+                grad = compensated(grad, params[name].detach(), then[name], self.correction.strength)
             params[name].grad = grad
         return True
+
+    def updating(self, module: torch.nn.Module, names) -> None:
+        """Before an update of the parameters `names`: lookahead keeps the weights it starts from."""
+        if self.correction.kind == "lookahead":
+            params = dict(module.named_parameters())
+            self.before = {name: params[name].detach().clone() for name in names}
 
     def applied(self, module: torch.nn.Module) -> None:
         """After the step's update: what it moved the weights by (lookahead's prediction)."""
@@ -88,7 +104,7 @@ class StageDelay:
         kept = {name: params[name].detach().clone() for name in self.moved}
         with torch.no_grad():
             for name, move in self.moved.items():
-                params[name].add_(move)
+                predict_(params[name], move)
         try:
             yield
         finally:

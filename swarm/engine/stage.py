@@ -18,11 +18,14 @@ micro-batches of the step before are still waiting for their backward here. Thei
 reference the parameters they ran with, so the update goes to fresh Parameter objects (`_stash`:
 PipeDream-2BW's weight stashing, at most two versions alive) and each forward remembers the objects
 it used; gradients are held by parameter name, so they sum onto whichever objects are current.
+A delay correction's per-step weights (lookahead's predicted ones, dc's v_then) are `versions`'
+(swarm.engine.versions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -32,6 +35,7 @@ from swarm.engine.delay import StageDelay
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
+from swarm.engine.versions import StepVersions
 
 
 class StageRuntime:
@@ -62,6 +66,7 @@ class StageRuntime:
         self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: see _stash
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
+        self.versions: StepVersions | None = None  # ... and, in a swarm, a correction's weights per step
 
     @property
     def first(self) -> bool:
@@ -89,16 +94,22 @@ class StageRuntime:
         self.module.train(training)
         if training and not self.first:
             x = x.detach().requires_grad_(True)
-        with torch.set_grad_enabled(training):
-            stream = (self.index, batch.step, batch.index) if training else None
-            y = self.run_forward(self.module, x, training, stream)
-        if self.last:
-            message = self._finish(batch, x, y, ends)
-        else:
-            if training:
-                self._saved[batch.key] = (x, y, self._trained())
-            out = ends.outbound.send(batch, y.detach())
-            message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
+        # a swarm's delay correction: the step's weights (lookahead's predicted ones, which `_trained`
+        # then names and the last stage's backward differentiates at)
+        version = (
+            self.versions.running(batch.step, self.module) if self.versions is not None and training else nullcontext()
+        )
+        with version:
+            with torch.set_grad_enabled(training):
+                stream = (self.index, batch.step, batch.index) if training else None
+                y = self.run_forward(self.module, x, training, stream)
+            if self.last:
+                message = self._finish(batch, x, y, ends)
+            else:
+                if training:
+                    self._saved[batch.key] = (x, y, self._trained())
+                out = ends.outbound.send(batch, y.detach())
+                message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
         commit_received()
         return message
 
@@ -183,7 +194,8 @@ class StageRuntime:
             self.held[key] = []
 
     def _summed(self, keys) -> dict[str, torch.Tensor]:
-        """Parameter name -> the sum of its held gradients of `keys`, added in the given order."""
+        """Parameter name -> the sum of its held gradients of `keys`, added in the given order (and,
+        in a swarm with a delay correction, corrected as if applied now: `versions`)."""
         missing = [key for key in keys if key not in self.held]
         if missing:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
@@ -191,6 +203,8 @@ class StageRuntime:
         for key in keys:
             for name, g in self.held[key]:
                 sums[name] = g.clone() if name not in sums else sums[name].add_(g)
+        if self.versions is not None and keys:
+            sums = self.versions.corrected(keys[0][1], self.module, sums)  # a key is (mode, step, index)
         return sums
 
     def _gradient_message(
@@ -242,6 +256,8 @@ class StageRuntime:
         """Forget every micro-batch in flight and every held gradient (a checkpoint was loaded)."""
         self._saved.clear()
         self.held.clear()
+        if self.versions is not None:
+            self.versions.forget()
 
     # ---- optimizer -------------------------------------------------------------------------
 
@@ -292,7 +308,14 @@ class StageRuntime:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.delay is not None and self._saved:
             self._stash()
+        late = self.versions is not None and bool(keys)  # a swarm's step applied late: its correction's part
+        if late:
+            self.versions.updating(
+                self.module, [name for name, p in self.module.named_parameters() if p.grad is not None]
+            )
         self.optimizer.step()
+        if late:
+            self.versions.applied(keys[0][1], self.module)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

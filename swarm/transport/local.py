@@ -46,9 +46,10 @@ class LocalPipeline:
             raise
         return message.metrics
 
-    def carry(self, batch: MicroBatch, message):
-        """`message` on through the stages until `batch` is done; the last message (its metrics)."""
-        while message.kind is not Kind.DONE:
+    def carry(self, batch: MicroBatch, message, until=None):
+        """`message` on through the stages until `batch` is done, or until a message `until(message)`
+        holds back (a test's backward left pending, as a swarm's may be); the last message."""
+        while message.kind is not Kind.DONE and not (until is not None and until(message)):
             stage, ends = self.runtimes[message.to_stage], self.ends[message.to_stage]
             received = wire.decode(message.payload)  # our own bytes: the default limits
             if message.kind is Kind.FORWARD:

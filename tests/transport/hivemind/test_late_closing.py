@@ -28,16 +28,17 @@ class _Rounds:
         self.applies.append(step)
 
 
-def _closing(depth: int = 2, squares: float = 9.0) -> StepClosing:
+def _closing(depth: int = 2, squares: float = 9.0, correction: str = "none") -> StepClosing:
     owner = Owner(RSAPrivateKey.process_wide(), "run", (), False)
     place = SimpleNamespace(owner=owner, session="s", num_stages=3, tied=[])
-    return StepClosing(place, None, _Rounds(squares), 4, True, depth)
+    train = SimpleNamespace(micro_batches=4, delay_correction=correction)
+    return StepClosing(place, None, _Rounds(squares), train, True, depth)
 
 
 def test_a_step_that_cannot_close_on_the_way_closes_by_one_round_and_its_decision_rides_two_steps_later():
     closing = _closing()
     assert closing.close(5, 0.5, retries=0) is None  # never planned (a micro-batch retried): by the round
-    assert asyncio.run(closing.late(5, 0.5)) == 0.04
+    assert asyncio.run(closing.late_round(5, 0.5)) == 0.04
     assert closing.rounds.asked == [(5, 4)]
     decision = closing.decision_for(7)
     assert decision.step == 5 and decision.scale == clip_scale(9.0, [], 0.5) > 0
@@ -62,3 +63,11 @@ def test_a_synchronous_run_reopens_nothing():
     closing = _closing(depth=1)
     asyncio.run(closing.reopen(6, 0.5))
     assert closing.pending == {} and closing.rounds.asked == [] and closing.last is None
+
+
+def test_a_dc_step_that_cannot_close_on_the_way_ends_the_run_in_one_line():
+    """dc's norms are of gradients compensated at weights a held-norm round cannot see yet."""
+    closing = _closing(correction="dc:0.1")
+    with pytest.raises(RuntimeError, match=r"^step 5 of a train.delay_correction dc run in a swarm could not close"):
+        asyncio.run(closing.late_round(5, 0.5))
+    assert closing.rounds.asked == [] and closing.pending == {}

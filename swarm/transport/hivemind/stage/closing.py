@@ -27,6 +27,12 @@ one its micro-batches ran at: the rate the one-process engine's step t applies g
 that cannot close on the way is counted by a round instead (the gather round's `held` form:
 stage.combine), and a restored state holds its last step's gradients again (StageState.restored):
 either way its decision applies them (`StageState.counted`).
+
+With dc (swarm.engine.versions) the gradients clipping sees are step t's compensated at the weights
+they are applied to, v_{t+1}, which a stage has only once step t - 1 is applied here, when step
+t + 1's first micro-batch comes: their norm rides back with the first of step t + 1's micro-batches
+to finish here (its backward is after all of step t's), under `LATE` (the trainer's decision waits
+for it: trainer.closing).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 
 from protocols import stage_pb2 as pb
+from swarm.config.schedule import DelayCorrection
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.stage import step_keys
 from swarm.transport.hivemind.stage.rounds import StageRounds
@@ -46,6 +53,7 @@ from swarm.transport.hivemind.trust.signatures import Refused
 SQUARE = "grad_sq:"  # + the stage: a reply's metric of that stage's squared gradient norm
 RERUN = "step_rerun"  # a reply's metric: a micro-batch of the step finished twice somewhere
 LR = "step_lr"  # a reply's metric: the learning rate the step will be applied with
+LATE = "grad_sq_before:"  # + the stage: dc's squared norm of the step before the reply's
 
 
 class Closing:
@@ -60,6 +68,12 @@ class Closing:
         self.depth = 2 if state.cfg.train.schedule == "async" else 1
         self.twice: tuple[int, int] | None = None  # a step of which a micro-batch finished twice before its sum
         self._applying: dict[tuple[int, int], asyncio.Task] = {}
+        self.late_sent: list[tuple[int, int]] = []  # the steps whose norm `LATE` reported (dc)
+
+    @property
+    def late(self) -> bool:
+        """dc's norms come a step late (`_late`)."""
+        return self.depth > 1 and DelayCorrection.parse(self.state.cfg.train.delay_correction).kind == "dc"
 
     async def finished(self, batch: MicroBatch, closing: int, metrics: dict[str, float]) -> dict[str, float]:
         """After a micro-batch's backward here: its reply's metrics, with this stage's squared
@@ -70,6 +84,8 @@ class Closing:
         key = (self.state.generation, batch.step)
         if not closing or batch.mode is not Mode.TRAIN:
             return metrics
+        if self.late:
+            metrics = await self._late(batch, metrics)
         done = self.done.get(key)
         if done is None:
             done = self._begin(key)
@@ -87,7 +103,21 @@ class Closing:
         if summed is None:
             return {**metrics, RERUN: 1.0}
         square, lr = summed
-        return {**metrics, f"{SQUARE}{self.place.stage}": square, LR: lr}
+        return {**metrics, LR: lr, **({} if square is None else {f"{SQUARE}{self.place.stage}": square})}
+
+    async def _late(self, batch: MicroBatch, metrics: dict[str, float]) -> dict[str, float]:
+        """dc: the first micro-batch of a step to finish here brings the norm of the step before's
+        compensated gradients (step t - 1 applied here, step t not yet: `state.steps` is t)."""
+        key = (self.state.generation, batch.step - 1)
+        if batch.step < 1 or key in self.late_sent or self.state.steps != key[1]:
+            return metrics
+        self.late_sent = [*self.late_sent, key][-self.depth :]
+        keys = step_keys(key[1], self.state.cfg.train.micro_batches)
+        try:
+            square = await self.work.run(self.work.timed, self.state.runtime.held_sq_norm, keys)
+        except KeyError:
+            return {**metrics, RERUN: 1.0}
+        return {**metrics, f"{LATE}{self.place.stage}": square}
 
     def _begin(self, key: tuple[int, int]) -> set[int]:
         kept = list(self.done.items())[1 - self.depth :] if self.depth > 1 else []
@@ -113,7 +143,8 @@ class Closing:
         keys = step_keys(step, count)
         try:
             if self.depth > 1:  # an earlier step may not be applied yet: its p.grad are not ours
-                return runtime.held_sq_norm(keys), self.state.rates.get((self.state.generation, step), self._lr())
+                square = None if self.late else runtime.held_sq_norm(keys)  # dc's comes later (`_late`)
+                return square, self.state.rates.get((self.state.generation, step), self._lr())
             runtime.accumulate(keys)
         except KeyError:
             return None

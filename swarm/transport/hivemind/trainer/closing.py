@@ -14,7 +14,9 @@ t + 2's micro-batches (it applies g_t, a step late) and step t + 1's may be out 
 A step that cannot close on the way closes by one round (`late`: every stage's norm of its held
 gradients, nothing applied) and its decision still rides with step t + 2's micro-batches. A
 checkpoint or copy of an asynchronous run holds the last step's gradients unapplied: after a
-restore the decision of that step is made again the same way (`reopen`).
+restore the decision of that step is made again the same way (`reopen`). With dc a
+step's norms come a step late (trainer.late_norms); a dc step that cannot close on the way is
+not built yet (`late` says so in one line).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from __future__ import annotations
 import dataclasses
 
 from protocols import stage_pb2 as pb
+from swarm.config.experiment import TrainConfig
+from swarm.config.schedule import DelayCorrection
 from swarm.engine.step import clip_scale
-from swarm.transport.hivemind.stage.closing import LR, RERUN, SQUARE
+from swarm.transport.hivemind.stage.closing import LATE, LR, RERUN, SQUARE
+from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
@@ -44,16 +49,18 @@ class StepClosing:
         place: TrainerPlace,
         membership: Membership,
         rounds: SwarmRounds,
-        micro_batches: int,
+        train: TrainConfig,
         fixed_codecs: bool,
         depth: int = 1,
     ) -> None:
         self.place, self.membership, self.rounds = place, membership, rounds
-        self.micro_batches, self.fixed_codecs, self.depth = micro_batches, fixed_codecs, depth
+        self.micro_batches, self.fixed_codecs, self.depth = train.micro_batches, fixed_codecs, depth
         self.open: dict[int, _Open] = {}  # the steps closing on the way (`depth` at most)
         self.pending: dict[int, pb.StepDecision] = {}  # step -> its decision, until a micro-batch brought it
         self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
+        dc = depth > 1 and DelayCorrection.parse(train.delay_correction).kind == "dc"
+        self.late = LateDecisions(place.num_stages, self._decide) if dc else None  # dc's norms, a step late
 
     def plan(self, step: int, count: int, retries: int) -> int:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds)."""
@@ -75,7 +82,9 @@ class StepClosing:
         report of the step's closing is taken out (the rest is the loop's)."""
         if decision is not None and self.pending.get(decision.step) is decision:
             del self.pending[decision.step]  # every stage applied it before serving the micro-batch
-        ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(SQUARE) or k in (RERUN, LR)]}
+        ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith((SQUARE, LATE)) or k in (RERUN, LR)]}
+        if self.late is not None:
+            self.late.heard(step, ours)
         closing = self.open.get(step)
         if closing is None:
             return metrics
@@ -101,24 +110,30 @@ class StepClosing:
             closing is not None
             and closing.clean
             and retries == closing.retries
-            and sorted(closing.squares) == list(range(self.place.num_stages))
+            and (self.late is not None or sorted(closing.squares) == list(range(self.place.num_stages)))
             and closing.lr is not None
         )
         if not on_the_way:
             return None
-        squares = 0.0
-        for stage in sorted(closing.squares):  # in stage order from 0.0, as the set_grads round sums them
-            squares += closing.squares[stage]
-        self._decide(step, squares, grad_clip)
+        if self.late is not None:  # decided when its norms come (on the loop, where they are heard)
+            self.place.loop.run(self.late.closed(step, grad_clip))
+        else:
+            self._decide(step, closing.squares, grad_clip)
+        self.last = step
         self.closed += 1
         return closing.lr
 
-    async def late(self, step: int, grad_clip: float | None) -> float:
+    async def late_round(self, step: int, grad_clip: float | None) -> float:
         """An asynchronous step that could not close on the way: every stage's norm of its held
         gradients by a round, and its decision pending for step + 2's micro-batches all the same
         (the same floats); the learning rate the step ran at."""
+        if self.late is not None:
+            raise RuntimeError(
+                f"step {step} of a train.delay_correction dc run in a swarm could not close on the way (a micro-batch retried or run again): not built yet"
+            )
         squares, lr = await self.rounds.held(step, self.micro_batches)
-        self._decide(step, squares, grad_clip)
+        self._decide(step, {0: squares}, grad_clip)
+        self.last = step
         return lr
 
     async def reopen(self, step: int, grad_clip: float | None) -> None:
@@ -129,14 +144,22 @@ class StepClosing:
         self.forget()
         if self.depth > 1 and step:
             squares, _ = await self.rounds.held(step - 1, self.micro_batches)
-            self._decide(step - 1, squares, grad_clip)
+            self._decide(step - 1, {0: squares}, grad_clip)
+            self.last = step - 1
 
-    def _decide(self, step: int, squares: float, grad_clip: float | None) -> None:
-        """The owner's signed decision closing `step`, pending for the micro-batches `depth` after."""
+    def _decide(self, step: int, squares: dict[int, float], grad_clip: float | None) -> None:
+        """The owner's decision closing `step`, pending for the micro-batches that bring it."""
+        total = 0.0
+        for stage in sorted(squares):  # in stage order from 0.0, as the set_grads round sums them
+            total += squares[stage]
         # a decision older than the one the next micro-batches bring is applied or never will be
         self.pending = {s: d for s, d in self.pending.items() if s > step - self.depth}
-        self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(squares, [], grad_clip))
-        self.last = step
+        self.pending[step] = self.place.owner.decide(self.place.session, step, clip_scale(total, [], grad_clip))
+
+    async def ready(self, step: int) -> None:
+        """Returns once the decision micro-batches of `step` bring is made, if one is coming (dc)."""
+        if self.late is not None:
+            await self.late.ready(step - self.depth)
 
     def decision_for(self, step: int) -> pb.StepDecision | None:
         """The decision micro-batches of `step` bring (the one closing the step `depth` before)."""
@@ -154,3 +177,5 @@ class StepClosing:
     def forget(self) -> None:
         """The stages went back to an earlier state: no decision is pending."""
         self.pending, self.open, self.last = {}, {}, None
+        if self.late is not None:
+            self.late.forget()

@@ -134,6 +134,7 @@ class Dispatch:
             batch = dataclasses.replace(batch, attempt=os.urandom(8))
             self.position.issue(batch)
         async with order:  # numbers are taken in the order the micro-batches were given
+            await self.closing.ready(batch.step)  # dc: the decision it brings may wait for norms still coming
             record = await handoff.choose(place.session, avoid[1] if avoid and avoid[0] == 0 else ())
             sent = self.numbering.take(record.peer_id)
 

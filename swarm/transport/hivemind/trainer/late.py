@@ -2,20 +2,23 @@
 of the step before it, so the next step's micro-batches enter while a step's are in flight
 (trainer.dispatch), every stage applies step t's gradients when step t + 2's first micro-batch
 arrives (trainer.closing, stage.closing) and keeps the version step t + 1's pending backward needs
-(swarm.engine.stage: weight stashing).
+(swarm.engine.stage: weight stashing). Every delay correction runs (swarm.engine.versions; dc's
+norms come a step late: trainer.late_norms).
 
 A drained stage holds its last step's gradients unapplied: its checkpoints and the swarm's copies
 write them as one process's kept gradients (StageState.saved), a restore holds them again and the
 trainer makes that step's decision anew (trainer.closing `reopen`); a step that cannot close on the
-way closes by a round of the held gradients' norms (`late`).
+way closes by a round of the held gradients' norms (trainer.closing `late_round`).
 
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
 (compression.adaptive), verification, recomputed activations (a backward would recompute at the
-newer weights), a delay correction other than none (a swarm's stages apply the gradients as
-computed). A stage with two peers, a joiner or tied parameters are refused at the first step they
-meet (trainer.closing: their gradients are summed by rounds that apply a step at once).
-A retried micro-batch of step t must come back before step t + 1's first micro-batch reached its
-stages: past that its stages' weights serve step t + 1 only, and the retry is refused.
+newer weights), and a delay correction together with the swarm's copies or checkpoints (a
+correction's per-step weights, swarm.engine.versions, are not written into them yet: such a run
+keeps no copies by default, `snapshot_every`). A stage with two peers, a joiner or tied parameters
+are refused at the first step they meet (trainer.closing: their gradients are summed by rounds that
+apply a step at once). A retried micro-batch of step t must come back before step t + 1's first
+micro-batch reached its stages: past that its stages' weights serve step t + 1 only, and the retry
+is refused; so is a dc step that cannot close on the way.
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ from swarm.config.schedule import DelayCorrection
 DEPTH = {"sync": 1, "async": 2}  # steps a stage has open at once (trainer.closing's depth)
 
 
-def refuse_unsupported(cfg: ExperimentConfig) -> None:
+def corrected(cfg: ExperimentConfig) -> bool:
+    """An asynchronous schedule with a delay correction (lookahead or dc)."""
+    return cfg.train.schedule != "sync" and DelayCorrection.parse(cfg.train.delay_correction).kind != "none"
+
+
+def default_snapshot_every(cfg: ExperimentConfig) -> int:
+    """Steps between the swarm's copies when the trainer is not told: 10, none with a delay correction."""
+    return 0 if corrected(cfg) else 10
+
+
+def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int = 0, checkpoints: bool = False) -> None:
     """Raises ValueError, in one line, for what a swarm cannot run with an asynchronous schedule yet."""
     if cfg.train.schedule == "sync":
         return
@@ -37,8 +50,12 @@ def refuse_unsupported(cfg: ExperimentConfig) -> None:
         missing.append("train.verify")
     if cfg.train.checkpoint_activations:
         missing.append("train.checkpoint_activations")
-    if DelayCorrection.parse(cfg.train.delay_correction).kind != "none":
-        missing.append(f"train.delay_correction {cfg.train.delay_correction}")
+    if corrected(cfg) and snapshot_every:
+        missing.append(
+            f"the swarm's copies with train.delay_correction {cfg.train.delay_correction} (--snapshot_every 0)"
+        )
+    if corrected(cfg) and checkpoints:
+        missing.append(f"checkpoints with train.delay_correction {cfg.train.delay_correction}")
     if missing:
         raise ValueError(
             f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run has them)"

@@ -67,7 +67,7 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        refuse_unsupported(cfg)  # train.schedule async: what it runs without so far
+        refuse_unsupported(cfg, snapshot_every)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
@@ -94,7 +94,7 @@ class SwarmPipeline:
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
         fixed_codecs = self.adaptive is None
         depth = DEPTH[cfg.train.schedule]
-        self.closing = StepClosing(place, membership, self.rounds, cfg.train.micro_batches, fixed_codecs, depth)
+        self.closing = StepClosing(place, membership, self.rounds, cfg.train, fixed_codecs, depth)
         self.dispatch = Dispatch(
             place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight, cfg
         )
@@ -279,7 +279,7 @@ class SwarmPipeline:
             self._mended(self.step_done)
             return lr
         if self.closing.depth > 1:  # an asynchronous step is applied late: its norms by a round
-            lr = self._mended(lambda: self.loop.run(self.closing.late(self.step_index, grad_clip)))
+            lr = self._mended(lambda: self.loop.run(self.closing.late_round(self.step_index, grad_clip)))
             self._mended(self.step_done)
             return lr
         return self._mended(lambda: synchronous_step(self.rounds, self.tied, grad_clip))
@@ -389,9 +389,11 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
+        refuse_unsupported(self.cfg, checkpoints=True)
         self.settled(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
+        refuse_unsupported(self.cfg, checkpoints=True)
         step, saved = self.loop.run(self.rounds.load(Path(directory)))
         if saved is not None:
             self.adaptive.restore(saved)
