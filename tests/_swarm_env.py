@@ -74,8 +74,8 @@ class Swarm:
             for key in [k for k in server.hosted if k[0] == run_id]:
                 server.hosted.pop(key).close()
 
-    def pipeline(self, cfg, run_id: str, steps: int, data) -> SwarmPipeline:
-        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id)
+    def pipeline(self, cfg, run_id: str, steps: int, data, snapshot_every: int = 0) -> SwarmPipeline:
+        pipeline = SwarmPipeline(self.trainer, self.loop, cfg, run_id, snapshot_every=snapshot_every)
         schedule = Schedule.of(cfg, len(data[0]), steps)
         pipeline.setup(schedule.lr_horizon, len(data[0]), wait_s=20)
         return pipeline

@@ -3,6 +3,7 @@ shared swarm: the oracle is one process's asynchronous run (swarm.engine.delay).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import uuid
 
@@ -180,3 +181,42 @@ def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(sw
     assert next(lrs) == pytest.approx(next(lrs))  # step 4's: the rate its micro-batches ran at, by the round
     summary = rows.rows[-1]
     assert summary["closed_on_the_way"] == 7 and summary["round_calls"] == {"gather": 3}
+
+
+def test_a_micro_batch_sent_again_after_the_next_step_moved_on_goes_back_to_the_copies(swarm, tmp_path):
+    """Stage 0's reply of micro-batch (2, 1) is lost, and late: meanwhile step 3's micro-batches
+    went out and moved every stage's weights on, so its stages refuse it when it comes again (their
+    weights serve step 3). The run goes back to the swarm's copies of step 2 and replays it, once,
+    with one process's losses."""
+    cfg = smoke(
+        "model.num_stages=3",
+        "optimizer.grad_clip=0.05",
+        "compression.forward=quant:4",
+        "compression.backward=quant:4",
+        "train.eval_every=100",
+        "train.schedule=async",
+    )
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    chain = hosted[0].chain
+    original, lost = chain.run, []
+
+    async def reply_lost_late_once(head, payload, sender):
+        outcome = await original(head, payload, sender)
+        if (head.batch.step, head.batch.index) == (2, 1) and not lost:
+            lost.append(head.batch.attempt)
+            await asyncio.sleep(2.0)  # step 3's micro-batches go out meanwhile
+            raise RemoteError("stage 1 did not answer in time (a test's lost reply)", pb.DOWNSTREAM)
+        return outcome
+
+    chain.run = reply_lost_late_once
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 6, data, snapshot_every=2)
+        rows = ResultsWriter(None)
+        train(cfg, pipeline, data, rows, 6, progress=False)
+    finally:
+        swarm.unhost(run_id)
+    assert lost
+    assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(2, 2)]
+    _close(_losses(rows.rows), _losses(local_rows(cfg, tmp_path, steps=6)))

@@ -21,8 +21,8 @@ from swarm.transport.hivemind.dht.survey import format_table, survey
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.snapshots import Copy
+from swarm.transport.hivemind.trainer.copies import Held, newest_complete
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
-from swarm.transport.hivemind.trainer.recovery import Held, newest_complete
 from swarm.transport.hivemind.trust import manifests
 
 STEPS = 12

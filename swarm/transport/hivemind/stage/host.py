@@ -29,7 +29,7 @@ from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
-from swarm.transport.hivemind.stage.closing import Closing
+from swarm.transport.hivemind.stage.closing import OUTRUN, Closing
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.stage.links import NeighbourLinks
@@ -239,7 +239,7 @@ class HostedStage:
             # its upstream does not take this peer for unavailable (it may be the stage's only one)
             moved = ""  # an asynchronous step's micro-batch sent again after the next step's moved the weights on
             if state.cfg.train.schedule == "async":
-                moved = f" (train.schedule async: its weights serve step {high}, so a micro-batch of an earlier step cannot run again)"
+                moved = f" (train.schedule async: its weights serve step {high}, {OUTRUN})"
             raise RemoteError(
                 f"a micro-batch of a past step: stage {self.stage} peer is at step {state.steps}, micro-batch {batch.key}{moved}",
                 pb.REFUSED,

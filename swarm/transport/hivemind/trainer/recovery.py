@@ -20,7 +20,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +27,9 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.copies import Held, History, newest_complete
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 from swarm.transport.hivemind.trust import manifests
@@ -36,46 +37,6 @@ from swarm.transport.hivemind.trust import manifests
 log = logging.getLogger(__name__)
 HOLDERS = 2  # peers of the next stage that fetch a stage's copy
 REMIND_S = 60.0  # a paused run says again what it waits for this often
-
-
-@dataclass(frozen=True)
-class Held:
-    """One copy a peer keeps: of `stage` at `step`, on `peer`, which hosts `hosted` (where to ask it)."""
-
-    peer: str
-    hosted: int
-    stage: int
-    step: int
-    lineage: str
-    sha256: bytes = b""
-
-
-def newest_complete(copies: list[Held], num_stages: int, lineage: str | None = None):
-    """The newest step of which `copies` hold every stage (of `lineage`, or of whichever lineage
-    has the newest such step): (lineage, step, {stage: [(peer, hosted)]}), or None."""
-    by_lineage: dict[str, dict[int, dict[int, list]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for c in copies:
-        if c.lineage and (lineage is None or c.lineage == lineage):
-            by_lineage[c.lineage][c.step][c.stage].append((c.peer, c.hosted))
-    best = None
-    for name, steps in by_lineage.items():
-        for step, stages in steps.items():
-            if len(stages) == num_stages and (best is None or step > best[1]):
-                best = (name, step, {s: list(dict.fromkeys(sources)) for s, sources in stages.items()})
-    return best
-
-
-@dataclass
-class History:
-    """What the swarm's copies cost and what they mended: snapshot rounds, their seconds and the last
-    copy's size per stage; the pauses (restores) and the restarts (a new trainer took over), which a
-    new trainer carries on."""
-
-    rounds: int = 0
-    rounds_s: float = 0.0
-    copy_bytes: dict[int, int] = field(default_factory=dict)
-    pauses: list[dict] = field(default_factory=list)  # {"from_step", "to_step", "paused_s"} per restore
-    restarts: list[dict] = field(default_factory=list)  # {"to_step"}: a new trainer took the run over there
 
 
 class Recovery:
@@ -106,6 +67,7 @@ class Recovery:
         self.lineage = place.session
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
+        self.outrun: int | None = None  # the step last replayed for a micro-batch sent again too late
         self.history = History()
         # (lineage, step) -> stage -> what the owner's manifest names of its copies: only those are
         # restored (stage peers keep the signed manifests; a new trainer reads them there)
@@ -288,16 +250,24 @@ class Recovery:
     async def recover(self, error: BaseException) -> dict | None:
         """After `error` in a micro-batch or round: if a stage has no peer in service left, pauses
         until every stage has a peer, restores the newest complete copies and returns the trainer's
-        position kept with them; None when every stage still serves (the error is not ours to mend)."""
+        position kept with them; None when every stage still serves (the error is not ours to mend).
+        An asynchronous step whose micro-batch was sent again too late (`OUTRUN`: its stages' weights
+        serve the next step already) goes back to the copies too, once per step."""
         place, membership = self.place, self.membership
         if not self.every or not self.kept:
             return None
         await membership.probe()
-        if all(membership.serving(s) for s in range(place.num_stages)):
-            return None
         started, at = time.monotonic(), self.position.step_index
-        lacking = ", ".join(str(s) for s in range(place.num_stages) if not membership.serving(s))
-        self.paused = f"paused at step {at}: stage {lacking} has no peer in service"
+        if all(membership.serving(s) for s in range(place.num_stages)):
+            if OUTRUN not in str(error) or self.outrun == at:  # once a step: twice is no race
+                return None
+            self.outrun = at
+            self.paused = (
+                f"paused at step {at}: a micro-batch of it was sent again after the next step's moved the weights on"
+            )
+        else:
+            lacking = ", ".join(str(s) for s in range(place.num_stages) if not membership.serving(s))
+            self.paused = f"paused at step {at}: stage {lacking} has no peer in service"
         place.events.add("pause", f"{self.paused} ({one_line(error)})", logging.WARNING, log)
         while True:
             await self._wait_for_peers(at)
