@@ -179,6 +179,7 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         # error feedback: the copies carry the link ends in use, so the new pairs go on from them
         ("between steps", "subspace:4|topk:0.1+ef21", 6),  # and the forward's subspace basis
         ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
+        ("between steps", "lowrank:4/warm|lowrank:4/q8/warm+ef21", 6),  # and each sender's low-rank warm start
     ],
 )
 def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(
