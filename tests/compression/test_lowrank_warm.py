@@ -223,3 +223,40 @@ def test_error_feedback_on_a_warm_link(spec):
     assert link.sender.state_bytes == sender.state_bytes + 4 * 48 * 4
     link.sender.reset()
     assert link.sender.state_bytes == 0
+
+
+def test_a_link_ends_checkpoint_carries_the_warm_starts_of_its_senders():
+    """Both halves of a boundary, each sending one direction warm: what a stage checkpoint or a
+    swarm copy keeps of a link end (LinkEnd.state_dict, loaded weights-only) goes on byte for
+    byte; the same ends with their warm starts forgotten would not."""
+    from swarm.engine.linkend import LinkEnd
+
+    def ends():
+        return [LinkEnd(0, upstream, "lowrank:8/warm", "lowrank:8/q8/warm+ef") for upstream in (True, False)]
+
+    def step(up, down, t):
+        x = turning(t)
+        sent = [up.sender.send(x), down.sender.send(0.1 * x)]
+        for out, receiver in zip(sent, (down.receiver, up.receiver), strict=True):
+            receiver.receive(wire.decode(out.payload)).commit()
+            out.commit()
+        return [out.payload for out in sent]
+
+    up, down = ends()
+    for t in range(3):
+        step(up, down, t)
+    copies, forgetful = ends(), ends()
+    for original, copy, other in zip((up, down), copies, forgetful, strict=True):
+        buf = io.BytesIO()
+        torch.save(original.state_dict(), buf)
+        for end in (copy, other):
+            buf.seek(0)
+            end.load_state_dict(torch.load(buf, weights_only=True))
+        other.sender.codec.link_state.reset()
+    assert copies[0].state_bytes == up.state_bytes > 0 and copies[1].state_bytes == down.state_bytes
+    theirs = step(*forgetful, 3)
+    for t in range(3, 6):
+        ours = step(up, down, t)
+        assert ours == step(*copies, t)
+        if t == 3:
+            assert all(a != b for a, b in zip(ours, theirs, strict=True))
