@@ -199,7 +199,7 @@ def _codec(text: str, spec: str) -> Codec:
 @functools.cache
 def keeps_state(*specs: str) -> bool:
     """Whether any of these codec specs keeps state across micro-batches (error feedback, AQ-SGD,
-    a subspace basis; cached: a stage asks it per micro-batch)."""
+    a subspace basis, a low-rank warm start; cached: a stage asks it per micro-batch)."""
     return any(parse(spec).keeps_state for spec in specs)
 
 
