@@ -23,6 +23,7 @@ MIRRORED = [
     "lowrank:2+ef21",
     "lowrank:3/q8+ef21/sample",
     "lowrank:2+aqsgd/fp16",
+    "lowrank:2/warm+ef21",  # the sender's warm start beside the mirrored buffers
 ]
 PER_SAMPLE = [s for s in MIRRORED if "aqsgd" in s or "/sample" in s]
 GLOBAL = [s for s in MIRRORED if s not in PER_SAMPLE]

@@ -9,7 +9,8 @@ the same rank (the best error any rank-R message can have), each timed as factor
 ("encode") and product ("decode"), with no payload. Subspace rows send a message in a basis both
 ends already hold, installed from another micro-batch of the same boundary (`next_batch`); their
 `refresh` rows send the message that finds and carries a new basis (once every K), and `extra`
-gives the bits per element amortized over K messages.
+gives the bits per element amortized over K messages. Warm low-rank rows (`/warm`) encode from a
+sender whose last delivered message was that other micro-batch (each repeat from that same start).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ CODECS = (
     "topk:reuse/fp16",
 )
 LOW_RANK_CODECS = ("lowrank:8", "lowrank:32", "lowrank:32/q8", "lowrank:32/fp32")
+WARM_CODECS = ("lowrank:8/warm", "lowrank:32/warm", "lowrank:32/q8/warm")  # beside their plain rows
 SUBSPACE_CODECS = ("subspace:8", "subspace:32", "subspace:32/q8")
 REFRESH = " refresh"  # the row of a subspace codec's basis-carrying message
 LOW_RANK_REFERENCE = 32  # the rank of the torch.linalg rows
@@ -114,7 +116,9 @@ def _mbps(x: torch.Tensor, seconds: float) -> float:
     return x.numel() * 4 / 1e6 / seconds
 
 
-def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
+def codec_probe(name: str, x: torch.Tensor, spec: str, prior: torch.Tensor | None = None) -> Probe:
+    """`prior`: a tensor the sender delivered first (a warm low-rank sender's start); the timed
+    messages are never committed, so each repeat starts from it."""
     parsed = parse(spec)
     reuse = None
     target = x
@@ -122,6 +126,8 @@ def codec_probe(name: str, x: torch.Tensor, spec: str) -> Probe:
         reuse = parse("topk:0.1/fp16").sender().send(x).selection
         target = activation_gradient(tuple(x.shape), torch.Generator().manual_seed(1))
     sender, receiver = parsed.sender(), parsed.receiver()
+    if prior is not None:
+        sender.send(prior).commit()
     return Probe(
         spec,
         name,
@@ -258,6 +264,7 @@ def run(scale: float = 1.0, repeat: int = 3, progress: bool = True) -> list[Row]
         probes += [codec_probe(name, x, spec) for spec in CODECS]
         if name.startswith("gpt2."):  # [tokens x hidden]: what the low-rank codecs are for
             probes += [codec_probe(name, x, spec) for spec in LOW_RANK_CODECS] + torch_low_rank_probes(name, x)
+            probes += [codec_probe(name, x, spec, priors[name]) for spec in WARM_CODECS]
             probes += [p for spec in SUBSPACE_CODECS for p in subspace_probes(name, x, priors[name], spec)]
         if name.startswith("resnet18.layer1"):
             probes += [store_probe(name, x, fmt) for fmt in STORE_FORMATS]

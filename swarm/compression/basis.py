@@ -50,6 +50,9 @@ class Held:
 class BasisState:
     """The bases of one link end, by last dimension."""
 
+    KIND = "subspace"  # a checkpoint's name for this state: loading refuses another kind
+    WHAT = "a subspace basis"
+
     def __init__(self) -> None:
         self._held: dict[int, Held] = {}
 
@@ -72,7 +75,7 @@ class BasisState:
 
     def state_dict(self) -> dict:
         return {
-            "kind": "subspace",
+            "kind": self.KIND,
             "bases": [
                 {"cols": cols, "vectors": h.vectors.clone(), "version": h.version, "sent": h.sent}
                 for cols, h in self._held.items()
@@ -80,8 +83,8 @@ class BasisState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("kind") != "subspace":
-            raise ValueError(f"checkpoint holds a {state.get('kind')!r} state, this link end keeps a subspace basis")
+        if state.get("kind") != self.KIND:
+            raise ValueError(f"checkpoint holds a {state.get('kind')!r} state, this link end keeps {self.WHAT}")
         self._held = {
             int(b["cols"]): Held(b["vectors"].float().clone(), int(b["version"]), int(b["sent"]))
             for b in state["bases"]

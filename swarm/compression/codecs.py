@@ -5,8 +5,9 @@
 - `TopK`: per-sample TopK; its values go through an inner `Cast` or `Quantize`.
 - `TopKReuse`: values at the positions of the forward message on the same link (values only).
 - `LowRank` (`swarm.compression.lowrank`): two rank-R factors of the tensor as a matrix.
-- `Subspace` (`swarm.compression.subspace`): coefficients in a basis both ends of a link hold; the
-  one codec with link state of its own (`link_state`, `delivered`: `swarm.compression.basis`).
+- `Subspace` (`swarm.compression.subspace`): coefficients in a basis both ends of a link hold, a
+  codec with link state of its own (`link_state`, `delivered`: `swarm.compression.basis`), as is
+  a `/warm` low-rank sender (`swarm.compression.warm`: its start, on the sender only).
 
 `decode` is each codec's one way back, for received payloads and for a sender's own error
 feedback alike; it refuses, with a one-line `PayloadError`, a payload this codec does not produce
@@ -35,7 +36,7 @@ class Codec:
     """Stateless math: encode returns in-memory parts, decode inverts them."""
 
     spec: str
-    link_state = None  # state kept per link, changed as messages are delivered (a subspace basis)
+    link_state = None  # state kept per link, changed as messages are delivered (a subspace basis, a warm start)
 
     def delivered(self, enc: Encoded) -> Callable[[], None] | None:
         """The change that delivering `enc` makes to `link_state`, applied when the message is

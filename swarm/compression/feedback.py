@@ -12,8 +12,8 @@ link's codec (`Codec.decode`), or with `EXACT` for exact payloads. Stateful vari
 State changes only when the caller commits a message it knows was delivered (`commit()` on the
 `Outgoing` / `Incoming`); mirrored payloads carry state versions, and a receiver whose state
 differs raises `StateMismatchError` instead of silently diverging. A codec may keep link state of
-its own (`Codec.link_state`: the subspace codec's basis); it changes on the same commit
-(`Codec.delivered`) and is reset and checkpointed with the end's table.
+its own (`Codec.link_state`: the subspace codec's basis, a warm low-rank sender's start); it
+changes on the same commit (`Codec.delivered`) and is reset and checkpointed with the end's table.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class Receiver:
         return _state_bytes(self)
 
 
-_STATE_NAMES = {"table": "error-feedback", "basis": "subspace basis"}
+_STATE_NAMES = {"table": "error-feedback", "basis": "codec link"}
+_LINK_STATE_NAMES = {"subspace": "subspace basis", "lowrank-warm": "low-rank warm start"}  # by kind
 
 
 def _states(end) -> dict:
@@ -196,6 +197,9 @@ def _load_state_dict(end, state: dict) -> None:
     for key, name in _STATE_NAMES.items():
         if (key in states) != (key in state):
             got, have = ("a", "none") if key in state else ("no", "one")
+            if key == "basis":  # the codec's link state, named by the kind the one side has
+                kind = (state[key] if key in state else states[key].state_dict()).get("kind")
+                name = _LINK_STATE_NAMES.get(kind, name)
             raise ValueError(
                 f"checkpoint has {got} {name} state, this {type(end).__name__} keeps {have} (was the compression spec changed?)"
             )

@@ -5,7 +5,7 @@
                | "quant:" BITS { "/" ("tensor" | "sample" | "channel" | "stochastic") }
                | "topk:" RATIO { "/" value }          RATIO in (0, 1]
                | "topk:reuse" { "/" value }            backward only: the forward's indices
-               | "lowrank:" RANK [ "/" factor ]       RANK >= 1; factors fp16 by default
+               | "lowrank:" RANK [ "/" factor ] [ "/warm" ]   RANK >= 1; factors fp16 by default
                | "subspace:" RANK [ "/" factor ] [ "/every" K ]   coefficients fp16, K = 32 by default
     value     := "fp32" | "fp16" | "bf16" | "q" BITS [ "/stochastic" ]    (TopK values)
     factor    := "fp32" | "fp16" | "bf16" | "q" BITS      (low-rank factors, subspace coefficients)
@@ -14,9 +14,12 @@
 
 Examples: `topk:0.1`, `quant:4`, `quant:4/tensor`, `topk:0.1/fp16`, `topk:0.1/q8`,
 `topk:0.1+ef21`, `topk:0.3+aqsgd/fp16`, `topk:reuse`, `lowrank:8`, `lowrank:32/q8+ef21`,
-`subspace:8`, `subspace:8/q8/every16+ef`. A subspace codec keeps mirrored link state of its own (the
-basis), so it takes only sender-side feedback (`+ef`): EF21 or AQ-SGD would put a second mirrored
-state, with its own versions and warmup, in the same messages.
+`lowrank:32/q8/warm+ef21`, `subspace:8`, `subspace:8/q8/every16+ef`. `/warm` starts a low-rank
+link's sender from the directions of its last delivered message (`swarm.compression.warm`):
+state on the sender only, in plain low-rank messages, so it takes any feedback plain lowrank
+takes. A subspace codec keeps mirrored link state of its own (the basis), so it takes only
+sender-side feedback (`+ef`): EF21 or AQ-SGD would put a second mirrored state, with its own
+versions and warmup, in the same messages.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from swarm.compression.feedback import ErrorFeedbackSender, MirroredReceiver, Mi
 from swarm.compression.lowrank import FP16, LowRank
 from swarm.compression.state import STORE_FORMATS, check_store_format
 from swarm.compression.subspace import DEFAULT_EVERY, Subspace
+from swarm.compression.warm import WarmLowRank
 
 VALID_FORMS = (
     "none | fp32 | fp16 | bf16 | quant:BITS[/tensor|/sample|/channel][/stochastic] | "
-    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...] | lowrank:RANK[/fp16|/bf16|/fp32|/qBITS] | "
+    "topk:RATIO[/fp32|/fp16|/bf16|/qBITS] | topk:reuse[/...] | lowrank:RANK[/fp16|/bf16|/fp32|/qBITS][/warm] | "
     "subspace:RANK[/fp16|/bf16|/fp32|/qBITS][/everyK]; "
     "optionally +ef | +ef21 | +efmixed (each [/sample]) | +aqsgd[/STORE] (subspace: +ef only)"
 )
@@ -66,19 +70,29 @@ class CompressionSpec:
 
     @property
     def keeps_state(self) -> bool:
-        """Whether messages change state kept across micro-batches: error feedback, a subspace basis."""
-        return self.feedback is not None or isinstance(self.codec, Subspace)
+        """Whether messages change state kept across micro-batches: error feedback, a subspace
+        basis, a low-rank warm start."""
+        return self.feedback is not None or isinstance(self.codec, Subspace) or self._warm
+
+    @property
+    def _warm(self) -> bool:
+        return isinstance(self.codec, LowRank) and self.codec.warm
 
     @property
     def reuses_indices(self) -> bool:
         return isinstance(self.codec, TopKReuse)
 
-    def _end_codec(self) -> Codec:
-        """The codec one link end runs: a subspace codec with that end's own basis."""
-        return LinkSubspace(self.codec) if isinstance(self.codec, Subspace) else self.codec
+    def _end_codec(self, sending: bool) -> Codec:
+        """The codec one link end runs: a subspace codec with that end's own basis; a warm
+        low-rank sender with its own start (its receiver decodes plain low-rank messages)."""
+        if isinstance(self.codec, Subspace):
+            return LinkSubspace(self.codec)
+        if sending and self._warm:
+            return WarmLowRank(self.codec)
+        return self.codec
 
     def sender(self, store_path=None, capacity: int | None = None) -> Sender:
-        codec = self._end_codec()
+        codec = self._end_codec(sending=True)
         if self.feedback in ("ef", "efmixed"):
             return ErrorFeedbackSender(
                 codec, self.per_sample, self.feedback == "efmixed", self.store, store_path, capacity
@@ -88,7 +102,7 @@ class CompressionSpec:
         return Sender(codec)
 
     def receiver(self, store_path=None, capacity: int | None = None) -> Receiver:
-        codec = self._end_codec()
+        codec = self._end_codec(sending=False)
         if self.mirrored:
             return MirroredReceiver(codec, self.per_sample, self.store, store_path, capacity)
         return Receiver(codec)
@@ -129,7 +143,11 @@ def _factors(options: list[str], spec: str, what: str) -> Cast | Quantize:
 
 
 def _low_rank(parts: list[str], spec: str) -> LowRank:
-    return LowRank(_count(parts[0], spec, "low rank"), _factors(parts[1:], spec, "low-rank factor"))
+    options = parts[1:]
+    warm = options[-1:] == ["warm"]  # last, as subspace's /everyK: the factor format comes first
+    if warm:
+        options = options[:-1]
+    return LowRank(_count(parts[0], spec, "low rank"), _factors(options, spec, "low-rank factor"), warm)
 
 
 def _subspace(parts: list[str], spec: str) -> Subspace:
@@ -181,7 +199,7 @@ def _codec(text: str, spec: str) -> Codec:
 @functools.cache
 def keeps_state(*specs: str) -> bool:
     """Whether any of these codec specs keeps state across micro-batches (error feedback, AQ-SGD,
-    a subspace basis; cached: a stage asks it per micro-batch)."""
+    a subspace basis, a low-rank warm start; cached: a stage asks it per micro-batch)."""
     return any(parse(spec).keeps_state for spec in specs)
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from _util import cli_here
 
-from swarm.bench.codecs import CODECS, LOW_RANK_CODECS, REFRESH, SUBSPACE_CODECS
+from swarm.bench.codecs import CODECS, LOW_RANK_CODECS, REFRESH, SUBSPACE_CODECS, WARM_CODECS
 
 REQUIRED = {"codec", "tensor", "bits_per_element", "rel_error", "encode_mbps", "decode_mbps"}
 
@@ -35,7 +35,7 @@ def test_every_codec_and_reference_is_measured_on_every_tensor(rows):
     for tensor in tensors:
         codecs = {r["codec"] for r in rows if r["tensor"] == tensor}
         assert set(CODECS) | {"hivemind:float16", "torch:topk:0.1"} <= codecs
-        low_rank = set(LOW_RANK_CODECS) | {"torch:svd_lowrank:32", "torch:linalg.svd:32"}
+        low_rank = set(LOW_RANK_CODECS) | set(WARM_CODECS) | {"torch:svd_lowrank:32", "torch:linalg.svd:32"}
         low_rank |= set(SUBSPACE_CODECS) | {spec + REFRESH for spec in SUBSPACE_CODECS}
         assert low_rank <= codecs if tensor.startswith("gpt2.") else not low_rank & codecs
 
@@ -126,3 +126,15 @@ def test_subspace_rows_cost_rank_over_cols_and_a_refresh_what_lowrank_does(rows)
     assert held["bits_per_element"] < amortized < held["bits_per_element"] * 1.05
     # a basis from another micro-batch of a falling spectrum: within 10% of lowrank's fresh error
     assert held["rel_error"] < 1.1 * by[("lowrank:32", tensor)]["rel_error"]
+
+
+def test_warm_low_rank_rows_cost_what_plain_ones_do(rows):
+    """A warm sender's message is a plain low-rank payload: the same bits; started from another
+    micro-batch of the falling spectrum (the same directions), its one power iteration errs no
+    more than plain lowrank's two, within 1%."""
+    by = {(r["codec"], r["tensor"]): r for r in rows}
+    tensor = next(t for _, t in by if t.startswith("gpt2.anisotropic"))
+    for spec in WARM_CODECS:
+        warm, plain = by[(spec, tensor)], by[(spec.removesuffix("/warm"), tensor)]
+        assert warm["bits_per_element"] == plain["bits_per_element"]
+        assert warm["rel_error"] <= 1.01 * plain["rel_error"], (spec, warm["rel_error"], plain["rel_error"])

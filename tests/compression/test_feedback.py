@@ -276,6 +276,7 @@ def test_sender_state_independent_of_input_mutation(spec):
         "quant:3/tensor+ef/sample",
         "lowrank:2+ef",
         "lowrank:2/q8+ef/sample",
+        "lowrank:2/warm+ef",
         "subspace:2/every3+ef",
         "subspace:2/q8/every4+ef/sample",  # a held basis never sends what lies outside it: EF needs refreshes
     ],

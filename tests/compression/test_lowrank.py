@@ -127,7 +127,9 @@ def test_codec_parameters_are_checked():
     assert LowRank(4).spec == "lowrank:4" and parse("lowrank:4/q6").codec.spec == "lowrank:4/q6"
 
 
-@pytest.mark.parametrize("spec", ["lowrank:2+ef", "lowrank:2+ef21", "lowrank:2/q8+ef21"])
+@pytest.mark.parametrize(
+    "spec", ["lowrank:2+ef", "lowrank:2+ef21", "lowrank:2/q8+ef21", "lowrank:2/warm+ef", "lowrank:2/q8/warm+ef21"]
+)
 def test_error_feedback_sends_a_full_rank_tensor_in_rank_2_pieces(spec):
     """The same full-rank tensor sent again and again: EF21's receiver output converges to it (each
     message sends the top of what is left), EF's running mean of outputs does (the error is carried)."""

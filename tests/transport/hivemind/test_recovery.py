@@ -14,6 +14,7 @@ import pytest
 import torch
 from _swarm_env import local_rows, smoke
 
+from swarm.engine.checkpoint import read_stage
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
@@ -183,8 +184,9 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         ("between steps", "subspace:4|topk:0.1+ef21", 6),  # and the forward's subspace basis
         ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
         # train.schedule async: the copies hold each stage's last step's gradients unapplied (the
-        # loop drains before a copy); step 8's micro-batches were out when stage 1 died
-        ("between steps", "|".join(ASYNC), 6),
+        # loop drains before a copy); step 8's micro-batches were out when stage 1 died; and each
+        # sender's low-rank warm start
+        ("between steps", "|".join(["lowrank:4/warm", "lowrank:4/q8/warm+ef21", *ASYNC[2:]]), 6),
         ("as a step closes", "|".join(ASYNC), 6),  # step 7 applied (step 9's micro-batch brought it)
     ],
 )
@@ -220,8 +222,19 @@ def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_c
         row = next(line for line in table.splitlines() if run.replacement.node.peer_id[-8:] in line)
         assert f"went back to step {back_to} after a" in row and "(1x)" in row, table
         assert "copies: stage 0 step 9 (" in row and "stage 1 step 9 (" in row, table
+        if "warm" in codecs:  # every copy's link ends carry their senders' warm starts
+            _assert_copies_carry_warm_starts([*run.hosted, run.replacement])
     finally:
         run.close()
+
+
+def _assert_copies_carry_warm_starts(hosts) -> None:
+    saved = [read_stage(io.BytesIO(copy.payload)) for host in hosts for copy in host.snapshots.copies.values()]
+    ends = [end for state in saved for end in (state["inbound"], state["outbound"]) if end is not None]
+    assert len(ends) >= 4, len(ends)  # stages 0 and 2 one end each, stage 1 two, in each step's copies
+    for end in ends:
+        start = end["sender"]["basis"]
+        assert start["kind"] == "lowrank-warm" and start["bases"], start
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async"])

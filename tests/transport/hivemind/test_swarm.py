@@ -54,6 +54,7 @@ CODECS = [  # forward topk+ef21: test_oracle_with_clipping_and_two_peers_on_a_st
     ("topk:0.1", "topk:reuse"),
     ("lowrank:4+ef21", "topk:0.1+ef21"),
     ("topk:0.3+aqsgd", "lowrank:4+ef"),
+    ("lowrank:4/warm+ef21", "lowrank:4/q8/warm"),  # each link's sender starts from its last delivered message
 ]
 
 
