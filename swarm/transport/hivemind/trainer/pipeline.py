@@ -5,10 +5,10 @@ The trainer owns data and schedule: it sends micro-batches to stage-0 peers (eac
 micro-batch through the stages and back: swarm.transport.hivemind.stage.chain), several at once
 and numbered on each link so every stage processes them in the trainer's order. After the last
 micro-batch of a step it runs the synchronous step (swarm.engine.step) across every stage peer
-(`rounds`), or, when it can, the step closes on the way, with no round trip
-(swarm.transport.hivemind.trainer.closing). At each step boundary it sets up the peers that announced themselves for the run since
-(`admit`): each joins as a replica that first downloads its stage's state from a peer in service
-(swarm.transport.hivemind.stage.joining) and follows the step rounds until it serves.
+(`rounds`), or the step closes on the way, with no round trip (trainer.closing). At each step
+boundary it sets up the peers that announced themselves for the run since (`admit`): each joins
+as a replica that downloads its stage's state from a peer in service (stage.joining) and follows
+the step rounds until it serves.
 """
 
 from __future__ import annotations
@@ -229,9 +229,6 @@ class SwarmPipeline:
         self._state = "training"
         return dict(self.members)
 
-    async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
-        return await self.setups.set_up(stage, peer_id, sources)
-
     def serving(self, stage: int) -> list[str]:
         """The stage's members in service (not still catching up)."""
         return self.membership.serving(stage)
@@ -298,7 +295,7 @@ class SwarmPipeline:
 
         return self._mended(after_settling)
 
-    def keeps_copies(self, step: int) -> bool:
+    def keeps_copies(self, step: int) -> bool:  # the loop drains first (an asynchronous run's copies)
         return self.recovery.due(step)
 
     def snapshot(self, step: int, position: dict) -> None:
