@@ -180,7 +180,7 @@ class StageRuntime:
         keys = step_keys(step, count)
         if not any(key in self.held for key in keys):
             return None
-        return self._summed(keys)
+        return self._summed(keys, corrected=False)
 
     def hold_kept(self, step: int, count: int, kept: dict[str, torch.Tensor] | None) -> None:
         """The inverse of `held_kept`: all of `kept` held as the step's first micro-batch's, nothing
@@ -193,9 +193,10 @@ class StageRuntime:
         for key in others:
             self.held[key] = []
 
-    def _summed(self, keys) -> dict[str, torch.Tensor]:
+    def _summed(self, keys, corrected: bool = True) -> dict[str, torch.Tensor]:
         """Parameter name -> the sum of its held gradients of `keys`, added in the given order (and,
-        in a swarm with a delay correction, corrected as if applied now: `versions`)."""
+        in a swarm with a delay correction, `corrected` as if applied now: `versions`; one process's
+        kept gradients are the raw sums)."""
         missing = [key for key in keys if key not in self.held]
         if missing:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
@@ -203,7 +204,7 @@ class StageRuntime:
         for key in keys:
             for name, g in self.held[key]:
                 sums[name] = g.clone() if name not in sums else sums[name].add_(g)
-        if self.versions is not None and keys:
+        if corrected and self.versions is not None and keys:
             sums = self.versions.corrected(keys[0][1], self.module, sums)  # a key is (mode, step, index)
         return sums
 

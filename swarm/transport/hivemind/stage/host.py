@@ -237,11 +237,11 @@ class HostedStage:
         low, high = state.serving()
         if batch.step < low:  # the sender's mistake (or replay), not this peer's: refused, and
             # its upstream does not take this peer for unavailable (it may be the stage's only one)
-            moved = ""  # an asynchronous step's micro-batch sent again after the next step's moved the weights on
+            at = f"is at step {state.steps}"  # an asynchronous step's micro-batch sent again after the next step's moved the weights on
             if state.cfg.train.schedule == "async":
-                moved = f" (train.schedule async: its weights serve step {high}, {OUTRUN})"
+                at = f"serves step {high} (train.schedule async: its weights moved on, {OUTRUN})"
             raise RemoteError(
-                f"a micro-batch of a past step: stage {self.stage} peer is at step {state.steps}, micro-batch {batch.key}{moved}",
+                f"a micro-batch of a past step: stage {self.stage} peer {at}, micro-batch {batch.key}",
                 pb.REFUSED,
             )
         if batch.mode is Mode.TRAIN and batch.index >= state.cfg.train.micro_batches:

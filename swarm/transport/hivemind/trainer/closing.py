@@ -11,12 +11,12 @@ copy, a checkpoint, the run's end.
 
 With an asynchronous schedule (swarm.engine.delay, `depth` 2) step t's decision comes with step
 t + 2's micro-batches (it applies g_t, a step late) and step t + 1's may be out while step t's are.
-A step that cannot close on the way closes by one round (`late`: every stage's norm of its held
+A step that cannot close on the way closes by one round (`late_round`: every stage's norm of its held
 gradients, nothing applied) and its decision still rides with step t + 2's micro-batches. A
 checkpoint or copy of an asynchronous run holds the last step's gradients unapplied: after a
 restore the decision of that step is made again the same way (`reopen`). With dc a
-step's norms come a step late (trainer.late_norms); a dc step that cannot close on the way is
-not built yet (`late` says so in one line).
+step's norms come a step late (`late`: trainer.late_norms); a dc step that cannot close on the way
+is not built yet (`late_round` says so in one line).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class StepClosing:
 
     def close(self, step: int, grad_clip: float | None, retries: int) -> float | None:
         """The learning rate of `step` closed on the way (its decision now pending for the
-        micro-batches `depth` steps later), or None: it closes by the rounds (an asynchronous
-        step by the one round of `late`)."""
+        micro-batches `depth` steps later; with dc, once its norms came: `late`), or None: it closes
+        by the rounds (an asynchronous step by the one round of `late_round`)."""
         closing = self.open.pop(step, None)
         on_the_way = (
             closing is not None

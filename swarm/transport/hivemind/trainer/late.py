@@ -16,9 +16,10 @@ newer weights), and a delay correction together with the swarm's copies or check
 correction's per-step weights, swarm.engine.versions, are not written into them yet: such a run
 keeps no copies by default, `snapshot_every`). A stage with two peers, a joiner or tied parameters
 are refused at the first step they meet (trainer.closing: their gradients are summed by rounds that
-apply a step at once). A retried micro-batch of step t must come back before step t + 1's first
-micro-batch reached its stages: past that its stages' weights serve step t + 1 only, and the retry
-is refused; so is a dc step that cannot close on the way.
+apply a step at once). A retried micro-batch of step t that comes after step t + 1's first
+micro-batch reached its stages is refused there (their weights serve step t + 1 only): the run
+goes back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does a
+dc step that cannot close on the way.
 """
 
 from __future__ import annotations
@@ -58,5 +59,5 @@ def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int = 0, checkpoin
         missing.append(f"checkpoints with train.delay_correction {cfg.train.delay_correction}")
     if missing:
         raise ValueError(
-            f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run has them)"
+            f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run runs them, with checkpoints)"
         )

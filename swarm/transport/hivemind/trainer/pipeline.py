@@ -249,9 +249,9 @@ class SwarmPipeline:
         return self._mended(lambda: self.loop.run(self.dispatch.run_many(items, following=list(following))))
 
     def _mended(self, work):
-        """`work()`; if it failed because a stage lost its last peer, the run pauses, every stage goes
-        back to the swarm's copies (swarm.transport.hivemind.trainer.recovery) and the loop hears
-        where from (`Rewound`)."""
+        """`work()`; if it failed because a stage lost its last peer (or an asynchronous micro-batch
+        came again too late), every stage goes back to the swarm's copies (trainer.recovery) and
+        the loop hears where from (`Rewound`)."""
         with self.in_swarm.during():  # a pause waits on the swarm too
             try:
                 return work()

@@ -67,7 +67,7 @@ class Recovery:
         self.lineage = place.session
         self.taken: int | None = None  # the step of the last snapshot round
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
-        self.outrun: int | None = None  # the step last replayed for a micro-batch sent again too late
+        self.outrun: set[int] = set()  # steps replayed for a micro-batch sent again too late (since the last copies)
         self.history = History()
         # (lineage, step) -> stage -> what the owner's manifest names of its copies: only those are
         # restored (stage peers keep the signed manifests; a new trainer reads them there)
@@ -140,6 +140,7 @@ class Recovery:
             return
         self.history.rounds_s += time.monotonic() - started
         self.taken, self.kept = step, True
+        self.outrun = {s for s in self.outrun if s >= step}  # replays behind the newest copies are done
         self.history.rounds += 1
 
     def _named(self, step: int, peers: list[tuple[int, str]], taken: dict) -> dict[int, manifests.Named]:
@@ -259,9 +260,9 @@ class Recovery:
         await membership.probe()
         started, at = time.monotonic(), self.position.step_index
         if all(membership.serving(s) for s in range(place.num_stages)):
-            if OUTRUN not in str(error) or self.outrun == at:  # once a step: twice is no race
+            if OUTRUN not in str(error) or at in self.outrun:  # once a step: twice is no race
                 return None
-            self.outrun = at
+            self.outrun.add(at)
             self.paused = (
                 f"paused at step {at}: a micro-batch of it was sent again after the next step's moved the weights on"
             )
@@ -359,6 +360,11 @@ class Recovery:
             raise RuntimeError(f"the copies of step {step} carry no trainer position")
         if self.adaptive is not None and "adaptive" in position:  # the codecs go back with the copies
             self.adaptive.restore_saved(position["adaptive"])
-        await self.went_back(step)
+        try:
+            await self.went_back(step)  # an asynchronous run's last decision is made again: a round
+        except (TransportError, RemoteError) as e:  # a peer failed it: gone ones leave, the restore starts over
+            place.events.add("pause", f"going back to step {step} failed: {one_line(e)}", logging.WARNING, log)
+            await membership.probe()
+            return None
         self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
         return position
