@@ -176,11 +176,11 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
 @pytest.mark.parametrize(
     ("moment", "codecs", "back_to"),
     [
-        ("between steps", "topk:0.2|topk:reuse", 6),
         ("at a micro-batch", "topk:0.2|topk:reuse", 6),
         ("as a step closes", "topk:0.2|topk:reuse", 6),
         ("during a snapshot", "topk:0.2|topk:reuse", 6),
-        # error feedback: the copies carry the link ends in use, so the new pairs go on from them
+        # between steps (the next micro-batch finds stage 1 gone), with error feedback: the copies
+        # carry the link ends in use, so the new pairs go on from them
         ("between steps", "subspace:4|topk:0.1+ef21", 6),  # and the forward's subspace basis
         ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
         # train.schedule async: the copies hold each stage's last step's gradients unapplied (the

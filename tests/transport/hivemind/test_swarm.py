@@ -48,18 +48,20 @@ from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 from swarm.transport.hivemind.trust.sealed import DECISION, seal
 from swarm.transport.hivemind.trust.signatures import Refused
 
-CODECS = [  # forward topk+ef21: test_oracle_with_clipping_and_two_peers_on_a_stage
-    ("none", "none"),
-    ("subspace:4", "quant:4"),  # quant:4 both ways before: the forward basis is mirrored link state
-    ("topk:0.1", "topk:reuse"),
-    ("lowrank:4+ef21", "topk:0.1+ef21"),
-    ("topk:0.3+aqsgd", "lowrank:4+ef"),
-    ("lowrank:4/warm+ef21", "lowrank:4/q8/warm"),  # each link's sender starts from its last delivered message
+# (stages, forward, backward); forward topk+ef21: test_oracle_with_clipping_and_two_peers_on_a_stage.
+# Two stages: one boundary, both ends of it at the pipeline's ends; four stages have every kind of
+# link end (the first's, middle stages' both ways, the last's), so the codecs run there.
+CODECS = [
+    (2, "none", "none"),
+    (4, "none", "none"),
+    (4, "subspace:4", "quant:4"),  # quant:4 both ways before: the forward basis is mirrored link state
+    (4, "topk:0.1", "topk:reuse"),
+    (4, "lowrank:4/warm+ef21", "topk:0.1+ef21"),  # /warm: each link's sender starts from its last delivered message
+    (4, "topk:0.3+aqsgd", "lowrank:4/q8/warm+ef"),
 ]
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize(("forward", "backward"), CODECS, ids=[f"{f}|{b}" for f, b in CODECS])
+@pytest.mark.parametrize(("stages", "forward", "backward"), CODECS, ids=[f"{n}-{f}|{b}" for n, f, b in CODECS])
 def test_oracle_swarm_equals_single_process(swarm, tmp_path, stages, forward, backward):
     cfg = smoke(f"model.num_stages={stages}", f"compression.forward={forward}", f"compression.backward={backward}")
     assert_same_run(swarm_rows(swarm, cfg), local_rows(cfg, tmp_path))
