@@ -142,44 +142,55 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
     _close(_losses(read_results(local)), reference[3:])  # the swarm's checkpoint, in one process
 
 
-def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(swarm, tmp_path):
-    """Micro-batch 1 of step 4 goes through every stage, but stage 0's reply is lost: the trainer
-    sends it again, and every stage holds it once more (held per micro-batch: it counts once). The
-    step cannot close on the way, so one round takes every stage's norm of its held gradients; its
-    decision still rides with step 6's micro-batches, and the losses are one process's."""
-    cfg = smoke(
-        "model.num_stages=3",
-        "optimizer.grad_clip=0.05",
-        "compression.forward=quant:4",
-        "compression.backward=quant:4",
-        "train.schedule=async",
-    )
+def _reply_lost(swarm, cfg, steps: int, lost_at: tuple[int, int], late_s: float = 0.0, snapshot_every: int = 0):
+    """A run of `cfg` on three shared hosts whose stage 0 loses its reply of micro-batch `lost_at`
+    (step, index) once, `late_s` after the micro-batch went through every stage: the trainer sends it
+    again. Its rows, its pipeline and the attempts whose reply was lost."""
     run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-    chain = hosted[0].chain
+    chain = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])[0].chain
     original, lost = chain.run, []
 
     async def reply_lost_once(head, payload, sender):
         outcome = await original(head, payload, sender)
-        if (head.batch.step, head.batch.index) == (4, 1) and not lost:
+        if (head.batch.step, head.batch.index) == lost_at and not lost:
             lost.append(head.batch.attempt)
+            await asyncio.sleep(late_s)
             raise RemoteError("stage 1 did not answer in time (a test's lost reply)", pb.DOWNSTREAM)
         return outcome
 
     chain.run = reply_lost_once
     try:
         data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, 8, data)
+        pipeline = swarm.pipeline(cfg, run_id, steps, data, snapshot_every=snapshot_every)
         rows = ResultsWriter(None)
-        train(cfg, pipeline, data, rows, 8, progress=False)  # step 4 is followed by an evaluation
+        train(cfg, pipeline, data, rows, steps, progress=False)
     finally:
         swarm.unhost(run_id)
-    assert lost and pipeline.handoff.retries == 1
+    assert lost
+    return rows.rows, pipeline
+
+
+LOSSY = (
+    "model.num_stages=3",
+    "optimizer.grad_clip=0.05",
+    "compression.forward=quant:4",
+    "compression.backward=quant:4",
+)
+
+
+def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(swarm, tmp_path):
+    """Micro-batch 1 of step 4 goes through every stage, but stage 0's reply is lost: the trainer
+    sends it again, and every stage holds it once more (held per micro-batch: it counts once). The
+    step cannot close on the way, so one round takes every stage's norm of its held gradients; its
+    decision still rides with step 6's micro-batches, and the losses are one process's."""
+    cfg = smoke(*LOSSY, "train.schedule=async")
+    rows, pipeline = _reply_lost(swarm, cfg, 8, (4, 1))  # step 4 is followed by an evaluation
+    assert pipeline.handoff.retries == 1
     theirs = local_rows(cfg, tmp_path, steps=8)
-    _close(_losses(rows.rows), _losses(theirs))
-    lrs = ([r["lr"] for r in run if r["type"] == "step"] for run in (rows.rows, theirs))
+    _close(_losses(rows), _losses(theirs))
+    lrs = ([r["lr"] for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert next(lrs) == pytest.approx(next(lrs))  # step 4's: the rate its micro-batches ran at, by the round
-    summary = rows.rows[-1]
+    summary = rows[-1]
     assert summary["closed_on_the_way"] == 7 and summary["round_calls"] == {"gather": 3}
 
 
@@ -188,35 +199,7 @@ def test_a_micro_batch_sent_again_after_the_next_step_moved_on_goes_back_to_the_
     went out and moved every stage's weights on, so its stages refuse it when it comes again (their
     weights serve step 3). The run goes back to the swarm's copies of step 2 and replays it, once,
     with one process's losses."""
-    cfg = smoke(
-        "model.num_stages=3",
-        "optimizer.grad_clip=0.05",
-        "compression.forward=quant:4",
-        "compression.backward=quant:4",
-        "train.eval_every=100",
-        "train.schedule=async",
-    )
-    run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-    chain = hosted[0].chain
-    original, lost = chain.run, []
-
-    async def reply_lost_late_once(head, payload, sender):
-        outcome = await original(head, payload, sender)
-        if (head.batch.step, head.batch.index) == (2, 1) and not lost:
-            lost.append(head.batch.attempt)
-            await asyncio.sleep(2.0)  # step 3's micro-batches go out meanwhile
-            raise RemoteError("stage 1 did not answer in time (a test's lost reply)", pb.DOWNSTREAM)
-        return outcome
-
-    chain.run = reply_lost_late_once
-    try:
-        data = build_data(cfg)
-        pipeline = swarm.pipeline(cfg, run_id, 6, data, snapshot_every=2)
-        rows = ResultsWriter(None)
-        train(cfg, pipeline, data, rows, 6, progress=False)
-    finally:
-        swarm.unhost(run_id)
-    assert lost
+    cfg = smoke(*LOSSY, "train.eval_every=100", "train.schedule=async")
+    rows, pipeline = _reply_lost(swarm, cfg, 6, (2, 1), late_s=2.0, snapshot_every=2)
     assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(2, 2)]
-    _close(_losses(rows.rows), _losses(local_rows(cfg, tmp_path, steps=6)))
+    _close(_losses(rows), _losses(local_rows(cfg, tmp_path, steps=6)))

@@ -237,11 +237,11 @@ def _assert_copies_carry_warm_starts(hosts) -> None:
         assert start["kind"] == "lowrank-warm" and start["bases"], start
 
 
-@pytest.mark.parametrize("schedule", ["sync", "async"])
-def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path, schedule):
-    """async: the new trainer makes the decision of step 5 (whose gradients the copies of step 6
-    hold unapplied) anew from every stage's norm of them, and it rides with step 7's micro-batches."""
-    run = _Lossy(swarm, _cfg(*ASYNC) if schedule == "async" else None)
+def test_a_new_trainer_takes_over_where_the_swarm_kept_copies(swarm, tmp_path):
+    """A new trainer process finds the copies of step 6 and goes on from there. (Under async a new
+    session makes the decision of the step the stages hold unapplied anew: test_async_swarm.py's
+    checkpoint test; an asynchronous run back to its copies: the killed-stage cases above.)"""
+    run = _Lossy(swarm)
     try:
 
         class TrainerDied(Exception):

@@ -131,10 +131,7 @@ class StepClosing:
             raise RuntimeError(
                 f"step {step} of a train.delay_correction dc run in a swarm could not close on the way (a micro-batch retried or run again): not built yet"
             )
-        squares, lr = await self.rounds.held(step, self.micro_batches)
-        self._decide(step, {0: squares}, grad_clip)
-        self.last = step
-        return lr
+        return await self._decide_held(step, grad_clip)
 
     async def reopen(self, step: int, grad_clip: float | None) -> None:
         """The stages went back to `step` (a checkpoint or the swarm's copies): none of its
@@ -143,9 +140,15 @@ class StepClosing:
         step + 1's micro-batches, as it would have."""
         self.forget()
         if self.depth > 1 and step:
-            squares, _ = await self.rounds.held(step - 1, self.micro_batches)
-            self._decide(step - 1, {0: squares}, grad_clip)
-            self.last = step - 1
+            await self._decide_held(step - 1, grad_clip)
+
+    async def _decide_held(self, step: int, grad_clip: float | None) -> float:
+        """`step` decided from every stage's norm of its held gradients (one round, their sum in
+        stage order); the learning rate the step ran at."""
+        squares, lr = await self.rounds.held(step, self.micro_batches)
+        self._decide(step, {0: squares}, grad_clip)
+        self.last = step
+        return lr
 
     def _decide(self, step: int, squares: dict[int, float], grad_clip: float | None) -> None:
         """The owner's decision closing `step`, pending for the micro-batches that bring it."""
