@@ -72,11 +72,8 @@ class Closing:
         self.twice: tuple[int, int] | None = None  # a step of which a micro-batch finished twice before its sum
         self._applying: dict[tuple[int, int], asyncio.Task] = {}
         self.late_sent: list[tuple[int, int]] = []  # the steps whose norm `LATE` reported (dc)
-
-    @property
-    def late(self) -> bool:
-        """dc's norms come a step late (`_late`)."""
-        return self.depth > 1 and DelayCorrection.parse(self.state.cfg.train.delay_correction).kind == "dc"
+        # dc's norms come a step late (`_late`); parsed once, not per micro-batch
+        self.late = self.depth > 1 and DelayCorrection.parse(state.cfg.train.delay_correction).kind == "dc"
 
     async def finished(self, batch: MicroBatch, closing: int, metrics: dict[str, float]) -> dict[str, float]:
         """After a micro-batch's backward here: its reply's metrics, with this stage's squared
