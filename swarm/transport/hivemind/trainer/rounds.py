@@ -34,6 +34,7 @@ from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.blame import blamed_members
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
@@ -230,42 +231,12 @@ class SwarmRounds:
                     membership.convict(stage - 1, sender, why)
 
     def _leave_out_blamed(self, peers: list[tuple[int, str]], replies: list) -> bool:
-        """Only groups failed: the members they failed on leave the run (while their stage keeps a
-        peer in service), so a member that answers its gather with success but never sums with its
-        group cannot hold the step. An info reply proves nothing here. Those whose own reply
-        contradicts the failure (success) leave first, then those more members named, then the
-        latest admitted; a member named only by members already left stays, and so does one whose
-        own failure names one who left (a member that aborts answers the others with errors, so
-        failures cascade). Whether any left."""
-        stage_of = {peer: stage for stage, peer in peers}
-        accusers: dict[str, set[str]] = defaultdict(set)
-        accused: dict[str, set[str]] = defaultdict(set)  # whom each member's own failure names
-        answered = set()
-        for (_, peer), reply in zip(peers, replies, strict=True):
-            if not isinstance(reply, BaseException):
-                answered.add(peer)
-            elif isinstance(reply, RemoteError) and reply.code == pb.GROUP_FAILED:
-                for named in reply.blamed:
-                    if named in stage_of and named != peer:
-                        accusers[named].add(peer)
-                        accused[peer].add(named)
-        members = self.membership.members
-
-        def order(peer: str) -> tuple:
-            return peer not in answered, -len(accusers[peer]), -members[stage_of[peer]].index(peer)
-
-        left: set[str] = set()
-        for peer in sorted(accusers, key=order):
-            stage, named_by = stage_of[peer], accusers[peer] - left
-            if not named_by or not [other for other in self.membership.serving(stage) if other != peer]:
-                continue
-            if accused[peer] & left:  # its own failure came from one who left: it failed in turn
-                continue
-            why = ", ".join(sorted(p[-8:] for p in named_by))
-            contradiction = "; it answered the gather round with success" if peer in answered else ""
+        """Only groups failed: the members they failed on leave the run (trainer.blame). Whether any left."""
+        membership = self.membership
+        left = blamed_members(peers, replies, membership.members, membership.serving)
+        for stage, peer, why in left:
             self.place.router.failed(peer)
-            self.membership.drop(stage, peer, f"its averaging group failed on it (named by {why}){contradiction}")
-            left.add(peer)
+            membership.drop(stage, peer, why)
         return bool(left)
 
     # ---- round 2: set the combined gradients, read the norm ---------------------------------------
