@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--snapshot_every",
         type=int,
-        default=None,
-        help="steps between the copies of every stage the swarm keeps (a lost stage or trainer goes back to them; 0: none; default 10, 0 with an asynchronous schedule's delay correction)",
+        default=10,
+        help="steps between the copies of every stage the swarm keeps (a lost stage or trainer goes back to them; 0: none; default 10)",
     )
     parser.add_argument(
         "--fresh",
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
     from swarm.transport.hivemind.net.loop import LoopThread
     from swarm.transport.hivemind.net.node import SwarmNode
-    from swarm.transport.hivemind.trainer.late import default_snapshot_every, refuse_unsupported
+    from swarm.transport.hivemind.trainer.late import refuse_unsupported
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
     from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 
@@ -132,12 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail("--checkpoint_every needs --checkpoint_dir and a positive number of steps")
     if bad := [peer for peer in args.allow if not is_peer_id(peer)]:
         return fail(f"--allow takes peer ids, got {bad[0]!r}")
-    if args.snapshot_every is None:  # a delay correction's per-step weights are not in the copies yet (trainer.late)
-        args.snapshot_every = default_snapshot_every(cfg)
     if args.snapshot_every < 0:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
     try:
-        refuse_unsupported(cfg, args.snapshot_every, checkpoints=bool(args.checkpoint_dir))
+        refuse_unsupported(cfg)
     except ValueError as e:
         return fail(str(e))
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument(
         "--snapshot_every",
         type=int,
-        help="steps between the copies the swarm keeps of every stage (the trainer's; default 10, 0 with an asynchronous schedule's delay correction; 0: none)",
+        help="steps between the copies the swarm keeps of every stage (the trainer's; default 10; 0: none)",
     )
     lab.add_argument(
         "--bandwidth",

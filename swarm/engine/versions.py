@@ -80,6 +80,16 @@ class StepVersions:
         strength = self.delay.correction.strength
         return {name: compensated(g, params[name].detach(), then[name], strength) for name, g in sums.items()}
 
+    def weights_of(self, step: int) -> dict[str, torch.Tensor] | None:
+        """dc: the weights `step` ran at (a drained stage's checkpoint writes them as one process's
+        `StageDelay.then` of its kept gradients); None without dc."""
+        return self.then.get(step)
+
+    def hold_weights(self, step: int, then: dict[str, torch.Tensor] | None) -> None:
+        """The inverse of `weights_of`, once a checkpoint or copy holding `step`'s gradients is installed."""
+        if then is not None:
+            self.then[step] = then
+
     def updating(self, module: torch.nn.Module, names) -> None:
         self.delay.updating(module, names)
 

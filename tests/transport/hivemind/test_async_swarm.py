@@ -90,13 +90,15 @@ def _close(ours: list[float], theirs: list[float]) -> None:
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
 
-def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swarm, tmp_path):
+@pytest.mark.parametrize("correction", ["none", "lookahead", "dc:100000"])
+def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swarm, tmp_path, correction):
     """Checkpoints at steps 3 and 6 hold each stage's last step's gradients unapplied, written as one
-    process's kept ones (StageState.saved). With the newest lost, a new trainer session resumes the
-    swarm from step 3 (its stages hold step 2's gradients again; the trainer makes step 2's decision
-    anew from their norms, a round), one process resumes the same files, and the swarm resumes one
-    process's checkpoint: each repeats the uninterrupted one-process run, clipping and error feedback
-    included."""
+    process's kept ones (StageState.saved), with a delay correction's weights (dc's of the held step,
+    lookahead's last move). With the newest lost, a new trainer session resumes the swarm from step 3
+    (its stages hold step 2's gradients again; the trainer makes step 2's decision anew from their
+    norms, a round: dc's compensated at the weights they are applied to), one process resumes the
+    same files, and the swarm resumes one process's checkpoint: each repeats the uninterrupted
+    one-process run, clipping and error feedback included."""
     cfg = smoke(
         "model.num_stages=3",
         "optimizer.grad_clip=0.05",
@@ -104,6 +106,7 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
         "compression.backward=topk:0.2+ef21",
         "train.eval_every=100",
         "train.schedule=async",
+        f"train.delay_correction={correction}",
     )
     ours, theirs = tmp_path / "swarm", tmp_path / "one"
     run_experiment(cfg, tmp_path / "one.jsonl", 6, progress=False, checkpoint=Checkpointing(str(theirs), 3))
@@ -124,8 +127,10 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
         for stage in range(3):  # one process's format: the sum of step 2's gradients, not yet applied
             mine, one = (torch.load(run_dir(d, 3) / f"stage{stage}.pt", weights_only=True) for d in (ours, theirs))
             assert mine["step"] == one["step"] == 3 and mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
-            for name, grad in one["delay"]["kept"].items():
-                assert torch.allclose(mine["delay"]["kept"][name], grad, rtol=1e-5, atol=1e-7), (stage, name)
+            for part in ("kept", "then", "moved"):  # then: dc's only; moved: lookahead's
+                assert (mine["delay"][part] is None) == (one["delay"][part] is None), (stage, part)
+                for name, value in (one["delay"][part] or {}).items():
+                    assert torch.allclose(mine["delay"][part][name], value, rtol=1e-5, atol=1e-7), (stage, part, name)
         shutil.rmtree(run_dir(ours, 6))
         resumed, notes = swarm_run(ours)
         assert [r["step"] for r in resumed if r["type"] == "step"] == [4, 5, 6]

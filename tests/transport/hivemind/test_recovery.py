@@ -35,6 +35,7 @@ def _cfg(forward: str = "topk:0.2", backward: str = "topk:reuse", *more: str):
 
 
 ASYNC = ("topk:0.2", "topk:reuse", "optimizer.grad_clip=0.05", "train.schedule=async")  # swarm.engine.delay
+LOOKAHEAD, DC = "train.delay_correction=lookahead", "train.delay_correction=dc:100000"
 
 
 class _Hooked(ResultsWriter):
@@ -185,9 +186,9 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
         # train.schedule async: the copies hold each stage's last step's gradients unapplied (the
         # loop drains before a copy); step 8's micro-batches were out when stage 1 died; and each
-        # sender's low-rank warm start
-        ("between steps", "|".join(["lowrank:4/warm", "lowrank:4/q8/warm+ef21", *ASYNC[2:]]), 6),
-        ("as a step closes", "|".join(ASYNC), 6),  # step 7 applied (step 9's micro-batch brought it)
+        # sender's low-rank warm start; a delay correction's weights (lookahead's move, dc's v_then)
+        ("between steps", "|".join(["lowrank:4/warm", "lowrank:4/q8/warm+ef21", *ASYNC[2:], LOOKAHEAD]), 6),
+        ("as a step closes", "|".join([*ASYNC, DC]), 6),  # step 7 applied (step 9's micro-batch brought it)
     ],
 )
 def test_the_last_peer_of_a_stage_killed_pauses_the_run_which_goes_on_from_the_copies(

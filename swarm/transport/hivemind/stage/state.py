@@ -128,7 +128,10 @@ class StageState:
         saved = stage_state(self.runtime, ends, step, in_flight)
         if self.runtime.delay is not None:
             kept = self.runtime.held_kept(step - 1, self.cfg.train.micro_batches) if step else None
-            saved["delay"] = {"kept": kept, "then": None, "moved": None}  # delay corrections are refused
+            versions = self.runtime.versions
+            then = versions.weights_of(step - 1) if versions is not None and kept is not None else None
+            # dc's weights of the held step and lookahead's last move: what one process keeps
+            saved["delay"] = {"kept": kept, "then": then, "moved": self.runtime.delay.moved}
         return saved
 
     def serving(self) -> tuple[int, int]:
@@ -190,7 +193,10 @@ class StageState:
         delay = self.runtime.delay
         if delay is not None and delay.kept is not None:
             kept, delay.kept = delay.kept, None  # a swarm's stage holds its gradients per micro-batch
+            then, delay.then = delay.then, None  # ... and dc's weights per open step (swarm.engine.versions)
             self.runtime.hold_kept(step - 1, cfg.train.micro_batches, kept)
+            if self.runtime.versions is not None:
+                self.runtime.versions.hold_weights(step - 1, then)
             self.count(step - 1)
 
     def count(self, step: int) -> None:

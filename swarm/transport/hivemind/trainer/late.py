@@ -12,11 +12,10 @@ way closes by a round of the held gradients' norms (trainer.closing `late_round`
 
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
 (compression.adaptive), verification, recomputed activations (a backward would recompute at the
-newer weights), and a delay correction together with the swarm's copies or checkpoints (a
-correction's per-step weights, swarm.engine.versions, are not written into them yet: such a run
-keeps no copies by default, `snapshot_every`). A stage with two peers, a joiner or tied parameters
-are refused at the first step they meet (trainer.closing: their gradients are summed by rounds that
-apply a step at once). A retried micro-batch of step t that comes after step t + 1's first
+newer weights). A delay correction's per-step weights (swarm.engine.versions: dc's weights of the
+held step, lookahead's last move) are in checkpoints and the swarm's copies as one process's. A
+stage with two peers, a joiner or tied parameters are refused at the first step they meet
+(trainer.closing: their gradients are summed by rounds that apply a step at once). A retried micro-batch of step t that comes after step t + 1's first
 micro-batch reached its stages is refused there (their weights serve step t + 1 only): the run
 goes back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does a
 dc step that cannot close on the way.
@@ -25,22 +24,11 @@ dc step that cannot close on the way.
 from __future__ import annotations
 
 from swarm.config import ExperimentConfig
-from swarm.config.schedule import DelayCorrection
 
 DEPTH = {"sync": 1, "async": 2}  # steps a stage has open at once (trainer.closing's depth)
 
 
-def corrected(cfg: ExperimentConfig) -> bool:
-    """An asynchronous schedule with a delay correction (lookahead or dc)."""
-    return cfg.train.schedule != "sync" and DelayCorrection.parse(cfg.train.delay_correction).kind != "none"
-
-
-def default_snapshot_every(cfg: ExperimentConfig) -> int:
-    """Steps between the swarm's copies when the trainer is not told: 10, none with a delay correction."""
-    return 0 if corrected(cfg) else 10
-
-
-def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int = 0, checkpoints: bool = False) -> None:
+def refuse_unsupported(cfg: ExperimentConfig) -> None:
     """Raises ValueError, in one line, for what a swarm cannot run with an asynchronous schedule yet."""
     if cfg.train.schedule == "sync":
         return
@@ -51,13 +39,7 @@ def refuse_unsupported(cfg: ExperimentConfig, snapshot_every: int = 0, checkpoin
         missing.append("train.verify")
     if cfg.train.checkpoint_activations:
         missing.append("train.checkpoint_activations")
-    if corrected(cfg) and snapshot_every:
-        missing.append(
-            f"the swarm's copies with train.delay_correction {cfg.train.delay_correction} (--snapshot_every 0)"
-        )
-    if corrected(cfg) and checkpoints:
-        missing.append(f"checkpoints with train.delay_correction {cfg.train.delay_correction}")
     if missing:
         raise ValueError(
-            f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run runs them, with checkpoints)"
+            f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run runs them)"
         )

@@ -67,7 +67,7 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        refuse_unsupported(cfg, snapshot_every)  # train.schedule async: what it runs without so far
+        refuse_unsupported(cfg)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
@@ -386,11 +386,9 @@ class SwarmPipeline:
     # ---- checkpoints: the single-process format, so either transport can resume them ----------
 
     def save_checkpoint(self, directory, step: int) -> None:
-        refuse_unsupported(self.cfg, checkpoints=True)
         self.settled(lambda: self.loop.run(self.rounds.save(Path(directory), step)))
 
     def load_checkpoint(self, directory) -> int:
-        refuse_unsupported(self.cfg, checkpoints=True)
         step, saved = self.loop.run(self.rounds.load(Path(directory)))
         if saved is not None:
             self.adaptive.restore(saved)
