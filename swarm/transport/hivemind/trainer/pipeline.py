@@ -70,7 +70,7 @@ class SwarmPipeline:
         refuse_unsupported(cfg)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
-        self.in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
+        in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
         owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
         session = uuid.uuid4().hex
         router = Router(node, run_id, lambda r: self.membership.routable(r), owner.allows)
@@ -84,20 +84,18 @@ class SwarmPipeline:
         self.setups = Setups(place, membership, position, config_digest(cfg))
         self._state = "starting"  # training, finished (recovery says when it is paused, and why)
         self.in_swarm = Busy()  # seconds the training loop waited on the swarm (micro-batches, rounds)
-        self.numbering = Numbering()  # of our messages to each stage-0 peer
+        numbering = Numbering()  # of our messages to each stage-0 peer (the dispatch's)
         pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         admission = lambda: owner.admit(session, node.peer_id, trainer=True)  # noqa: E731
         sending = Sending(node.settings.streams.sending_per_neighbour)
-        self.handoff = Handoff(node, router, run_id, 0, pacer, sending, self.numbering.restart, admission=admission)
+        self.handoff = Handoff(node, router, run_id, 0, pacer, sending, numbering.restart, admission=admission)
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
         fixed_codecs = self.adaptive is None
         depth = DEPTH[cfg.train.schedule]
         self.closing = StepClosing(place, membership, self.rounds, cfg.train, fixed_codecs, depth)
-        self.dispatch = Dispatch(
-            place, membership, position, self.handoff, self.numbering, self.closing, self.in_flight, cfg
-        )
+        self.dispatch = Dispatch(place, membership, position, self.handoff, numbering, self.closing, in_flight, cfg)
         # the swarm's copies of every stage, every few steps
         self.recovery = Recovery(
             place, membership, position, self.rounds, self.adaptive, self.setups.set_up, self.went_back, snapshot_every
@@ -107,6 +105,11 @@ class SwarmPipeline:
         self.accounts = Accounts(place, membership)  # the stage peers' statuses: link bytes, compute, state
 
     # ---- what others read of it ----------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches out at once (the dispatch's window)."""
+        return self.dispatch.in_flight
 
     @property
     def node(self) -> SwarmNode:
@@ -318,7 +321,7 @@ class SwarmPipeline:
         await self.dispatch.abandon()
         self.position.went_back(step)
         self.following.clear()
-        self.numbering.clear()
+        self.dispatch.numbering.clear()
         await self.closing.reopen(step, self.cfg.optimizer.grad_clip)
 
     def step_done(self) -> None:
