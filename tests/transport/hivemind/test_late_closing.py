@@ -65,9 +65,20 @@ def test_a_synchronous_run_reopens_nothing():
     assert closing.pending == {} and closing.rounds.asked == [] and closing.last is None
 
 
-def test_a_dc_step_that_cannot_close_on_the_way_ends_the_run_in_one_line():
-    """dc's norms are of gradients compensated at weights a held-norm round cannot see yet."""
+def test_a_dc_step_that_cannot_close_on_the_way_has_the_step_before_applied_first():
+    """dc's held norms are of gradients compensated at the weights they apply to: the step before
+    is applied everywhere by a round first (here its decision was made from its norms)."""
     closing = _closing(correction="dc:0.1")
-    with pytest.raises(RuntimeError, match=r"^step 5 of a train.delay_correction dc run in a swarm could not close"):
-        asyncio.run(closing.late_round(5, 0.5))
-    assert closing.rounds.asked == [] and closing.pending == {}
+    closing.pending = {4: closing.place.owner.decide("s", 4, 0.25)}
+    assert asyncio.run(closing.late_round(5, 0.5)) == 0.04
+    assert closing.rounds.applies == [4] and closing.rounds.asked == [(5, 4)]
+    assert closing.decision_for(7).scale == clip_scale(9.0, [], 0.5)
+
+
+def test_a_dc_step_before_whose_norms_did_not_all_come_is_decided_by_a_round_then_applied():
+    closing = _closing(correction="dc:0.1")
+    asyncio.run(closing.late.closed(4, 0.5))  # step 4 closed on the way; its norms never came
+    asyncio.run(closing.late_round(5, 0.5))
+    assert closing.rounds.asked == [(4, 4), (5, 4)] and closing.rounds.applies == [4]
+    assert closing.decision_for(6).scale == closing.decision_for(7).scale == clip_scale(9.0, [], 0.5)
+    asyncio.run(closing.late.ready(4))  # nothing waits for step 4 any more

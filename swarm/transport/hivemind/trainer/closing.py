@@ -16,7 +16,8 @@ gradients, nothing applied) and its decision still rides with step t + 2's micro
 checkpoint or copy of an asynchronous run holds the last step's gradients unapplied: after a
 restore the decision of that step is made again the same way (`reopen`). With dc a
 step's norms come a step late (`late`: trainer.late_norms); a dc step that cannot close on the way
-is not built yet (`late_round` says so in one line).
+first has the step before decided and applied everywhere (its norms are of gradients compensated
+at the weights they apply to), then the same round.
 """
 
 from __future__ import annotations
@@ -127,11 +128,25 @@ class StepClosing:
         """An asynchronous step that could not close on the way: every stage's norm of its held
         gradients by a round, and its decision pending for step + 2's micro-batches all the same
         (the same floats); the learning rate the step ran at."""
-        if self.late is not None:
-            raise RuntimeError(
-                f"step {step} of a train.delay_correction dc run in a swarm could not close on the way (a micro-batch retried or run again): not built yet"
-            )
+        if self.late is not None and step:
+            await self._past_the_step_before(step)
         return await self._decide_held(step, grad_clip)
+
+    async def _past_the_step_before(self, step: int) -> None:
+        """dc: `step`'s held norms are of its gradients compensated at the weights they will be
+        applied to, which a stage has once `step` - 1 is applied there (step + 1's micro-batches
+        bring that decision, and may not have reached every stage yet). So `step` - 1 is decided
+        (by a round of its norms if they did not all come: the stages' weights are those its
+        gradients apply to, step - 2 being applied with `step`'s micro-batches, all back) and
+        applied by a round (a peer that a micro-batch brought it to answers as it did then)."""
+        before = step - 1
+        await self.late.by_round(before, self._held_total)
+        decision = self.pending.get(before)
+        if decision is not None:
+            await self.rounds.applied(before, decision.scale)
+
+    async def _held_total(self, step: int) -> float:
+        return (await self.rounds.held(step, self.micro_batches))[0]
 
     async def reopen(self, step: int, grad_clip: float | None) -> None:
         """The stages went back to `step` (a checkpoint or the swarm's copies): none of its

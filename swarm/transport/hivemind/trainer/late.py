@@ -17,8 +17,7 @@ held step, lookahead's last move) are in checkpoints and the swarm's copies as o
 stage with two peers, a joiner or tied parameters are refused at the first step they meet
 (trainer.closing: their gradients are summed by rounds that apply a step at once). A retried micro-batch of step t that comes after step t + 1's first
 micro-batch reached its stages is refused there (their weights serve step t + 1 only): the run
-goes back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does a
-dc step that cannot close on the way.
+goes back to the swarm's copies (trainer.recovery, once a step), or ends without copies.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ micro-batch's round trip after step t + 1's first, about what a decision without
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from swarm.transport.hivemind.stage.closing import LATE
 
@@ -47,8 +47,21 @@ class LateDecisions:
         squares = self.squares.get(step, {})
         if step not in self.waiting or sorted(squares) != list(range(self.num_stages)):
             return
+        self._decided(step, squares)
+
+    async def by_round(self, step: int, held: Callable[[int], Awaitable[float]]) -> None:
+        """`step`, closed but with its norms not all in (a reply that brought them was lost or
+        retried), decided from `held`'s total of every stage's norm instead: a round, which the
+        caller makes once every stage's weights are those `step`'s gradients are applied to."""
+        if step not in self.waiting:
+            return
+        total = await held(step)
+        if step in self.waiting:  # the norms may have come meanwhile
+            self._decided(step, {0: total})
+
+    def _decided(self, step: int, squares: dict[int, float]) -> None:
         self.decide(step, squares, self.waiting.pop(step))
-        del self.squares[step]
+        self.squares.pop(step, None)
         event = self.events.pop(step, None)
         if event is not None:
             event.set()
