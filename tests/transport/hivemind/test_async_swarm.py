@@ -90,7 +90,8 @@ def _close(ours: list[float], theirs: list[float]) -> None:
         assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
 
-@pytest.mark.parametrize("correction", ["none", "lookahead", "dc:100000"])
+# lookahead's last move: test_recovery.py's copies (whose losses change without it)
+@pytest.mark.parametrize("correction", ["none", "dc:100000"])
 def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swarm, tmp_path, correction):
     """Checkpoints at steps 3 and 6 hold each stage's last step's gradients unapplied, written as one
     process's kept ones (StageState.saved), with a delay correction's weights (dc's of the held step,
