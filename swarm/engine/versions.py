@@ -38,8 +38,8 @@ class StepVersions:
         if kind == "none" or step in self.then or step in self.ahead:
             return
         params = dict(module.named_parameters())
-        if kind == "dc":
-            self.then[step] = {name: p.detach().clone() for name, p in params.items()}
+        if kind == "dc":  # what trains only, as one process's StageDelay (a LoRA run's base never moves)
+            self.then[step] = {name: p.detach().clone() for name, p in params.items() if p.requires_grad}
         else:  # lookahead; nothing to predict from before the first update (every micro-batch of the step alike)
             self.ahead[step] = {
                 name: torch.nn.Parameter(predict_(params[name].detach().clone(), move), params[name].requires_grad)

@@ -130,6 +130,7 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
             assert mine["step"] == one["step"] == 3 and mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
             for part in ("kept", "then", "moved"):  # then: dc's only; moved: lookahead's
                 assert (mine["delay"][part] is None) == (one["delay"][part] is None), (stage, part)
+                assert (mine["delay"][part] or {}).keys() == (one["delay"][part] or {}).keys(), (stage, part)
                 for name, value in (one["delay"][part] or {}).items():
                     assert torch.allclose(mine["delay"][part][name], value, rtol=1e-5, atol=1e-7), (stage, part, name)
         shutil.rmtree(run_dir(ours, 6))

@@ -59,3 +59,10 @@ def test_a_member_that_names_only_itself_and_nobody_names_stays_for_the_probe():
     """Nobody else names it: no group failed on it in anyone else's word (the trainer probes then)."""
     replies = {HOST: "info reply", STOPPED: _failed(STOPPED)}
     assert _blame(replies, [HOST, STOPPED]) == []
+
+
+def test_more_accusers_outweigh_a_failure_that_names_nobody():
+    """An honest member's failure may name nobody (a reducer's slice did not come back): the member
+    two others name still leaves first, and the one it named stays."""
+    replies = {HOST: _failed(OTHER), JOINER: _failed(OTHER), STOPPED: _failed(), OTHER: _failed(STOPPED)}
+    assert _blame(replies, [HOST, STOPPED, OTHER, JOINER]) == [OTHER]

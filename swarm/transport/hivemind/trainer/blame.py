@@ -20,9 +20,9 @@ def blamed_members(
     while their stage keeps another peer in service, so a member that answers its gather with
     success but never sums with its group cannot hold the step. An info reply proves nothing here.
 
-    Those whose own reply contradicts the failure (success) leave first, then those whose own
-    failure names nobody else (where a cascade starts), then those more members named, then the
-    latest admitted. A member named only by members already left stays, and so does one whose own
+    Those whose own reply contradicts the failure (success) leave first, then those more members
+    named, then those whose own failure names nobody else (where a cascade starts), then the latest
+    admitted. A member named only by members already left stays, and so does one whose own
     failure names one who left: failures cascade (a member that stops fails its groups itself, a
     member that aborts answers the others with errors, and one that already gave up on a group
     answers a later part of it with BAD_GROUP_ID, so its partners name it)."""
@@ -40,7 +40,7 @@ def blamed_members(
                     accused[peer].add(named)
 
     def order(peer: str) -> tuple:
-        return peer not in answered, bool(accused[peer]), -len(accusers[peer]), -members[stage_of[peer]].index(peer)
+        return peer not in answered, -len(accusers[peer]), bool(accused[peer]), -members[stage_of[peer]].index(peer)
 
     left: dict[str, tuple[int, str, str]] = {}
     for peer in sorted(accusers, key=order):
