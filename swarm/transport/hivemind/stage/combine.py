@@ -10,6 +10,11 @@ and sets them when it replays the step (swarm.transport.hivemind.stage.joining).
 travels with a presence flag: a parameter none of the group had a gradient for stays without one,
 as in one process. Of a tied pair, one stage leaves the tied parameter out of its squared norm
 (`uncounted`), so clipping counts it once.
+
+An asynchronous step (swarm.engine.delay) closing by a round asks its `held` form: the norm of the
+held gradients' sum, no p.grad touched (the step before may not be applied yet). A replicated
+stage's peers sum the micro-batches each ran, then those among themselves, and keep the whole as
+the step's gradients until its decision applies them (`StageRuntime.hold_combined`).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ class Combining:
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
-        if head.held:  # an asynchronous step closing by the rounds (trainer.closing): its norm only
-            return await self.work.run(self.work.timed, self._held, head), b""
+        if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
+            return await self._held(head), b""
         me = self.place.peer_id
         groups = list(head.groups)
         local = await self.work.run(self.work.timed, self._local, head, groups)
@@ -69,17 +74,47 @@ class Combining:
                 stale=[stale[i] for i in sorted(stale)],
             )
 
-    def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
-        """On the computing thread: the squared norm of the sum of the step's held gradients, with
-        every p.grad left alone (the step before may not be applied yet: swarm.engine.delay), and
-        the rate the step ran at here. Its decision applies what was counted (`StageState.counted`)."""
+    async def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
+        """The squared norm of the sum of the step's held gradients, with every p.grad left alone (the
+        step before may not be applied yet: swarm.engine.delay), and the rate the step ran at here.
+        A replicated stage's peers (`head.groups`: its replicas) each sum the micro-batches it ran,
+        then those sums among themselves, and keep the whole as the step's (`hold_combined`). Its
+        decision applies what was counted (`StageState.counted`)."""
         state = self.state
         if state.joining is not None:
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
+        sums = await self.work.run(self.work.timed, self._held_local, head)
+        if head.groups:
+            group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
+            names = self._names(group, set())
+            tensors = [
+                sums[name] if name in sums else torch.zeros_like(state.runtime.parameter(name)) for name in names
+            ]
+            try:
+                summed = await self._sum(
+                    group, [*tensors, torch.tensor([float(n in sums) for n in names])], self.place.peer_id
+                )
+            except AveragingError as e:
+                blamed = [peer for peer in e.peers if peer != self.place.peer_id]
+                raise RemoteError(f"stage {self.place.stage}: {e}", pb.GROUP_FAILED, blamed) from None
+            present = summed[-1].tolist()
+            sums = {name: t for name, t, there in zip(names, summed[:-1], present, strict=True) if there > 0}
+        return await self.work.run(self.work.timed, self._held_reply, head, sums, bool(head.groups))
+
+    def _held_local(self, head: pb.GatherRequest) -> dict[str, torch.Tensor]:
+        """On the computing thread: the sum of the held gradients the round counts here, in index order."""
         self._check_held(head)
-        square = state.runtime.held_sq_norm(_keys(head))
-        state.count(int(head.step))
-        lr = state.rates.get((state.generation, int(head.step)), state.runtime.optimizer.param_groups[0]["lr"])
+        return self.state.runtime.held_sum(_keys(head))
+
+    def _held_reply(self, head: pb.GatherRequest, sums: dict[str, torch.Tensor], combined: bool) -> pb.GatherReply:
+        state, step = self.state, int(head.step)
+        runtime = state.runtime
+        if combined:
+            runtime.hold_combined(step, sums)
+            sums = runtime.combined[step]  # in the parameters' dtype, as the sums a gather sets
+        square = runtime.sums_sq_norm(sums)
+        state.count(step)
+        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
         return pb.GatherReply(held_sq_norm=square, lr=lr)
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
