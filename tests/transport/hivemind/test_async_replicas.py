@@ -1,11 +1,13 @@
-"""`train.schedule: async` over a swarm whose stage 1 has two peers, on real hivemind (loopback): the
-oracle is one process's asynchronous run (swarm.engine.delay), within 1e-5 (replicas add their
-gradients in another order)."""
+"""`train.schedule: async` over a swarm whose stage 1 has two peers, from the start or after a joiner
+came, on real hivemind (loopback): the oracle is one process's asynchronous run (swarm.engine.delay),
+within 1e-5 (replicas add their gradients in another order); a delay correction takes no joiner."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
+import time
 import uuid
 
 import torch
@@ -15,6 +17,7 @@ from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.trainer.setups import NO_JOINER
 
 STEPS = 6
 OVERRIDES = [
@@ -45,6 +48,14 @@ def _identical(replicas) -> None:
     assert replicas[0].state.steps == replicas[1].state.steps == STEPS - 1  # the last step's is held
 
 
+def _seen(swarm, router, peer_id: str) -> None:
+    """Until the trainer's router (a fresh DHT lookup) shows `peer_id` as a stage-1 peer."""
+    deadline = time.monotonic() + 30
+    while not any(r.peer_id == peer_id for r in swarm.loop.run(router.peers(1, refresh=True))):
+        assert time.monotonic() < deadline, f"the DHT never showed {peer_id[-8:]}"
+        time.sleep(0.05)
+
+
 def _run(swarm, cfg, run_id: str, rows: ResultsWriter, snapshot_every: int = 0):
     data = build_data(cfg)
     pipeline = swarm.pipeline(cfg, run_id, STEPS, data, snapshot_every=snapshot_every)
@@ -72,6 +83,76 @@ def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_
         assert notes["closed_on_the_way"] == 0 and notes["round_calls"]["gather"] == 4 * STEPS
         assert notes["round_bytes"].get("gather.received", 0) == 0  # no gradient through the trainer
         assert notes["overlapped_steps"] >= 3  # the rounds did not drain the pipeline
+    finally:
+        swarm.unhost(run_id)
+
+
+def _with_a_joiner(swarm, cfg, run_id: str) -> tuple[list[dict], object, HostedStage]:
+    """`cfg`'s run on stages 0..2 of run `run_id` (hosted), a stage-1 peer announced after step 1:
+    its rows, its pipeline and the joiner."""
+    joiner, pipelines = [], []
+
+    class Announcing(ResultsWriter):
+        def write(self, row) -> None:
+            super().write(row)
+            if row.get("type") == "step" and row["step"] == 1:
+                joiner.extend(swarm.host(cfg, run_id, [(1, 3)]))
+                _seen(swarm, pipelines[0].router, joiner[0].node.peer_id)  # before step 2 starts
+
+    rows = Announcing(None)
+    data = build_data(cfg)
+    pipelines.append(swarm.pipeline(cfg, run_id, STEPS, data))
+    train(cfg, pipelines[0], data, rows, STEPS, progress=False)
+    return rows.rows, pipelines[0], joiner[0]
+
+
+def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_with_its_replica(swarm, tmp_path):
+    """A stage-1 peer announced after step 1: the loop drains for it after step 2, the trainer admits
+    it there and waits until it serves; it downloads the stage with step 2's gradients held
+    unapplied (as a checkpoint holds them), and both peers apply them once, by the same decision."""
+    cfg = smoke(*OVERRIDES)
+    reference = local_rows(cfg, tmp_path, STEPS)
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    source = hosted[1].source
+    downloads = []
+    snapshot = source._snapshot
+
+    def kept_snapshot():
+        reply, payload = snapshot()
+        downloads.append((reply.step, torch.load(io.BytesIO(payload), weights_only=True)["delay"]["kept"]))
+        return reply, payload
+
+    source._snapshot = kept_snapshot
+    try:
+        rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
+        _same_losses(rows, reference)
+        assert len(downloads) == 1 and downloads[0][0] == 2  # drained after the loop's step 2
+        kept = downloads[0][1]
+        assert kept is not None and all(bool(g.abs().sum() > 0) for g in kept.values())  # step 2's gradients
+        assert joiner.state.joined is not None and joiner.state.joined[0] == 2
+        assert joiner.node.peer_id in pipeline.members[1] and not pipeline.following
+        _identical([hosted[1], joiner])
+        notes = pipeline.summary_notes()  # steps 1 and 2 closed on the way, the others by the round
+        assert notes["closed_on_the_way"] == 2 and notes["round_calls"]["gather"] == 4 * (STEPS - 2)
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_run_with_a_delay_correction_tells_a_joiner_it_takes_none_and_goes_on(swarm, tmp_path):
+    """lookahead's per-step weights are not downloaded: the peer is not admitted, the run says so
+    once and ends as one process's."""
+    cfg = smoke(*OVERRIDES, "train.delay_correction=lookahead")
+    reference = local_rows(cfg, tmp_path, STEPS)
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    try:
+        rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
+        _same_losses(rows, reference)
+        assert joiner.node.peer_id not in pipeline.members[1] and joiner.state.runtime is None
+        told = [e.text for e in pipeline.events.last() if NO_JOINER in e.text]
+        assert len(told) == 1 and joiner.node.peer_id[-8:] in told[0]
+        assert pipeline.summary_notes()["closed_on_the_way"] == STEPS
     finally:
         swarm.unhost(run_id)
 

@@ -80,8 +80,14 @@ class StateSource:
     def _snapshot(self) -> tuple[pb.StateReply, bytes]:
         state = self.state
         buffer = io.BytesIO()
-        torch.save(stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True), buffer)
-        return pb.StateReply(step=state.steps, codecs=stage_codecs(self.place, state.cfg)), buffer.getvalue()
+        if state.runtime.delay is not None:  # asynchronous: drained (trainer.setups), the last step's
+            # gradients held unapplied, as a checkpoint holds them; the joiner applies them with us
+            step = state.steps + 1  # the loop's steps (StageState.drained)
+            saved = state.saved(NO_ENDS, step, in_flight=True)
+        else:
+            step, saved = state.steps, stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True)
+        torch.save(saved, buffer)
+        return pb.StateReply(step=step, codecs=stage_codecs(self.place, state.cfg)), buffer.getvalue()
 
     def done(self, sent: int) -> None:
         self.busy = False

@@ -88,8 +88,6 @@ class StepClosing:
         alone = self.alone()
         if self.depth > 1 and (self.place.tied or not self.fixed_codecs or (self.corrected and not alone)):
             raise ValueError(f"step {step}: {REFUSED}")
-        if self.depth > 1 and self.membership.following:  # it would download a stage in the middle of a step
-            raise ValueError(f"step {step}: train.schedule async takes no joiner in a swarm so far")
         eligible = alone and not self.place.tied and self.fixed_codecs
         self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
         if not eligible or count != self.micro_batches:
