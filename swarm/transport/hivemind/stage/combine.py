@@ -50,8 +50,7 @@ class Combining:
         )
         for result in results:
             if isinstance(result, AveragingError):
-                blamed = [peer for peer in result.peers if peer != me]
-                raise RemoteError(f"stage {self.place.stage}: {result}", pb.GROUP_FAILED, blamed) from None
+                raise self._group_failed(result) from None
             if isinstance(result, BaseException):
                 raise result
         await self.work.run(self.work.timed, self._set, head, groups, results)
@@ -87,18 +86,10 @@ class Combining:
         if head.groups:
             group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
             names = self._names(group, set())
-            tensors = [
-                sums[name] if name in sums else torch.zeros_like(state.runtime.parameter(name)) for name in names
-            ]
             try:
-                summed = await self._sum(
-                    group, [*tensors, torch.tensor([float(n in sums) for n in names])], self.place.peer_id
-                )
+                sums = self._unpacked(names, await self._sum(group, self._packed(names, sums), self.place.peer_id))
             except AveragingError as e:
-                blamed = [peer for peer in e.peers if peer != self.place.peer_id]
-                raise RemoteError(f"stage {self.place.stage}: {e}", pb.GROUP_FAILED, blamed) from None
-            present = summed[-1].tolist()
-            sums = {name: t for name, t, there in zip(names, summed[:-1], present, strict=True) if there > 0}
+                raise self._group_failed(e) from None
         return await self.work.run(self.work.timed, self._held_reply, head, sums, bool(head.groups))
 
     def _held_local(self, head: pb.GatherRequest) -> dict[str, torch.Tensor]:
@@ -136,14 +127,29 @@ class Combining:
         tied = {name for group in groups if group.names for name in group.names}
         out = []
         for group in groups:
-            tensors, present = [], []
-            for name in self._names(group, tied):
-                param = runtime.parameter(name)
-                grad = param.grad if joining is None else None
-                tensors.append(grad.detach() if grad is not None else torch.zeros_like(param))
-                present.append(float(grad is not None))
-            out.append([*tensors, torch.tensor(present)])
+            names = self._names(group, tied)
+            grads = {} if joining is not None else runtime.gradients(names)
+            out.append(self._packed(names, grads))
         return out
+
+    def _packed(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """A group's tensors (zeros for a parameter without a gradient), with their presence flags last."""
+        runtime = self.state.runtime
+        tensors = [
+            grads[name].detach() if name in grads else torch.zeros_like(runtime.parameter(name)) for name in names
+        ]
+        return [*tensors, torch.tensor([float(name in grads) for name in names])]
+
+    @staticmethod
+    def _unpacked(names: list[str], tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`_packed`'s inverse: the gradients present, by name."""
+        present = tensors[-1].tolist()
+        return {name: t for name, t, there in zip(names, tensors[:-1], present, strict=True) if there > 0}
+
+    def _group_failed(self, error: AveragingError) -> RemoteError:
+        """A group that lost a member: GROUP_FAILED, naming the members it failed on (trainer.blame)."""
+        blamed = [peer for peer in error.peers if peer != self.place.peer_id]
+        return RemoteError(f"stage {self.place.stage}: {error}", pb.GROUP_FAILED, blamed)
 
     async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
         receivers = set(group.receivers)
@@ -159,10 +165,7 @@ class Combining:
         self.uncounted = []
         for group, tensors in zip(groups, sums, strict=True):
             names = self._names(group, tied)
-            present = tensors[-1]
-            for name, tensor, there in zip(names, tensors[:-1], present.tolist(), strict=True):
-                if there > 0:
-                    combined[name] = tensor
+            combined.update(self._unpacked(names, tensors))
             if group.names and not group.counted:
                 self.uncounted.extend(names)
         joining = self.state.joining
