@@ -67,6 +67,9 @@ class StageRuntime:
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
         self.versions: StepVersions | None = None  # ... and, in a swarm, a correction's weights per step
+        # an asynchronous step of a replicated stage in a swarm: step -> its replicas' sum, the step's
+        # gradients here whatever micro-batches this peer ran (`hold_combined`)
+        self.combined: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
     def first(self) -> bool:
@@ -162,11 +165,36 @@ class StageRuntime:
         for name, p in self.module.named_parameters():
             p.grad = sums.get(name)
 
+    def accumulate_step(self, step: int, count: int) -> None:
+        """`accumulate` of an asynchronous step's `count` micro-batches, or its replicas' sum where
+        one was combined (the micro-batches this peer held are only part of it)."""
+        combined = self.combined.get(step)
+        if combined is None:
+            self.accumulate(step_keys(step, count))
+            return
+        for name, p in self.module.named_parameters():  # copies: an apply that fails keeps the sum
+            p.grad = combined[name].clone() if name in combined else None
+
+    def held_sum(self, keys) -> dict[str, torch.Tensor]:
+        """Parameter name -> the sum of its held gradients of `keys`, in the given order, leaving every
+        p.grad alone. Raises KeyError if a key is not held."""
+        return self._summed(keys)
+
+    def hold_combined(self, step: int, sums: dict[str, torch.Tensor]) -> None:
+        """`sums`, the replicas' sum of an asynchronous step, are its gradients here until applied; the
+        held gradients of its micro-batches stay (a round that fails sums them again) and go with it."""
+        params = dict(self.module.named_parameters())
+        self.combined = {s: v for s, v in self.combined.items() if s > step - 2}  # two steps open at most
+        self.combined[step] = {name: g.to(params[name].device, params[name].dtype) for name, g in sums.items()}
+
     def held_sq_norm(self, keys) -> float:
         """`grad_sq_norm` after `accumulate(keys)`, the same floats, leaving every p.grad alone: an
         asynchronous schedule's step is summed while an earlier one is not applied yet. Raises
         KeyError if a key is not held."""
-        sums = self._summed(keys)
+        return self.sums_sq_norm(self._summed(keys))
+
+    def sums_sq_norm(self, sums: dict[str, torch.Tensor]) -> float:
+        """`grad_sq_norm` of gradients `sums` by name, in the same order (the same floats)."""
         total = 0.0
         for name, _ in self.module.named_parameters():  # grad_sq_norm's order
             if name in sums:
@@ -177,6 +205,8 @@ class StageRuntime:
         """An asynchronous step's held gradients as one process keeps them (`StageDelay.kept`: the
         sum of the step's `count` micro-batches, in index order, the same floats), so that a swarm's
         checkpoint or copy is one process's; None when none of them is held (no step ran yet)."""
+        if step in self.combined:  # a replicated stage's: its replicas' sum
+            return {name: g.clone() for name, g in self.combined[step].items()}
         keys = step_keys(step, count)
         if not any(key in self.held for key in keys):
             return None
@@ -257,6 +287,7 @@ class StageRuntime:
         """Forget every micro-batch in flight and every held gradient (a checkpoint was loaded)."""
         self._saved.clear()
         self.held.clear()
+        self.combined.clear()
         if self.versions is not None:
             self.versions.forget()
 
@@ -325,6 +356,8 @@ class StageRuntime:
         else:
             for key in keys:
                 self.held.pop(key, None)
+            if keys:
+                self.combined.pop(keys[0][1], None)  # a key is (mode, step, index)
         return lr
 
     def _stash(self) -> None:

@@ -71,3 +71,28 @@ def test_kept_held_again_sums_norms_and_applies_as_the_micro_batches_did():
 @pytest.mark.parametrize("count", [1, 3])
 def test_step_keys_are_the_training_keys_in_index_order(count):
     assert step_keys(5, count) == [(Mode.TRAIN.value, 5, i) for i in range(count)]
+
+
+def test_a_replicated_steps_combined_sum_replaces_what_a_replica_held_until_applied():
+    """A replica held micro-batches 0 and 2 of step 0; the replicas' sum (here: one process's, every
+    micro-batch) is the step's gradients there (`hold_combined`): a checkpoint writes it, the apply
+    takes it, and the micro-batches' own gradients go with it."""
+    cfg, held = _ran(hold=True)
+    _, direct = _ran(hold=False)
+    count = cfg.train.micro_batches
+    runtime, one_process = held.runtimes[1], direct.runtimes[1]
+    for key in step_keys(0, count)[1::2]:  # the other replica's micro-batches
+        del runtime.held[key]
+    with pytest.raises(KeyError):
+        runtime.held_kept(0, count)  # a part of the step: no sum of its own
+    total = {name: p.grad.double() for name, p in one_process.module.named_parameters() if p.grad is not None}
+    runtime.hold_combined(0, total)
+    kept = runtime.held_kept(0, count)
+    assert all(kept[name].dtype == torch.float32 and torch.equal(kept[name], total[name].float()) for name in total)
+    assert runtime.sums_sq_norm(runtime.combined[0]) == one_process.grad_sq_norm()
+    runtime.accumulate_step(0, count)
+    assert all(
+        torch.equal(p.grad, one_process.module.get_parameter(n).grad) for n, p in runtime.module.named_parameters()
+    )
+    runtime.apply_step(step_keys(0, count))
+    assert runtime.combined == {} and not any(key in runtime.held for key in step_keys(0, count))

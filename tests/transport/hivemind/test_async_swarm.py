@@ -73,10 +73,12 @@ def test_delay_corrections_run_in_a_swarm_with_the_floats_of_one_process(swarm, 
         assert all(abs(a - b) > 3e-5 * b for a, b in zip(reference[first:], plain[first:], strict=True)), correction
 
 
-def test_a_stage_with_two_peers_is_refused_at_the_first_step_in_one_line(swarm):
-    """Replicas sum their gradients by the rounds, which apply a step at once."""
-    cfg = smoke("model.num_stages=3", "train.schedule=async")
-    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm with one peer per stage, "):
+def test_a_delay_correction_with_a_stage_of_two_peers_is_refused_at_the_first_step_in_one_line(swarm):
+    """Replicas run asynchronously (test_async_replicas.py), but a correction's per-step weights are
+    neither summed by their round nor downloaded by a joiner."""
+    cfg = smoke("model.num_stages=3", "train.schedule=async", "train.delay_correction=lookahead")
+    refused = r"^step 0: train.schedule async runs in a swarm without tied parameters, with fixed codecs, and with a delay correction only while every stage has one peer and no joiner$"
+    with pytest.raises(ValueError, match=refused):
         swarm_rows(swarm, cfg, steps=2, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
 
 

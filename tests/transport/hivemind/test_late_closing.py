@@ -32,7 +32,8 @@ def _closing(depth: int = 2, squares: float = 9.0, correction: str = "none") -> 
     owner = Owner(RSAPrivateKey.process_wide(), "run", (), False)
     place = SimpleNamespace(owner=owner, session="s", num_stages=3, tied=[])
     train = SimpleNamespace(micro_batches=4, delay_correction=correction)
-    return StepClosing(place, None, _Rounds(squares), train, True, depth)
+    membership = SimpleNamespace(members={0: ["a"], 1: ["b"], 2: ["c"]}, following=set())  # one peer per stage
+    return StepClosing(place, membership, _Rounds(squares), train, True, depth)
 
 
 def test_a_step_that_cannot_close_on_the_way_closes_by_one_round_and_its_decision_rides_two_steps_later():

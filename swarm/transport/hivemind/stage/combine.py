@@ -10,6 +10,11 @@ and sets them when it replays the step (swarm.transport.hivemind.stage.joining).
 travels with a presence flag: a parameter none of the group had a gradient for stays without one,
 as in one process. Of a tied pair, one stage leaves the tied parameter out of its squared norm
 (`uncounted`), so clipping counts it once.
+
+An asynchronous step (swarm.engine.delay) closing by a round asks its `held` form: the norm of the
+held gradients' sum, no p.grad touched (the step before may not be applied yet). A replicated
+stage's peers sum the micro-batches each ran, then those among themselves, and keep the whole as
+the step's gradients until its decision applies them (`StageRuntime.hold_combined`).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ class Combining:
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
-        if head.held:  # an asynchronous step closing by the rounds (trainer.closing): its norm only
-            return await self.work.run(self.work.timed, self._held, head), b""
+        if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
+            return await self._held(head), b""
         me = self.place.peer_id
         groups = list(head.groups)
         local = await self.work.run(self.work.timed, self._local, head, groups)
@@ -45,8 +50,7 @@ class Combining:
         )
         for result in results:
             if isinstance(result, AveragingError):
-                blamed = [peer for peer in result.peers if peer != me]
-                raise RemoteError(f"stage {self.place.stage}: {result}", pb.GROUP_FAILED, blamed) from None
+                raise self._group_failed(result) from None
             if isinstance(result, BaseException):
                 raise result
         await self.work.run(self.work.timed, self._set, head, groups, results)
@@ -69,17 +73,39 @@ class Combining:
                 stale=[stale[i] for i in sorted(stale)],
             )
 
-    def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
-        """On the computing thread: the squared norm of the sum of the step's held gradients, with
-        every p.grad left alone (the step before may not be applied yet: swarm.engine.delay), and
-        the rate the step ran at here. Its decision applies what was counted (`StageState.counted`)."""
+    async def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
+        """The squared norm of the sum of the step's held gradients, with every p.grad left alone (the
+        step before may not be applied yet: swarm.engine.delay), and the rate the step ran at here.
+        A replicated stage's peers (`head.groups`: its replicas) each sum the micro-batches it ran,
+        then those sums among themselves, and keep the whole as the step's (`hold_combined`). Its
+        decision applies what was counted (`StageState.counted`)."""
         state = self.state
         if state.joining is not None:
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
+        sums = await self.work.run(self.work.timed, self._held_local, head)
+        if head.groups:
+            group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
+            names = self._names(group, set())
+            try:
+                sums = self._unpacked(names, await self._sum(group, self._packed(names, sums), self.place.peer_id))
+            except AveragingError as e:
+                raise self._group_failed(e) from None
+        return await self.work.run(self.work.timed, self._held_reply, head, sums, bool(head.groups))
+
+    def _held_local(self, head: pb.GatherRequest) -> dict[str, torch.Tensor]:
+        """On the computing thread: the sum of the held gradients the round counts here, in index order."""
         self._check_held(head)
-        square = state.runtime.held_sq_norm(_keys(head))
-        state.count(int(head.step))
-        lr = state.rates.get((state.generation, int(head.step)), state.runtime.optimizer.param_groups[0]["lr"])
+        return self.state.runtime.held_sum(_keys(head))
+
+    def _held_reply(self, head: pb.GatherRequest, sums: dict[str, torch.Tensor], combined: bool) -> pb.GatherReply:
+        state, step = self.state, int(head.step)
+        runtime = state.runtime
+        if combined:
+            runtime.hold_combined(step, sums)
+            sums = runtime.combined[step]  # in the parameters' dtype, as the sums a gather sets
+        square = runtime.sums_sq_norm(sums)
+        state.count(step)
+        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
         return pb.GatherReply(held_sq_norm=square, lr=lr)
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
@@ -101,14 +127,29 @@ class Combining:
         tied = {name for group in groups if group.names for name in group.names}
         out = []
         for group in groups:
-            tensors, present = [], []
-            for name in self._names(group, tied):
-                param = runtime.parameter(name)
-                grad = param.grad if joining is None else None
-                tensors.append(grad.detach() if grad is not None else torch.zeros_like(param))
-                present.append(float(grad is not None))
-            out.append([*tensors, torch.tensor(present)])
+            names = self._names(group, tied)
+            grads = {} if joining is not None else runtime.gradients(names)
+            out.append(self._packed(names, grads))
         return out
+
+    def _packed(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """A group's tensors (zeros for a parameter without a gradient), with their presence flags last."""
+        runtime = self.state.runtime
+        tensors = [
+            grads[name].detach() if name in grads else torch.zeros_like(runtime.parameter(name)) for name in names
+        ]
+        return [*tensors, torch.tensor([float(name in grads) for name in names])]
+
+    @staticmethod
+    def _unpacked(names: list[str], tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`_packed`'s inverse: the gradients present, by name."""
+        present = tensors[-1].tolist()
+        return {name: t for name, t, there in zip(names, tensors[:-1], present, strict=True) if there > 0}
+
+    def _group_failed(self, error: AveragingError) -> RemoteError:
+        """A group that lost a member: GROUP_FAILED, naming the members it failed on (trainer.blame)."""
+        blamed = [peer for peer in error.peers if peer != self.place.peer_id]
+        return RemoteError(f"stage {self.place.stage}: {error}", pb.GROUP_FAILED, blamed)
 
     async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
         receivers = set(group.receivers)
@@ -124,10 +165,7 @@ class Combining:
         self.uncounted = []
         for group, tensors in zip(groups, sums, strict=True):
             names = self._names(group, tied)
-            present = tensors[-1]
-            for name, tensor, there in zip(names, tensors[:-1], present.tolist(), strict=True):
-                if there > 0:
-                    combined[name] = tensor
+            combined.update(self._unpacked(names, tensors))
             if group.names and not group.counted:
                 self.uncounted.extend(names)
         joining = self.state.joining

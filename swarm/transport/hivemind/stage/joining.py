@@ -10,6 +10,11 @@ schedule then equal every replica's, and it goes into service: its DHT record sa
 peers before it route micro-batches to it. Its links start fresh with each neighbour, as every
 new pair of peers does (link state belongs to the pair).
 
+With an asynchronous schedule (swarm.engine.delay) the trainer admits a joiner only where the
+pipeline drained and waits until it serves (trainer.setups): the state it downloads is a
+checkpoint's, the last step's gradients held unapplied included (StageState.saved), and it keeps no
+round meanwhile.
+
 A source serves one download at a time (a joiner that finds it busy tries another source, or the
 same later); a download that fails (the source died, a chunk's checksum failed, the stream broke)
 is tried on the next source. The payload travels in checksummed chunks (protocols.framing).
@@ -80,8 +85,14 @@ class StateSource:
     def _snapshot(self) -> tuple[pb.StateReply, bytes]:
         state = self.state
         buffer = io.BytesIO()
-        torch.save(stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True), buffer)
-        return pb.StateReply(step=state.steps, codecs=stage_codecs(self.place, state.cfg)), buffer.getvalue()
+        if state.runtime.delay is not None:  # asynchronous: drained (trainer.setups), the last step's
+            # gradients held unapplied, as a checkpoint holds them; the joiner applies them with us
+            step = state.steps + 1  # the loop's steps (StageState.drained)
+            saved = state.saved(NO_ENDS, step, in_flight=True)
+        else:
+            step, saved = state.steps, stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True)
+        torch.save(saved, buffer)
+        return pb.StateReply(step=step, codecs=stage_codecs(self.place, state.cfg)), buffer.getvalue()
 
     def done(self, sent: int) -> None:
         self.busy = False

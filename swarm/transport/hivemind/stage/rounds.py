@@ -99,8 +99,8 @@ class StageRounds:
         keys = None
         if runtime.delay is not None:  # an asynchronous step is summed when applied (stage.closing)
             keys = step_keys(head.step, state.cfg.train.micro_batches)
-            try:
-                runtime.accumulate(keys)
+            try:  # a replicated stage's step: its replicas' sum (stage.combine)
+                runtime.accumulate_step(head.step, state.cfg.train.micro_batches)
             except KeyError as e:
                 raise RemoteError(f"stage {stage}: {e.args[0]}: step {head.step} is not applied") from None
         if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):

@@ -18,10 +18,18 @@ restore the decision of that step is made again the same way (`reopen`). With dc
 step's norms come a step late (`late`: trainer.late_norms); a dc step that cannot close on the way
 first has the step before decided and applied everywhere (its norms are of gradients compensated
 at the weights they apply to), then the same round.
+
+An asynchronous step over a stage with two or more peers closes by one round too, the held round's
+summing form (trainer.replicas: replicas sum what they ran among themselves), and the same round
+hands the decision of the step before to every peer that did not have it from a micro-batch (a
+replica may get none of the micro-batches that bring it): a decision is applied on a peer by the
+first of a micro-batch's head or a round, once. Tied parameters, adaptive codecs and a delay
+correction with replicas are refused in one line (`plan`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from protocols import stage_pb2 as pb
@@ -31,7 +39,13 @@ from swarm.engine.step import clip_scale
 from swarm.transport.hivemind.stage.closing import LATE, LR, RERUN, SQUARE
 from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
+from swarm.transport.hivemind.trainer.replicas import replicated, summed
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
+
+REFUSED = (
+    "train.schedule async runs in a swarm without tied parameters, with fixed codecs, and with a delay "
+    "correction only while every stage has one peer and no joiner"
+)
 
 
 @dataclasses.dataclass
@@ -60,20 +74,24 @@ class StepClosing:
         self.pending: dict[int, pb.StepDecision] = {}  # step -> its decision, until a micro-batch brought it
         self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
-        dc = depth > 1 and DelayCorrection.parse(train.delay_correction).kind == "dc"
-        self.late = LateDecisions(place.num_stages, self._decide) if dc else None  # dc's norms, a step late
+        correction = DelayCorrection.parse(train.delay_correction).kind if depth > 1 else "none"
+        self.corrected = correction != "none"  # its per-step weights are not summed nor downloaded
+        self.late = LateDecisions(place.num_stages, self._decide) if correction == "dc" else None  # a step late
+
+    def alone(self) -> bool:
+        """Every stage has one member, none still joining."""
+        members = self.membership
+        return not members.following and all(len(members.members.get(s, [])) == 1 for s in range(self.place.num_stages))
 
     def plan(self, step: int, count: int, retries: int) -> int:
-        """How many micro-batches the step's heads say it has (0: it closes by the rounds)."""
-        members = self.membership
-        alone = all(len(members.members.get(s, [])) == 1 for s in range(self.place.num_stages))
-        eligible = alone and not members.following and not self.place.tied and self.fixed_codecs
+        """How many micro-batches the step's heads say it has (0: it closes by the rounds; an
+        asynchronous step by `late_round`)."""
+        alone = self.alone()
+        if self.depth > 1 and (self.place.tied or not self.fixed_codecs or (self.corrected and not alone)):
+            raise ValueError(f"step {step}: {REFUSED}")
+        eligible = alone and not self.place.tied and self.fixed_codecs
         self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
         if not eligible or count != self.micro_batches:
-            if self.depth > 1:
-                raise ValueError(
-                    f"step {step}: train.schedule async runs in a swarm with one peer per stage, no joiner, no tied parameters and fixed codecs"
-                )
             return 0
         self.open[step] = _Open(retries)
         return count
@@ -81,8 +99,8 @@ class StepClosing:
     def heard(self, step: int, metrics: dict[str, float], decision: pb.StepDecision | None) -> dict[str, float]:
         """A micro-batch of `step`, sent with `decision`, came back with these metrics: what they
         report of the step's closing is taken out (the rest is the loop's)."""
-        if decision is not None and self.pending.get(decision.step) is decision:
-            del self.pending[decision.step]  # every stage applied it before serving the micro-batch
+        if decision is not None and self.pending.get(decision.step) is decision and self.alone():
+            del self.pending[decision.step]  # every stage applied it (a replica may get no micro-batch)
         ours = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith((SQUARE, LATE)) or k in (RERUN, LR)]}
         if self.late is not None:
             self.late.heard(step, ours)
@@ -127,10 +145,22 @@ class StepClosing:
     async def late_round(self, step: int, grad_clip: float | None) -> float:
         """An asynchronous step that could not close on the way: every stage's norm of its held
         gradients by a round, and its decision pending for step + 2's micro-batches all the same
-        (the same floats); the learning rate the step ran at."""
-        if self.late is not None and step:
+        (the same floats); the learning rate the step ran at. With replicas, the round sums their
+        gradients (trainer.replicas) while the step before's decision goes to every peer: all of
+        this step's micro-batches are back, so every peer ran their forwards at the weights it
+        replaces, and a peer that has it already from a micro-batch answers as it did then."""
+        if self.late is not None and step:  # dc runs with one peer per stage (`plan`)
             await self._past_the_step_before(step)
-        return await self._decide_held(step, grad_clip)
+        if not replicated(self.membership):
+            return await self._decide_held(step, grad_clip)
+        before = self.pending.get(step - 1)
+        handed = self.rounds.applied(step - 1, before.scale) if before is not None else asyncio.sleep(0)
+        (squares, lr), _ = await asyncio.gather(summed(self.rounds, step), handed)
+        if before is not None and self.pending.get(step - 1) is before:
+            del self.pending[step - 1]  # every peer applied it
+        self._decide(step, {0: squares}, grad_clip)
+        self.last = step
+        return lr
 
     async def _past_the_step_before(self, step: int) -> None:
         """dc: `step`'s held norms are of its gradients compensated at the weights they will be

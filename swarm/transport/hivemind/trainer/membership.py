@@ -163,14 +163,23 @@ class Position:
         self.sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
         self.held: dict[tuple[int, str], bytes] = {}  # (index, peer) -> the attempt whose gradients it holds
         self.issued: dict[int, set[bytes]] = {}  # index -> every attempt of it sent in this step
+        # the next step's micro-batches sent and finished before this step is done (an asynchronous
+        # schedule starts them early): recorded when it begins, so no step counts another's
+        self.early: list = []
 
     def issue(self, batch: MicroBatch) -> None:
         """An attempt of `batch` is sent (a stage holding another one holds a member's replay)."""
+        if batch.step > self.step_index:
+            self.early.append(lambda: self.issue(batch))
+            return
         self.issued.setdefault(batch.index, set()).add(batch.attempt)
 
     def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str], counted: bool = True) -> None:
         """`batch` came back through `route`; `counted`: its gradients are the step's (else a
         verification's second run, whose peers hold its gradients now all the same)."""
+        if batch.step > self.step_index:
+            self.early.append(lambda: self.finished(batch, inputs, route, counted))
+            return
         if counted:
             self.routes[batch.index] = list(route)
             self.sent[batch.index] = (batch, inputs)
@@ -182,11 +191,10 @@ class Position:
         return self.held.get((index, peer), self.sent[index][0].attempt)
 
     def next_step(self) -> None:
-        self.step_index += 1
-        self.routes.clear()
-        self.sent.clear()
-        self.held.clear()
-        self.issued.clear()
+        early, self.early = self.early, []
+        self.went_back(self.step_index + 1)
+        for record in early:
+            record()
 
     def went_back(self, step: int) -> None:
         self.step_index = step
@@ -194,3 +202,4 @@ class Position:
         self.sent.clear()
         self.held.clear()
         self.issued.clear()
+        self.early = []

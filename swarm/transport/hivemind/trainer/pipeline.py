@@ -81,7 +81,7 @@ class SwarmPipeline:
         )
         self.membership = membership = Membership(place)
         self.position = position = Position()
-        self.setups = Setups(place, membership, position, config_digest(cfg))
+        self.setups = Setups(place, membership, position, config_digest(cfg), cfg.train)
         self._state = "starting"  # training, finished (recovery says when it is paused, and why)
         self.in_swarm = Busy()  # seconds the training loop waited on the swarm (micro-batches, rounds)
         numbering = Numbering()  # of our messages to each stage-0 peer (the dispatch's)
@@ -298,8 +298,8 @@ class SwarmPipeline:
 
         return self._mended(after_settling)
 
-    def keeps_copies(self, step: int) -> bool:  # the loop drains first (an asynchronous run's copies)
-        return self.recovery.due(step)
+    def keeps_copies(self, step: int) -> bool:  # the loop drains first: an asynchronous run's copies, joiners
+        return self.recovery.due(step) or self.loop.run(self.setups.waiting())
 
     def snapshot(self, step: int, position: dict) -> None:
         if self.recovery.due(step):
@@ -326,7 +326,7 @@ class SwarmPipeline:
 
     def step_done(self) -> None:
         self.position.next_step()
-        self.loop.run(self.setups.admit(settle=self.closing.settle))
+        self.loop.run(self.setups.boundary(self.closing.settle, drained=self.dispatch.ahead is None))
 
     async def adapt(self) -> list[pb.BoundaryCodecs]:
         """compression.adaptive: the boundaries whose codecs change from the next step on (every

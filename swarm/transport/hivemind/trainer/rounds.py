@@ -120,7 +120,7 @@ class SwarmRounds:
             self.place.loop.run(self._gather())
         return {}
 
-    def _groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
+    def groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
         """Each (stage, peer)'s averaging groups for one attempt of the step's gather round (ids of
         their own: a retry, or the same step replayed after a restore, never meets an old group)."""
         by_stage: dict[int, list[str]] = defaultdict(list)
@@ -153,9 +153,20 @@ class SwarmRounds:
                 add(f"{prefix}/tied{i}", members, second, [second_name], False)
         return groups
 
-    async def _gather_on(self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup]) -> Frame:
+    def counted(self) -> dict[tuple[int, str], list[int]]:
+        """(stage, peer) -> the step's micro-batches whose gradients count there (their last route)."""
+        counted: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for index, route in self.position.routes.items():
+            for stage, peer in enumerate(route):
+                counted[(stage, peer)].append(index)
+        return counted
+
+    async def gather_on(
+        self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup], held: bool = False
+    ) -> Frame:
         """Not retried on the peer: its groups are of this attempt only (the next has new ones). Its
-        time: the all-reduce's (call_timeout_s) and the computing around it."""
+        time: the all-reduce's (call_timeout_s) and the computing around it. `held`: the asynchronous
+        form, which sums the held gradients without setting them (swarm.transport.hivemind.stage.combine)."""
         place = self.place
         indices = sorted(indices)
         attempts = [self.position.attempt(i, peer) for i in indices]  # only these attempts count
@@ -165,6 +176,7 @@ class SwarmRounds:
             micro_batches=indices,
             groups=groups,
             attempts=attempts,
+            held=held,
         )
         timeout = 1.5 * place.settings.calls.call_timeout_s + place.settings.calls.reply_grace_s
         frame = await call(place.node.streams, peer, "gather", head, b"", timeout, place.owner.key)
@@ -174,14 +186,11 @@ class SwarmRounds:
     async def _gather(self) -> None:
         place, membership, position = self.place, self.membership, self.position
         for attempt in range(place.settings.retries.attempts):
-            counted: dict[tuple[int, str], list[int]] = defaultdict(list)
-            for index, route in position.routes.items():
-                for stage, peer in enumerate(route):
-                    counted[(stage, peer)].append(index)
+            counted = self.counted()
             peers = membership.peers()
-            groups = self._groups(peers)
+            groups = self.groups(peers)
             replies = await asyncio.gather(
-                *(self._gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
+                *(self.gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
                 return_exceptions=True,
             )
             for reply in replies:
@@ -202,7 +211,7 @@ class SwarmRounds:
                     raise error
                 place.router.failed(peer)
                 membership.drop(stage, peer, f"{one_line(error)}; its micro-batches run again")
-            if not lost and not stale and not self._leave_out_blamed(peers, replies):
+            if not lost and not stale and not self.leave_out_blamed(peers, replies):
                 await membership.probe()  # nobody named: a member that does not answer leaves
             rerun = sorted(
                 i
@@ -230,7 +239,7 @@ class SwarmRounds:
                     why = f"it sent stage {stage} micro-batch {report.index} of step {self.position.step_index} under an attempt the owner never made (a replay)"
                     membership.convict(stage - 1, sender, why)
 
-    def _leave_out_blamed(self, peers: list[tuple[int, str]], replies: list) -> bool:
+    def leave_out_blamed(self, peers: list[tuple[int, str]], replies: list) -> bool:
         """Only groups failed: the members they failed on leave the run (trainer.blame). Whether any left."""
         membership = self.membership
         left = blamed_members(peers, replies, membership.members, membership.serving)

@@ -1,0 +1,199 @@
+"""`train.schedule: async` over a swarm whose stage 1 has two peers, from the start or after a joiner
+came, on real hivemind (loopback): the oracle is one process's asynchronous run (swarm.engine.delay),
+within 1e-5 (replicas add their gradients in another order); a delay correction takes no joiner."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+import uuid
+
+import torch
+from _swarm_env import local_rows, smoke
+
+from swarm.training.checkpoints import Checkpointing, run_dir
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import train
+from swarm.training.results import ResultsWriter, read_results
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.trainer.setups import NO_JOINER
+
+STEPS = 6
+OVERRIDES = [
+    "model.num_stages=3",
+    "optimizer.grad_clip=0.05",  # binds at every step of this run: clipping is in the floats compared
+    "compression.forward=topk:0.2",  # no state across micro-batches: the same floats on any pair of peers
+    "compression.backward=topk:reuse",
+    "train.schedule=async",
+]
+
+
+def _same_losses(rows, theirs) -> None:
+    steps, reference = ([r for r in run if r["type"] == "step"] for run in (rows, theirs))
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    for a, b in zip(steps, reference, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert abs(a["lr"] - b["lr"]) <= 1e-12 * b["lr"], (a["step"], a["lr"], b["lr"])
+    evals, reference_evals = ([r["uncompressed"] for r in run if r["type"] == "eval"] for run in (rows, theirs))
+    assert len(evals) == len(reference_evals) == 2
+    for a, b in zip(evals, reference_evals, strict=True):
+        assert all(abs(a[k] - v) <= 1e-5 * abs(v) for k, v in b.items()), (a, b)
+
+
+def _identical(replicas) -> None:
+    assert len(replicas) == 2
+    pairs = zip(*(h.runtime.module.parameters() for h in replicas), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)  # each applied the same sum, once
+    assert replicas[0].state.steps == replicas[1].state.steps == STEPS - 1  # the last step's is held
+
+
+def _seen(swarm, router, peer_id: str) -> None:
+    """Until the trainer's router (a fresh DHT lookup) shows `peer_id` as a stage-1 peer."""
+    deadline = time.monotonic() + 30
+    while not any(r.peer_id == peer_id for r in swarm.loop.run(router.peers(1, refresh=True))):
+        assert time.monotonic() < deadline, f"the DHT never showed {peer_id[-8:]}"
+        time.sleep(0.05)
+
+
+def _run(swarm, cfg, run_id: str, rows: ResultsWriter, snapshot_every: int = 0, checkpoint=None):
+    data = build_data(cfg)
+    pipeline = swarm.pipeline(cfg, run_id, STEPS, data, snapshot_every=snapshot_every)
+    train(cfg, pipeline, data, rows, STEPS, progress=False, checkpoint=checkpoint)
+    return pipeline
+
+
+def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_process(swarm, tmp_path):
+    """Stage 1 served by two peers from the start: each step closes by one round overlapped with
+    the next step's micro-batches (each replica sums what it ran, the two sum those among
+    themselves); the round also hands the step before's decision to a replica the micro-batches
+    bringing it did not reach. The final checkpoint holds the last step's gradients as one
+    process's: stage 1's is the replicas' sum."""
+    cfg = smoke(*OVERRIDES)
+    ours, theirs = tmp_path / "swarm", tmp_path / "one"
+    run_experiment(cfg, tmp_path / "one.jsonl", STEPS, progress=False, checkpoint=Checkpointing(str(theirs), STEPS))
+    reference = read_results(tmp_path / "one.jsonl")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    try:
+        rows = ResultsWriter(None)
+        pipeline = _run(swarm, cfg, run_id, rows, checkpoint=Checkpointing(str(ours), STEPS))
+        _same_losses(rows.rows, reference)
+        for stage in range(3):  # not yet applied: its kept gradients
+            mine, one = (torch.load(run_dir(d, STEPS) / f"stage{stage}.pt", weights_only=True) for d in (ours, theirs))
+            assert mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
+            for name, grad in one["delay"]["kept"].items():
+                assert torch.allclose(mine["delay"]["kept"][name], grad, rtol=1e-5, atol=1e-7), (stage, name)
+        replicas = [h for h in hosted if h.stage == 1]
+        assert all(h.meters.processed > 0 for h in replicas)  # both ran micro-batches: their sums are real sums
+        _identical(replicas)
+        notes = pipeline.summary_notes()
+        assert notes["closed_on_the_way"] == 0 and notes["round_calls"]["gather"] == 4 * STEPS
+        assert notes["round_bytes"].get("gather.received", 0) == 0  # no gradient through the trainer
+        assert notes["overlapped_steps"] >= 3  # the rounds did not drain the pipeline
+    finally:
+        swarm.unhost(run_id)
+
+
+def _with_a_joiner(swarm, cfg, run_id: str) -> tuple[list[dict], object, HostedStage]:
+    """`cfg`'s run on stages 0..2 of run `run_id` (hosted), a stage-1 peer announced after step 1:
+    its rows, its pipeline and the joiner."""
+    joiner, pipelines = [], []
+
+    class Announcing(ResultsWriter):
+        def write(self, row) -> None:
+            super().write(row)
+            if row.get("type") == "step" and row["step"] == 1:
+                joiner.extend(swarm.host(cfg, run_id, [(1, 3)]))
+                _seen(swarm, pipelines[0].router, joiner[0].node.peer_id)  # before step 2 starts
+
+    rows = Announcing(None)
+    data = build_data(cfg)
+    pipelines.append(swarm.pipeline(cfg, run_id, STEPS, data))
+    train(cfg, pipelines[0], data, rows, STEPS, progress=False)
+    return rows.rows, pipelines[0], joiner[0]
+
+
+def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_with_its_replica(swarm, tmp_path):
+    """A stage-1 peer announced after step 1: the loop drains for it after step 2, the trainer admits
+    it there and waits until it serves; it downloads the stage with step 2's gradients held
+    unapplied (as a checkpoint holds them), and both peers apply them once, by the same decision."""
+    cfg = smoke(*OVERRIDES)
+    reference = local_rows(cfg, tmp_path, STEPS)
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    source = hosted[1].source
+    downloads = []
+    snapshot = source._snapshot
+
+    def kept_snapshot():
+        reply, payload = snapshot()
+        downloads.append((reply.step, torch.load(io.BytesIO(payload), weights_only=True)["delay"]["kept"]))
+        return reply, payload
+
+    source._snapshot = kept_snapshot
+    try:
+        rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
+        _same_losses(rows, reference)
+        assert len(downloads) == 1 and downloads[0][0] == 2  # drained after the loop's step 2
+        kept = downloads[0][1]
+        assert kept is not None and all(bool(g.abs().sum() > 0) for g in kept.values())  # step 2's gradients
+        assert joiner.state.joined is not None and joiner.state.joined[0] == 2
+        assert joiner.node.peer_id in pipeline.members[1] and not pipeline.following
+        _identical([hosted[1], joiner])
+        notes = pipeline.summary_notes()  # steps 1 and 2 closed on the way, the others by the round
+        assert notes["closed_on_the_way"] == 2 and notes["round_calls"]["gather"] == 4 * (STEPS - 2)
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_run_with_a_delay_correction_tells_a_joiner_it_takes_none_and_goes_on(swarm, tmp_path):
+    """lookahead's per-step weights are not downloaded: the peer is not admitted, the run says so
+    once and ends as one process's."""
+    cfg = smoke(*OVERRIDES, "train.delay_correction=lookahead")
+    reference = local_rows(cfg, tmp_path, STEPS)
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    try:
+        rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
+        _same_losses(rows, reference)
+        assert joiner.node.peer_id not in pipeline.members[1] and joiner.state.runtime is None
+        told = [e.text for e in pipeline.events.last() if NO_JOINER in e.text]
+        assert len(told) == 1 and joiner.node.peer_id[-8:] in told[0]
+        assert pipeline.summary_notes()["closed_on_the_way"] == STEPS
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_replica_killed_in_its_steps_round_sends_the_run_back_to_the_copies(swarm, tmp_path):
+    """A replica dies inside the round of the first step after step 3 whose micro-batches it ran:
+    their gradients cannot run again (the next step's moved the weights on), so nothing is applied,
+    the run goes back to the swarm's copies (every 2 steps) and replays: one process's losses."""
+    cfg = smoke(*OVERRIDES)
+    reference = local_rows(cfg, tmp_path, STEPS)
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    node, server = swarm.mortal_host()
+    mortal = server.host(HostedStage(node, run_id, cfg, 1))
+    swarm.loop.run(server.announcer.announce_now())
+    killed = threading.Event()
+    handle = mortal.rounds.handle
+
+    async def dies_in_a_round(kind, head, payload):
+        if kind == "gather" and head.held and head.step >= 3 and head.micro_batches and not killed.is_set():
+            killed.set()
+            threading.Thread(target=lambda: (swarm.loop.run(server.stop()), swarm.loop.run(node.shutdown()))).start()
+            await asyncio.sleep(30)
+        return await handle(kind, head, payload)
+
+    mortal.rounds.handle = dies_in_a_round
+    try:
+        rows = ResultsWriter(None)
+        pipeline = _run(swarm, cfg, run_id, rows, snapshot_every=2)
+        assert killed.is_set() and node.peer_id not in pipeline.members[1]
+        pauses = [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses]
+        assert len(pauses) == 1 and pauses[0][1] % 2 == 0 and pauses[0][1] <= pauses[0][0], pauses
+        _same_losses(rows.rows, reference)
+    finally:
+        swarm.unhost(run_id)
