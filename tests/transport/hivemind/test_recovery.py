@@ -35,6 +35,7 @@ def _cfg(forward: str = "topk:0.2", backward: str = "topk:reuse", *more: str):
 
 
 ASYNC = ("topk:0.2", "topk:reuse", "optimizer.grad_clip=0.05", "train.schedule=async")  # swarm.engine.delay
+BOUNDARY_1 = ("compression.boundaries.1.forward=topk:0.3+aqsgd", "compression.boundaries.1.backward=lowrank:4+ef21")
 LOOKAHEAD, DC = "train.delay_correction=lookahead", "train.delay_correction=dc:100000"
 
 
@@ -182,8 +183,9 @@ def _wait(what, condition, timeout: float = 20.0) -> None:
         ("during a snapshot", "topk:0.2|topk:reuse", 6),
         # between steps (the next micro-batch finds stage 1 gone), with error feedback: the copies
         # carry the link ends in use, so the new pairs go on from them
-        ("between steps", "subspace:4|topk:0.1+ef21", 6),  # and the forward's subspace basis
-        ("between steps", "topk:0.3+aqsgd|lowrank:4+ef21", 6),  # and the low-rank backward's mirrored state
+        # (boundary 0: the forward's subspace basis; boundary 1: AQ-SGD's and the low-rank
+        # backward's mirrored state)
+        ("between steps", "subspace:4|topk:0.1+ef21|" + "|".join(BOUNDARY_1), 6),
         # train.schedule async: the copies hold each stage's last step's gradients unapplied (the
         # loop drains before a copy); step 8's micro-batches were out when stage 1 died; and each
         # sender's low-rank warm start; a delay correction's weights (lookahead's move, dc's v_then)
