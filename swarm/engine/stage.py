@@ -172,17 +172,24 @@ class StageRuntime:
         if combined is None:
             self.accumulate(step_keys(step, count))
             return
-        for name, p in self.module.named_parameters():  # copies: an apply that fails keeps the sum
-            p.grad = combined[name].clone() if name in combined else None
+        sums = self.combined_grads(step)
+        for name, p in self.module.named_parameters():
+            p.grad = sums.get(name)
 
-    def held_sum(self, keys) -> dict[str, torch.Tensor]:
-        """Parameter name -> the sum of its held gradients of `keys`, in the given order, leaving every
-        p.grad alone. Raises KeyError if a key is not held."""
-        return self._summed(keys)
+    def combined_grads(self, step: int) -> dict[str, torch.Tensor]:
+        """The replicas' sum of `step` as it applies now: copies (an apply that fails keeps the sum),
+        with a delay correction's part at the current weights (on the whole sum, as one process's)."""
+        sums = {name: g.clone() for name, g in self.combined[step].items()}
+        return sums if self.versions is None else self.versions.corrected(step, self.module, sums)
+
+    def held_sum(self, keys, corrected: bool = True) -> dict[str, torch.Tensor]:
+        """`_summed`, leaving every p.grad alone. Raises KeyError if a key is not held."""
+        return self._summed(keys, corrected)
 
     def hold_combined(self, step: int, sums: dict[str, torch.Tensor]) -> None:
-        """`sums`, the replicas' sum of an asynchronous step, are its gradients here until applied; the
-        held gradients of its micro-batches stay (a round that fails sums them again) and go with it."""
+        """`sums`, the replicas' sum of an asynchronous step (as computed: a delay correction's part
+        comes when it applies, `combined_grads`), are its gradients here until applied; the held
+        gradients of its micro-batches stay (a round that fails sums them again) and go with it."""
         params = dict(self.module.named_parameters())
         self.combined = {s: v for s, v in self.combined.items() if s > step - 2}  # two steps open at most
         self.combined[step] = {name: g.to(params[name].device, params[name].dtype) for name, g in sums.items()}

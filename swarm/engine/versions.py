@@ -7,7 +7,10 @@ takes it per step, when the step's first training micro-batch comes: the weights
 of the step's micro-batches run at here (v_t: step t - 1 is applied only when step t + 1's first
 micro-batch comes), as one process's are during its step.
 - dc: a clone of v_t, the v_then of step t's gradients when they are applied (their v_now: the
-  weights at that apply, v_{t+1}, as in one process's `swap` at step t + 1's end);
+  weights at that apply, v_{t+1}, as in one process's `swap` at step t + 1's end). A replica of a
+  stage may run none of step t's micro-batches and still compensate the replicas' sum of them
+  (swarm.transport.hivemind.stage.combine): so the stage also takes v_t whenever its weights come
+  to serve step t (`serves`: at the start, after each update, after a restore);
 - lookahead: the predicted weights v_t + moved as Parameter objects of their own, which the step's
   forwards use instead of the module's (and so their backwards, whenever they come: the graphs hold
   them); the module's own stay v_t, for the update and evaluations.
@@ -45,6 +48,16 @@ class StepVersions:
                 name: torch.nn.Parameter(predict_(params[name].detach().clone(), move), params[name].requires_grad)
                 for name, move in (self.delay.moved or {}).items()
             }
+
+    def serves(self, steps, module: torch.nn.Module) -> None:
+        """The module's weights are now those micro-batches of `steps` run at (v_t): dc takes them
+        for each step it has none of yet (one clone, shared: they are only read)."""
+        steps = [s for s in steps if s not in self.then]
+        if self.delay.correction.kind != "dc" or not steps:
+            return
+        weights = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+        for step in steps:
+            self.then[step] = weights
 
     @contextmanager
     def running(self, step: int, module: torch.nn.Module) -> Iterator[None]:

@@ -1,6 +1,6 @@
 """`train.schedule: async` over a swarm whose stage 1 has two peers, from the start or after a joiner
-came, on real hivemind (loopback): the oracle is one process's asynchronous run (swarm.engine.delay),
-within 1e-5 (replicas add their gradients in another order); a delay correction takes no joiner."""
+came, on real hivemind (loopback), with and without a delay correction: the oracle is one process's
+asynchronous run (swarm.engine.delay), within 1e-5 (replicas add their gradients in another order)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import torch
 from _swarm_env import local_rows, smoke
 
@@ -18,7 +19,6 @@ from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.stage.host import HostedStage
-from swarm.transport.hivemind.trainer.setups import NO_JOINER
 
 STEPS = 6
 OVERRIDES = [
@@ -64,13 +64,19 @@ def _run(swarm, cfg, run_id: str, rows: ResultsWriter, snapshot_every: int = 0, 
     return pipeline
 
 
-def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_process(swarm, tmp_path):
+DC = "dc:100000"  # strong enough that compensating each replica's part instead of their sum shows
+
+
+@pytest.mark.parametrize("correction", ["none", DC])
+def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_process(swarm, tmp_path, correction):
     """Stage 1 served by two peers from the start: each step closes by one round overlapped with
     the next step's micro-batches (each replica sums what it ran, the two sum those among
     themselves); the round also hands the step before's decision to a replica the micro-batches
-    bringing it did not reach. The final checkpoint holds the last step's gradients as one
-    process's: stage 1's is the replicas' sum."""
-    cfg = smoke(*OVERRIDES)
+    bringing it did not reach. With dc the replicas compensate their whole sum, at the weights the
+    step ran at, which a replica keeps even when it ran none of the step's micro-batches. The final
+    checkpoint holds the last step's gradients (and dc's weights of that step) as one process's:
+    stage 1's is the replicas' sum."""
+    cfg = smoke(*OVERRIDES, f"train.delay_correction={correction}")
     ours, theirs = tmp_path / "swarm", tmp_path / "one"
     run_experiment(cfg, tmp_path / "one.jsonl", STEPS, progress=False, checkpoint=Checkpointing(str(theirs), STEPS))
     reference = read_results(tmp_path / "one.jsonl")
@@ -82,9 +88,10 @@ def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_
         _same_losses(rows.rows, reference)
         for stage in range(3):  # not yet applied: its kept gradients
             mine, one = (torch.load(run_dir(d, STEPS) / f"stage{stage}.pt", weights_only=True) for d in (ours, theirs))
-            assert mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
-            for name, grad in one["delay"]["kept"].items():
-                assert torch.allclose(mine["delay"]["kept"][name], grad, rtol=1e-5, atol=1e-7), (stage, name)
+            for part in ("kept", "then") if correction == DC else ("kept",):
+                assert mine["delay"][part].keys() == one["delay"][part].keys(), (stage, part)
+                for name, value in one["delay"][part].items():
+                    assert torch.allclose(mine["delay"][part][name], value, rtol=1e-5, atol=1e-7), (stage, part, name)
         replicas = [h for h in hosted if h.stage == 1]
         assert all(h.meters.processed > 0 for h in replicas)  # both ran micro-batches: their sums are real sums
         _identical(replicas)
@@ -115,11 +122,15 @@ def _with_a_joiner(swarm, cfg, run_id: str) -> tuple[list[dict], object, HostedS
     return rows.rows, pipelines[0], joiner[0]
 
 
-def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_with_its_replica(swarm, tmp_path):
+@pytest.mark.parametrize("correction", [DC, "lookahead"])
+def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_with_its_replica(
+    swarm, tmp_path, correction
+):
     """A stage-1 peer announced after step 1: the loop drains for it after step 2, the trainer admits
     it there and waits until it serves; it downloads the stage with step 2's gradients held
-    unapplied (as a checkpoint holds them), and both peers apply them once, by the same decision."""
-    cfg = smoke(*OVERRIDES)
+    unapplied (as a checkpoint holds them) and the correction's per-step state (dc's weights of step
+    2, lookahead's last move), and both peers apply them once, by the same decision."""
+    cfg = smoke(*OVERRIDES, f"train.delay_correction={correction}")
     reference = local_rows(cfg, tmp_path, STEPS)
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
@@ -129,7 +140,7 @@ def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_w
 
     def kept_snapshot():
         reply, payload = snapshot()
-        downloads.append((reply.step, torch.load(io.BytesIO(payload), weights_only=True)["delay"]["kept"]))
+        downloads.append((reply.step, torch.load(io.BytesIO(payload), weights_only=True)["delay"]))
         return reply, payload
 
     source._snapshot = kept_snapshot
@@ -137,31 +148,18 @@ def test_a_joiner_of_an_asynchronous_run_downloads_the_held_gradients_and_sums_w
         rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
         _same_losses(rows, reference)
         assert len(downloads) == 1 and downloads[0][0] == 2  # drained after the loop's step 2
-        kept = downloads[0][1]
-        assert kept is not None and all(bool(g.abs().sum() > 0) for g in kept.values())  # step 2's gradients
+        delay = downloads[0][1]
+        assert delay["kept"] is not None and all(bool(g.abs().sum() > 0) for g in delay["kept"].values())
+        carried = delay["then"] if correction == DC else delay["moved"]  # the correction's, of step 2
+        assert carried is not None and carried.keys() == delay["kept"].keys()
         assert joiner.state.joined is not None and joiner.state.joined[0] == 2
         assert joiner.node.peer_id in pipeline.members[1] and not pipeline.following
         _identical([hosted[1], joiner])
-        notes = pipeline.summary_notes()  # steps 1 and 2 closed on the way, the others by the round
-        assert notes["closed_on_the_way"] == 2 and notes["round_calls"]["gather"] == 4 * (STEPS - 2)
-    finally:
-        swarm.unhost(run_id)
-
-
-def test_a_run_with_a_delay_correction_tells_a_joiner_it_takes_none_and_goes_on(swarm, tmp_path):
-    """lookahead's per-step weights are not downloaded: the peer is not admitted, the run says so
-    once and ends as one process's."""
-    cfg = smoke(*OVERRIDES, "train.delay_correction=lookahead")
-    reference = local_rows(cfg, tmp_path, STEPS)
-    run_id = uuid.uuid4().hex[:8]
-    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
-    try:
-        rows, pipeline, joiner = _with_a_joiner(swarm, cfg, run_id)
-        _same_losses(rows, reference)
-        assert joiner.node.peer_id not in pipeline.members[1] and joiner.state.runtime is None
-        told = [e.text for e in pipeline.events.last() if NO_JOINER in e.text]
-        assert len(told) == 1 and joiner.node.peer_id[-8:] in told[0]
-        assert pipeline.summary_notes()["closed_on_the_way"] == STEPS
+        # steps 1 and 2 closed on the way, the others by the round; dc's step 2 waited for norms step
+        # 3's micro-batches bring only while a stage has one peer: one held round more (4 peers)
+        notes = pipeline.summary_notes()
+        rounds = 4 * (STEPS - 2) + (4 if correction == DC else 0)
+        assert notes["closed_on_the_way"] == 2 and notes["round_calls"]["gather"] == rounds, notes["round_calls"]
     finally:
         swarm.unhost(run_id)
 

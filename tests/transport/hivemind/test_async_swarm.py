@@ -70,16 +70,10 @@ def test_delay_corrections_run_in_a_swarm_with_the_floats_of_one_process(swarm, 
         cfg = smoke(*OVERRIDES, f"train.delay_correction={correction}")
         reference = _assert_one_process(swarm_rows(swarm, cfg, steps=6), local_rows(cfg, tmp_path, steps=6))
         assert reference[:first] == plain[:first]  # before the first update there is nothing to correct
-        assert all(abs(a - b) > 3e-5 * b for a, b in zip(reference[first:], plain[first:], strict=True)), correction
-
-
-def test_a_delay_correction_with_a_stage_of_two_peers_is_refused_at_the_first_step_in_one_line(swarm):
-    """Replicas run asynchronously (test_async_replicas.py), but a correction's per-step weights are
-    neither summed by their round nor downloaded by a joiner."""
-    cfg = smoke("model.num_stages=3", "train.schedule=async", "train.delay_correction=lookahead")
-    refused = r"^step 0: train.schedule async runs in a swarm without tied parameters, with fixed codecs, and with a delay correction only while every stage has one peer and no joiner$"
-    with pytest.raises(ValueError, match=refused):
-        swarm_rows(swarm, cfg, steps=2, placement=[(0, 0), (1, 1), (1, 4), (2, 2)])
+        # past the oracle's 1e-5 somewhere (not at every step: lookahead moved step 4's loss by only
+        # 2.3e-5 on one machine), so a swarm that ran without the correction fails the comparison
+        changes = [abs(a - b) / b for a, b in zip(reference[first:], plain[first:], strict=True)]
+        assert max(changes) > 3e-4, (correction, changes)
 
 
 def _losses(rows) -> list[float]:

@@ -28,9 +28,9 @@ class _Rounds:
         self.applies.append(step)
 
 
-def _closing(depth: int = 2, squares: float = 9.0, correction: str = "none") -> StepClosing:
+def _closing(depth: int = 2, squares: float = 9.0, correction: str = "none", tied=()) -> StepClosing:
     owner = Owner(RSAPrivateKey.process_wide(), "run", (), False)
-    place = SimpleNamespace(owner=owner, session="s", num_stages=3, tied=[])
+    place = SimpleNamespace(owner=owner, session="s", num_stages=3, tied=list(tied))
     train = SimpleNamespace(micro_batches=4, delay_correction=correction)
     membership = SimpleNamespace(members={0: ["a"], 1: ["b"], 2: ["c"]}, following=set())  # one peer per stage
     return StepClosing(place, membership, _Rounds(squares), train, True, depth)
@@ -58,6 +58,15 @@ def test_a_restored_asynchronous_run_makes_its_last_steps_decision_again(step):
     assert closing.decision_for(step + 1).scale == clip_scale(9.0, [], 0.5)  # with step + 1's micro-batches
     asyncio.run(closing.settle())  # a drain before step `step` runs: the decision still waits
     assert closing.rounds.applies == [] and step - 1 in closing.pending
+
+
+def test_tied_parameters_are_refused_at_the_first_step_in_one_line_under_async_only():
+    """A tied parameter's sum across two stages is a round the asynchronous step does not make yet."""
+    tied = [((0, "wte.weight"), (2, "lm_head.weight"))]
+    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm without tied parameters"):
+        _closing(tied=tied).plan(0, 4, 0)
+    assert _closing(depth=1, tied=tied).plan(0, 4, 0) == 0  # synchronous: by the rounds, which sum them
+    assert _closing(correction="dc:10").plan(0, 4, 0) == 4  # a correction closes on the way too
 
 
 def test_a_synchronous_run_reopens_nothing():

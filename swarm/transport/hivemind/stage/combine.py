@@ -82,7 +82,7 @@ class Combining:
         state = self.state
         if state.joining is not None:
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
-        sums = await self.work.run(self.work.timed, self._held_local, head)
+        sums = await self.work.run(self.work.timed, self._held_local, head, not head.groups)
         if head.groups:
             group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
             names = self._names(group, set())
@@ -92,17 +92,18 @@ class Combining:
                 raise self._group_failed(e) from None
         return await self.work.run(self.work.timed, self._held_reply, head, sums, bool(head.groups))
 
-    def _held_local(self, head: pb.GatherRequest) -> dict[str, torch.Tensor]:
-        """On the computing thread: the sum of the held gradients the round counts here, in index order."""
+    def _held_local(self, head: pb.GatherRequest, corrected: bool) -> dict[str, torch.Tensor]:
+        """On the computing thread: the sum of the held gradients the round counts here, in index
+        order; a replica's part as computed (dc compensates the replicas' whole sum: `_held_reply`)."""
         self._check_held(head)
-        return self.state.runtime.held_sum(_keys(head))
+        return self.state.runtime.held_sum(_keys(head), corrected)
 
     def _held_reply(self, head: pb.GatherRequest, sums: dict[str, torch.Tensor], combined: bool) -> pb.GatherReply:
         state, step = self.state, int(head.step)
         runtime = state.runtime
         if combined:
             runtime.hold_combined(step, sums)
-            sums = runtime.combined[step]  # in the parameters' dtype, as the sums a gather sets
+            sums = runtime.combined_grads(step)  # in the parameters' dtype, as applied (a correction's part)
         square = runtime.sums_sq_norm(sums)
         state.count(step)
         lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])

@@ -163,6 +163,7 @@ class StageState:
         self.runtime, self.session, self.tied, self.steps = runtime, session, list(tied), 0
         self.generation += 1
         self.attempts.clear()
+        self._weights_serve()
 
     def follow(self, joining) -> None:
         """Set up mid-run: it catches up (`joining`) before it serves."""
@@ -180,6 +181,14 @@ class StageState:
 
     def stepped(self) -> None:
         self.steps += 1
+        self._weights_serve()
+
+    def _weights_serve(self) -> None:
+        """dc's weights of the steps the stage's weights now serve (swarm.engine.versions `serves`)."""
+        versions = self.runtime.versions
+        if versions is not None:
+            low, high = self.serving()
+            versions.serves(range(low, high + 1), self.runtime.module)
 
     def restored(self, cfg: ExperimentConfig, step: int) -> None:
         """A checkpoint or copy of `step` was installed, with `cfg`'s codecs. With an asynchronous
@@ -198,6 +207,7 @@ class StageState:
             if self.runtime.versions is not None:
                 self.runtime.versions.hold_weights(step - 1, then)
             self.count(step - 1)
+        self._weights_serve()
 
     def count(self, step: int) -> None:
         """Its held gradients of `step` were counted (asynchronous schedule): its decision applies them."""

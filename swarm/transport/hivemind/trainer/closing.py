@@ -17,14 +17,16 @@ checkpoint or copy of an asynchronous run holds the last step's gradients unappl
 restore the decision of that step is made again the same way (`reopen`). With dc a
 step's norms come a step late (`late`: trainer.late_norms); a dc step that cannot close on the way
 first has the step before decided and applied everywhere (its norms are of gradients compensated
-at the weights they apply to), then the same round.
+at the weights they apply to), then the same round; replicas compensate their whole sum
+(stage.combine), with the weights the step ran at, which each keeps whether or not it ran any of
+the step's micro-batches (swarm.engine.versions `serves`).
 
 An asynchronous step over a stage with two or more peers closes by one round too, the held round's
 summing form (trainer.replicas: replicas sum what they ran among themselves), and the same round
 hands the decision of the step before to every peer that did not have it from a micro-batch (a
 replica may get none of the micro-batches that bring it): a decision is applied on a peer by the
-first of a micro-batch's head or a round, once. Tied parameters, adaptive codecs and a delay
-correction with replicas are refused in one line (`plan`).
+first of a micro-batch's head or a round, once. Tied parameters and adaptive codecs are refused
+in one line (`plan`).
 """
 
 from __future__ import annotations
@@ -42,10 +44,7 @@ from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.replicas import replicated, summed
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
-REFUSED = (
-    "train.schedule async runs in a swarm without tied parameters, with fixed codecs, and with a delay "
-    "correction only while every stage has one peer and no joiner"
-)
+REFUSED = "train.schedule async runs in a swarm without tied parameters and with fixed codecs"
 
 
 @dataclasses.dataclass
@@ -75,7 +74,6 @@ class StepClosing:
         self.last: int | None = None  # the last step closed on the way
         self.closed = 0  # steps closed on the way (the summary's count)
         correction = DelayCorrection.parse(train.delay_correction).kind if depth > 1 else "none"
-        self.corrected = correction != "none"  # its per-step weights are not summed nor downloaded
         self.late = LateDecisions(place.num_stages, self._decide) if correction == "dc" else None  # a step late
 
     def alone(self) -> bool:
@@ -87,7 +85,7 @@ class StepClosing:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds; an
         asynchronous step by `late_round`)."""
         alone = self.alone()
-        if self.depth > 1 and (self.place.tied or not self.fixed_codecs or (self.corrected and not alone)):
+        if self.depth > 1 and (self.place.tied or not self.fixed_codecs):
             raise ValueError(f"step {step}: {REFUSED}")
         eligible = alone and not self.place.tied and self.fixed_codecs
         self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
@@ -149,7 +147,7 @@ class StepClosing:
         gradients (trainer.replicas) while the step before's decision goes to every peer: all of
         this step's micro-batches are back, so every peer ran their forwards at the weights it
         replaces, and a peer that has it already from a micro-batch answers as it did then."""
-        if self.late is not None and step:  # dc runs with one peer per stage (`plan`)
+        if self.late is not None and step:
             await self._past_the_step_before(step)
         if not replicated(self.membership):
             return await self._decide_held(step, grad_clip)

@@ -5,9 +5,8 @@ that takes over a stage that lost its last one (trainer.recovery).
 With an asynchronous schedule (swarm.engine.delay) a joiner is admitted only where the pipeline
 drained (`boundary`; the loop drains for one that waits: `waiting`), and the run waits until it
 serves: what it downloads is then the whole stage, its last step's gradients held unapplied
-included, and it misses no round nor decision while it catches up (it follows none). With a delay
-correction it takes none (its per-step weights are not downloaded): a peer that waits is told so,
-and the run goes on without it."""
+included (and a delay correction's per-step weights: StageState.saved), and it misses no round nor
+decision while it catches up (it follows none)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import time
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.config.schedule import DelayCorrection
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
@@ -26,7 +24,6 @@ log = logging.getLogger(__name__)
 # The owner's roster rides in every micro-batch's head (64 KiB at most, stage.server.MAX_HEAD_BYTES):
 # 1,024 members make a head of 52.6 KiB with every other field it may carry.
 MAX_MEMBERS = 1024
-NO_JOINER = "train.schedule async with a delay correction takes no joiner in a swarm so far (its per-step weights are not downloaded)"
 
 
 class Setups:
@@ -37,11 +34,8 @@ class Setups:
     ) -> None:
         self.place, self.membership, self.position, self.digest = place, membership, position, digest
         self.args: tuple[int, int] = (0, 0)  # (lr horizon, capacity) every setup carries
-        asynchronous = train is not None and train.schedule == "async"
-        self.drained = asynchronous  # joiners only where the pipeline drained, in service before it goes on
-        # an asynchronous run with a delay correction takes no joiner (trainer.closing refuses it)
-        self.closed = asynchronous and DelayCorrection.parse(train.delay_correction).kind != "none"
-        self.told: set[str] = set()  # peers told they wait for nothing (once each)
+        # asynchronous: joiners only where the pipeline drained, in service before it goes on
+        self.drained = train is not None and train.schedule == "async"
 
     async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
         place = self.place
@@ -110,15 +104,13 @@ class Setups:
         where joiners wait for a drained pipeline, only there, each then waited for until it serves."""
         if not self.drained:
             await self.admit(settle=settle)
-        elif self.closed:
-            await self._refuse()
         elif drained:
             for stage, peer in await self.admit(settle=settle):
                 await self._serving(stage, peer)
 
     async def waiting(self) -> bool:
         """Whether a peer waits to be admitted where the pipeline drains (the loop drains for it)."""
-        if not self.drained or self.closed:
+        if not self.drained:
             return False
         for stage in range(self.place.num_stages):
             if self.membership.serving(stage) and self._room(stage):
@@ -142,12 +134,3 @@ class Setups:
                 membership.drop(stage, peer, f"its join did not finish ({why})")
                 return
             await asyncio.sleep(0.1)
-
-    async def _refuse(self) -> None:
-        """Says once, per peer that waits to join, that this run takes none."""
-        for stage in range(self.place.num_stages):
-            for peer in await self.membership.candidates(stage, refresh=False):
-                if peer not in self.told:
-                    self.told.add(peer)
-                    text = f"stage {stage}: peer {peer[-8:]} waits to join: {NO_JOINER}"
-                    self.place.events.add("join", text, logging.WARNING, log)
