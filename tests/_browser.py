@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 
+from _util import apt_install
 from playwright.sync_api import Page, expect, sync_playwright
 
 HINT = "install it by hand: sudo apt-get install -y --no-install-recommends chromium"
@@ -33,18 +32,7 @@ def ensure_chromium() -> str:
     for name in ("chromium", "chromium-browser"):
         if path := shutil.which(name):
             return path
-    if os.geteuid() != 0:
-        raise RuntimeError(f"chromium is not on PATH and installing it needs root; {HINT}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
-    for cmd in (["apt-get", "update", "-qq"], install):
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed ({exc}); {HINT}") from None
-        if proc.returncode:
-            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-            raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode} ({last}); {HINT}")
+    apt_install("chromium", HINT)
     if path := shutil.which("chromium") or shutil.which("chromium", path="/usr/bin"):
         return path
     raise RuntimeError(f"apt-get installed chromium but it is not on PATH; {HINT}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import subprocess
 import zlib
 from pathlib import Path
@@ -28,6 +30,29 @@ def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
         code = e.code
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def apt_install(package: str, hint: str) -> None:
+    """`apt-get update` then `apt-get install PACKAGE` (as root): a fresh machine has no package
+    lists, so an install alone fails there. Raises RuntimeError, in one line with `hint`, on failure."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise RuntimeError(f"{package} is missing and installing it needs root and apt-get; {hint}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package]
+    for cmd in (["apt-get", "update", "-qq"], install):
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed ({exc}); {hint}") from None
+        if proc.returncode:
+            last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            raise RuntimeError(f"`{' '.join(cmd)}` exited with {proc.returncode} ({last}); {hint}")
+
+
+def ensure_iptables() -> None:
+    """iptables for the lab's NAT routers (swarm.netlab.nat), installed if missing."""
+    if shutil.which("iptables") is None:
+        apt_install("iptables", "install it by hand: sudo apt-get install -y iptables")
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

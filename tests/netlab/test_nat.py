@@ -5,12 +5,12 @@ with apt-get when missing); fails, never skips, without them."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _util import ensure_iptables
 
 from swarm.netlab.namespaces import NetLab, NetlabError, list_namespaces, require
 
@@ -38,8 +38,10 @@ CLIENT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def caps():
-    if shutil.which("iptables") is None and shutil.which("apt-get") is not None:
-        subprocess.run(["apt-get", "install", "-y", "-qq", "iptables"], capture_output=True, timeout=600)
+    try:
+        ensure_iptables()
+    except RuntimeError as e:
+        pytest.fail(str(e))
     try:
         return require()
     except NetlabError as e:
