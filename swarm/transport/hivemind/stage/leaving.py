@@ -4,7 +4,9 @@ The peer first waits until another peer of its stage is in service: without one 
 have to stop. Then its record says it is leaving (routers stop choosing it) and it refuses new
 micro-batches with UNAVAILABLE (their senders retry on another peer of the stage), finishes the
 micro-batches it holds, and stays until a step's apply round has taken the gradients it holds:
-its apply reply tells the trainer to leave it out from the next step on. It then still refuses
+its apply reply tells the trainer to leave it out from the next step on. With an asynchronous
+schedule a step's gradients are applied two steps on, so it says so at the first apply after
+which every gradient it holds is in its replicas' sums too (`StageState.nothing_unshared`). It then still refuses
 micro-batches until the routers that saw its old record have looked again, so none is sent to a
 peer that is gone. A peer holding nothing (between runs, not set up, still joining) or whose run
 has been quiet for a call timeout leaves at once.
@@ -64,7 +66,7 @@ async def drain(
     say(f"stage {place.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")
     settings = place.settings
     while time.monotonic() - rounds.last_s < settings.calls.call_timeout_s:  # a run gone quiet takes nothing
-        if state.runtime is None or (rounds.told_leaving and not meters.queue and not state.runtime.held):
+        if state.runtime is None or (rounds.told_leaving and not meters.queue and state.nothing_unshared()):
             break  # the trainer has its last apply reply (leaving) and will not count on it again
         await asyncio.sleep(POLL_S)
     # its last apply reply is built, not yet delivered (a shaped link delays it): a peer that closed

@@ -107,8 +107,11 @@ class StageRounds:
             raise RemoteError(f"stage {stage}: non-finite gradients at step {head.step}: the step is not applied")
         if head.scale:
             runtime.scale_grads(head.scale)
-        reply = pb.ApplyReply(lr=runtime.apply_step(keys), leaving=state.leaving)
-        self.told_leaving = state.leaving
+        lr = runtime.apply_step(keys)
+        # an asynchronous schedule's leaver still holds later steps' gradients: it says it leaves
+        # at the first apply after which its replicas' sums have all of them
+        self.told_leaving = state.leaving and state.nothing_unshared()
+        reply = pb.ApplyReply(lr=lr, leaving=self.told_leaving)
         state.stepped()
         self.applied = ((state.generation, head.step), reply)
         if changed:  # adaptive compression: new codecs from the next step on

@@ -209,6 +209,13 @@ class StageState:
             self.count(step - 1)
         self._weights_serve()
 
+    def nothing_unshared(self) -> bool:
+        """Whether every gradient it holds is in its replicas' sums too: none held, or only an
+        asynchronous step's already summed with its replicas (stage.combine), which a leaver may
+        take away without the run noticing (stage.leaving)."""
+        runtime = self.runtime
+        return all(key[1] in runtime.combined for key in runtime.held)  # a key is (mode, step, index)
+
     def count(self, step: int) -> None:
         """Its held gradients of `step` were counted (asynchronous schedule): its decision applies them."""
         self.counted = [*self.counted, (self.generation, step)][-2:]
