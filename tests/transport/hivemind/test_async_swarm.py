@@ -13,6 +13,7 @@ from _swarm_env import local_rows, smoke, swarm_rows
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
+from swarm.engine.microbatch import Mode
 from swarm.training.checkpoints import Checkpointing, run_dir
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
@@ -151,7 +152,7 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
 def _reply_lost(swarm, cfg, steps: int, lost_at: tuple[int, int], late_s: float = 0.0, snapshot_every: int = 0):
     """A run of `cfg` on three shared hosts whose stage 0 loses its reply of micro-batch `lost_at`
     (step, index) once, `late_s` after the micro-batch went through every stage: the trainer sends it
-    again. Its rows, its pipeline and the attempts whose reply was lost."""
+    again. Its rows and its pipeline."""
     run_id = uuid.uuid4().hex[:8]
     chain = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])[0].chain
     original, lost = chain.run, []
@@ -199,8 +200,12 @@ def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(sw
     lrs = ([r["lr"] for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert next(lrs) == pytest.approx(next(lrs))  # step 4's: the rate its micro-batches ran at, by the round
     summary = rows[-1]
-    assert summary["closed_on_the_way"] == 7 and summary["round_calls"]["gather"] == 3
-    assert summary["round_calls"].get("apply", 0) in ((0, 3) if correction != "none" else (0,))
+    # step 4 by one round (3 peers); on a loaded machine step 5 too, when its micro-batches went out
+    # before step 4's retry (the handoff's retries differ from those it was planned with)
+    by_round = 8 - summary["closed_on_the_way"]
+    assert by_round in (1, 2) and summary["round_calls"]["gather"] == 3 * by_round, summary["round_calls"]
+    applies = summary["round_calls"].get("apply", 0)  # dc: the step before, where no micro-batch brought it
+    assert applies % 3 == 0 and applies <= (3 * by_round if correction != "none" else 0), summary["round_calls"]
 
 
 def test_a_micro_batch_sent_again_after_the_next_step_moved_on_goes_back_to_the_copies(swarm, tmp_path):
@@ -212,3 +217,33 @@ def test_a_micro_batch_sent_again_after_the_next_step_moved_on_goes_back_to_the_
     rows, pipeline = _reply_lost(swarm, cfg, 6, (2, 1), late_s=2.0, snapshot_every=2)
     assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(2, 2)]
     _close(_losses(rows), _losses(local_rows(cfg, tmp_path, steps=6)))
+
+
+def test_a_stage_that_lost_a_micro_batchs_gradients_before_the_held_round_goes_back_to_the_copies(swarm, tmp_path):
+    """Step 4 closes by the held round (the trainer is made to plan it so), and by then stage 2 has
+    lost micro-batch 0's gradients (as when the peer that ran it left): step 5's micro-batches moved
+    the weights on, so it cannot run again, and the run goes back to the swarm's copies of step 4 and
+    replays it (the stage's refusal ended the run before), with one process's losses."""
+    cfg = smoke(*LOSSY, "train.eval_every=100", "train.schedule=async")
+    run_id = uuid.uuid4().hex[:8]
+    stage2 = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])[2]
+    handle, forgot = stage2.rounds.handle, []
+
+    async def forgetting(kind, head, payload):
+        if kind == "gather" and head.held and head.step == 4 and not forgot:
+            forgot.append(stage2.runtime.held.pop((Mode.TRAIN.value, 4, 0), None))
+        return await handle(kind, head, payload)
+
+    stage2.rounds.handle = forgetting
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, 6, data, snapshot_every=2)
+        plan = pipeline.closing.plan
+        pipeline.closing.plan = lambda step, count, retries: 0 if step == 4 else plan(step, count, retries)
+        rows = ResultsWriter(None)
+        train(cfg, pipeline, data, rows, 6, progress=False)
+    finally:
+        swarm.unhost(run_id)
+    assert forgot and forgot[0] is not None
+    assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(4, 4)]
+    _close(_losses(rows.rows), _losses(local_rows(cfg, tmp_path, steps=6)))

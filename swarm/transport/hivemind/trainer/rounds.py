@@ -33,6 +33,7 @@ from swarm.engine.step import Grads
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
+from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.blame import blamed_members
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
@@ -311,10 +312,16 @@ class SwarmRounds:
         may not be applied yet), summed in stage order as the set_grads round sums them; and the
         learning rate the step ran at (stage 0's)."""
         indices = list(range(count))
-        answered = await self.every(
-            self.membership.peers(),
-            lambda s, peer: self.call(s, peer, "gather", step=step, micro_batches=indices, held=True),
-        )
+        try:
+            answered = await self.every(
+                self.membership.peers(),
+                lambda s, peer: self.call(s, peer, "gather", step=step, micro_batches=indices, held=True),
+            )
+        except RemoteError as e:  # a stage lost a micro-batch's gradients (its peer that ran it left)
+            if e.code != pb.STALE:
+                raise
+            # the next step's micro-batches are out, so it cannot run again: the swarm's copies (trainer.recovery)
+            raise TransportError(f"step {step}: {one_line(e)}, {OUTRUN}") from None
         by_stage = {stage: frame.head for (stage, _), frame in answered.items()}  # one peer per stage
         squares = 0.0
         for stage in range(self.place.num_stages):
