@@ -43,10 +43,11 @@ def _same_losses(rows, theirs) -> None:
 
 
 def _identical(replicas) -> None:
-    assert len(replicas) == 2
-    pairs = zip(*(h.runtime.module.parameters() for h in replicas), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)  # each applied the same sum, once
-    assert replicas[0].state.steps == replicas[1].state.steps == STEPS - 1  # the last step's is held
+    first, *others = replicas
+    for other in others:
+        pairs = zip(first.runtime.module.parameters(), other.runtime.module.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)  # each applied the same sum, once
+    assert [h.state.steps for h in replicas] == [STEPS - 1] * len(replicas)  # the last step's is held
 
 
 def _seen(swarm, router, peer_id: str) -> None:
@@ -67,10 +68,14 @@ def _run(swarm, cfg, run_id: str, rows: ResultsWriter, snapshot_every: int = 0, 
 DC = "dc:100000"  # strong enough that compensating each replica's part instead of their sum shows
 
 
-@pytest.mark.parametrize("correction", ["none", DC])
-def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_process(swarm, tmp_path, correction):
-    """Stage 1 served by two peers from the start: each step closes by one round overlapped with
-    the next step's micro-batches (each replica sums what it ran, the two sum those among
+# dc with three replicas: each compensates the group's whole sum, and a replica routed none of a
+# step's micro-batches (more likely with three) still has the weights the step ran at
+@pytest.mark.parametrize("correction, stage1_hosts", [("none", (1, 4)), (DC, (1, 4, 3))])
+def test_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_process(
+    swarm, tmp_path, correction, stage1_hosts
+):
+    """Stage 1 served by two or three peers from the start: each step closes by one round overlapped
+    with the next step's micro-batches (each replica sums what it ran, they sum those among
     themselves); the round also hands the step before's decision to a replica the micro-batches
     bringing it did not reach. With dc the replicas compensate their whole sum, at the weights the
     step ran at, which a replica keeps even when it ran none of the step's micro-batches. The final
@@ -81,7 +86,7 @@ def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_
     run_experiment(cfg, tmp_path / "one.jsonl", STEPS, progress=False, checkpoint=Checkpointing(str(theirs), STEPS))
     reference = read_results(tmp_path / "one.jsonl")
     run_id = uuid.uuid4().hex[:8]
-    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    hosted = swarm.host(cfg, run_id, [(0, 0), *((1, h) for h in stage1_hosts), (2, 2)])
     try:
         rows = ResultsWriter(None)
         pipeline = _run(swarm, cfg, run_id, rows, checkpoint=Checkpointing(str(ours), STEPS))
@@ -93,12 +98,15 @@ def test_two_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_
                 for name, value in one["delay"][part].items():
                     assert torch.allclose(mine["delay"][part][name], value, rtol=1e-5, atol=1e-7), (stage, part, name)
         replicas = [h for h in hosted if h.stage == 1]
-        assert all(h.meters.processed > 0 for h in replicas)  # both ran micro-batches: their sums are real sums
+        assert sum(h.meters.processed > 0 for h in replicas) >= 2  # their sums are real sums
         _identical(replicas)
         notes = pipeline.summary_notes()
-        assert notes["closed_on_the_way"] == 0 and notes["round_calls"]["gather"] == 4 * STEPS
+        peers = 2 + len(stage1_hosts)
+        assert notes["closed_on_the_way"] == 0 and notes["round_calls"]["gather"] == peers * STEPS
         assert notes["round_bytes"].get("gather.received", 0) == 0  # no gradient through the trainer
-        assert notes["overlapped_steps"] >= 3  # the rounds did not drain the pipeline
+        # the rounds did not drain the pipeline (three replicas with dc, an apply round then the summing
+        # one per step: 2 or 3 steps of 6 overlapped in runs on a loaded 2-core machine)
+        assert notes["overlapped_steps"] >= (3 if correction == "none" else 1), notes
     finally:
         swarm.unhost(run_id)
 
