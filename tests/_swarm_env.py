@@ -126,14 +126,19 @@ def assert_losses_of_one_process(results, config, overrides: list[str], tmp_path
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
 
 
-def assert_same_run(ours, theirs):
+def assert_same_run(ours, theirs, retried: bool = False):
+    """`retried`: micro-batches of our run were sent again (a link reset under them), so a step's
+    bytes may exceed one process's, never fall short."""
     steps = [r for r in ours if r["type"] == "step"]
     reference = [r for r in theirs if r["type"] == "step"]
     assert len(steps) == len(reference) > 0
     for a, b in zip(steps, reference, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
         assert a["lr"] == pytest.approx(b["lr"])
-        assert a["bytes"] == b["bytes"]
+        if not retried:
+            assert a["bytes"] == b["bytes"]
+            continue
+        assert a["bytes"].keys() == b["bytes"].keys() and all(a["bytes"][k] >= n for k, n in b["bytes"].items())
     evals = [r for r in ours if r["type"] == "eval"]
     reference_evals = [r for r in theirs if r["type"] == "eval"]
     assert len(evals) == len(reference_evals) > 0

@@ -59,7 +59,9 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         assert tally.counts["stalled stream"]["refused"] + tally.counts["stalled stream"]["closed"] == 4
         assert max_rss_mib() - rss < MEMORY_BOUND_MIB
         assert all(h.runtime is not None and h.meters.processed > 0 for h in hosted)  # every peer still serves
-        assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
+        # the campaign may reset a link between two honest peers under a micro-batch (seen once in CI on
+        # a loaded 2-core machine): it is sent again, its bytes twice, the losses unchanged
+        assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS), retried=pipeline.handoff.retries > 0)
     finally:
         swarm.unhost(run_id)
         for node in (stranger, member):
