@@ -6,9 +6,9 @@ micro-batches with UNAVAILABLE (their senders retry on another peer of the stage
 micro-batches it holds, and stays until a step's apply round has taken the gradients it holds:
 its apply reply tells the trainer to leave it out from the next step on. With an asynchronous
 schedule a step's gradients are applied two steps on, so it says so at the first apply after
-which every gradient it holds is in its replicas' sums too (`StageState.nothing_unshared`). It then still refuses
-micro-batches until the routers that saw its old record have looked again, so none is sent to a
-peer that is gone. A peer holding nothing (between runs, not set up, still joining) or whose run
+which every gradient it holds is in its replicas' sums too (`StageState.nothing_unshared`). It
+then still refuses micro-batches until the routers that saw its old record have looked again, so
+none is sent to a peer that is gone. A peer holding nothing (between runs, not set up, still joining) or whose run
 has been quiet for a call timeout leaves at once.
 """
 
