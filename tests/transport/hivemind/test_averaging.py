@@ -239,6 +239,36 @@ def test_a_banned_sender_fails_the_group_instead_of_leaving_a_partial_sum(env):
     assert f"{m_id}: sent nothing" in str(results[0]) and a_id in str(results[1]), results
 
 
+@pytest.mark.parametrize("refused_first", [True, False])
+@pytest.mark.parametrize("shapes", [SHAPES, [(1,)]], ids=["it-reduces-a-slice", "it-only-sends"])
+def test_a_member_that_refuses_the_group_makes_the_others_fail_before_the_timeout(env, refused_first, shapes):
+    """A member that will not join (its gather found stale gradients: stage.combine) refuses the
+    group, before or after the others started. With a slice to reduce, the others' parts get
+    BAD_GROUP_ID; with one element and the order [refuser, A], A reduces the only slice and the
+    refuser only sends, so A hears it from its probe. Either way their sums fail naming the refuser,
+    not by waiting out the timeout ("no result within")."""
+    refuser, other = env.averagers[2], env.averagers[3]
+    group = f"refused-{refused_first}-{len(shapes)}".encode()
+    peers = [env.ids[2], env.ids[3]]
+    values = [torch.ones(shape) for shape in shapes]
+
+    async def run():
+        if refused_first:
+            refuser.refuse(group)
+        task = asyncio.create_task(other.sum(group, peers, values))
+        if not refused_first:
+            await asyncio.sleep(0.5)  # its parts are waiting for our runner by then
+            refuser.refuse(group)
+        return await asyncio.gather(task, return_exceptions=True)
+
+    results = env.loop.run(run(), HANG_S)
+    assert isinstance(results[0], AveragingError), results
+    assert env.ids[2] in str(results[0]) and "no result within" not in str(results[0]), results
+    assert env.ids[2] in results[0].peers
+    with pytest.raises(ValueError, match="already used"):  # the refuser never takes part in it later
+        env.loop.run(refuser.sum(group, peers, values), HANG_S)
+
+
 def test_a_group_nobody_else_joins_times_out(env):
     started = time.monotonic()
     results = env.sums([(env.averagers[0], b"alone", env.ids[:2], tensors(0))])

@@ -15,6 +15,7 @@ from _swarm_env import local_rows, smoke
 from _util import write_tiny_tokenizer
 
 from swarm.config import load_config
+from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
@@ -74,6 +75,47 @@ def test_replicas_sum_among_themselves_and_one_killed_mid_run_leaves_the_others_
         assert all(h.meters.processed > 0 for h in replicas)  # both took micro-batches: their sums are real sums
         for a, b in zip(*(h.runtime.module.parameters() for h in replicas), strict=True):
             assert torch.equal(a, b)  # every replica holds the same sum, bit for bit
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_replica_holding_stale_gradients_refuses_its_group_so_the_round_reruns_at_once(swarm, tmp_path):
+    """At step 3's gather one stage-1 replica finds a micro-batch's gradients stale (as when the same
+    attempt finished there twice: stage.attempts) and answers STALE. It refuses its averaging group,
+    so the other replica's sum fails on that word, not after the all-reduce's timeout (in a lab run
+    the leaving replica waited out its 120 s there); the trainer runs the micro-batch again, both
+    replicas stay, and the losses are one process's."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    stale, other = (h for h in hosted if h.stage == 1)
+    handle_stale, handle_other = stale.rounds.handle, other.rounds.handle
+    marked, failures = [], []
+
+    async def finds_one_stale(kind, head, payload):
+        if kind == "gather" and head.step == 3 and head.micro_batches and not marked:
+            key = (Mode.TRAIN.value, 3, min(head.micro_batches))
+            marked.append(key)
+            stale.state.attempts._held[key] = (b"", "")  # what a second finish of one attempt leaves
+        return await handle_stale(kind, head, payload)
+
+    async def records_failures(kind, head, payload):
+        try:
+            return await handle_other(kind, head, payload)
+        except Exception as e:
+            failures.append((kind, head.step, str(e)))
+            raise
+
+    stale.rounds.handle, other.rounds.handle = finds_one_stale, records_failures
+    try:
+        results = ResultsWriter(None)
+        pipeline = _train(swarm, cfg, run_id, results, steps=5)
+        assert marked, "stage 1's replica never gathered micro-batches at step 3"
+        assert [(kind, step) for kind, step, _ in failures] == [("gather", 3)], failures
+        assert "refused the group" in failures[0][2] or "BAD_GROUP_ID" in failures[0][2], failures
+        assert "no result within" not in failures[0][2]
+        assert {h.node.peer_id for h in (stale, other)} == set(pipeline.members[1])
+        _same_losses(results.rows, local_rows(cfg, tmp_path, 5))
     finally:
         swarm.unhost(run_id)
 

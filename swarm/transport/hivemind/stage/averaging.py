@@ -38,13 +38,16 @@ AVERAGING_NAMESPACE = "hivepipe.average"  # the p2p handler's namespace: every s
 WIRE_DTYPE = torch.float64
 REMEMBERED_GROUPS = 4096  # finished group ids kept: a late stream for one is refused at once
 # Members start a group within a round trip of one another. One the run still waits for after this
-# long is dialed (again every as long): a member that only sends to us and died would otherwise
-# cost the whole timeout, as nothing of ours goes to it.
+# long is dialed (again every as long): a member that only sends to us and died, or refused the
+# group, would otherwise cost the whole timeout, as nothing of ours goes to it.
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 # A member's message carries one part (at most DEFAULT_PART_SIZE_BYTES of values, the runner's
 # default) and a few fields: anything much longer is not a part, and is refused before it is read.
 MAX_PART_MESSAGE_BYTES = 2 * DEFAULT_PART_SIZE_BYTES + (64 << 10)
+# A probe's only message (`_dial`): its group id and this code. A member that refused the group
+# answers GROUP_DISBANDED; any other ends the stream empty (alive, and not refusing).
+PROBE_CODE = averaging_pb2.REQUEST_JOIN
 
 
 class AveragingError(RuntimeError):
@@ -120,6 +123,7 @@ class ReplicaAverager(ServicerBase):
         self.peer_id = p2p.peer_id
         self._groups: dict[bytes, asyncio.Future] = {}  # group id -> its runner (pending: a stream came first)
         self._finished: OrderedDict[bytes, None] = OrderedDict()
+        self._refused: OrderedDict[bytes, None] = OrderedDict()  # groups this peer will not join (`refuse`)
         self._started = False
 
     async def start(self) -> None:
@@ -212,9 +216,7 @@ class ReplicaAverager(ServicerBase):
             watch.cancel()
             runner.close()
             self._groups.pop(group_id, None)
-            self._finished[group_id] = None
-            while len(self._finished) > REMEMBERED_GROUPS:
-                self._finished.popitem(last=False)
+            _remember(self._finished, group_id)
         if runner.failed or runner.tensor_part_container.failed_size:  # a failure after the last part came
             raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, None)}", runner.failed)
         k = len(contributors)
@@ -222,27 +224,48 @@ class ReplicaAverager(ServicerBase):
             ((x + d) * k).to(device=t.device, dtype=t.dtype) for x, d, t in zip(local, deltas, tensors, strict=True)
         ]
 
+    def refuse(self, group_id: bytes) -> None:
+        """This peer will not join `group_id` (it cannot contribute what the group sums: the gather
+        found its gradients stale). The members' streams for it get BAD_GROUP_ID and their probes
+        hear it refused, so their sums fail now instead of waiting out `timeout_s` for it. A group
+        whose sum already started here is left alone (it ends as it ends)."""
+        slot = self._groups.get(group_id)
+        if slot is not None and slot.done() and slot.result() is not None:
+            return
+        self._groups.pop(group_id, None)
+        if slot is not None and not slot.done():
+            slot.set_result(None)  # streams waiting for our runner of it: BAD_GROUP_ID
+        _remember(self._finished, group_id)
+        _remember(self._refused, group_id)
+
     async def _watch(self, runner: _Runner) -> None:
-        """Fails `runner` as soon as a member it waits for cannot be dialed (its daemon is gone).
-        A dial that is only slow proves nothing (a saturated link): the timeout decides then."""
+        """Fails `runner` as soon as a member it waits for cannot be dialed (its daemon is gone) or
+        says it refused the group. A dial that is only slow proves nothing (a saturated link): the
+        timeout decides then."""
         while True:
             await asyncio.sleep(PROBE_EVERY_S)
             for peer in runner.waiting_for():
                 if peer == self.peer_id:
                     continue
                 try:
-                    await asyncio.wait_for(self._dial(peer), PROBE_TIMEOUT_S)
+                    refused = await asyncio.wait_for(self._dial(peer, runner.group_id), PROBE_TIMEOUT_S)
                 except TimeoutError:
                     continue
                 except Exception as e:
                     runner.fail(peer, f"unreachable ({one_line(e)})")
                     return
+                if refused:
+                    runner.fail(peer, "it refused the group")
+                    return
 
-    async def _dial(self, peer: PeerID) -> None:
-        """Opens a stream to `peer`'s averager and ends it empty: its handler returns at once."""
+    async def _dial(self, peer: PeerID, group_id: bytes) -> bool:
+        """Sends `peer`'s averager a probe for `group_id`: whether it refused the group."""
         stub = ReplicaAverager.get_stub(self.p2p, peer, namespace=self.namespace)
-        async for _ in await stub.rpc_aggregate_part(as_aiter()):
-            pass
+        probe = averaging_pb2.AveragingData(group_id=group_id, code=PROBE_CODE)
+        refused = False
+        async for message in await stub.rpc_aggregate_part(as_aiter(probe)):
+            refused = refused or message.code == averaging_pb2.GROUP_DISBANDED
+        return refused
 
     @staticmethod
     async def _deltas(runner: _Runner) -> list[torch.Tensor]:
@@ -262,6 +285,10 @@ class ReplicaAverager(ServicerBase):
         try:
             first = await asyncio.wait_for(anext(stream), self.timeout_s)
         except (TimeoutError, StopAsyncIteration):
+            return
+        if first.code == PROBE_CODE:
+            if first.group_id in self._refused:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.GROUP_DISBANDED)
             return
         runner = await self._runner(first.group_id)
         if runner is None:
@@ -284,3 +311,10 @@ class ReplicaAverager(ServicerBase):
             if self._groups.get(group_id) is slot and not slot.done():
                 del self._groups[group_id]
             return None
+
+
+def _remember(ids: OrderedDict[bytes, None], group_id: bytes) -> None:
+    """Adds `group_id`, forgetting the oldest past REMEMBERED_GROUPS."""
+    ids[group_id] = None
+    while len(ids) > REMEMBERED_GROUPS:
+        ids.popitem(last=False)

@@ -44,7 +44,7 @@ class Combining:
             return await self._held(head), b""
         me = self.place.peer_id
         groups = list(head.groups)
-        local = await self.work.run(self.work.timed, self._local, head, groups)
+        local = await self._before_sums(groups, self._local, head, groups)
         results = await asyncio.gather(
             *(self._sum(group, local[i], me) for i, group in enumerate(groups)), return_exceptions=True
         )
@@ -55,6 +55,21 @@ class Combining:
                 raise result
         await self.work.run(self.work.timed, self._set, head, groups, results)
         return pb.GatherReply(), b""
+
+    async def _before_sums(self, groups, fn, *args):
+        """`fn(*args)` on the computing thread. When it raises, this peer will not join `groups`:
+        their other members' sums fail at once instead of waiting out the all-reduce's timeout for
+        it, so the trainer hears the reason (STALE: it runs those micro-batches again) within the round."""
+        try:
+            return await self.work.run(self.work.timed, fn, *args)
+        except BaseException:
+            self._refuse(groups)
+            raise
+
+    def _refuse(self, groups) -> None:
+        if self.peer.averager is not None:
+            for group in groups:
+                self.peer.averager.refuse(group.group_id)
 
     def _check_held(self, head: pb.GatherRequest) -> None:
         """Raises STALE, naming them, unless every micro-batch the gather counts here is held, of
@@ -79,10 +94,10 @@ class Combining:
         A replicated stage's peers (`head.groups`: its replicas) each sum the micro-batches it ran,
         then those sums among themselves, and keep the whole as the step's (`hold_combined`). Its
         decision applies what was counted (`StageState.counted`)."""
-        state = self.state
-        if state.joining is not None:
+        if self.state.joining is not None:
+            self._refuse(head.groups)
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
-        sums = await self.work.run(self.work.timed, self._held_local, head, not head.groups)
+        sums = await self._before_sums(head.groups, self._held_local, head, not head.groups)
         if head.groups:
             group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
             names = self._names(group, set())
