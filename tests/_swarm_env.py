@@ -10,7 +10,7 @@ import subprocess
 import uuid
 
 import pytest
-from _util import SMOKE
+from _util import SMOKE, write_tiny_tokenizer
 
 from swarm.config import load_config
 from swarm.training.experiment import build_data, run_experiment
@@ -94,6 +94,37 @@ STEPS = 5
 
 def smoke(*overrides: str):
     return load_config(SMOKE, ["train.eval_every=0.5", *overrides])
+
+
+def tiny_gpt2(tmp_path, *overrides: str):
+    """A 2-layer GPT-2 over 3 stages (its embedding and LM head tied across stages 0 and 2), on a
+    small text and tokenizer written under `tmp_path`, clipping at every step."""
+    data = tmp_path / "wikitext"
+    data.mkdir()
+    text = "\n = Article = \n\n the cat sat on the mat , and the dog ran to the end of the road . \n"
+    (data / "wiki.train.raw").write_text(text * 40, encoding="utf-8")
+    (data / "wiki.valid.raw").write_text(text * 4, encoding="utf-8")
+    (tmp_path / "tokenizer").mkdir()
+    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
+    path = tmp_path / "tied.yaml"
+    path.write_text(
+        f"""name: tied
+seed: 0
+model:
+  name: gpt2
+  num_stages: 3
+  options:
+    config: {{n_layer: 2, n_embd: 32, n_head: 2, n_positions: 16, vocab_size: 260, resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0}}
+data:
+  name: wikitext2
+  data_dir: {data}
+  options: {{tokenizer: {tokenizer}, block_size: 16}}
+optimizer: {{name: adamw, lr: 0.003, weight_decay: 0.0, grad_clip: 0.05}}
+train: {{epochs: 4, batch_size: 8, micro_batches: 4, eval_every: 1, eval_batch_size: 8}}
+compression: {{forward: none, backward: none}}
+"""
+    )
+    return load_config(path, list(overrides))
 
 
 def swarm_rows(env: Swarm, cfg, steps: int = STEPS, placement=None):

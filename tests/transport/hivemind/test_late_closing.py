@@ -60,13 +60,17 @@ def test_a_restored_asynchronous_run_makes_its_last_steps_decision_again(step):
     assert closing.rounds.applies == [] and step - 1 in closing.pending
 
 
-def test_tied_parameters_are_refused_at_the_first_step_in_one_line_under_async_only():
-    """A tied parameter's sum across two stages is a round the asynchronous step does not make yet."""
+def test_tied_parameters_close_every_asynchronous_step_by_the_round_and_adaptive_codecs_are_refused():
+    """A tied parameter's sum across two stages takes the held round (test_async_tied.py), so such
+    a step never closes on the way; adaptive codecs under async are refused in one line."""
     tied = [((0, "wte.weight"), (2, "lm_head.weight"))]
-    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm without tied parameters"):
-        _closing(tied=tied).plan(0, 4, 0)
+    assert _closing(tied=tied).plan(0, 4, 0) == 0  # by the held round, which sums them
     assert _closing(depth=1, tied=tied).plan(0, 4, 0) == 0  # synchronous: by the rounds, which sum them
     assert _closing(correction="dc:10").plan(0, 4, 0) == 4  # a correction closes on the way too
+    adaptive = _closing()
+    adaptive.fixed_codecs = False
+    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm with fixed codecs$"):
+        adaptive.plan(0, 4, 0)
 
 
 def test_a_synchronous_run_reopens_nothing():

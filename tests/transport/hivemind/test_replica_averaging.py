@@ -11,10 +11,8 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import local_rows, smoke
-from _util import write_tiny_tokenizer
+from _swarm_env import local_rows, smoke, tiny_gpt2
 
-from swarm.config import load_config
 from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
@@ -120,37 +118,8 @@ def test_a_replica_holding_stale_gradients_refuses_its_group_so_the_round_reruns
         swarm.unhost(run_id)
 
 
-def _tiny_gpt2(tmp_path):
-    data = tmp_path / "wikitext"
-    data.mkdir()
-    text = "\n = Article = \n\n the cat sat on the mat , and the dog ran to the end of the road . \n"
-    (data / "wiki.train.raw").write_text(text * 40, encoding="utf-8")
-    (data / "wiki.valid.raw").write_text(text * 4, encoding="utf-8")
-    (tmp_path / "tokenizer").mkdir()
-    tokenizer = write_tiny_tokenizer(tmp_path / "tokenizer")
-    path = tmp_path / "tied.yaml"
-    path.write_text(
-        f"""name: tied
-seed: 0
-model:
-  name: gpt2
-  num_stages: 3
-  options:
-    config: {{n_layer: 2, n_embd: 32, n_head: 2, n_positions: 16, vocab_size: 260, resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0}}
-data:
-  name: wikitext2
-  data_dir: {data}
-  options: {{tokenizer: {tokenizer}, block_size: 16}}
-optimizer: {{name: adamw, lr: 0.003, weight_decay: 0.0, grad_clip: 0.05}}
-train: {{epochs: 4, batch_size: 8, micro_batches: 4, eval_every: 1, eval_batch_size: 8}}
-compression: {{forward: none, backward: none}}
-"""
-    )
-    return load_config(path)
-
-
 def test_tied_weights_and_clipping_with_replicas_on_both_tied_stages(swarm, tmp_path):
-    cfg = _tiny_gpt2(tmp_path)
+    cfg = tiny_gpt2(tmp_path)
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (0, 3), (1, 1), (2, 2), (2, 4)])
     try:
@@ -168,7 +137,7 @@ def test_tied_weights_and_clipping_with_replicas_on_both_tied_stages(swarm, tmp_
 def test_a_lost_stage_with_replicas_and_tied_weights_elsewhere_goes_back_and_replays_exactly(swarm, tmp_path):
     """Stage 1's only peer dies after step 5; the replicas of stages 0 and 2 and their tied groups
     go back to the copies of step 4 with the others and replay: new averaging groups every time."""
-    cfg = _tiny_gpt2(tmp_path)
+    cfg = tiny_gpt2(tmp_path)
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(0, 0), (0, 3), (2, 2), (2, 4)])
     node, server = swarm.mortal_host()

@@ -38,6 +38,8 @@ class Combining:
     def __init__(self, place: StagePlace, state: StageState, work: StageWork, peer: PeerServices) -> None:
         self.place, self.state, self.work, self.peer = place, state, work, peer
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
+        # (generation, step) -> an asynchronous step's tied parameters' totals, until it applies
+        self.tied_totals: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
         if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
@@ -91,38 +93,74 @@ class Combining:
     async def _held(self, head: pb.GatherRequest) -> pb.GatherReply:
         """The squared norm of the sum of the step's held gradients, with every p.grad left alone (the
         step before may not be applied yet: swarm.engine.delay), and the rate the step ran at here.
-        A replicated stage's peers (`head.groups`: its replicas) each sum the micro-batches it ran,
-        then those sums among themselves, and keep the whole as the step's (`hold_combined`). Its
-        decision applies what was counted (`StageState.counted`)."""
+        A replicated stage's peers (a group without names: its replicas) each sum the micro-batches
+        it ran, then those sums among themselves, and keep the whole as the step's (`hold_combined`).
+        Then a tied parameter's groups (with names) add both stages' wholes, corrected as applied,
+        as one process ties them after its delay correction (swarm.engine.step `tie`); one peer
+        per stage contributes, and every peer keeps the total until the step applies
+        (`tied_sums`). Its decision applies what was counted (`StageState.counted`)."""
         if self.state.joining is not None:
             self._refuse(head.groups)
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
-        sums = await self._before_sums(head.groups, self._held_local, head, not head.groups)
-        if head.groups:
-            group = head.groups[0]  # its replicas (tied parameters are refused with this schedule)
-            names = self._names(group, set())
+        replicas = [group for group in head.groups if not group.names]
+        tied = [group for group in head.groups if group.names]
+        sums = await self._before_sums(head.groups, self._held_local, head, not replicas)
+        if replicas:
+            names = self._names(replicas[0], set())  # every parameter that trains, tied ones too
             try:
-                sums = self._unpacked(names, await self._sum(group, self._packed(names, sums), self.place.peer_id))
+                sums = self._unpacked(
+                    names, await self._sum(replicas[0], self._packed(names, sums), self.place.peer_id)
+                )
+            except AveragingError as e:
+                self._refuse(tied)
+                raise self._group_failed(e) from None
+            sums = await self._before_sums(tied, self._whole, int(head.step), sums)
+        totals: dict[str, torch.Tensor] = {}
+        uncounted = set()
+        for group in tied:
+            names = list(group.names)
+            try:
+                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
             except AveragingError as e:
                 raise self._group_failed(e) from None
-        return await self.work.run(self.work.timed, self._held_reply, head, sums, bool(head.groups))
+            totals.update(self._unpacked(names, total))
+            uncounted.update(() if group.counted else names)
+        return await self.work.run(self.work.timed, self._held_reply, head, {**sums, **totals}, totals, uncounted)
 
     def _held_local(self, head: pb.GatherRequest, corrected: bool) -> dict[str, torch.Tensor]:
         """On the computing thread: the sum of the held gradients the round counts here, in index
-        order; a replica's part as computed (dc compensates the replicas' whole sum: `_held_reply`)."""
+        order; a replica's part as computed (dc compensates the replicas' whole sum: `_whole`)."""
         self._check_held(head)
         return self.state.runtime.held_sum(_keys(head), corrected)
 
-    def _held_reply(self, head: pb.GatherRequest, sums: dict[str, torch.Tensor], combined: bool) -> pb.GatherReply:
+    def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
+        dtype, with a delay correction's part)."""
+        runtime = self.state.runtime
+        runtime.hold_combined(step, sums)
+        return runtime.combined_grads(step)
+
+    def _held_reply(
+        self,
+        head: pb.GatherRequest,
+        sums: dict[str, torch.Tensor],
+        totals: dict[str, torch.Tensor],
+        uncounted: set[str],
+    ) -> pb.GatherReply:
         state, step = self.state, int(head.step)
         runtime = state.runtime
-        if combined:
-            runtime.hold_combined(step, sums)
-            sums = runtime.combined_grads(step)  # in the parameters' dtype, as applied (a correction's part)
-        square = runtime.sums_sq_norm(sums)
+        square = runtime.sums_sq_norm({name: g for name, g in sums.items() if name not in uncounted})
+        key = (state.generation, step)
+        self.tied_totals = {k: v for k, v in self.tied_totals.items() if k[0] == key[0] and k[1] > step - 2}
+        self.tied_totals[key] = totals
         state.count(step)
-        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
+        lr = state.rates.get(key, runtime.optimizer.param_groups[0]["lr"])
         return pb.GatherReply(held_sq_norm=square, lr=lr)
+
+    def tied_sums(self, step: int) -> dict[str, torch.Tensor]:
+        """An asynchronous step's tied parameters' totals from its held round (none without tied
+        parameters): what they apply, in place of this stage's own part."""
+        return self.tied_totals.get((self.state.generation, step), {})
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:

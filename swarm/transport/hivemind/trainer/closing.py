@@ -25,8 +25,9 @@ An asynchronous step over a stage with two or more peers closes by one round too
 summing form (trainer.replicas: replicas sum what they ran among themselves), and the same round
 hands the decision of the step before to every peer that did not have it from a micro-batch (a
 replica may get none of the micro-batches that bring it): a decision is applied on a peer by the
-first of a micro-batch's head or a round, once. Tied parameters and adaptive codecs are refused
-in one line (`plan`).
+first of a micro-batch's head or a round, once. So does a step of a model with tied parameters:
+the held round sums them across their two stages too. Adaptive codecs are refused in one line
+(`plan`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.replicas import replicated, summed
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 
-REFUSED = "train.schedule async runs in a swarm without tied parameters and with fixed codecs"
+REFUSED = "train.schedule async runs in a swarm with fixed codecs"
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ class StepClosing:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds; an
         asynchronous step by `late_round`)."""
         alone = self.alone()
-        if self.depth > 1 and (self.place.tied or not self.fixed_codecs):
+        if self.depth > 1 and not self.fixed_codecs:
             raise ValueError(f"step {step}: {REFUSED}")
         eligible = alone and not self.place.tied and self.fixed_codecs
         self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
@@ -149,7 +150,7 @@ class StepClosing:
         replaces, and a peer that has it already from a micro-batch answers as it did then."""
         if self.late is not None and step:
             await self._past_the_step_before(step)
-        if not replicated(self.membership):
+        if not replicated(self.membership) and not self.place.tied:
             return await self._decide_held(step, grad_clip)
         before = self.pending.get(step - 1)
         handed = self.rounds.applied(step - 1, before.scale) if before is not None else asyncio.sleep(0)
@@ -174,7 +175,14 @@ class StepClosing:
             await self.rounds.applied(before, decision.scale)
 
     async def _held_total(self, step: int) -> float:
-        return (await self.rounds.held(step, self.micro_batches))[0]
+        return (await self._held(step))[0]
+
+    async def _held(self, step: int) -> tuple[float, float]:
+        """`step`'s norm and rate by the held round, every peer holding all of its micro-batches
+        (one per stage, or a restored step): tied parameters summed across their stages."""
+        if self.place.tied:
+            return await summed(self.rounds, step, whole=self.micro_batches)
+        return await self.rounds.held(step, self.micro_batches)
 
     async def reopen(self, step: int, grad_clip: float | None) -> None:
         """The stages went back to `step` (a checkpoint or the swarm's copies): none of its
@@ -188,7 +196,7 @@ class StepClosing:
     async def _decide_held(self, step: int, grad_clip: float | None) -> float:
         """`step` decided from every stage's norm of its held gradients (one round, their sum in
         stage order); the learning rate the step ran at."""
-        squares, lr = await self.rounds.held(step, self.micro_batches)
+        squares, lr = await self._held(step)
         self._decide(step, {0: squares}, grad_clip)
         self.last = step
         return lr

@@ -16,8 +16,8 @@ newer weights). A delay correction's per-step weights (swarm.engine.versions: dc
 held step, lookahead's last move) are in checkpoints and the swarm's copies as one process's.
 Replicas sum each step by one round overlapped with the next step's micro-batches
 (trainer.replicas) and joiners are admitted where the pipeline drained (trainer.setups), with any
-delay correction; tied parameters are refused at the first step they meet (trainer.closing
-`plan`). A retried micro-batch of step t that comes after step t + 1's first micro-batch reached
+delay correction; so are tied parameters, summed across their two stages by the same round
+after each stage's correction (stage.combine). A retried micro-batch of step t that comes after step t + 1's first micro-batch reached
 its stages is refused there (their weights serve step t + 1 only): the run goes
 back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does a
 replica lost in its step's round.

@@ -1,11 +1,13 @@
 """An asynchronous step (train.schedule async: swarm.engine.delay) over a stage with two or more
-peers, closed by one round (trainer.closing `late_round`): each replica holds only the gradients of
-the micro-batches routed through it, so no peer can take the stage's norm on the way.
+peers, or of a model with parameters tied across stages, closed by one round (trainer.closing
+`late_round`): each replica holds only the gradients of the micro-batches routed through it, and a
+tied parameter's gradient is the sum of two stages', so no peer can take its stage's norm on the way.
 
 The round is the gather round's `held` form with averaging groups: every peer sums the held
 gradients of the micro-batches it ran (in index order), a replicated stage's peers sum those among
 themselves (swarm.transport.hivemind.stage.combine) and keep the whole as the step's gradients
-until its decision applies them; every peer answers the squared norm of what it keeps. No p.grad
+until its decision applies them; then a tied parameter's group adds its two stages' wholes, one
+peer of each contributing; every peer answers the squared norm of what it keeps. No p.grad
 is touched: the round runs while the next step's micro-batches are in flight, and the step before
 may not be applied yet.
 
@@ -31,16 +33,24 @@ def replicated(membership: Membership) -> bool:
     return any(len(peers) > 1 for peers in membership.members.values())
 
 
-async def summed(rounds: SwarmRounds, step: int) -> tuple[float, float]:
-    """Every stage's squared norm of its gradients of `step` (replicas' summed among themselves),
-    added in stage order as the set_grads round adds them, and the rate the step ran at (stage 0's,
-    from a peer that ran micro-batches of it)."""
+async def summed(rounds: SwarmRounds, step: int, whole: int = 0) -> tuple[float, float]:
+    """Every stage's squared norm of its gradients of `step` (replicas' summed among themselves,
+    tied parameters' across their two stages), added in stage order as the set_grads round adds
+    them, and the rate the step ran at (stage 0's, from a peer that ran micro-batches of it).
+    `whole`: every peer holds all of the step's `whole` micro-batches (a restored step's kept
+    gradients, or dc's step before with one peer per stage), so only tied parameters are summed."""
     place = rounds.place
     for _ in range(place.settings.retries.attempts):
-        counted, peers = rounds.counted(), rounds.membership.peers()
-        groups = rounds.groups(peers)  # new ones every attempt
+        peers = rounds.membership.peers()
+        counted = {key: list(range(whole)) for key in peers} if whole else rounds.counted()
+        groups = rounds.groups(peers, held=True, replicas=not whole)  # new ones every attempt
         replies = await asyncio.gather(
-            *(rounds.gather_on(s, p, counted.get((s, p), []), groups.get((s, p), []), held=True) for s, p in peers),
+            *(
+                rounds.gather_on(
+                    s, p, counted.get((s, p), []), groups.get((s, p), []), held=True, earlier=step if whole else None
+                )
+                for s, p in peers
+            ),
             return_exceptions=True,
         )
         failed = [(s, p, r) for (s, p), r in zip(peers, replies, strict=True) if isinstance(r, BaseException)]
@@ -48,7 +58,7 @@ async def summed(rounds: SwarmRounds, step: int) -> tuple[float, float]:
             return _norms(place.num_stages, counted, dict(zip(peers, (r.head for r in replies), strict=True)))
         _leave_out(rounds, peers, replies, failed)
         gone = set(peers) - set(rounds.membership.peers())
-        if not gone or any(counted.get(key) for key in gone):  # what it held of the step is lost
+        if not gone or (not whole and any(counted.get(key) for key in gone)):  # what it held of the step is lost
             raise TransportError(
                 f"step {step}: the replicas' round failed ({one_line(failed[0][2])}): the next step's "
                 f"micro-batches moved the weights on, {OUTRUN}"
@@ -77,5 +87,5 @@ def _norms(num_stages: int, counted: dict, answers: dict) -> tuple[float, float]
     squares = 0.0
     for stage in range(num_stages):  # a stage's peers keep the same sum: the first one's norm
         squares += next(head.held_sq_norm for (s, _), head in answers.items() if s == stage)
-    ran = [head for (s, p), head in answers.items() if s == 0 and counted.get((s, p))]
-    return squares, (ran or list(answers.values()))[0].lr
+    first = [(head, bool(counted.get((s, p)))) for (s, p), head in answers.items() if s == 0]
+    return squares, max(first, key=lambda answer: answer[1])[0].lr  # one that ran micro-batches of it

@@ -121,17 +121,27 @@ class SwarmRounds:
             self.place.loop.run(self._gather())
         return {}
 
-    def groups(self, peers: list[tuple[int, str]]) -> dict[tuple[int, str], list[pb.AverageGroup]]:
+    def groups(
+        self, peers: list[tuple[int, str]], held: bool = False, replicas: bool = True
+    ) -> dict[tuple[int, str], list[pb.AverageGroup]]:
         """Each (stage, peer)'s averaging groups for one attempt of the step's gather round (ids of
-        their own: a retry, or the same step replayed after a restore, never meets an old group)."""
+        their own: a retry, or the same step replayed after a restore, never meets an old group).
+        `held`: an asynchronous step's held round, where a stage's peers all hold the stage's whole
+        sum when the tied groups run (stage.combine), so one peer per stage contributes to them;
+        without `replicas` (every peer holds the whole step already) only the tied groups."""
         by_stage: dict[int, list[str]] = defaultdict(list)
         for stage, peer in peers:
             by_stage[stage].append(peer)
         prefix = f"{self.place.run_id}/{self.position.step_index}/{uuid.uuid4().hex[:12]}"
         groups: dict[tuple[int, str], list[pb.AverageGroup]] = defaultdict(list)
+        following = set(self.membership.following)
+        if held:  # the first peer of each stage in service brings its stage's whole; the others receive
+            following |= {
+                peer for members in by_stage.values() for peer in [p for p in members if p not in following][1:]
+            }
 
         def add(group_id: str, members: list[str], stage: int, names=(), counted=False) -> None:
-            receivers = [peer for peer in members if peer in self.membership.following]
+            receivers = [peer for peer in members if peer in (following if names else self.membership.following)]
             if len(members) < 2 or len(receivers) == len(members):
                 return
             if len(set(members)) < len(members):
@@ -145,7 +155,8 @@ class SwarmRounds:
                 groups[(stage, peer)].append(group)
 
         for stage, members in by_stage.items():
-            add(f"{prefix}/stage{stage}", members, stage)
+            if replicas:
+                add(f"{prefix}/stage{stage}", members, stage)
         for i, pair in enumerate(self.place.tied):
             (first, first_name), (second, second_name) = pair.first, pair.second
             if first != second:
@@ -163,17 +174,25 @@ class SwarmRounds:
         return counted
 
     async def gather_on(
-        self, stage: int, peer: str, indices: list[int], groups: list[pb.AverageGroup], held: bool = False
+        self,
+        stage: int,
+        peer: str,
+        indices: list[int],
+        groups: list[pb.AverageGroup],
+        held: bool = False,
+        earlier: int | None = None,
     ) -> Frame:
         """Not retried on the peer: its groups are of this attempt only (the next has new ones). Its
         time: the all-reduce's (call_timeout_s) and the computing around it. `held`: the asynchronous
-        form, which sums the held gradients without setting them (swarm.transport.hivemind.stage.combine)."""
+        form, which sums the held gradients without setting them (swarm.transport.hivemind.stage.combine).
+        `earlier`: an earlier step than the one under way (restored, or dc's step before), whose
+        micro-batches every peer holds: checked by presence, as `held` checks them, not by attempt."""
         place = self.place
         indices = sorted(indices)
-        attempts = [self.position.attempt(i, peer) for i in indices]  # only these attempts count
+        attempts = [self.position.attempt(i, peer) for i in indices] if earlier is None else []  # only these count
         head = pb.GatherRequest(
             to=address(place.run_id, stage),
-            step=self.position.step_index,
+            step=self.position.step_index if earlier is None else earlier,
             micro_batches=indices,
             groups=groups,
             attempts=attempts,
