@@ -12,7 +12,9 @@ smallest value (6e-8) flush to zero, so bf16 is the safer choice where the devic
 
 Activation checkpointing keeps only each micro-batch's stage input and recomputes the stage's
 forward during its backward (with the same random state, so dropout masks repeat): memory per
-micro-batch in flight drops to one boundary tensor, for about one more forward of compute.
+micro-batch in flight drops to one boundary tensor, for about one more forward of compute. The
+recomputation runs with the parameter objects the forward ran with, so an asynchronous schedule's
+backward differentiates at its micro-batch's weight version, as without checkpointing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import threading
 
 import torch
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from swarm.data.base import mix_seed
@@ -122,5 +125,13 @@ class Forward:
             stream = None
         with self._random(stream), self.autocast():
             if self.checkpointing and training:
-                return checkpoint(module, x, use_reentrant=False)
+                # the recomputation in the backward runs with the parameter objects of this forward:
+                # by then a swarm's asynchronous stage may have newer ones in the module (weight
+                # stashing: swarm.engine.stage `_stash`; a step's own: swarm.engine.versions)
+                weights = dict(module.named_parameters(remove_duplicate=False))
+                return checkpoint(_with_weights, module, weights, x, use_reentrant=False)
             return module(x)
+
+
+def _with_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return functional_call(module, weights, (x,))

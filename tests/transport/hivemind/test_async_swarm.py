@@ -77,6 +77,16 @@ def test_delay_corrections_run_in_a_swarm_with_the_floats_of_one_process(swarm, 
         assert max(changes) > 3e-4, (correction, changes)
 
 
+@pytest.mark.parametrize("correction", ["none", "lookahead"])
+def test_recomputed_activations_run_asynchronously_at_their_micro_batchs_weights(swarm, tmp_path, correction):
+    """train.checkpoint_activations: a stage recomputes a micro-batch's forward in its backward,
+    by which time the stage may have applied an update (weight stashing gave the optimizer new
+    parameter objects) or run the next step at its own predicted weights (lookahead). The
+    recomputation runs with the objects its forward ran with, so the losses are one process's."""
+    cfg = smoke(*OVERRIDES, "train.checkpoint_activations=true", f"train.delay_correction={correction}")
+    _assert_one_process(swarm_rows(swarm, cfg, steps=6), local_rows(cfg, tmp_path, steps=6))
+
+
 def _losses(rows) -> list[float]:
     return [r["loss"] for r in rows if r["type"] == "step"]
 

@@ -11,8 +11,8 @@ trainer makes that step's decision anew (trainer.closing `reopen`); a step that 
 way closes by a round of the held gradients' norms (trainer.closing `late_round`).
 
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
-(compression.adaptive), verification, recomputed activations (a backward would recompute at the
-newer weights). A delay correction's per-step weights (swarm.engine.versions: dc's weights of the
+(compression.adaptive) and verification. Recomputed activations (train.checkpoint_activations)
+run: the recomputation uses the parameter objects its forward ran with (swarm.engine.precision). A delay correction's per-step weights (swarm.engine.versions: dc's weights of the
 held step, lookahead's last move) are in checkpoints and the swarm's copies as one process's.
 Replicas sum each step by one round overlapped with the next step's micro-batches
 (trainer.replicas) and joiners are admitted where the pipeline drained (trainer.setups), with any
@@ -39,8 +39,6 @@ def refuse_unsupported(cfg: ExperimentConfig) -> None:
         missing.append("compression.adaptive")
     if cfg.train.verify:
         missing.append("train.verify")
-    if cfg.train.checkpoint_activations:
-        missing.append("train.checkpoint_activations")
     if missing:
         raise ValueError(
             f"train.schedule: {cfg.train.schedule} in a swarm runs without {', '.join(missing)} so far (python -m swarm run runs them)"
