@@ -8,6 +8,7 @@ counted once, is in the floats compared."""
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 
 import pytest
@@ -97,5 +98,47 @@ def test_a_resumed_asynchronous_run_with_tied_parameters_sums_the_kept_gradients
         resumed, _ = _run(swarm, cfg, run_id, checkpoint=Checkpointing(str(ours), 3))
         assert [r["step"] for r in resumed if r["type"] == "step"] == [4, 5, 6]
         _close(_losses(resumed), theirs[3:])
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_joiner_of_the_lm_heads_stage_downloads_its_untied_kept_gradients_and_ties_with_the_others(swarm, tmp_path):
+    """A stage-2 peer (the LM head's) announced after step 1 joins where the pipeline drained: it
+    downloads the stage with its held step's gradients untied, as a checkpoint keeps them, and the
+    held rounds from then on sum it with its replica (whether the routers gave it micro-batches in
+    these few steps or not), then tie the stage's whole with stage 0's: all three copies of the
+    tied weight stay equal and the losses are one process's."""
+    cfg = tiny_gpt2(tmp_path, "train.schedule=async", f"train.delay_correction={DC}")
+    theirs = _losses(read_results(_one_process(cfg, tmp_path)))
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    joiner = []
+
+    class Announcing(ResultsWriter):
+        def write(self, row) -> None:
+            super().write(row)
+            if row.get("type") == "step" and row["step"] == 1:
+                joiner.extend(swarm.host(cfg, run_id, [(2, 4)]))
+                peer, deadline = joiner[0].node.peer_id, time.monotonic() + 30
+                while not any(r.peer_id == peer for r in swarm.loop.run(pipeline.router.peers(2, refresh=True))):
+                    assert time.monotonic() < deadline, "the DHT never showed the joiner"
+                    time.sleep(0.05)  # before step 2 starts, so the loop drains for it after step 2
+
+    try:
+        data = build_data(cfg)
+        rows = Announcing(None)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        train(cfg, pipeline, data, rows, STEPS, progress=False)
+        _close(_losses(rows.rows), theirs)
+        assert joiner and joiner[0].state.joined is not None and joiner[0].node.peer_id in pipeline.members[2]
+        copies = _tied_copies([*hosted, *joiner])
+        print(
+            "DEBUG",
+            [float((copies[0] - c).abs().max()) for c in copies[1:]],
+            joiner[0].state.joined,
+            joiner[0].state.steps,
+            hosted[2].state.steps,
+        )
+        assert len(copies) == 3 and all(torch.equal(copies[0], c) for c in copies[1:])
     finally:
         swarm.unhost(run_id)

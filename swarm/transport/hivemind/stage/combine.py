@@ -38,8 +38,6 @@ class Combining:
     def __init__(self, place: StagePlace, state: StageState, work: StageWork, peer: PeerServices) -> None:
         self.place, self.state, self.work, self.peer = place, state, work, peer
         self.uncounted: list[str] = []  # tied parameters this stage leaves out of its squared norm
-        # (generation, step) -> an asynchronous step's tied parameters' totals, until it applies
-        self.tied_totals: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
         if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
@@ -98,7 +96,7 @@ class Combining:
         Then a tied parameter's groups (with names) add both stages' wholes, corrected as applied,
         as one process ties them after its delay correction (swarm.engine.step `tie`); one peer
         per stage contributes, and every peer keeps the total until the step applies
-        (`tied_sums`). Its decision applies what was counted (`StageState.counted`)."""
+        (`StageState.keep_tied`). Its decision applies what was counted (`StageState.counted`)."""
         if self.state.joining is not None:
             self._refuse(head.groups)
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
@@ -150,17 +148,10 @@ class Combining:
         state, step = self.state, int(head.step)
         runtime = state.runtime
         square = runtime.sums_sq_norm({name: g for name, g in sums.items() if name not in uncounted})
-        key = (state.generation, step)
-        self.tied_totals = {k: v for k, v in self.tied_totals.items() if k[0] == key[0] and k[1] > step - 2}
-        self.tied_totals[key] = totals
+        state.keep_tied(step, totals)
         state.count(step)
-        lr = state.rates.get(key, runtime.optimizer.param_groups[0]["lr"])
+        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
         return pb.GatherReply(held_sq_norm=square, lr=lr)
-
-    def tied_sums(self, step: int) -> dict[str, torch.Tensor]:
-        """An asynchronous step's tied parameters' totals from its held round (none without tied
-        parameters): what they apply, in place of this stage's own part."""
-        return self.tied_totals.get((self.state.generation, step), {})
 
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:

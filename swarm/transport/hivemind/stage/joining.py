@@ -89,6 +89,9 @@ class StateSource:
             # gradients held unapplied, as a checkpoint holds them; the joiner applies them with us
             step = state.steps + 1  # the loop's steps (StageState.drained)
             saved = state.saved(NO_ENDS, step, in_flight=True)
+            # and the held step's tied parameters' totals, which its held round made before the
+            # joiner was there (a checkpoint has none: a restore makes them again by a round)
+            saved["tied"] = state.tied_sums(state.steps)
         else:
             step, saved = state.steps, stage_state(state.runtime, NO_ENDS, state.steps, in_flight=True)
         torch.save(saved, buffer)
@@ -237,4 +240,6 @@ def install_state(
             end.raw.clear()
     links.restore(ends)
     state.restored(cfg, step)
+    if saved.get("tied"):  # a joiner's download of an asynchronous step (StateSource)
+        state.keep_tied(step - 1, saved["tied"])
     return saved

@@ -103,7 +103,7 @@ class StageRounds:
                 runtime.accumulate_step(head.step, state.cfg.train.micro_batches)
             except KeyError as e:
                 raise RemoteError(f"stage {stage}: {e.args[0]}: step {head.step} is not applied") from None
-            for name, total in self.combining.tied_sums(head.step).items():  # both stages' sum (stage.combine)
+            for name, total in state.tied_sums(head.step).items():  # both stages' sum (stage.combine)
                 runtime.parameter(name).grad = total.clone()
         if not all(bool(torch.isfinite(p.grad).all()) for p in runtime.module.parameters() if p.grad is not None):
             raise RemoteError(f"stage {stage}: non-finite gradients at step {head.step}: the step is not applied")

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
 from swarm.config import ExperimentConfig
@@ -87,6 +89,8 @@ class StageState:
         # (stage.closing); two at most, as two steps are open at once
         self.counted: list[tuple[int, int]] = []
         self.rates: dict[tuple[int, int], float] = {}  # async: (generation, step) -> the rate it ran at here
+        # async: (generation, step) -> its tied parameters' totals over both stages (stage.combine)
+        self.tied_totals: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     @property
     def session_id(self) -> str:
@@ -215,6 +219,17 @@ class StageState:
         take away without the run noticing (stage.leaving)."""
         runtime = self.runtime
         return all(key[1] in runtime.combined for key in runtime.held)  # a key is (mode, step, index)
+
+    def keep_tied(self, step: int, totals: dict[str, torch.Tensor]) -> None:
+        """`step`'s tied parameters' totals, applied in place of this stage's part (asynchronous
+        schedule: from its held round, or a joiner's download)."""
+        key = (self.generation, step)
+        self.tied_totals = {k: v for k, v in self.tied_totals.items() if k[0] == key[0] and k[1] > step - 2}
+        self.tied_totals[key] = totals
+
+    def tied_sums(self, step: int) -> dict[str, torch.Tensor]:
+        """`keep_tied`'s totals of `step` (none without tied parameters)."""
+        return self.tied_totals.get((self.generation, step), {})
 
     def count(self, step: int) -> None:
         """Its held gradients of `step` were counted (asynchronous schedule): its decision applies them."""
