@@ -127,6 +127,18 @@ compression: {{forward: none, backward: none}}
     return load_config(path, list(overrides))
 
 
+def step_losses(rows) -> list[float]:
+    """A results file's per-step losses, in order."""
+    return [r["loss"] for r in rows if r["type"] == "step"]
+
+
+def assert_close_losses(ours: list[float], theirs: list[float]) -> None:
+    """As many losses, each within 1e-5 (relative) of one process's."""
+    assert len(ours) == len(theirs) > 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
+
+
 def swarm_rows(env: Swarm, cfg, steps: int = STEPS, placement=None):
     run_id = uuid.uuid4().hex[:8]
     env.host(cfg, run_id, placement or [(s, s) for s in range(cfg.model.num_stages)])

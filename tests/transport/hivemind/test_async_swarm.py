@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import local_rows, smoke, swarm_rows
+from _swarm_env import assert_close_losses, local_rows, smoke, step_losses, swarm_rows
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
@@ -87,16 +87,6 @@ def test_recomputed_activations_run_asynchronously_at_their_micro_batchs_weights
     _assert_one_process(swarm_rows(swarm, cfg, steps=6), local_rows(cfg, tmp_path, steps=6))
 
 
-def _losses(rows) -> list[float]:
-    return [r["loss"] for r in rows if r["type"] == "step"]
-
-
-def _close(ours: list[float], theirs: list[float]) -> None:
-    assert len(ours) == len(theirs) > 0
-    for a, b in zip(ours, theirs, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
-
-
 # dc's weights (lookahead's last move: test_recovery.py's copies, whose losses change without it;
 # without a correction: test_async_replicas.py's final checkpoint and its run back to the copies)
 @pytest.mark.parametrize("correction", ["dc:100000"])
@@ -119,7 +109,7 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
     )
     ours, theirs = tmp_path / "swarm", tmp_path / "one"
     run_experiment(cfg, tmp_path / "one.jsonl", 6, progress=False, checkpoint=Checkpointing(str(theirs), 3))
-    reference = _losses(read_results(tmp_path / "one.jsonl"))
+    reference = step_losses(read_results(tmp_path / "one.jsonl"))
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
     data = build_data(cfg)
@@ -132,7 +122,7 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
 
     try:
         first, _ = swarm_run(ours)
-        _close(_losses(first), reference)
+        assert_close_losses(step_losses(first), reference)
         for stage in range(3):  # one process's format: the sum of step 2's gradients, not yet applied
             mine, one = (torch.load(run_dir(d, 3) / f"stage{stage}.pt", weights_only=True) for d in (ours, theirs))
             assert mine["step"] == one["step"] == 3 and mine["delay"]["kept"].keys() == one["delay"]["kept"].keys()
@@ -144,19 +134,19 @@ def test_an_asynchronous_checkpoint_resumes_in_the_swarm_and_in_one_process(swar
         shutil.rmtree(run_dir(ours, 6))
         resumed, notes = swarm_run(ours)
         assert [r["step"] for r in resumed if r["type"] == "step"] == [4, 5, 6]
-        _close(_losses(resumed), reference[3:])
+        assert_close_losses(step_losses(resumed), reference[3:])
         # the held norms of step 2, once per stage; a first run on a cold swarm may retry a
         # micro-batch, whose step then closes by a round of its own (and dc's step before it too)
         gathers = notes["round_calls"]["gather"]
         assert gathers % 3 == 0 and 3 <= gathers <= 9 and notes["closed_on_the_way"] >= 2, notes
         shutil.rmtree(run_dir(theirs, 6))
-        _close(_losses(swarm_run(theirs)[0]), reference[3:])  # one process's checkpoint, in the swarm
+        assert_close_losses(step_losses(swarm_run(theirs)[0]), reference[3:])  # one process's checkpoint, in the swarm
     finally:
         swarm.unhost(run_id)
     shutil.rmtree(run_dir(ours, 6))
     local = tmp_path / "resumed.jsonl"
     run_experiment(cfg, local, 6, progress=False, checkpoint=Checkpointing(str(ours), 3))
-    _close(_losses(read_results(local)), reference[3:])  # the swarm's checkpoint, in one process
+    assert_close_losses(step_losses(read_results(local)), reference[3:])  # the swarm's checkpoint, in one process
 
 
 def _reply_lost(swarm, cfg, steps: int, lost_at: tuple[int, int], late_s: float = 0.0, snapshot_every: int = 0):
@@ -206,7 +196,7 @@ def test_an_asynchronous_step_whose_micro_batch_was_retried_closes_by_a_round(sw
     rows, pipeline = _reply_lost(swarm, cfg, 8, (4, 1))  # step 4 is followed by an evaluation
     assert pipeline.handoff.retries == 1
     theirs = local_rows(cfg, tmp_path, steps=8)
-    _close(_losses(rows), _losses(theirs))
+    assert_close_losses(step_losses(rows), step_losses(theirs))
     lrs = ([r["lr"] for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert next(lrs) == pytest.approx(next(lrs))  # step 4's: the rate its micro-batches ran at, by the round
     summary = rows[-1]
@@ -226,7 +216,7 @@ def test_a_micro_batch_sent_again_after_the_next_step_moved_on_goes_back_to_the_
     cfg = smoke(*LOSSY, "train.eval_every=100", "train.schedule=async")
     rows, pipeline = _reply_lost(swarm, cfg, 6, (2, 1), late_s=2.0, snapshot_every=2)
     assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(2, 2)]
-    _close(_losses(rows), _losses(local_rows(cfg, tmp_path, steps=6)))
+    assert_close_losses(step_losses(rows), step_losses(local_rows(cfg, tmp_path, steps=6)))
 
 
 def test_a_stage_that_lost_a_micro_batchs_gradients_before_the_held_round_goes_back_to_the_copies(swarm, tmp_path):
@@ -256,4 +246,4 @@ def test_a_stage_that_lost_a_micro_batchs_gradients_before_the_held_round_goes_b
         swarm.unhost(run_id)
     assert forgot and forgot[0] is not None
     assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(4, 4)]
-    _close(_losses(rows.rows), _losses(local_rows(cfg, tmp_path, steps=6)))
+    assert_close_losses(step_losses(rows.rows), step_losses(local_rows(cfg, tmp_path, steps=6)))

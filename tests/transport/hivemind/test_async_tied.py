@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import tiny_gpt2
+from _swarm_env import assert_close_losses, step_losses, tiny_gpt2
 
 from swarm.training.checkpoints import Checkpointing, run_dir
 from swarm.training.experiment import build_data, run_experiment
@@ -22,16 +22,6 @@ from swarm.training.results import ResultsWriter, read_results
 
 STEPS = 6
 DC = "dc:1000"  # strong enough that tying before the correction instead of after it shows
-
-
-def _losses(rows) -> list[float]:
-    return [r["loss"] for r in rows if r["type"] == "step"]
-
-
-def _close(ours: list[float], theirs: list[float]) -> None:
-    assert len(ours) == len(theirs) > 0
-    for a, b in zip(ours, theirs, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (ours, theirs)
 
 
 def _run(swarm, cfg, run_id: str, steps: int = STEPS, checkpoint=None):
@@ -58,12 +48,12 @@ def test_tied_parameters_are_summed_across_their_stages_by_the_held_round(swarm,
     losses are one process's, both copies of the tied weight stay equal on every peer, and no
     gradient passes through the trainer."""
     cfg = tiny_gpt2(tmp_path, "train.schedule=async", f"train.delay_correction={correction}")
-    theirs = _losses(read_results(_one_process(cfg, tmp_path)))
+    theirs = step_losses(read_results(_one_process(cfg, tmp_path)))
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, placement)
     try:
         rows, notes = _run(swarm, cfg, run_id)
-        _close(_losses(rows), theirs)
+        assert_close_losses(step_losses(rows), theirs)
         copies = _tied_copies(hosted)
         assert len(copies) == placement.count((2, 4)) + 2
         assert all(torch.equal(copies[0], c) for c in copies[1:])
@@ -72,7 +62,7 @@ def test_tied_parameters_are_summed_across_their_stages_by_the_held_round(swarm,
         swarm.unhost(run_id)
     if correction == DC and len(placement) == 3:  # the correction matters here: tying first would differ
         (tmp_path / "plain").mkdir()
-        plain = _losses(read_results(_one_process(tiny_gpt2(tmp_path / "plain", "train.schedule=async"), tmp_path)))
+        plain = step_losses(read_results(_one_process(tiny_gpt2(tmp_path / "plain", "train.schedule=async"), tmp_path)))
         assert max(abs(a - b) / b for a, b in zip(theirs, plain, strict=True)) > 3e-4
 
 
@@ -88,16 +78,16 @@ def test_a_resumed_asynchronous_run_with_tied_parameters_sums_the_kept_gradients
     step and sums only the tied parameter, and steps 4-6 are one process's."""
     cfg = tiny_gpt2(tmp_path, "train.schedule=async", f"train.delay_correction={DC}", "train.eval_every=100")
     ours = tmp_path / "swarm"
-    theirs = _losses(read_results(_one_process(cfg, tmp_path)))
+    theirs = step_losses(read_results(_one_process(cfg, tmp_path)))
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
     try:
         first, _ = _run(swarm, cfg, run_id, checkpoint=Checkpointing(str(ours), 3))
-        _close(_losses(first), theirs)
+        assert_close_losses(step_losses(first), theirs)
         shutil.rmtree(run_dir(ours, STEPS))
         resumed, _ = _run(swarm, cfg, run_id, checkpoint=Checkpointing(str(ours), 3))
         assert [r["step"] for r in resumed if r["type"] == "step"] == [4, 5, 6]
-        _close(_losses(resumed), theirs[3:])
+        assert_close_losses(step_losses(resumed), theirs[3:])
     finally:
         swarm.unhost(run_id)
 
@@ -109,7 +99,7 @@ def test_a_joiner_of_the_lm_heads_stage_downloads_its_untied_kept_gradients_and_
     these few steps or not), then tie the stage's whole with stage 0's: all three copies of the
     tied weight stay equal and the losses are one process's."""
     cfg = tiny_gpt2(tmp_path, "train.schedule=async", f"train.delay_correction={DC}")
-    theirs = _losses(read_results(_one_process(cfg, tmp_path)))
+    theirs = step_losses(read_results(_one_process(cfg, tmp_path)))
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
     joiner = []
@@ -129,7 +119,7 @@ def test_a_joiner_of_the_lm_heads_stage_downloads_its_untied_kept_gradients_and_
         rows = Announcing(None)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
         train(cfg, pipeline, data, rows, STEPS, progress=False)
-        _close(_losses(rows.rows), theirs)
+        assert_close_losses(step_losses(rows.rows), theirs)
         assert joiner and joiner[0].state.joined is not None and joiner[0].node.peer_id in pipeline.members[2]
         copies = _tied_copies([*hosted, *joiner])
         print(
