@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 import yaml
-from _swarm_env import assert_same_run, local_rows
+from _swarm_env import assert_close_losses, assert_same_run, local_rows, step_losses
 from _util import write_tiny_tokenizer
 
 from protocols import carried as envelope
@@ -132,3 +132,27 @@ def test_a_1024_token_language_model_trains_through_the_swarm_as_in_one_process(
     assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS))
     (evaluation,) = [r for r in results.rows if r["type"] == "eval"]
     assert evaluation["uncompressed"]["perplexity"] > 1
+
+
+def test_the_language_model_trains_asynchronously_with_its_tied_embedding_summed_across_stages(
+    swarm, llm_config, tmp_path
+):
+    """The same model trained in full under `train.schedule: async` with dc: its embedding (stage 0)
+    and LM head (stage 2) are tied, and stage 2 has two replicas. Each step's held round sums each
+    stage's replicas, compensates their sum, then ties the two stages' parts; 4 steps of 8 x 1024
+    tokens give one process's losses."""
+    train_cfg = llm_config.train.model_copy(update={"schedule": "async", "delay_correction": "dc:10", "max_steps": 4})
+    cfg = llm_config.model_copy(update={"train": train_cfg})
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2), (2, 3)])
+    try:
+        data = build_data(cfg)
+        results = ResultsWriter(None)
+        pipeline = swarm.pipeline(cfg, run_id, 4, data)
+        train(cfg, pipeline, data, results, 4, progress=False)
+        head = [h.runtime.module.get_parameter("lm_head.weight") for h in hosted if h.stage == 2]
+        assert torch.equal(head[0], head[1])
+    finally:
+        swarm.unhost(run_id)
+    assert_close_losses(step_losses(results.rows), step_losses(local_rows(cfg, tmp_path, 4)))
+    assert pipeline.summary_notes()["round_calls"]["gather"] >= 4 * 4  # every step by the held round, on every peer
