@@ -122,13 +122,6 @@ def test_a_joiner_of_the_lm_heads_stage_downloads_its_untied_kept_gradients_and_
         assert_close_losses(step_losses(rows.rows), theirs)
         assert joiner and joiner[0].state.joined is not None and joiner[0].node.peer_id in pipeline.members[2]
         copies = _tied_copies([*hosted, *joiner])
-        print(
-            "DEBUG",
-            [float((copies[0] - c).abs().max()) for c in copies[1:]],
-            joiner[0].state.joined,
-            joiner[0].state.steps,
-            hosted[2].state.steps,
-        )
         assert len(copies) == 3 and all(torch.equal(copies[0], c) for c in copies[1:])
     finally:
         swarm.unhost(run_id)

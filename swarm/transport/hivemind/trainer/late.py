@@ -12,15 +12,16 @@ way closes by a round of the held gradients' norms (trainer.closing `late_round`
 
 What it does not run with yet is refused when the trainer starts, in one line: codecs that change
 (compression.adaptive) and verification. Recomputed activations (train.checkpoint_activations)
-run: the recomputation uses the parameter objects its forward ran with (swarm.engine.precision). A delay correction's per-step weights (swarm.engine.versions: dc's weights of the
-held step, lookahead's last move) are in checkpoints and the swarm's copies as one process's.
-Replicas sum each step by one round overlapped with the next step's micro-batches
-(trainer.replicas) and joiners are admitted where the pipeline drained (trainer.setups), with any
-delay correction; so are tied parameters, summed across their two stages by the same round
-after each stage's correction (stage.combine). A retried micro-batch of step t that comes after step t + 1's first micro-batch reached
-its stages is refused there (their weights serve step t + 1 only): the run goes
-back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does a
-replica lost in its step's round.
+run: the recomputation uses the parameter objects its forward ran with (swarm.engine.precision).
+A delay correction's per-step weights (swarm.engine.versions: dc's weights of the held step,
+lookahead's last move) are in checkpoints and the swarm's copies as one process's. Replicas sum
+each step by one round overlapped with the next step's micro-batches (trainer.replicas) and
+joiners are admitted where the pipeline drained (trainer.setups), with any delay correction; so
+are tied parameters, summed across their two stages by the same round after each stage's
+correction (stage.combine). A retried micro-batch of step t that comes after step t + 1's first
+micro-batch reached its stages is refused there (their weights serve step t + 1 only): the run
+goes back to the swarm's copies (trainer.recovery, once a step), or ends without copies; so does
+a replica lost in its step's round.
 """
 
 from __future__ import annotations
