@@ -47,6 +47,37 @@ def _close(swarm, run_id: str, node, server) -> None:
     swarm.loop.run(node.shutdown())
 
 
+def test_an_asynchronous_step_with_a_check_holds_the_next_back_and_one_without_keeps_the_pipeline_full(swarm, tmp_path):
+    """`train.verify` under an asynchronous schedule, with two honest peers on stage 1: the owner's
+    draw (here fixed: micro-batch 1 of odd steps) decides which steps hold the next step's
+    micro-batches back until their checks ran. A step after a step without checks enters while that
+    step's micro-batches are out; one after a checked step never does; every check agrees, and the
+    losses are one process's."""
+    cfg = smoke("model.num_stages=3", "train.verify=0.5", "train.schedule=async", "train.delay_correction=lookahead")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        verification, checked = pipeline.dispatch.verification, set()
+
+        def draw(items):
+            step = items[0][0].step
+            if step % 2:
+                checked.add(step)
+            return frozenset({1}) if step % 2 else frozenset()
+
+        verification.draw = draw
+        results = ResultsWriter(None)
+        train(cfg, pipeline, data, results, STEPS, progress=False)
+        overlapped = pipeline.dispatch.overlapped
+        assert verification.checks == len(checked) >= 2 and verification.mismatches == 0
+        assert overlapped and not {step - 1 for step in overlapped} & checked, (overlapped, checked)
+        _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        swarm.unhost(run_id)
+
+
 def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_out(swarm, tmp_path):
     """A stage-1 member answers every round with success but has no averaging handler and never
     joins its group's all-reduce (the issue's fake member): its replica names it in GROUP_FAILED,
@@ -252,13 +283,18 @@ class _AfterStep(ResultsWriter):
             self.hook()
 
 
-def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work_redone(swarm, tmp_path):
+@pytest.mark.parametrize(
+    "schedule", [(), ("train.schedule=async", "train.delay_correction=dc:10")], ids=["sync", "async-dc"]
+)
+def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work_redone(swarm, tmp_path, schedule):
     """With `train.verify` 1.0 every micro-batch runs a second time through another peer of a
-    replicated stage (stage 1: two honest peers, whose results always agree). A third joins after step 2 and, once it serves, computes with weights
-    of its own (finite, well-formed, wrong). Its first micro-batches disagree with the incumbent's:
-    it is on probation, so it is left out for good and says why, its micro-batches of that step run
-    again, and the losses stay one process's."""
-    cfg = smoke("model.num_stages=3", "train.verify=1.0")
+    replicated stage (stage 1: two honest peers, whose results always agree). A third joins after
+    step 2 and, once it serves, computes with weights of its own (finite, well-formed, wrong). Its
+    first micro-batches disagree with the incumbent's: it is on probation, so it is left out for good
+    and says why, its micro-batches of that step run again, and the losses stay one process's. With
+    an asynchronous schedule the checks run before the next step's micro-batches enter (they would
+    have moved the weights on: the run would go back to the swarm's copies, here ending it)."""
+    cfg = smoke("model.num_stages=3", "train.verify=1.0", *schedule)
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])  # two honest incumbents of stage 1
     node, server = swarm.mortal_host()

@@ -51,6 +51,8 @@ class Dispatch:
         self.out: Counter = Counter()  # step -> its training micro-batches sent and not back yet
         self.overlapped: set[int] = set()  # steps of which a micro-batch went out while the step before's were out
         self.verification = None  # train.verify: a fraction of micro-batches run again elsewhere and compared
+        # step -> set once its checks are done: an asynchronous schedule's next step enters after them
+        self.checking: dict[int, asyncio.Event] = {}
         if cfg.train.verify:
             self.verification = Verification(place, membership, position, cfg, self._verify_one, self._run_again)
 
@@ -67,9 +69,13 @@ class Dispatch:
             ahead[1].cancel()
             await asyncio.gather(ahead[1], return_exceptions=True)
             raise RuntimeError(f"micro-batches {ahead[0][:1]}... were started ahead, then {keys[:1]}... asked for")
-        task = ahead[1] if ahead is not None else asyncio.ensure_future(self._run_many(items, again))
+        if ahead is not None:
+            task = ahead[1]
+        else:
+            task = asyncio.ensure_future(self._run_many(items, again, self._checks(items, again)))
         if following:
-            self.ahead = ([batch.key for batch, _ in following], asyncio.ensure_future(self._run_many(following)))
+            started = asyncio.ensure_future(self._run_many(following, picks=self._checks(following, False)))
+            self.ahead = ([batch.key for batch, _ in following], started)
         try:
             return await task
         except BaseException:
@@ -82,11 +88,32 @@ class Dispatch:
         if ahead is not None:
             ahead[1].cancel()
             await asyncio.gather(ahead[1], return_exceptions=True)
+        for checked in self.checking.values():  # nothing waits for them any more
+            checked.set()
+        self.checking.clear()
 
-    async def _run_many(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False) -> list[dict]:
+    def _checks(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool) -> frozenset[int]:
+        """train.verify: which of a step's micro-batches are checked, drawn as the step is handed over
+        (the members see nothing of it), so that the next step knows whether to wait for the checks:
+        they run this step's micro-batches again, which an asynchronous schedule's next step, once
+        it entered, would have moved the weights on from."""
+        if self.verification is None or again or not items or items[0][0].mode is not Mode.TRAIN:
+            return frozenset()
+        step = items[0][0].step
+        self.checking = {s: e for s, e in self.checking.items() if s >= step - 1}
+        picks = self.verification.draw(items)
+        if picks:
+            self.checking[step] = asyncio.Event()
+        return picks
+
+    async def _run_many(
+        self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool = False, picks: frozenset[int] = frozenset()
+    ) -> list[dict]:
         window, order = self.window, self.order
         closing = 0
         step = not again and bool(items) and items[0][0].mode is Mode.TRAIN  # a step's micro-batches, all of them
+        if step and (before := self.checking.get(items[0][0].step - 1)) is not None:
+            await before.wait()  # the step before's checks run first, at its weights
         if again:
             self.closing.rerun()
         elif step:
@@ -104,8 +131,10 @@ class Dispatch:
                 raise result
         metrics = [result for result, _ in results]
         if step and self.verification is not None:  # some of them are checked
-            redone = await self.verification.check(items, metrics)
+            redone = await self.verification.check(items, metrics, picks)
             metrics = [redone.get(batch.index, result) for (batch, _), result in zip(items, metrics, strict=True)]
+        if step and (checked := self.checking.pop(items[0][0].step, None)):
+            checked.set()  # (a failure leaves it unset: `abandon` then cancels what waits for it)
         return [{k: v for k, v in result.items() if not k.startswith(DIGEST)} for result in metrics]
 
     def notes(self) -> dict:

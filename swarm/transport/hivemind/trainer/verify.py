@@ -7,9 +7,12 @@ the stage's gradient digest (the squared norm of the gradients it holds for that
 which every stage reports with every training micro-batch while verification is on, so no member
 can tell which of its micro-batches are checked; a wrong forward changes it too, through the
 gradient that comes back for the wrong output) must agree within
-`train.verify_tolerance`, relative. The owner picks the micro-batches and the stage with a system
-random source after the micro-batches ran: a member cannot know in advance which of its results are
-compared. Members set up at the start of the session are incumbents; a peer that joined later is on
+`train.verify_tolerance`, relative. The owner picks the micro-batches (as the step is handed over)
+and the stage (after they ran) with a system random source, and nothing of the picks leaves it
+until a check runs: a member cannot know in advance which of its results are compared. With an
+asynchronous schedule the next step's micro-batches enter after the step's checks (trainer.dispatch):
+a check runs at the step's weights, which the next step's micro-batches move on. Steps without a
+check keep the pipeline full. Members set up at the start of the session are incumbents; a peer that joined later is on
 probation until one of its results matched another peer's, and checks go to stages with peers on
 probation first.
 
@@ -76,15 +79,19 @@ class Verification:
         self.trusted: set[str] = set()  # incumbents and peers whose results matched another's
         self.checks = self.mismatches = 0
 
-    async def check(self, items: list[Item], results: list[dict]) -> dict[int, dict]:
-        """Checks a fraction of a step's finished micro-batches (`results`: their metrics, with the
-        stages' digests); the metrics of micro-batches run again (their peer was left out), by index."""
+    def draw(self, items: list[Item]) -> frozenset[int]:
+        """The indices of the step's micro-batches to check: each with probability `fraction`."""
+        return frozenset(batch.index for batch, _ in items if self.random.random() < self.fraction)
+
+    async def check(self, items: list[Item], results: list[dict], picks: frozenset[int]) -> dict[int, dict]:
+        """Checks the step's finished micro-batches of `picks` (`draw`; `results`: their metrics, with
+        the stages' digests); the metrics of micro-batches run again (their peer was left out), by index."""
         if self.incumbents is None:
             self.incumbents = {peer for _, peer in self.membership.peers()}
             self.trusted |= self.incumbents
         redone: dict[int, dict] = {}
         for (batch, inputs), metrics in zip(items, results, strict=True):
-            if batch.index in redone or self.random.random() >= self.fraction:
+            if batch.index in redone or batch.index not in picks:
                 continue
             route = self.position.routes.get(batch.index)
             pick = self._pick(route) if route is not None else None
