@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
     from swarm.transport.hivemind.net.loop import LoopThread
     from swarm.transport.hivemind.net.node import SwarmNode
-    from swarm.transport.hivemind.trainer.late import refuse_unsupported
     from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
     from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 
@@ -134,10 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--allow takes peer ids, got {bad[0]!r}")
     if args.snapshot_every < 0:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
-    try:
-        refuse_unsupported(cfg)
-    except ValueError as e:
-        return fail(str(e))
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:

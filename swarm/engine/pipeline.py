@@ -48,8 +48,9 @@ class Pipeline(Protocol):
     def load_checkpoint(self, directory: str | PathLike) -> int:
         """Loads what `save_checkpoint` wrote; returns the step it was saved at."""
 
-    def keeps_copies(self, step: int) -> bool:
-        """Whether `snapshot` keeps copies at `step` (an asynchronous schedule drains before it)."""
+    def drains(self, step: int) -> bool:
+        """Whether the transport needs the pipeline drained after `step` (an asynchronous schedule
+        then starts nothing of the next step ahead): a swarm's copies, joiners, codec changes."""
 
     def snapshot(self, step: int, position: dict) -> None:
         """At a step boundary: every stage's state and the loop's `position` (with its "step") are

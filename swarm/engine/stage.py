@@ -14,10 +14,10 @@ down the pipeline then never counts twice. Held gradients are added in micro-bat
 sums equal the in-process run's direct accumulation.
 
 With an asynchronous schedule in a swarm (swarm.engine.delay), a stage applies an update while
-micro-batches of the step before are still waiting for their backward here. Their saved graphs
-reference the parameters they ran with, so the update goes to fresh Parameter objects (`_stash`:
-PipeDream-2BW's weight stashing, at most two versions alive) and each forward remembers the objects
-it used; gradients are held by parameter name, so they sum onto whichever objects are current.
+micro-batches of the step before are still waiting for their backward here, or for their forward
+(they come from another sender): every update goes to fresh Parameter objects and the replaced ones
+stay the step's version (swarm.engine.stash: PipeDream-2BW's weight stashing); each forward
+remembers the objects it used, and gradients are held by parameter name.
 A delay correction's per-step weights (lookahead's predicted ones, dc's v_then) are `versions`'
 (swarm.engine.versions).
 """
@@ -35,6 +35,7 @@ from swarm.engine.delay import StageDelay
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
+from swarm.engine.stash import WeightStash
 from swarm.engine.versions import StepVersions
 
 
@@ -63,13 +64,14 @@ class StageRuntime:
         # micro-batch key -> (input, output, the (name, parameter) pairs its forward ran with)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
         self.hold_grads = hold_grads
-        self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: see _stash
+        self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: swarm.engine.stash
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
         self.versions: StepVersions | None = None  # ... and, in a swarm, a correction's weights per step
         # an asynchronous step of a replicated stage in a swarm: step -> its replicas' sum, the step's
         # gradients here whatever micro-batches this peer ran (`hold_combined`)
         self.combined: dict[int, dict[str, torch.Tensor]] = {}
+        self.stash = WeightStash()  # the version the step before the current one runs at (a swarm's async)
 
     @property
     def first(self) -> bool:
@@ -102,7 +104,7 @@ class StageRuntime:
         version = (
             self.versions.running(batch.step, self.module) if self.versions is not None and training else nullcontext()
         )
-        with version:
+        with self.stash.running(batch.step) if training else nullcontext(), version:
             with torch.set_grad_enabled(training):
                 stream = (self.index, batch.step, batch.index) if training else None
                 y = self.run_forward(self.module, x, training, stream)
@@ -295,6 +297,7 @@ class StageRuntime:
         self._saved.clear()
         self.held.clear()
         self.combined.clear()
+        self.stash.forget()
         if self.versions is not None:
             self.versions.forget()
 
@@ -345,8 +348,10 @@ class StageRuntime:
         whose held gradients it applied (an asynchronous schedule's step; later steps' stay held),
         else every held gradient goes."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.delay is not None and self._saved:
-            self._stash()
+        if self.delay is not None and keys:  # a swarm's: step t - 1 applied, the objects stay step t's
+            self.stash.renew(self.module, self.optimizer, keys[0][1] + 1)
+        elif self.delay is not None and self._saved:
+            self.stash.renew(self.module, self.optimizer, -1)  # kept alive by the saved graphs only
         late = self.versions is not None and bool(keys)  # a swarm's step applied late: its correction's part
         if late:
             self.versions.updating(
@@ -366,27 +371,6 @@ class StageRuntime:
             if keys:
                 self.combined.pop(keys[0][1], None)  # a key is (mode, step, index)
         return lr
-
-    def _stash(self) -> None:
-        """Fresh Parameter objects (same values, same gradients) for the optimizer to step, so the
-        graphs of micro-batches still waiting for their backward keep the version they ran with."""
-        fresh: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id -> (old, kept alive; new)
-        for module in self.module.modules():
-            for name, p in list(module._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in fresh:  # a parameter registered twice (tied within the stage) stays one
-                    new = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-                    new.grad, p.grad = p.grad, None
-                    fresh[id(p)] = (p, new)
-                module._parameters[name] = fresh[id(p)][1]
-        state = self.optimizer.state
-        for group in self.optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                if id(p) in fresh:
-                    new = group["params"][i] = fresh[id(p)][1]
-                    if p in state:
-                        state[new] = state.pop(p)
 
     @property
     def pending(self) -> int:

@@ -36,24 +36,35 @@ class StepVersions:
         self.ahead: dict[int, dict[str, torch.nn.Parameter]] = {}  # lookahead: step -> its predicted weights
 
     def entered(self, step: int, module: torch.nn.Module) -> None:
-        """A training micro-batch of `step` is about to run here: the first takes the step's version."""
+        """A training micro-batch of `step` is about to run here: the first takes the step's version
+        (where `serves` did not: a state of its own, as a test's)."""
         kind = self.delay.correction.kind
         if kind == "none" or step in self.then or step in self.ahead:
             return
         params = dict(module.named_parameters())
         if kind == "dc":  # what trains only, as one process's StageDelay (a LoRA run's base never moves)
             self.then[step] = {name: p.detach().clone() for name, p in params.items() if p.requires_grad}
-        else:  # lookahead; nothing to predict from before the first update (every micro-batch of the step alike)
-            self.ahead[step] = {
-                name: torch.nn.Parameter(predict_(params[name].detach().clone(), move), params[name].requires_grad)
-                for name, move in (self.delay.moved or {}).items()
-            }
+        else:
+            self.ahead[step] = self._predicted(params)
+
+    def _predicted(self, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.nn.Parameter]:
+        """lookahead: the weights after the last move once more (nothing to predict from before the
+        first update: every micro-batch of the step alike)."""
+        return {
+            name: torch.nn.Parameter(predict_(params[name].detach().clone(), move), params[name].requires_grad)
+            for name, move in (self.delay.moved or {}).items()
+        }
 
     def serves(self, steps, module: torch.nn.Module) -> None:
-        """The module's weights are now those micro-batches of `steps` run at (v_t): dc takes them
-        for each step it has none of yet (one clone, shared: they are only read)."""
+        """The module's weights are now those micro-batches of `steps` run at (v_t): dc takes them,
+        lookahead predicts from them, for each step it has none of yet. Taken now, not at the step's
+        first micro-batch here: that may come after the next update (swarm.engine.stash)."""
+        kind = self.delay.correction.kind
+        if kind == "lookahead":
+            for step in [s for s in steps if s not in self.ahead]:
+                self.ahead[step] = self._predicted(dict(module.named_parameters()))
         steps = [s for s in steps if s not in self.then]
-        if self.delay.correction.kind != "dc" or not steps:
+        if kind != "dc" or not steps:
             return
         weights = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
         for step in steps:

@@ -229,12 +229,13 @@ def train(
 
     def ahead(after: int, batches: _Peekable) -> list:
         """An asynchronous schedule's next step, started with this one's micro-batches unless the
-        pipeline drains at `after` (an evaluation, a checkpoint, a copy, the epoch's or the run's end):
-        its micro-batches only need the step before this one applied (swarm.engine.delay)."""
+        pipeline drains at `after` (an evaluation, a checkpoint, the epoch's or the run's end, or what
+        the transport needs: `Pipeline.drains`): its micro-batches only need the step before this one
+        applied (swarm.engine.delay)."""
         evaluated = after % schedule.eval_every_steps == 0 or after >= schedule.total_steps
         saved = checkpoint is not None and (after % checkpoint.every == 0 if checkpoint.every else evaluated)
-        copied = pipeline.keeps_copies(after)  # the swarm's copies are of a drained pipeline too
-        following = None if evaluated or saved or copied else batches.peek()
+        drained = pipeline.drains(after)  # e.g. the swarm's copies are of a drained pipeline too
+        following = None if evaluated or saved or drained else batches.peek()
         if following is None:
             return []
         exact = after < schedule.warmup_steps

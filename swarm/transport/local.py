@@ -134,7 +134,7 @@ class LocalPipeline:
             raise ValueError(f"checkpoint {directory} mixes stages saved at steps {sorted(steps)}")
         return steps.pop()
 
-    def keeps_copies(self, step: int) -> bool:
+    def drains(self, step: int) -> bool:
         return False
 
     def snapshot(self, step: int, position: dict) -> None:

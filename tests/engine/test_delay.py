@@ -107,16 +107,3 @@ def test_a_checkpoint_carries_the_gradients_the_next_step_applies(tmp_path):
     synchronous = build_local_pipeline(load_config(SMOKE, BASE), 100)[0]
     with pytest.raises(ValueError, match="of an asynchronous schedule; this run has a synchronous one"):
         synchronous.load_checkpoint(tmp_path)
-
-
-def test_a_swarm_refuses_what_it_cannot_run_asynchronously_yet_in_one_line():
-    from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
-
-    cfg = load_config(
-        SMOKE, ["train.schedule=async", "train.delay_correction=dc:0.1", "compression.adaptive.ladder=quant"]
-    )
-    with pytest.raises(
-        ValueError,
-        match=r"^train.schedule: async in a swarm runs without compression.adaptive so far \(python -m swarm run runs it\)$",
-    ):
-        SwarmPipeline(None, None, cfg, "run", snapshot_every=10)  # refused before anything of the swarm is touched

@@ -34,7 +34,7 @@ def _run(schedule: str, tmp_path, checkpoint_every: int | None = None, copies_ev
 
     pipeline.run_many = recording
     if copies_every:  # as a swarm's --snapshot_every
-        pipeline.keeps_copies = lambda step: step % copies_every == 0
+        pipeline.drains = lambda step: step % copies_every == 0
     results = ResultsWriter(None)
     checkpoint = Checkpointing(tmp_path, checkpoint_every) if checkpoint_every else None
     train(cfg, pipeline, build_data(cfg), results, 12, progress=False, checkpoint=checkpoint)

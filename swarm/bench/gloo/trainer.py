@@ -121,7 +121,7 @@ class GlooPipeline:
     def load_checkpoint(self, directory) -> int:
         raise ValueError("the gloo baseline keeps no checkpoints")
 
-    def keeps_copies(self, step: int) -> bool:
+    def drains(self, step: int) -> bool:
         return False
 
     def snapshot(self, step: int, position: dict) -> None:

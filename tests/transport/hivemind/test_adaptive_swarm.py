@@ -149,10 +149,19 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
     assert all(h.place.digest == config_digest(cfg) for h in hosted)
 
 
-DROP_AFTER = 3
+DECIDED = 4  # the decision after step 4 sees the drop (every step, or every second: after step 2)
 
 
-def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch):
+ASYNC = ("train.schedule=async", "compression.adaptive.every=2")
+
+
+@pytest.mark.parametrize(
+    "schedule", [(), ASYNC, (*ASYNC, "train.delay_correction=dc:10")], ids=["sync", "async", "async-dc"]
+)
+def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(swarm, monkeypatch, schedule):
+    """Asynchronous too, deciding every second step: the pipeline drains after a step whose
+    decision is due (the steps after the others start early), and the changes go with the apply
+    round of the step before (trainer.closing `switch`; with dc that step was applied already)."""
     import swarm.transport.hivemind.trainer.membership as membership_module
 
     asked = []  # status calls, as the trainer makes them
@@ -168,28 +177,34 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
 
     def drop(step: int, egress) -> None:
         asked_by_step.append(len(asked))
-        if step == DROP_AFTER:
+        if step == drop_after:
             egress.set_rate("1mbit")
 
-    rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, adaptive_cfg(), 7, "10gbit", after=drop)
+    cfg = adaptive_cfg(*schedule)
+    drop_after = DECIDED - cfg.compression.adaptive.every
+    rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, cfg, 7, "10gbit", after=drop)
     # one status round per step (4 peers) serves both the decision and the step's byte counts
     assert [b - a for a, b in zip(asked_by_step, asked_by_step[1:], strict=False)] == [4] * 6
     steps = [r for r in rows if r["type"] == "step"]
     assert len(steps) == 7 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)
     # fast until the drop, and the step it hit
-    assert all(r["codecs"]["0"] == "none / none" for r in steps[: DROP_AFTER + 1])
+    assert all(r["codecs"]["0"] == "none / none" for r in steps[:DECIDED])
     switch = next(c for c in summary["adaptive"]["changes"] if c["boundary"] == 0)
-    assert switch["step"] == DROP_AFTER + 1 and "no longer fits" in switch["why"]
+    assert switch["step"] == DECIDED and "no longer fits" in switch["why"]
     assert switch["forward"].startswith("topk:") and switch["backward"] == "topk:reuse"
-    after = steps[DROP_AFTER + 1]
+    after = steps[DECIDED]
     assert after["codecs"]["0"] == f"{switch['forward']} / topk:reuse"
-    # topk:0.5 sends 53%
-    assert after["bytes"]["boundary0.forward.train"] < 0.6 * steps[DROP_AFTER - 1]["bytes"]["boundary0.forward.train"]
+    # topk:0.5 sends 53%: three steps after the switch against the first three (summed: an
+    # asynchronous step's row may count bytes of the next step, started early)
+    sent = [r["bytes"].get("boundary0.forward.train", 0) for r in steps]
+    assert sum(sent[DECIDED:]) < 0.6 * sum(sent[:3])
     assert all(r["codecs"]["2"] == "none / none" for r in steps)
     # no micro-batch failed or was retried (a link whose ends disagreed would be reset): both ends switched together
     assert not warnings, [w.getMessage() for w in warnings]
     assert link_codecs(statuses, 0) == {(up, *adaptive.codecs[0]) for up in (True, False)}
     assert sum(s.processed for s in statuses if s.stage == 3) >= 7 * 4  # every training micro-batch went through
+    if schedule:  # after steps 1, 3 and 5 the next step started early; after 2, 4 and 6 it did not
+        assert summary["overlapped_steps"] == 3, summary
 
 
 def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp_path):

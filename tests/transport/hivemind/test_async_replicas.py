@@ -14,6 +14,7 @@ import pytest
 import torch
 from _swarm_env import local_rows, smoke
 
+from swarm.engine.stash import WeightStash
 from swarm.training.checkpoints import Checkpointing, run_dir
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
@@ -107,6 +108,54 @@ def test_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_proc
         # the rounds did not drain the pipeline (three replicas with dc, an apply round then the summing
         # one per step: 2 or 3 steps of 6 overlapped in runs on a loaded 2-core machine)
         assert notes["overlapped_steps"] >= (3 if correction == "none" else 1), notes
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_at_its_steps_weights(
+    swarm, tmp_path, monkeypatch
+):
+    """Link order holds per sender only: stage 2 hears from both of stage 1's peers. One of them
+    holds a micro-batch of step 2 back (a slow forward) while stage 0 routes step 3's to the other;
+    stage 2 applies step 1's update with the first of step 3's, before the held-back one comes. It
+    runs at the weights step 2 ran at, which stage 2 keeps until its next update
+    (swarm.engine.stash), where it used to be refused (and the run, without copies, ended). With
+    lookahead: that step's predicted weights, taken when the stage's weights came to serve it."""
+    cfg = smoke(*OVERRIDES, "train.delay_correction=lookahead")
+    run_experiment(cfg, tmp_path / "one.jsonl", STEPS, progress=False)
+    run_id = uuid.uuid4().hex[:8]
+    first, slow, other, last = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    holding = threading.Event()
+    forward = slow.work.forward
+
+    def held_back(batch, data, ends):
+        if batch.step == 2 and not holding.is_set():
+            holding.set()
+            time.sleep(1.5)  # on its computing thread: its later micro-batches wait too
+            holding.clear()
+        return forward(batch, data, ends)
+
+    slow.work.forward = held_back
+    choose = first.handoff.choose
+
+    async def around_the_slow_one(session, exclude=()):
+        return await choose(session, [*exclude, slow.node.peer_id] if holding.is_set() else exclude)
+
+    first.handoff.choose = around_the_slow_one
+    late = []
+    running = WeightStash.running
+
+    def recorded(stash, step):
+        if stash.serves(step):
+            late.append(step)
+        return running(stash, step)
+
+    monkeypatch.setattr(WeightStash, "running", recorded)
+    try:
+        rows = ResultsWriter(None)
+        _run(swarm, cfg, run_id, rows)
+        assert 2 in late, late  # the overtaking happened, at stage 2
+        _same_losses(rows.rows, read_results(tmp_path / "one.jsonl"))
     finally:
         swarm.unhost(run_id)
 

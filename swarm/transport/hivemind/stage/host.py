@@ -235,6 +235,8 @@ class HostedStage:
         if state.joining is not None or state.leaving:
             raise RemoteError(f"stage {self.stage} peer is {state.role}: it takes no micro-batch", pb.UNAVAILABLE)
         low, high = state.serving()
+        if batch.mode is Mode.TRAIN and state.runtime.stash.serves(batch.step):
+            low = batch.step  # an asynchronous step's, after the next step's first moved the weights on
         if batch.step < low:  # the sender's mistake (or replay), not this peer's: refused, and
             # its upstream does not take this peer for unavailable (it may be the stage's only one)
             at = f"is at step {state.steps}"  # an asynchronous step's micro-batch sent again after the next step's moved the weights on

@@ -19,6 +19,7 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError, RemoteError
+from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import apply_stage_state, read_stage
 from swarm.engine.stage import step_keys
 from swarm.tracing import TRACER
@@ -89,10 +90,11 @@ class StageRounds:
 
     def apply(self, head: pb.ApplyRequest, payload: bytes) -> tuple[pb.ApplyReply, bytes]:
         state, stage = self.state, self.place.stage
+        cfg, changed = switched_config(state.cfg, stage, head.codecs)  # checked before anything changes
         if self.applied is not None and self.applied[0] == (state.generation, head.step):
+            self._switch(cfg, changed)  # an asynchronous run's codecs come with a step applied already
             return self.applied[1], b""
         state.at(head.step, "the apply round")
-        cfg, changed = switched_config(state.cfg, stage, head.codecs)  # checked before anything changes
         runtime = state.runtime
         if not (math.isfinite(head.scale) and head.scale >= 0):
             raise ProtocolError(f"gradient scale {head.scale} is not a finite non-negative number")
@@ -116,13 +118,19 @@ class StageRounds:
         reply = pb.ApplyReply(lr=lr, leaving=self.told_leaving)
         state.stepped()
         self.applied = ((state.generation, head.step), reply)
-        if changed:  # adaptive compression: new codecs from the next step on
-            state.switched(cfg)
-            for boundary in changed:
-                link = cfg.compression.link(boundary)
-                self.peer.events.add("codec", f"boundary {boundary}: {link.forward} forward, {link.backward} backward")
-            self.links.switch(changed)
+        self._switch(cfg, changed)
         return reply, b""
+
+    def _switch(self, cfg: ExperimentConfig, changed: list[int]) -> None:
+        """Adaptive compression: `cfg`'s new codecs on the `changed` boundaries from the next step on
+        (the trainer sends them when no micro-batch is in flight)."""
+        if not changed:
+            return
+        self.state.switched(cfg)
+        for boundary in changed:
+            link = cfg.compression.link(boundary)
+            self.peer.events.add("codec", f"boundary {boundary}: {link.forward} forward, {link.backward} backward")
+        self.links.switch(changed)
 
     # ---- checkpoints ---------------------------------------------------------------------------
 

@@ -95,6 +95,9 @@ class AdaptiveCodecs:
         if settings is None:
             raise ValueError("the config has no compression.adaptive section")
         self.settings = settings
+        # an asynchronous run's changes come with the apply round of the step before the decision's
+        # (trainer.closing `switch`): the first decision comes after its second step
+        self.first = 2 if cfg.train.schedule == "async" else 1
         self.boundaries = list(range(cfg.model.num_stages - 1))
         self.codecs = {b: (cfg.compression.link(b).forward, cfg.compression.link(b).backward) for b in self.boundaries}
         self.controller: AdaptiveCompression | None = None
@@ -108,7 +111,12 @@ class AdaptiveCodecs:
 
     def due(self, step: int) -> bool:
         """`step` counts finished optimizer steps, this one included."""
-        return step % self.settings.every == 0
+        return step >= self.first and step % self.settings.every == 0
+
+    def summary(self) -> dict:
+        """The summary row's account: every change, the codecs in force, the latest decisions."""
+        decisions = {str(b): d.describe() for b, d in sorted(self.last.items())}
+        return {"changes": self.history, "codecs": self.ran, "decisions": decisions}
 
     def step_done(self) -> None:
         """A step ran (call before deciding on it): its codecs are the ones in force."""

@@ -26,14 +26,16 @@ summing form (trainer.replicas: replicas sum what they ran among themselves), an
 hands the decision of the step before to every peer that did not have it from a micro-batch (a
 replica may get none of the micro-batches that bring it): a decision is applied on a peer by the
 first of a micro-batch's head or a round, once. So does a step of a model with tied parameters:
-the held round sums them across their two stages too. Adaptive codecs are refused in one line
-(`plan`).
+the held round sums them across their two stages too. So does every step of a run with adaptive
+codecs; their changes come after a step the pipeline drained at (the loop starts nothing of the
+next step ahead where a decision is due), by the apply round of the step before (`switch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 from protocols import stage_pb2 as pb
 from swarm.config.experiment import TrainConfig
@@ -44,8 +46,6 @@ from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.replicas import replicated, summed
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
-
-REFUSED = "train.schedule async runs in a swarm with fixed codecs"
 
 
 @dataclasses.dataclass
@@ -85,10 +85,7 @@ class StepClosing:
     def plan(self, step: int, count: int, retries: int) -> int:
         """How many micro-batches the step's heads say it has (0: it closes by the rounds; an
         asynchronous step by `late_round`)."""
-        alone = self.alone()
-        if self.depth > 1 and not self.fixed_codecs:
-            raise ValueError(f"step {step}: {REFUSED}")
-        eligible = alone and not self.place.tied and self.fixed_codecs
+        eligible = self.alone() and not self.place.tied and self.fixed_codecs
         self.open = {s: o for s, o in self.open.items() if step - self.depth < s < step}
         if not eligible or count != self.micro_batches:
             return 0
@@ -160,6 +157,17 @@ class StepClosing:
         self._decide(step, {0: squares}, grad_clip)
         self.last = step
         return lr
+
+    async def switch(self, step: int, adapt: Callable[[], Awaitable[list[pb.BoundaryCodecs]]]) -> None:
+        """An asynchronous run's adaptive codecs after `step`, where the pipeline drained: `adapt()`'s
+        changes go to every peer with the apply round of the step before. Its decision, pending
+        for the next step's micro-batches, is applied by that round; a peer that applied it
+        already (a round of dc or of replicas did) only switches."""
+        codecs = await adapt()
+        if not codecs:
+            return
+        before = self.pending.pop(step - 1, None)  # none pending: every peer applied it, the scale is unused
+        await self.rounds.applied(step - 1, before.scale if before is not None else 1.0, codecs)
 
     async def _past_the_step_before(self, step: int) -> None:
         """dc: `step`'s held norms are of its gradients compensated at the weights they will be

@@ -43,7 +43,7 @@ from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.dispatch import Dispatch, micro_batches_in_flight
-from swarm.transport.hivemind.trainer.late import DEPTH, refuse_unsupported
+from swarm.transport.hivemind.trainer.late import DEPTH
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.recovery import Recovery
 from swarm.transport.hivemind.trainer.rounds import StepHooks, SwarmRounds, codec_changes
@@ -67,7 +67,6 @@ class SwarmPipeline:
         allow=(),
         private: bool = False,
     ) -> None:
-        refuse_unsupported(cfg)  # train.schedule async: what it runs without so far
         self.cfg = cfg
         num_stages = cfg.model.num_stages
         in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
@@ -280,6 +279,7 @@ class SwarmPipeline:
             return lr
         if self.closing.depth > 1:  # an asynchronous step is applied late: its norms by a round
             lr = self._mended(lambda: self.loop.run(self.closing.late_round(self.step_index, grad_clip)))
+            self._mended(lambda: self.loop.run(self.closing.switch(self.step_index, self.adapt)))
             self._mended(self.step_done)
             return lr
         return self._mended(lambda: synchronous_step(self.rounds, self.tied, grad_clip))
@@ -298,8 +298,9 @@ class SwarmPipeline:
 
         return self._mended(after_settling)
 
-    def keeps_copies(self, step: int) -> bool:  # the loop drains first: an asynchronous run's copies, joiners
-        return self.recovery.due(step) or self.loop.run(self.setups.waiting())
+    def drains(self, step: int) -> bool:  # an asynchronous run's copies, joiners and codec changes
+        adapts = self.adaptive is not None and self.adaptive.due(step)
+        return adapts or self.recovery.due(step) or self.loop.run(self.setups.waiting())
 
     def snapshot(self, step: int, position: dict) -> None:
         if self.recovery.due(step):
@@ -360,11 +361,7 @@ class SwarmPipeline:
         notes["round_calls"] = dict(self.rounds.calls)
         notes["closed_on_the_way"] = self.closing.closed
         notes.update(self.dispatch.notes())
-        if self.adaptive is None:
-            return notes
-        decisions = {str(b): d.describe() for b, d in sorted(self.adaptive.last.items())}
-        adaptive = {"changes": self.adaptive.history, "codecs": self.adaptive.ran, "decisions": decisions}
-        return {**notes, "adaptive": adaptive}
+        return notes if self.adaptive is None else {**notes, "adaptive": self.adaptive.summary()}
 
     def adaptive_report(self) -> str | None:
         return self.adaptive.report() if self.adaptive is not None else None
