@@ -292,8 +292,8 @@ def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work
     step 2 and, once it serves, computes with weights of its own (finite, well-formed, wrong). Its
     first micro-batches disagree with the incumbent's: it is on probation, so it is left out for good
     and says why, its micro-batches of that step run again, and the losses stay one process's. With
-    an asynchronous schedule the checks run before the next step's micro-batches enter (they would
-    have moved the weights on: the run would go back to the swarm's copies, here ending it)."""
+    an asynchronous schedule the checks run before the next step's micro-batches enter, so the wrong
+    peer ran nothing of the next step when it is left out (one mismatch, not two)."""
     cfg = smoke("model.num_stages=3", "train.verify=1.0", *schedule)
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])  # two honest incumbents of stage 1

@@ -95,8 +95,8 @@ class Dispatch:
     def _checks(self, items: list[tuple[MicroBatch, torch.Tensor]], again: bool) -> frozenset[int]:
         """train.verify: which of a step's micro-batches are checked, drawn as the step is handed over
         (the members see nothing of it), so that the next step knows whether to wait for the checks:
-        they run this step's micro-batches again, which an asynchronous schedule's next step, once
-        it entered, would have moved the weights on from."""
+        a check may leave a peer out, and an asynchronous schedule's next step must not have run
+        anything on it by then (its work would stay in that step)."""
         if self.verification is None or again or not items or items[0][0].mode is not Mode.TRAIN:
             return frozenset()
         step = items[0][0].step

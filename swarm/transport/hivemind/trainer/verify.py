@@ -10,9 +10,9 @@ gradient that comes back for the wrong output) must agree within
 `train.verify_tolerance`, relative. The owner picks the micro-batches (as the step is handed over)
 and the stage (after they ran) with a system random source, and nothing of the picks leaves it
 until a check runs: a member cannot know in advance which of its results are compared. With an
-asynchronous schedule the next step's micro-batches enter after the step's checks (trainer.dispatch):
-a check runs at the step's weights, which the next step's micro-batches move on. Steps without a
-check keep the pipeline full. Members set up at the start of the session are incumbents; a peer that joined later is on
+asynchronous schedule the next step's micro-batches enter after the step's checks (trainer.dispatch),
+so a peer a check leaves out ran nothing of the next step. Steps without a check keep the pipeline
+full. Members set up at the start of the session are incumbents; a peer that joined later is on
 probation until one of its results matched another peer's, and checks go to stages with peers on
 probation first.
 
