@@ -52,7 +52,8 @@ def test_an_asynchronous_step_with_a_check_holds_the_next_back_and_one_without_k
     draw (here fixed: micro-batch 1 of odd steps) decides which steps hold the next step's
     micro-batches back until their checks ran. A step after a step without checks enters while that
     step's micro-batches are out; one after a checked step never does; every check agrees, and the
-    losses are one process's."""
+    losses are one process's. Step 2 closes slowly: step 3's checks wait for it (they read step 3's
+    routes, which the trainer keeps once step 2 is done)."""
     cfg = smoke("model.num_stages=3", "train.verify=0.5", "train.schedule=async", "train.delay_correction=lookahead")
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])
@@ -68,10 +69,26 @@ def test_an_asynchronous_step_with_a_check_holds_the_next_back_and_one_without_k
             return frozenset({1}) if step % 2 else frozenset()
 
         verification.draw = draw
+        late_round = pipeline.closing.late_round
+
+        async def slowly(step, grad_clip):  # step 3 (checked) ran while step 2 was still closing
+            if step == 2:
+                await asyncio.sleep(1.5)
+            return await late_round(step, grad_clip)
+
+        pipeline.closing.late_round = slowly
+        check, seen = verification.check, []
+
+        async def where(items, results, picks):  # the step the trainer's routes are of, at each check
+            seen.append((items[0][0].step, pipeline.position.step_index))
+            return await check(items, results, picks)
+
+        verification.check = where
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         overlapped = pipeline.dispatch.overlapped
         assert verification.checks == len(checked) >= 2 and verification.mismatches == 0
+        assert seen and all(step == position for step, position in seen), seen
         assert overlapped and not {step - 1 for step in overlapped} & checked, (overlapped, checked)
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
     finally:

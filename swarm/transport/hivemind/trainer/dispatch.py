@@ -131,6 +131,8 @@ class Dispatch:
                 raise result
         metrics = [result for result, _ in results]
         if step and self.verification is not None:  # some of them are checked
+            while self.position.step_index < items[0][0].step:  # started early: the step before closes first
+                await asyncio.sleep(0.005)  # (the checks read this step's routes, kept from then on)
             redone = await self.verification.check(items, metrics, picks)
             metrics = [redone.get(batch.index, result) for (batch, _), result in zip(items, metrics, strict=True)]
         if step and (checked := self.checking.pop(items[0][0].step, None)):
