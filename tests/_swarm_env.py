@@ -13,6 +13,7 @@ import pytest
 from _util import SMOKE, write_tiny_tokenizer
 
 from swarm.config import load_config
+from swarm.engine.stash import WeightStash
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
@@ -130,6 +131,21 @@ compression: {{forward: none, backward: none}}
 def step_losses(rows) -> list[float]:
     """A results file's per-step losses, in order."""
     return [r["loss"] for r in rows if r["type"] == "step"]
+
+
+def forwards_at_kept_weights(monkeypatch) -> list[int]:
+    """The steps of the forwards that will run at a stage's kept weights (swarm.engine.stash: an
+    asynchronous micro-batch overtaken or sent again after its stage's next update), as they run."""
+    late: list[int] = []
+    running = WeightStash.running
+
+    def recorded(stash: WeightStash, step: int):
+        if stash.serves(step):
+            late.append(step)
+        return running(stash, step)
+
+    monkeypatch.setattr(WeightStash, "running", recorded)
+    return late
 
 
 def assert_close_losses(ours: list[float], theirs: list[float]) -> None:

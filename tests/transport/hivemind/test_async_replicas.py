@@ -12,9 +12,8 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import local_rows, smoke
+from _swarm_env import forwards_at_kept_weights, local_rows, smoke
 
-from swarm.engine.stash import WeightStash
 from swarm.training.checkpoints import Checkpointing, run_dir
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
@@ -142,15 +141,7 @@ def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_
         return await choose(session, [*exclude, slow.node.peer_id] if holding.is_set() else exclude)
 
     first.handoff.choose = around_the_slow_one
-    late = []
-    running = WeightStash.running
-
-    def recorded(stash, step):
-        if stash.serves(step):
-            late.append(step)
-        return running(stash, step)
-
-    monkeypatch.setattr(WeightStash, "running", recorded)
+    late = forwards_at_kept_weights(monkeypatch)
     try:
         rows = ResultsWriter(None)
         _run(swarm, cfg, run_id, rows)

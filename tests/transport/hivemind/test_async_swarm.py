@@ -9,12 +9,11 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import assert_close_losses, local_rows, smoke, step_losses, swarm_rows
+from _swarm_env import assert_close_losses, forwards_at_kept_weights, local_rows, smoke, step_losses, swarm_rows
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
 from swarm.engine.microbatch import Mode
-from swarm.engine.stash import WeightStash
 from swarm.training.checkpoints import Checkpointing, run_dir
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
@@ -216,15 +215,7 @@ def test_a_micro_batch_sent_again_after_the_next_step_moved_on_runs_at_its_steps
     went out and moved every stage's weights on. When it comes again, every stage runs it at the
     weights step 2 ran at, which each keeps until its next update (swarm.engine.stash): no pause,
     one process's losses. (It used to be refused, and the run went back to the swarm's copies.)"""
-    late = []
-    running = WeightStash.running
-
-    def recorded(stash, step):
-        if stash.serves(step):
-            late.append(step)
-        return running(stash, step)
-
-    monkeypatch.setattr(WeightStash, "running", recorded)
+    late = forwards_at_kept_weights(monkeypatch)
     cfg = smoke(*LOSSY, "train.eval_every=100", "train.schedule=async")
     rows, pipeline = _reply_lost(swarm, cfg, 6, (2, 1), late_s=2.0, snapshot_every=2)
     assert late.count(2) >= 3  # its forward at every stage
