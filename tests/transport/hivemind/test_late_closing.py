@@ -24,8 +24,9 @@ class _Rounds:
         self.asked.append((step, count))
         return self.squares, 0.04
 
-    async def applied(self, step: int, scale: float) -> None:
+    async def applied(self, step: int, scale: float, codecs=()) -> None:
         self.applies.append(step)
+        self.codecs = list(codecs)
 
 
 def _closing(depth: int = 2, squares: float = 9.0, correction: str = "none", tied=()) -> StepClosing:
@@ -60,17 +61,36 @@ def test_a_restored_asynchronous_run_makes_its_last_steps_decision_again(step):
     assert closing.rounds.applies == [] and step - 1 in closing.pending
 
 
-def test_tied_parameters_close_every_asynchronous_step_by_the_round_and_adaptive_codecs_are_refused():
+def test_tied_parameters_and_adaptive_codecs_close_every_asynchronous_step_by_the_round():
     """A tied parameter's sum across two stages takes the held round (test_async_tied.py), so such
-    a step never closes on the way; adaptive codecs under async are refused in one line."""
+    a step never closes on the way; nor does one of a run whose codecs may change."""
     tied = [((0, "wte.weight"), (2, "lm_head.weight"))]
     assert _closing(tied=tied).plan(0, 4, 0) == 0  # by the held round, which sums them
     assert _closing(depth=1, tied=tied).plan(0, 4, 0) == 0  # synchronous: by the rounds, which sum them
     assert _closing(correction="dc:10").plan(0, 4, 0) == 4  # a correction closes on the way too
     adaptive = _closing()
     adaptive.fixed_codecs = False
-    with pytest.raises(ValueError, match=r"^step 0: train.schedule async runs in a swarm with fixed codecs$"):
-        adaptive.plan(0, 4, 0)
+    assert adaptive.plan(0, 4, 0) == 0
+
+
+@pytest.mark.parametrize("pending", [True, False])
+def test_adaptive_codecs_go_with_the_apply_round_of_the_step_before(pending):
+    """After step 5 (drained), new codecs go to every peer with step 4's apply round: its pending
+    decision is applied by it, and taken out of what step 6's micro-batches bring; with none pending
+    (a round applied it already) the round only switches. No change: no round."""
+    closing = _closing()
+    if pending:
+        closing.pending = {4: closing.place.owner.decide("s", 4, 0.25)}
+    codecs = ["boundary 0: quant:4"]
+
+    async def adapt(changes):
+        return changes
+
+    asyncio.run(closing.switch(5, lambda: adapt([])))
+    assert closing.rounds.applies == []
+    asyncio.run(closing.switch(5, lambda: adapt(codecs)))
+    assert closing.rounds.applies == [4] and closing.rounds.codecs == codecs
+    assert closing.decision_for(6) is None and closing.pending == {}
 
 
 def test_a_synchronous_run_reopens_nothing():
