@@ -113,7 +113,7 @@ class Dispatch:
         closing = 0
         step = not again and bool(items) and items[0][0].mode is Mode.TRAIN  # a step's micro-batches, all of them
         if step and (before := self.checking.get(items[0][0].step - 1)) is not None:
-            await before.wait()  # the step before's checks run first, at its weights
+            await before.wait()  # the step before's checks first: a peer they leave out runs none of this step
         if again:
             self.closing.rerun()
         elif step:
