@@ -2,8 +2,9 @@
 
 1,797 images, 10 classes; a fixed seeded split (default 1,500 train / 297 test). Inputs are
 [1, 8, 8] floats standardised with the train split's pixel mean and std; `upscale=True` makes
-them [3, 32, 32] (bilinear) so CIFAR models such as resnet18 run on them. Sample ids are the
-indices into load_digits(), unique across both splits.
+them [3, 32, 32] (bilinear) so CIFAR models such as resnet18 run on them. `subset` and `test_subset`
+keep seeded class-balanced parts of either split (as cifar10's). Sample ids are the indices into
+load_digits(), unique across both splits.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def build_digits(
     train_size: int = 1500,
     upscale: bool = False,
     subset: int | None = None,
+    test_subset: int | None = None,
 ) -> tuple[DigitsDataset, DigitsDataset]:
-    """(train, test); `subset` keeps a seeded class-balanced part of the train split."""
+    """(train, test); `subset` and `test_subset` keep seeded class-balanced parts of the splits."""
     # scikit-learn is a large import that only this dataset needs: loaded when the digits are built.
     from sklearn.datasets import load_digits
 
@@ -54,10 +56,12 @@ def build_digits(
         images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
     labels = torch.tensor(bunch.target, dtype=torch.long)
 
-    if subset is not None:
-        train_ids = train_ids[
-            torch.from_numpy(balanced_subset(labels[train_ids].numpy(), subset, split_seed, "digits"))
-        ]
+    def part(ids: torch.Tensor, size: int | None, name: str) -> torch.Tensor:
+        if size is None:
+            return ids
+        return ids[torch.from_numpy(balanced_subset(labels[ids].numpy(), size, split_seed, name))]
+
+    train_ids, test_ids = part(train_ids, subset, "digits"), part(test_ids, test_subset, "digits test")
 
     def make(ids: torch.Tensor) -> DigitsDataset:
         return DigitsDataset(ids, images[ids].contiguous(), labels[ids], seed)

@@ -66,6 +66,16 @@ def test_digits_upscale_and_subset():
     assert len(train) == 100 and np.bincount(labels).tolist() == [10] * 10
 
 
+def test_digits_test_subset_is_a_balanced_part_of_the_test_split_and_leaves_training_alone(digits):
+    train, test = digits
+    kept_train, kept = build_datasets("digits", test_subset=50)
+    assert torch.equal(kept_train.ids, train.ids) and torch.equal(kept_train.images, train.images)
+    assert len(kept) == 50 and set(kept.ids.tolist()) < set(test.ids.tolist())
+    assert np.bincount([kept[i][2] for i in range(len(kept))]).tolist() == [5] * 10
+    with pytest.raises(ValueError, match="digits test: subset=400 is larger than the 297 samples"):
+        build_datasets("digits", test_subset=400)
+
+
 def test_collate_batches_ids_inputs_targets(digits):
     """Every row of a batch is the dataset's item of that id, whatever order the loader draws."""
     train, _ = digits

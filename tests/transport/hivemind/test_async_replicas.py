@@ -104,9 +104,9 @@ def test_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_proc
         peers = 2 + len(stage1_hosts)
         assert notes["closed_on_the_way"] == 0 and notes["round_calls"]["gather"] == peers * STEPS
         assert notes["round_bytes"].get("gather.received", 0) == 0  # no gradient through the trainer
-        # the rounds did not drain the pipeline (three replicas with dc, an apply round then the summing
-        # one per step: 2 or 3 steps of 6 overlapped in runs on a loaded 2-core machine)
-        assert notes["overlapped_steps"] >= (3 if correction == "none" else 1), notes
+        # the rounds did not drain the pipeline: a draining schedule overlaps none. How many overlap
+        # depends on the machine's load (a CI run on this 2-core machine saw 2 of 6)
+        assert notes["overlapped_steps"] >= 1, notes
     finally:
         swarm.unhost(run_id)
 
