@@ -27,6 +27,8 @@
 #                              several containers share one host's cores (compose on one machine)
 #   METRICS_PORT=9100          a peer's Prometheus metrics at http://0.0.0.0:$METRICS_PORT/metrics
 #                              (--metrics_port, on every interface; bootstrap, stage, trainer)
+#   METRICS_LINGER=15          the trainer's metrics stay up this many seconds after its run ends, so a
+#                              Prometheus scraping every 5 s sees a short run's last step (--metrics_linger)
 #   STATUS_PORT=8080           ROLE=status: the swarm's health page (python -m peers.status --serve) at
 #                              http://0.0.0.0:$STATUS_PORT/, a DHT client that only dials out
 #                              (RUN_ID: only that run)
@@ -110,7 +112,7 @@ case "${ROLE:-}" in
         set -- python -m peers.trainer --config "$CONFIG" --run_id "$RUN_ID" --initial_peers "$peers" \
             --host_maddrs "/ip4/0.0.0.0/tcp/$PORT" ${ANNOUNCE:+--announce_maddrs $ANNOUNCE} ${uplink:+--uplink "$uplink"} \
             ${STEPS:+--steps "$STEPS"} ${RESULTS:+--results "$RESULTS"} ${THREADS:+--threads "$THREADS"} ${shape_delay:+--shape_delay "$shape_delay"} \
-            ${METRICS_PORT:+--metrics_port "$METRICS_PORT" --metrics_host 0.0.0.0} "$@"
+            ${METRICS_PORT:+--metrics_port "$METRICS_PORT" --metrics_host 0.0.0.0 --metrics_linger "${METRICS_LINGER:-15}"} "$@"
         ;;
     status)  # a DHT client: it listens on its default address and only dials out
         peers=$(initial_peers) || exit 1

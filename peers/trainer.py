@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 
 from peers._common import (
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_threads_arg(parser)
     add_metrics_arg(parser)
+    parser.add_argument(
+        "--metrics_linger",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --metrics_port: keep serving the metrics this long after the run ends (finished or failed), so a scraper sees its last figures (a Prometheus every 5 s: 15; SIGTERM cuts it short; default 0)",
+    )
     add_trace_arg(parser)
     add_network_args(parser)
     for action in parser._actions:
@@ -90,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _linger(metrics, seconds: float) -> None:
+    """The metrics stay up `seconds` more: a run shorter than a scrape interval (or its last step)
+    would otherwise end before any scraper saw it. SIGTERM or Ctrl-C ends the wait."""
+    if seconds <= 0:
+        return
+    say(f"metrics stay up {seconds:g} s more, at port {metrics.port} (--metrics_linger)")
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
 
 
 async def _publish(node, run_id: str, path: str, overrides: list[str]):
@@ -133,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--allow takes peer ids, got {bad[0]!r}")
     if args.snapshot_every < 0:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
+    if not args.metrics_linger >= 0:  # NaN too
+        return fail(f"--metrics_linger must be 0 or a positive number of seconds, got {args.metrics_linger}")
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:
@@ -159,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.close()
         return fail(str(e))
     publisher = results = reporter = pipeline = None
+    ended = False  # finished or failed, not interrupted: what --metrics_linger holds the metrics for
     start_trace(args, "trainer")
     try:
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
@@ -192,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline.finish()
         say(f"trainer reach: {node.reach.summary()}")
         adaptive = pipeline.adaptive_report()  # compression.adaptive: the settings it chose, and why
+        ended = True
     except KeyboardInterrupt:
         if pipeline is not None:
             pipeline.state = "interrupted"
@@ -201,12 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if pipeline is not None:
             pipeline.state = f"failed: {message}"
+        ended = True
         return fail(message)
     finally:
         write_trace(args, node.peer_id)
         if results is not None:
             results.close()
         if metrics is not None:
+            if ended:
+                _linger(metrics, args.metrics_linger)
             metrics.close()
         try:
             if reporter is not None:  # its last word: finished, interrupted or failed

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -293,22 +294,43 @@ def test_a_stage_peer_joins_with_the_published_config(swarm, lonely, capsys):
     assert code in (0, -signal.SIGTERM)
 
 
-def test_the_trainer_publishes_its_config_for_the_run(swarm, lonely):
+def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_the_run(swarm, lonely):
+    """No stage peer ever comes, so the run fails; with --metrics_linger its metrics stay up after
+    the error (a scraper sees the end of a short run) until a SIGTERM cuts the wait short."""
     run_id = fresh_run()
     maddrs = swarm.loop.run(lonely.maddrs())
     trainer = subprocess.Popen(
         [sys.executable, "-m", "peers.trainer", "--config", str(SMOKE), "--set", "seed=3", "--run_id", run_id]
-        + ["--initial_peers", *maddrs, "--threads", "1", "--wait", "3"],
+        + ["--initial_peers", *maddrs, "--threads", "1", "--wait", "3"]
+        + ["--metrics_port", "0", "--metrics_linger", "600"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
     )
+    out: list[str] = []
+    lingering = threading.Event()
+
+    def read() -> None:
+        for line in trainer.stdout:
+            out.append(line)
+            if "(--metrics_linger)" in line:
+                lingering.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         found = swarm.loop.run(resolve_run(lonely, None, 60))
+        assert lingering.wait(90), "".join(out)
+        url = next(line.split("metrics at ")[1].strip() for line in out if "metrics at " in line)
+        scraped = urllib.request.urlopen(url, timeout=10).read().decode()  # after the run's end
+        assert trainer.poll() is None
     finally:
-        out, err = trainer.communicate(timeout=60)
+        trainer.send_signal(signal.SIGTERM)
+        err = trainer.communicate(timeout=60)[1]  # far less than the 600 s it would have waited
+        reader.join(10)
+    assert "hivepipe_trainer_step" in scraped and "process_resident_memory_bytes" in scraped
     owner, found.owner = found.owner, ""  # signed by the run's owner, whose id the trainer prints
     assert found == published(run_id, "seed=3")
-    assert f"owner of run {run_id!r}: {owner}" in out
+    assert f"owner of run {run_id!r}: {owner}" in "".join(out)
     assert trainer.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err  # no stage peers
