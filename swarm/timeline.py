@@ -158,6 +158,65 @@ def where_time_goes(trace: dict, window: tuple[float, float] | None = None) -> l
     return lines
 
 
+def _spread(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def step_marks(trace: dict) -> list[str]:
+    """When each peer's part of a step happens: over the trainer's steady steps (each from its
+    micro-batches' start to the next step's), in seconds from the step's start (mean, range): its
+    first payload received and sent, its last payload's end, how long it was sending and at what
+    rate, and its compute; the trainer's replies back, its own step work and the gap to the next
+    step. Compare with what a perfect network gives the same schedule (swarm.bench.fluid `marks`)."""
+    processes = trace["otherData"]["processes"]
+    bounds = [start for start, _ in _steps(trace)]
+    steps = list(zip(bounds[1:-1], bounds[2:], strict=True))  # the first is warm-up; the last has no next
+    if not steps:
+        return ["no steady steps in this timeline (it needs 3 training steps or more)"]
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    tracks = {
+        (e["pid"], e.get("tid")): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"
+    }
+    marks: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for lo, hi in steps:
+        inside = [e for e in events if lo <= e["ts"] / 1e6 < hi]
+        marks[(0, "step")].append(hi - lo)
+        for pid in range(1, len(processes) + 1):
+            mine = [e for e in inside if e["pid"] == pid]
+            track = {id(e): tracks.get((pid, e.get("tid")), "") for e in mine}
+            sends = [e for e in mine if e.get("cat") == "send"]  # replies to the trainer carry no payload
+            received = [e for e in mine if e.get("cat") == "receive"]
+            if received:
+                marks[(pid, "first receive")].append(min(e["ts"] for e in received) / 1e6 - lo)
+            if sends:
+                busy = _covered([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in sends], lo, hi)
+                sent = sum(e["args"].get("bytes", 0) for e in sends)
+                marks[(pid, "first send")].append(min(e["ts"] for e in sends) / 1e6 - lo)
+                marks[(pid, "last send done")].append(max(e["ts"] + e["dur"] for e in sends) / 1e6 - lo)
+                marks[(pid, "sending")].append(busy)
+                marks[(pid, "Mbit/s while sending")].append(8 * sent / busy / 1e6 if busy else 0.0)
+            computing = [e for e in mine if track[id(e)] == "compute"]
+            if computing:
+                marks[(pid, "compute")].append(
+                    _covered([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in computing], lo, hi)
+                )
+            own = [e for e in mine if track[id(e)] == "steps" and e["name"].startswith(("micro-batches", "step "))]
+            for e in own:
+                kind = "replies back" if e["name"].startswith("micro-batches") else "its step"
+                marks[(pid, kind)].append((e["ts"] + e["dur"]) / 1e6 - lo if kind == "replies back" else e["dur"] / 1e6)
+                if kind == "its step":
+                    marks[(pid, "to the next step")].append(hi - (e["ts"] + e["dur"]) / 1e6)
+    lines = [f"steps {len(steps)} steady, {_spread(marks[(0, 'step')])} s each; seconds from a step's start:"]
+    for pid, process in enumerate(processes, start=1):
+        found = [(name, values) for (p, name), values in marks.items() if p == pid]
+        shown = [
+            f"{name} {_spread(v)}" if name != "Mbit/s while sending" else f"{name} {sum(v) / len(v):.1f}"
+            for name, v in found
+        ]
+        lines.append(f"  {process:<14} " + "; ".join(shown))
+    return lines
+
+
 def plot(trace: dict, path: str | Path, window: tuple[float, float] | None = None, title: str = "") -> None:
     """A picture of `window` (default: the second step): a row per peer and track, spans colored by
     what they are."""

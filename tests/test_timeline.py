@@ -87,3 +87,25 @@ def test_merging_aligns_clocks_from_the_exchanges_and_says_where_the_time_goes(t
     with pytest.raises(ValueError, match="not a timeline a peer wrote"):
         (tmp_path / "junk.json").write_text("[]")
         timeline.load(tmp_path / "junk.json")
+
+
+def test_step_marks_say_when_each_peer_s_part_of_a_steady_step_happens(tmp_path):
+    trainer, stage0 = Tracer(), Tracer()
+    trainer.start("trainer")
+    stage0.start("stage0 S0xx")
+    for k in range(4):  # four steps a second apart: the first is warm-up, the last has no next
+        trainer.add(f"micro-batches {k}", "steps", k, k + 0.6)
+        trainer.add(f"step {k}", "steps", k + 0.6, k + 0.7)
+        stage0.add("receive", "receive from trainer T", k + 0.05, k + 0.06, bytes=320)
+        stage0.add("forward", "compute", k + 0.06, k + 0.16)
+        stage0.add("send", "send to stage1 S1xx", k + 0.2, k + 0.45 + 0.05 * (k == 2), bytes=250_000)
+    merged = timeline.merge([trainer.trace("T"), stage0.trace("S0")])
+    head, trainer_line, stage_line = timeline.step_marks(merged)
+    assert head == "steps 2 steady, 1.000 (1.000-1.000) s each; seconds from a step's start:"
+    assert "replies back 0.600 (0.600-0.600); its step 0.100 (0.100-0.100); to the next step 0.300" in trainer_line
+    assert "first receive 0.050 (0.050-0.050); first send 0.200 (0.200-0.200)" in stage_line
+    assert "last send done 0.475 (0.450-0.500)" in stage_line  # 250 kB in 0.25 s and in 0.3 s
+    assert "Mbit/s while sending 7.3" in stage_line and "compute 0.100 (0.100-0.100)" in stage_line
+    assert timeline.step_marks(timeline.merge([stage0.trace("S0")])) == [
+        "no steady steps in this timeline (it needs 3 training steps or more)"
+    ]

@@ -65,8 +65,30 @@ class StepModel:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One payload of the modelled step: queued by `sender` at `queued` s, its last byte out at
+    `done` s (it arrives a delay later)."""
+
+    sender: str
+    receiver: str
+    queued: float
+    done: float
+
+
+@dataclass(frozen=True)
 class FluidResult:
     step_s: float
+    transfers: tuple[Transfer, ...] = ()  # in the order their last bytes left
+
+    def marks(self) -> dict[str, tuple[float, float]]:
+        """Per sender: (its first payload queued, its last payload's last byte out), in seconds from
+        the step's start: what `python -m swarm timeline --marks` measures on a real step."""
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for t in self.transfers:
+            first[t.sender] = min(first.get(t.sender, t.queued), t.queued)
+            last[t.sender] = max(last.get(t.sender, t.done), t.done)
+        return {sender: (first[sender], last[sender]) for sender in sorted(first)}
 
 
 def max_min_rates(
@@ -106,6 +128,7 @@ class _Step:
         self.back_ready: dict[int, set[int]] = defaultdict(set)
         self.back_next: dict[int, int] = defaultdict(int)
         self.admitted = self.done = 0
+        self.log: list[Transfer] = []
 
     def later(self, when: float, callback) -> None:
         heapq.heappush(self.events, (when, next(self.order), callback))
@@ -116,7 +139,13 @@ class _Step:
         self.later(self.free_at[stage], callback)
 
     def send(self, sender: str, receiver: str, nbytes: float, callback) -> None:
-        self.waiting[(sender, receiver)].append((nbytes, callback))
+        queued = self.t
+
+        def arrived() -> None:  # a delay after its last byte left
+            self.log.append(Transfer(sender, receiver, queued, self.t - self.m.delay_s))
+            callback()
+
+        self.waiting[(sender, receiver)].append((nbytes, arrived))
         self.start_waiting()
 
     def start_waiting(self) -> None:
@@ -192,7 +221,7 @@ class _Step:
             while self.events and self.events[0][0] <= self.t + _EPS:
                 heapq.heappop(self.events)[2]()
             self.start_waiting()
-        return FluidResult(self.t + 2 * self.m.delay_s * self.m.round_trips)
+        return FluidResult(self.t + 2 * self.m.delay_s * self.m.round_trips, tuple(self.log))
 
 
 def simulate(model: StepModel) -> FluidResult:

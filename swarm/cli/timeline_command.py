@@ -20,6 +20,11 @@ def add_parser(commands) -> None:
     timeline.add_argument("--plot", help="PNG of one step of every peer's tracks")
     timeline.add_argument("--step", type=int, default=1, help="which training step the picture shows (0: the first)")
     timeline.add_argument("--title", default="", help="the picture's title")
+    timeline.add_argument(
+        "--marks",
+        action="store_true",
+        help="also when each peer's part of a steady step happens (first payload in and out, last out, sending time and rate, compute), seconds from the step's start",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for line in timeline.where_time_goes(merged):
         print(line)
+    if args.marks:
+        for line in timeline.step_marks(merged):
+            print(line)
     if args.out:
         Path(args.out).write_text(json.dumps(merged))
         print(f"timeline in {args.out}")

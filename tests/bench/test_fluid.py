@@ -82,6 +82,19 @@ def test_every_hop_adds_its_delay_and_the_step_rounds_two_each():
     assert simulate(rounds).step_s == pytest.approx(alone + 4 * 0.05 + 3 * 2 * 0.05)
 
 
+def test_marks_say_when_each_sender_s_payloads_go_as_a_traced_step_does():
+    model = StepModel(2, 1, 1, 1, [500_000], [250_000], [0.1, 0.2], 8e6, input_bytes=100_000, delay_s=0.05)
+    marks = simulate(model).marks()
+    # the input is out at 0.1 and arrives at 0.15; stage 0 computes until 0.25, its activations are
+    # out at 0.75; they arrive at 0.8, stage 1 computes until 1.2 and its gradients are out at 1.45;
+    # they arrive at 1.5, stage 0's backward ends at 1.6 and its (empty) reply leaves then
+    assert marks == {
+        "trainer": pytest.approx((0.0, 0.1)),
+        "stage0": pytest.approx((0.15 + 0.1, 1.6)),
+        "stage1": pytest.approx((0.8 + 0.4, 1.45)),
+    }
+
+
 def test_a_run_whose_steps_all_closed_on_the_way_has_no_step_rounds():
     config = {"optimizer": {"grad_clip": 1.0}}
     assert step_round_trips(config) == 3
