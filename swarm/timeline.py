@@ -144,6 +144,8 @@ def where_time_goes(trace: dict, window: tuple[float, float] | None = None) -> l
     """One line per peer: the share of `window` (default: the steady steps) it spent computing,
     sending, receiving, awaiting replies and waiting (a category's tracks together, overlaps once)."""
     lo, hi = window or steady_window(trace)
+    if hi <= lo:  # a run that failed before its first step: shares of nothing would read as idle peers
+        return ["no time to share out: the timeline has no span (the run ended before its first step?)"]
     processes = trace["otherData"]["processes"]
     by_category: dict[tuple[int, str], list] = defaultdict(list)
     for (pid, track), spans in _spans(trace).items():

@@ -109,3 +109,12 @@ def test_step_marks_say_when_each_peer_s_part_of_a_steady_step_happens(tmp_path)
     assert timeline.step_marks(timeline.merge([stage0.trace("S0")])) == [
         "no steady steps in this timeline (it needs 3 training steps or more)"
     ]
+
+
+def test_a_timeline_without_spans_says_so_instead_of_idle_shares():
+    trainer = Tracer()
+    trainer.start("trainer")  # the run failed before its first step
+    merged = timeline.merge([trainer.trace("T")])
+    assert timeline.where_time_goes(merged) == [
+        "no time to share out: the timeline has no span (the run ended before its first step?)"
+    ]

@@ -33,6 +33,9 @@ BYTES = "bytes"  # the tokenizer option for UTF-8 bytes
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 
 
+_FROM_CWD = " (a relative name is read from the current directory, {}: run from where the config expects, set data_dir, or give an absolute path)"
+
+
 def resolve_files(patterns, data_dir: str | None, role: str) -> list[Path]:
     """Files of a list of names or globs, relative to `data_dir` (or the cwd), in the given order.
 
@@ -50,14 +53,16 @@ def resolve_files(patterns, data_dir: str | None, role: str) -> list[Path]:
             raise ValueError(f"{NAME}: {role} entries must be file names or globs, got {pattern!r}")
         path = Path(pattern).expanduser()
         path = path if path.is_absolute() else base / path
+        # a relative name read from where the command runs surprises whoever runs it elsewhere
+        where = "" if data_dir is not None or Path(pattern).expanduser().is_absolute() else _FROM_CWD.format(base)
         if any(c in str(pattern) for c in "*?["):
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
-                raise ValueError(f"{NAME}: {role} pattern {str(path)!r} matches no file")
+                raise ValueError(f"{NAME}: {role} pattern {str(path)!r} matches no file{where}")
         elif path.is_file():
             matches = [path]
         else:
-            raise ValueError(f"{NAME}: {role} file {str(path)!r} does not exist")
+            raise ValueError(f"{NAME}: {role} file {str(path)!r} does not exist{where}")
         found.update((m.resolve(), None) for m in matches)
     return list(found)
 
