@@ -32,6 +32,7 @@ from peers._common import (
     write_trace,
 )
 from swarm.config import ConfigError, load_config
+from swarm.engine.build import device_problem
 from swarm.transport.hivemind.dht.runconfig import (
     ConfigPublisher,
     PublishedConfig,
@@ -144,6 +145,8 @@ async def serve(args: argparse.Namespace) -> int:
                 return fail(
                     f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
                 )
+            if problem := device_problem(cfg.device):  # here, not at the run's setup, which it would fail
+                return fail(problem)
             if mine is not None:  # joiners find the run's config before its trainer starts
                 publisher = await start_publishing(node, mine)
         except (ConfigError, RunConfigError, OSError) as e:

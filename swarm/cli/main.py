@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_command(args: argparse.Namespace) -> int:
     from swarm.config import ConfigError, load_config
+    from swarm.engine.build import device_problem
     from swarm.training.checkpoints import Checkpointing
     from swarm.training.experiment import describe, run_experiment
 
@@ -193,6 +194,9 @@ def run_command(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if problem := device_problem(cfg.device):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.checkpoint_every and not args.checkpoint_dir:
         print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
@@ -247,6 +251,9 @@ def report_command(args: argparse.Namespace) -> int:
             written = write_study_report(args.study, args.results_dir, args.out, args.mix_commits)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, AttributeError) as e:  # a config line whose sections are not a run's
+        print(f"error: a results file's config does not read as a run's ({e!r})", file=sys.stderr)
         return 2
     for path in written:
         print(path)

@@ -27,6 +27,12 @@ def add_parser(commands) -> None:
     )
 
 
+def _merged(trace) -> bool:
+    """Whether a file's JSON is a merged timeline (any JSON may come in: a list, a number)."""
+    other = trace.get("otherData") if isinstance(trace, dict) else None
+    return isinstance(other, dict) and "processes" in other
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm import timeline
 
@@ -34,17 +40,19 @@ def run(args: argparse.Namespace) -> int:
         traces = [json.loads(Path(path).read_text()) for path in args.traces]
         merged = (
             traces[0]
-            if len(traces) == 1 and "processes" in traces[0].get("otherData", {})
+            if len(traces) == 1 and _merged(traces[0])
             else timeline.merge([timeline.load(path) for path in args.traces])
         )
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    for line in timeline.where_time_goes(merged):
+    try:
+        lines = timeline.where_time_goes(merged) + (timeline.step_marks(merged) if args.marks else [])
+    except (TypeError, AttributeError, IndexError, KeyError, ValueError) as e:  # a file that only looks like one
+        print(f"error: {args.traces[0]}: its events do not read as a timeline's ({e!r})", file=sys.stderr)
+        return 2
+    for line in lines:
         print(line)
-    if args.marks:
-        for line in timeline.step_marks(merged):
-            print(line)
     if args.out:
         Path(args.out).write_text(json.dumps(merged))
         print(f"timeline in {args.out}")

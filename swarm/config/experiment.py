@@ -265,6 +265,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is None:
         return config_from_text("", overrides or [], "config")
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    return config_from_text(path.read_text(), overrides or [], str(path))
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (not UTF-8 at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    if not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines()):
+        # an empty file would train the defaults: far more likely a file saved empty by mistake
+        raise ConfigError(f"{path}: the config file is empty (no setting in it)")
+    return config_from_text(text, overrides or [], str(path))

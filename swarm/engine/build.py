@@ -46,6 +46,23 @@ def link_ends(cfg: ExperimentConfig, index: int, capacity: int | None = None) ->
     return LinkEnds(inbound, outbound)
 
 
+def device_problem(device: str) -> str | None:
+    """Why this machine cannot compute on `device`, in one line, or None: checked when a process
+    starts, so a peer without the device fails at once instead of at its run's setup."""
+    try:
+        index = torch.device(device).index
+    except RuntimeError:
+        return f"device {device!r}: not a device torch knows (cpu, cuda, cuda:N or mps)"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return f"device {device}: this machine has no CUDA device torch can use (torch {torch.__version__})"
+        if index is not None and index >= (count := torch.cuda.device_count()):
+            return f"device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    elif device == "mps" and not torch.backends.mps.is_available():
+        return "device mps: not available here (it needs Apple silicon and a torch built with MPS)"
+    return None
+
+
 def build_runtime(
     cfg: ExperimentConfig, staged: StagedModel, index: int, total_steps: int, hold_grads: bool = False
 ) -> StageRuntime:

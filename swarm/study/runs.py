@@ -22,6 +22,8 @@ def load_run(path: str | Path) -> dict:
     config = next((r for r in rows if r["type"] == "config"), None)
     if config is None:
         raise ValueError(f"{path}: no config line (not a results file of `python -m swarm run`)")
+    if not isinstance(config.get("name"), str) or not isinstance(config.get("config"), dict):
+        raise ValueError(f"{path}: its config line has no run name or no config (not written by `python -m swarm run`)")
     summary = next((r for r in rows if r["type"] == "summary"), None)
     return {
         "path": str(path),

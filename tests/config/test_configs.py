@@ -1,6 +1,7 @@
 """Every shipped config loads and validates; the paper's tables are all there."""
 
 import pytest
+import torch
 from _util import REPO
 
 from swarm.config import ConfigError, load_config
@@ -53,3 +54,30 @@ def test_boundary_overrides_merge_with_the_defaults():
                 "compression.boundaries={1: {forward: 'quant:4'}}",
             ],
         )
+
+
+def test_a_file_that_is_no_config_and_a_missing_device_fail_in_one_line(tmp_path, capsys):
+    from _util import SMOKE
+
+    from swarm.cli.main import main
+
+    (tmp_path / "junk.bin").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "comments.yaml").write_text("# nothing set yet\n\n")
+    cases = {
+        "junk.bin": "junk.bin: not a text file (not UTF-8 at byte 0)",
+        "empty.yaml": "empty.yaml: the config file is empty (no setting in it)",
+        "comments.yaml": "comments.yaml: the config file is empty (no setting in it)",
+        ".": "is a directory",
+    }
+    for name, message in cases.items():
+        capsys.readouterr()
+        assert main(["run", str(tmp_path / name), "--steps", "1"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and line.endswith(message), line
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past this machine's devices, GPU or not
+    for device, message in ((missing, f"device {missing}: this machine has "), ("cuda:x", "not a device torch knows")):
+        capsys.readouterr()
+        assert main(["run", str(SMOKE), "--steps", "1", "--device", device]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and message in line, line

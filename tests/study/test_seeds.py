@@ -202,3 +202,17 @@ def test_a_language_models_table_is_told_by_its_perplexity_not_its_dataset_name(
     assert language(run("wikitext2", bytes_lm))
     assert not language(run("cifar10", images))
     assert language(run("text", [])) and not language(run("cifar10", []))  # not evaluated yet: by its data
+
+
+def test_report_refuses_results_files_whose_config_line_is_no_run_s_in_one_line(tmp_path, capsys):
+    cases = {
+        '{"type": "config"}': "its config line has no run name or no config",
+        '{"type": "config", "name": "x", "config": 5}': "its config line has no run name or no config",
+        '{"type": "config", "name": "x", "config": {"a": 1}}': "a results file's config does not read as a run's",
+    }
+    for text, message in cases.items():
+        (tmp_path / "r.jsonl").write_text(text + "\n")
+        capsys.readouterr()
+        assert main(["report", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out")]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and message in line, line

@@ -14,6 +14,7 @@ import urllib.request
 import uuid
 
 import pytest
+import torch
 from _swarm_env import SETTINGS
 from _util import REPO, SMOKE
 from hivemind.utils import get_dht_time
@@ -269,6 +270,10 @@ def test_a_stage_peer_joins_with_the_published_config(swarm, lonely, capsys):
     assert stage_errors(capsys, swarm.loop, "--initial_peers", *maddrs, "--wait", "-1") == [
         "error: --wait must be a number of seconds (0 or more), got -1.0"
     ]
+    # a device this machine lacks: refused at start, not at the run's setup (which it would fail)
+    missing = f"cuda:{torch.cuda.device_count()}"
+    (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", *maddrs, "--device", missing)
+    assert line.startswith(f"error: device {missing}: this machine has "), line
     peer = stage_peer(maddrs, "--wait", "10")
     lines: queue.Queue = queue.Queue()
 
