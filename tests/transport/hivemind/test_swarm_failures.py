@@ -354,3 +354,30 @@ def test_a_micro_batch_sent_again_while_its_first_attempt_is_still_downstream_su
         assert pipeline.step() == pytest.approx(local.step())
     finally:
         swarm.unhost(run_id)
+
+
+def test_a_trainer_waits_past_a_stages_stale_record_for_a_live_peer(swarm):
+    """Stage 1's only record is of a peer that is gone (its record outlives it until it expires):
+    the trainer's setup leaves it out and waits for a live peer of the stage, instead of ending the
+    run at its start."""
+    from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+
+    cfg, run_id = smoke("model.num_stages=2"), uuid.uuid4().hex[:8]
+    node, server = swarm.mortal_host()
+    server.host(HostedStage(node, run_id, cfg, 1))
+    swarm.loop.run(server.announcer.announce_now())
+    swarm.host(cfg, run_id, [(0, 0)])
+    gone = node.peer_id
+    swarm.loop.run(server.stop())
+    swarm.loop.run(node.shutdown())
+    data = build_data(cfg)
+    pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id)
+    assert [r.peer_id for r in swarm.loop.run(pipeline.router.peers(1, refresh=True))] == [gone]
+    later = threading.Timer(2.0, lambda: swarm.host(cfg, run_id, [(1, 1)]))  # a live peer comes
+    later.start()
+    try:
+        members = pipeline.setup(Schedule.of(cfg, len(data[0]), 2).lr_horizon, len(data[0]), wait_s=30)
+        assert members == {0: [swarm.hosts[0][0].peer_id], 1: [swarm.hosts[1][0].peer_id]}
+    finally:
+        later.join()
+        swarm.unhost(run_id)

@@ -9,7 +9,9 @@ payload path"); it is kept because the peers' event loops are mostly that socket
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -17,6 +19,8 @@ try:
     from uvloop import new_event_loop
 except ImportError:  # Windows: asyncio's own loop
     new_event_loop = asyncio.new_event_loop
+
+WAKE_S = 0.2  # how often the main thread wakes while it waits on the loop, to run signal handlers
 
 
 def run(coro: Coroutine) -> Any:
@@ -36,8 +40,25 @@ class LoopThread:
         self.loop.run_forever()
 
     def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        """Runs `coro` on the loop and waits for its result (raises its exception)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        """Runs `coro` on the loop and waits for its result (raises its exception). Ctrl-C and
+        SIGTERM reach the waiting main thread within WAKE_S, and cancel `coro`."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        if threading.current_thread() is not threading.main_thread():
+            return future.result(timeout)
+        # The kernel may hand a process's signal to any of its threads: to this loop's, say. Python
+        # then runs its handler only once the main thread executes bytecode, which a blocking wait
+        # for `future` never does: a trainer waiting for stage peers ignored Ctrl-C for minutes.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not future.done():
+                left = WAKE_S if deadline is None else min(WAKE_S, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"no result within {timeout}s")
+                concurrent.futures.wait([future], timeout=left)
+        except BaseException:
+            future.cancel()
+            raise
+        return future.result()
 
     def stop(self) -> None:
         """Cancels what is still pending (background refreshes), then stops the loop."""

@@ -272,7 +272,7 @@ class HostedStage:
 
     async def drain(self, say) -> None:
         """Returns once it can leave without its run noticing (stage.leaving)."""
-        await drain(self.place, self.state, self.meters, self.router, self.rounds, self.peer, say)
+        await drain(self.place, self.state, self.meters, self.router, self.rounds, self.peer, say, self.gate.owner)
 
     def close(self) -> None:
         self.work.close()

@@ -10,6 +10,11 @@ which every gradient it holds is in its replicas' sums too (`StageState.nothing_
 then still refuses micro-batches until the routers that saw its old record have looked again, so
 none is sent to a peer that is gone. A peer holding nothing (between runs, not set up, still joining) or whose run
 has been quiet for a call timeout leaves at once.
+
+The last peer of a stage does not wait when there is no run left to stop: its owner's status record
+(`dht.runstatus`) says the run ended (finished, interrupted, failed), or there is no such record and
+no micro-batch or step round came for a record's lifetime. A live trainer refreshes its record every few seconds
+(it outlives a pause), so its absence over that span, seen twice, means the trainer is gone.
 """
 
 from __future__ import annotations
@@ -18,12 +23,44 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from swarm.transport.hivemind.dht.runstatus import fetch_status
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState
 
 REPLY_GRACE_S = 1.0  # after its last apply reply, for the reply to reach the trainer
 POLL_S = 0.05
+ENDED = ("finished", "interrupted", "failed")  # the trainer's last states (peers/trainer.py); "failed: why"
+RECHECK_S = 1.0  # a missing record is looked up once more: one lost DHT reply must not end a live run
+
+
+async def _owner_says(place: StagePlace, owner: str | None) -> str | None:
+    """The run's state in its owner's status record, None when there is none (or no owner yet)."""
+    if owner is None:
+        return None
+    try:
+        status = await fetch_status(place.node, place.run_id, owner)
+    except Exception:  # the DHT may be briefly unreachable: no word, the caller looks again
+        return None
+    return None if status is None else status.state
+
+
+async def run_over(place: StagePlace, rounds: StageRounds, meters: StageMeters, owner: str | None) -> str | None:
+    """Why no run is left to stop (the owner ended it, or its trainer is gone), else None."""
+    state = await _owner_says(place, owner)
+    if state is not None:
+        return f"run {place.run_id!r} is {state}" if state.startswith(ENDED) else None
+    lifetime = place.settings.dht.record_ttl_s
+
+    def quiet() -> bool:  # no micro-batch and no step round lately (a saturated link can lose a lookup)
+        return time.monotonic() - max(rounds.last_s, meters.last_s) >= lifetime
+
+    if not quiet():
+        return None
+    await asyncio.sleep(RECHECK_S)
+    if await _owner_says(place, owner) is not None or not quiet():
+        return None
+    return f"run {place.run_id!r} has no trainer (no status record, no micro-batch or step round for {lifetime:.0f}s)"
 
 
 async def others_serving(place: StagePlace, state: StageState, router: Router) -> list[str]:
@@ -44,12 +81,17 @@ async def drain(
     rounds: StageRounds,
     peer: PeerServices,
     say: Callable[[str], None],
+    owner: str | None = None,
 ) -> None:
-    """Returns once the stage can leave without its run noticing."""
+    """Returns once the stage can leave without its run noticing (`owner`: the run's, whose status
+    record says when the run is over)."""
     if state.runtime is None or state.joining is not None:
         return
     told = False
     while not await others_serving(place, state, router):
+        if over := await run_over(place, rounds, meters, owner):
+            say(f"stage {place.stage}: {over}; leaving now")
+            return  # nothing will call it again: no micro-batch or gradient of it is awaited
         if not told:
             say(
                 f"stage {place.stage}: no other peer serves this stage; leaving now would stop run {place.run_id!r}. "

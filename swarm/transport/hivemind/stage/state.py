@@ -269,6 +269,7 @@ class StageMeters:
     set_up_at: float = 0.0  # when it was last set up (monotonic): a joiner's first micro-batch is timed from it
     serving_since: float = 0.0  # when it was first set up: its idle seconds count from then
     first_batch_s: float | None = None  # seconds from being set up to the first micro-batch
+    last_s: float = 0.0  # when the last micro-batch left it (monotonic): its run is not quiet
 
     def measure(self, batch: MicroBatch, seconds: float, policy: RoutingPolicy) -> None:
         if seconds > 0:
@@ -285,6 +286,7 @@ class StageMeters:
 
     def left(self, processed: bool) -> None:
         self.queue -= 1
+        self.last_s = time.monotonic()
         self.occupied.leave()
         if processed:
             self.processed += 1

@@ -13,17 +13,15 @@ the step rounds until it serves.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections import defaultdict
 from pathlib import Path
 
 from hivemind.utils.crypto import RSAPrivateKey
 
 from protocols import stage_pb2 as pb
-from protocols.errors import RemoteError, TransportError, one_line
+from protocols.errors import RemoteError, TransportError
 from swarm.config import ExperimentConfig
 from swarm.engine.build import config_digest
 from swarm.engine.pipeline import Rewound
@@ -178,42 +176,15 @@ class SwarmPipeline:
 
     async def _setup(self, lr_horizon: int, capacity: int | None, wait_s: float) -> dict[int, list[str]]:
         deadline = time.monotonic() + wait_s
-        while True:
-            found = {s: self.setups.first_few(await self.router.peers(s, refresh=True)) for s in range(self.num_stages)}
-            missing = [s for s, records in found.items() if not records]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise NoPeerError(
-                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {self.run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {self.run_id})"
-                )
-            await asyncio.sleep(0.5)
+        found = await self.setups.records(self.router, range(self.num_stages), deadline, wait_s)
         self.setups.args = (lr_horizon, capacity or 0)
-        available = {s: [r.peer_id for r in records if not r.leaving] for s, records in found.items()}
+        available = {s: [r.peer_id for r in records] for s, records in found.items()}
         resume = None if self.fresh else await self.recovery.resume_point(available)
-
-        async def one(stage: int, peer_id: str):
-            try:
-                return stage, peer_id, await self.setups.set_up(stage, peer_id)
-            except TransportError as e:  # gone, its record not yet expired: left out if its stage has another
-                return stage, peer_id, e
-
-        replies = await asyncio.gather(
-            *(one(s, r.peer_id) for s, records in found.items() for r in records if not r.leaving)
-        )
-        members: dict[int, list[str]] = defaultdict(list)
-        for stage, peer_id, reply in replies:
-            if isinstance(reply, TransportError):
-                if not any(s == stage and not isinstance(r, TransportError) for s, _, r in replies):
-                    raise reply
-                self.router.failed(peer_id)
-                log.warning("stage %d peer %s left out: %s", stage, peer_id[-8:], one_line(reply))
-                continue
-            members[stage].append(peer_id)
-            if reply.tied and not self.tied:
-                self.place.tied[:] = [
-                    TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in reply.tied
-                ]
+        members, tied = await self.setups.first(self.router, found, deadline, wait_s)
+        if tied and not self.tied:
+            self.place.tied[:] = [
+                TiedPair((t.first_stage, t.first_name), (t.second_stage, t.second_name)) for t in tied
+            ]
         self.membership.start(members)
         if resume is not None:  # an earlier trainer's run: it goes on where the swarm's copies are
             self.recovery.lineage, step, sources = resume

@@ -18,12 +18,14 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
+from swarm.transport.hivemind.routing.router import NoPeerError
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
 # The owner's roster rides in every micro-batch's head (64 KiB at most, stage.server.MAX_HEAD_BYTES):
 # 1,024 members make a head of 52.6 KiB with every other field it may carry.
 MAX_MEMBERS = 1024
+TELL_AFTER_S = 3.0  # a trainer still waiting for a stage's peer after this says so (once)
 
 
 class Setups:
@@ -61,6 +63,57 @@ class Setups:
         and its share of `MAX_MEMBERS` (a flood of records must not make the roster outgrow a head)."""
         limit = min(self.place.settings.limits.max_peers_per_stage, MAX_MEMBERS // self.place.num_stages)
         return list(records)[:limit]
+
+    async def records(self, router, stages, deadline: float, wait_s: float, gone=frozenset()) -> dict[int, list]:
+        """Waits (until `deadline`) until each of `stages` has a peer on the DHT that is not leaving
+        and not `gone`; the first few of each (`first_few`)."""
+        started, told = time.monotonic(), False
+        while True:
+            found = {}
+            for stage in stages:
+                records = await router.peers(stage, refresh=True)
+                found[stage] = self.first_few([r for r in records if not r.leaving and r.peer_id not in gone])
+            missing = [s for s, records in found.items() if not records]
+            if not missing:
+                return found
+            run_id = self.place.run_id
+            if time.monotonic() > deadline:
+                raise NoPeerError(
+                    f"no peer serves stage(s) {', '.join(map(str, missing))} of run {run_id!r} after {wait_s:.0f}s (start them with python -m peers.stage --stage N --run_id {run_id})"
+                )
+            if not told and time.monotonic() - started > TELL_AFTER_S:  # a lookup at the start may lag
+                log.warning("waiting for a peer of stage(s) %s of run %r (at most %.0fs)", missing, run_id, wait_s)
+                told = True
+            await asyncio.sleep(0.5)
+
+    async def first(self, router, found: dict[int, list], deadline: float, wait_s: float):
+        """Sets up the peers `found` (stage -> records) for the session: (stage -> peers set up, the
+        tied weights one reported). A stage whose every peer fails its setup (gone, its record not
+        yet expired) waits for another until `deadline` instead of ending the run at its start."""
+        members: dict[int, list[str]] = {}
+        tied: list = []
+        gone: set[str] = set()
+
+        async def one(stage: int, peer_id: str):
+            try:
+                return stage, peer_id, await self.set_up(stage, peer_id)
+            except TransportError as e:
+                return stage, peer_id, e
+
+        while True:
+            replies = await asyncio.gather(*(one(s, r.peer_id) for s, records in found.items() for r in records))
+            for stage, peer_id, reply in replies:
+                if isinstance(reply, TransportError):
+                    gone.add(peer_id)
+                    router.failed(peer_id)
+                    log.warning("stage %d peer %s left out: %s", stage, peer_id[-8:], one_line(reply))
+                    continue
+                members.setdefault(stage, []).append(peer_id)
+                tied = tied or list(reply.tied)
+            lacking = [s for s in found if s not in members]
+            if not lacking:
+                return {stage: members[stage] for stage in sorted(members)}, tied
+            found = await self.records(router, lacking, deadline, wait_s, gone)
 
     def _room(self, stage: int) -> int:
         """How many new peers `stage` takes at this step boundary (settings.limits)."""
