@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set compression.forward=topk:0.1",
     )
     run.add_argument("--device", help="cpu, cuda, cuda:N (overrides the config)")
+    run.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="torch CPU threads (default: torch's); a swarm's peers with the same --threads give the same losses",
+    )
     run.add_argument("--checkpoint_dir", help="save checkpoints here and resume from the newest one it holds")
     run.add_argument(
         "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
@@ -202,6 +207,10 @@ def run_command(args: argparse.Namespace) -> int:
         print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
         return 2
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
     except (ValueError, OSError) as e:  # bad model/data options, missing data, unwritable paths

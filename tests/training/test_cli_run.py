@@ -115,6 +115,19 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one():
         torch.set_num_threads(before)
 
 
+def test_run_takes_the_thread_count_its_swarm_peers_take(tmp_path, capsys):
+    before = torch.get_num_threads()
+    try:
+        done = cli_here(
+            capsys, "run", str(SMOKE), "--steps", "1", "--threads", "1", "--results", str(tmp_path / "r.jsonl")
+        )
+        assert done.returncode == 0 and torch.get_num_threads() == 1, done.stderr
+        refused = cli_here(capsys, "run", str(SMOKE), "--threads", "0")
+        assert refused.returncode == 2 and "--threads: expected a positive integer, got '0'" in refused.stderr
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
     for module, args in (("peers.bootstrap", []), ("peers.stage", ["--stage", "0", "--config", str(SMOKE)])):
         result = subprocess.run(
