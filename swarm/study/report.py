@@ -111,6 +111,8 @@ def write_study_report(
     config_dir: str | Path, results_dir: str | Path, out_dir: str | Path, mix_commits: bool = False
 ) -> list[Path]:
     """results.md, PNGs and README.md (the reading of the paper's findings) for a study."""
+    if not Path(results_dir).is_dir():  # a mistyped one would report every row pending
+        raise ValueError(f"--results_dir {results_dir} is not a directory (where `swarm study` wrote the runs)")
     runs = study_runs(config_dir, results_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -216,3 +216,19 @@ def test_report_refuses_results_files_whose_config_line_is_no_run_s_in_one_line(
         assert main(["report", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out")]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith("error: ") and message in line, line
+
+
+def test_a_study_report_refuses_a_results_dir_that_is_not_there(seeded, tmp_path, capsys):
+    capsys.readouterr()
+    args = [
+        "report",
+        "--study",
+        str(seeded["configs"]),
+        "--results_dir",
+        str(tmp_path / "runz"),
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == 2  # a typo would otherwise report every row pending
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"error: --results_dir {tmp_path / 'runz'} is not a directory (where `swarm study` wrote the runs)"
