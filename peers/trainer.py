@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
     parser.add_argument("--results", help="write JSON-lines results here")
-    parser.add_argument("--steps", type=int, help="stop after this many optimizer steps")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="stop after this many optimizer steps (the learning-rate schedule then spans them; at most the config's)",
+    )
     parser.add_argument("--run_id", default=None, help="the run the stage peers joined (default: the config's name)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one micro-batch")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for every stage to have a peer")

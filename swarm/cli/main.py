@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
     run.add_argument("config", help="experiment YAML (see configs/)")
     run.add_argument("--results", help="write JSON-lines results here")
-    run.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
+    run.add_argument(
+        "--steps",
+        type=_positive_int,
+        help="stop after this many optimizer steps (the learning-rate schedule then spans them; at most the config's)",
+    )
     run.add_argument(
         "--set",
         dest="overrides",

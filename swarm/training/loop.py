@@ -171,6 +171,11 @@ def train(
     """
     train_set, test_set = data
     schedule = Schedule.of(cfg, len(train_set), max_steps)
+    if max_steps is not None and max_steps > schedule.total_steps:  # asked for more than the config has
+        print(
+            f"--steps {max_steps}: the config's run has {schedule.total_steps} steps (train.epochs, train.max_steps); it stops there",
+            file=sys.stderr,
+        )
     options = cfg.model.options if cfg.model.name == "transformers" else {}
     adapters = (options["lora"], options.get("pretrained")) if options.get("lora") is not None else (None, None)
     if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it

@@ -128,6 +128,13 @@ def test_run_takes_the_thread_count_its_swarm_peers_take(tmp_path, capsys):
         torch.set_num_threads(before)
 
 
+def test_run_says_when_more_steps_are_asked_than_the_config_has(capsys):
+    done = cli_here(capsys, "run", str(SMOKE), "--steps", "30")  # smoke: 10 steps in all
+    assert done.returncode == 0, done.stderr
+    notice = "--steps 30: the config's run has 10 steps (train.epochs, train.max_steps); it stops there"
+    assert notice in done.stderr.splitlines() and done.stdout.startswith("10 steps in ")
+
+
 def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
     for module, args in (("peers.bootstrap", []), ("peers.stage", ["--stage", "0", "--config", str(SMOKE)])):
         result = subprocess.run(
