@@ -339,3 +339,17 @@ def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_th
     assert found == published(run_id, "seed=3")
     assert f"owner of run {run_id!r}: {owner}" in "".join(out)
     assert trainer.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err  # no stage peers
+
+
+def test_an_initial_peer_that_is_no_peer_address_is_refused_in_one_line(capsys):
+    from peers.trainer import main
+
+    cases = {
+        "garbage": "error: --initial_peers 'garbage': not a multiaddr (Invalid MultiAddr 'garbage': Must begin with /)",
+        "/ip4/127.0.0.1/tcp/31337": "error: --initial_peers '/ip4/127.0.0.1/tcp/31337': it names no peer: "
+        "it must end in /p2p/PEER_ID (the bootstrap prints its full address)",
+    }
+    for maddr, message in cases.items():
+        capsys.readouterr()
+        assert main(["--config", str(SMOKE), "--initial_peers", maddr]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [message]

@@ -140,6 +140,9 @@ class SwarmNode:
     async def create(cls, options: NodeOptions | None = None) -> SwarmNode:
         options = options or NodeOptions()
         initial = list(options.initial_peers)
+        for maddr in initial:  # the daemon's own error would blame --host_maddrs
+            if problem := _not_a_peer_address(maddr):
+                raise RuntimeError(f"--initial_peers {maddr!r}: {problem}")
         egress = None
         if options.shape_rate or options.shape_delay:
             try:
@@ -183,7 +186,10 @@ class SwarmNode:
         except IdentityError as e:
             raise RuntimeError(f"--identity_path: {e}") from None
         except Exception as e:
-            raise RuntimeError(f"the p2p daemon did not start: {e} (check --host_maddrs and --identity_path)") from e
+            checks = (
+                "--initial_peers, --host_maddrs and --identity_path" if initial else "--host_maddrs and --identity_path"
+            )
+            raise RuntimeError(f"the p2p daemon did not start: {e} (check {checks})") from e
         signing_key = options.signing_key or key
         validator = validators(signing_key)
         try:
@@ -234,3 +240,16 @@ class SwarmNode:
             pass
         finally:
             await asyncio.wait_for(self.p2p.shutdown(), timeout)
+
+
+def _not_a_peer_address(maddr: str) -> str | None:
+    """Why `maddr` cannot be dialled as a peer (a multiaddr ending in /p2p/PEER_ID), or None."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        parsed = Multiaddr(maddr)
+    except Exception as e:  # the parser's own error types; any of them means the text is no address
+        return f"not a multiaddr ({str(e).splitlines()[0]})"
+    if "p2p" not in [protocol.name for protocol in parsed.protocols()]:
+        return "it names no peer: it must end in /p2p/PEER_ID (the bootstrap prints its full address)"
+    return None
