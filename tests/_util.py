@@ -32,6 +32,15 @@ def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
+def refusal(capsys, *args: str) -> str:
+    """The one line `python -m swarm ARGS` (in this process) refuses with, after exiting with 2."""
+    capsys.readouterr()  # what came before is not this command's
+    done = cli_here(capsys, *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
+
+
 def apt_install(package: str, hint: str) -> None:
     """`apt-get update` then `apt-get install PACKAGE` (as root): a fresh machine has no package
     lists, so an install alone fails there. Raises RuntimeError, in one line with `hint`, on failure."""

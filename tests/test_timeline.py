@@ -120,18 +120,17 @@ def test_a_timeline_without_spans_says_so_instead_of_idle_shares():
     ]
 
 
-def test_the_timeline_command_refuses_files_that_are_no_timeline_in_one_line(tmp_path, capsys):
-    from swarm.cli.main import main
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "not a timeline a peer wrote"),
+        ("[1, 2]", "not a timeline a peer wrote"),
+        ('{"otherData": {"processes": 3}, "traceEvents": 4}', "its events do not read as a timeline's"),
+        ('{"otherData": {"processes": []}, "traceEvents": [{"ph": "X"}]}', "its events do not read as a timeline's"),
+    ],
+)
+def test_the_timeline_command_refuses_files_that_are_no_timeline_in_one_line(tmp_path, capsys, text, message):
+    from _util import refusal
 
-    cases = {
-        "[]": "not a timeline a peer wrote",
-        "[1, 2]": "not a timeline a peer wrote",
-        '{"otherData": {"processes": 3}, "traceEvents": 4}': "its events do not read as a timeline's",
-        '{"otherData": {"processes": []}, "traceEvents": [{"ph": "X"}]}': "its events do not read as a timeline's",
-    }
-    for text, message in cases.items():
-        (tmp_path / "t.json").write_text(text)
-        capsys.readouterr()
-        assert main(["timeline", str(tmp_path / "t.json")]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("error: ") and message in line, line
+    (tmp_path / "t.json").write_text(text)
+    assert message in refusal(capsys, "timeline", str(tmp_path / "t.json"))

@@ -56,28 +56,26 @@ def test_boundary_overrides_merge_with_the_defaults():
         )
 
 
-def test_a_file_that_is_no_config_and_a_missing_device_fail_in_one_line(tmp_path, capsys):
-    from _util import SMOKE
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("junk.bin", bytes(range(128, 256)), "junk.bin: not a text file (not UTF-8 at byte 0)"),
+        ("empty.yaml", b"", "empty.yaml: the config file is empty (no setting in it)"),
+        ("comments.yaml", b"# nothing set yet\n\n", "comments.yaml: the config file is empty (no setting in it)"),
+        (".", None, "is a directory"),
+    ],
+)
+def test_a_file_that_is_no_config_fails_in_one_line(tmp_path, capsys, name, content, message):
+    from _util import refusal
 
-    from swarm.cli.main import main
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    assert refusal(capsys, "run", str(tmp_path / name), "--steps", "1").endswith(message)
 
-    (tmp_path / "junk.bin").write_bytes(bytes(range(128, 256)))
-    (tmp_path / "empty.yaml").write_text("")
-    (tmp_path / "comments.yaml").write_text("# nothing set yet\n\n")
-    cases = {
-        "junk.bin": "junk.bin: not a text file (not UTF-8 at byte 0)",
-        "empty.yaml": "empty.yaml: the config file is empty (no setting in it)",
-        "comments.yaml": "comments.yaml: the config file is empty (no setting in it)",
-        ".": "is a directory",
-    }
-    for name, message in cases.items():
-        capsys.readouterr()
-        assert main(["run", str(tmp_path / name), "--steps", "1"]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("error: ") and line.endswith(message), line
+
+def test_a_device_this_machine_lacks_fails_in_one_line(capsys):
+    from _util import SMOKE, refusal
+
     missing = f"cuda:{torch.cuda.device_count()}"  # one past this machine's devices, GPU or not
     for device, message in ((missing, f"device {missing}: this machine has "), ("cuda:x", "not a device torch knows")):
-        capsys.readouterr()
-        assert main(["run", str(SMOKE), "--steps", "1", "--device", device]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("error: ") and message in line, line
+        assert message in refusal(capsys, "run", str(SMOKE), "--steps", "1", "--device", device)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _study_configs import write_tiny_configs
+from _util import refusal
 
 from swarm.cli import main
 from swarm.study.entries import Entry, Status, discover, status
@@ -212,14 +213,10 @@ def test_report_refuses_results_files_whose_config_line_is_no_run_s_in_one_line(
     }
     for text, message in cases.items():
         (tmp_path / "r.jsonl").write_text(text + "\n")
-        capsys.readouterr()
-        assert main(["report", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out")]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("error: ") and message in line, line
+        assert message in refusal(capsys, "report", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out"))
 
 
 def test_a_study_report_refuses_a_results_dir_that_is_not_there(seeded, tmp_path, capsys):
-    capsys.readouterr()
     args = [
         "report",
         "--study",
@@ -229,6 +226,5 @@ def test_a_study_report_refuses_a_results_dir_that_is_not_there(seeded, tmp_path
         "--out",
         str(tmp_path),
     ]
-    assert main(args) == 2  # a typo would otherwise report every row pending
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    line = refusal(capsys, *args)  # a typo would otherwise report every row pending
     assert line == f"error: --results_dir {tmp_path / 'runz'} is not a directory (where `swarm study` wrote the runs)"
