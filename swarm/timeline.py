@@ -179,35 +179,40 @@ def step_marks(trace: dict) -> list[str]:
     tracks = {
         (e["pid"], e.get("tid")): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"
     }
+
+    def end(e) -> float:
+        return (e["ts"] + e["dur"]) / 1e6
+
+    def covered(spans: list, lo: float, hi: float) -> float:
+        return _covered([(e["ts"] / 1e6, end(e)) for e in spans], lo, hi)
+
     marks: dict[tuple[int, str], list[float]] = defaultdict(list)
     for lo, hi in steps:
         inside = [e for e in events if lo <= e["ts"] / 1e6 < hi]
         marks[(0, "step")].append(hi - lo)
         for pid in range(1, len(processes) + 1):
             mine = [e for e in inside if e["pid"] == pid]
-            track = {id(e): tracks.get((pid, e.get("tid")), "") for e in mine}
             sends = [e for e in mine if e.get("cat") == "send"]  # replies to the trainer carry no payload
             received = [e for e in mine if e.get("cat") == "receive"]
             if received:
                 marks[(pid, "first receive")].append(min(e["ts"] for e in received) / 1e6 - lo)
             if sends:
-                busy = _covered([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in sends], lo, hi)
+                busy = covered(sends, lo, hi)
                 sent = sum(e["args"].get("bytes", 0) for e in sends)
                 marks[(pid, "first send")].append(min(e["ts"] for e in sends) / 1e6 - lo)
-                marks[(pid, "last send done")].append(max(e["ts"] + e["dur"] for e in sends) / 1e6 - lo)
+                marks[(pid, "last send done")].append(max(end(e) for e in sends) - lo)
                 marks[(pid, "sending")].append(busy)
                 marks[(pid, "Mbit/s while sending")].append(8 * sent / busy / 1e6 if busy else 0.0)
-            computing = [e for e in mine if track[id(e)] == "compute"]
-            if computing:
-                marks[(pid, "compute")].append(
-                    _covered([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in computing], lo, hi)
-                )
-            own = [e for e in mine if track[id(e)] == "steps" and e["name"].startswith(("micro-batches", "step "))]
-            for e in own:
-                kind = "replies back" if e["name"].startswith("micro-batches") else "its step"
-                marks[(pid, kind)].append((e["ts"] + e["dur"]) / 1e6 - lo if kind == "replies back" else e["dur"] / 1e6)
-                if kind == "its step":
-                    marks[(pid, "to the next step")].append(hi - (e["ts"] + e["dur"]) / 1e6)
+            if computing := [e for e in mine if tracks.get((pid, e.get("tid"))) == "compute"]:
+                marks[(pid, "compute")].append(covered(computing, lo, hi))
+            for e in mine:  # the trainer's own: its micro-batches' span, then its step's
+                if tracks.get((pid, e.get("tid"))) != "steps":
+                    continue
+                if e["name"].startswith("micro-batches"):
+                    marks[(pid, "replies back")].append(end(e) - lo)
+                elif e["name"].startswith("step "):
+                    marks[(pid, "its step")].append(e["dur"] / 1e6)
+                    marks[(pid, "to the next step")].append(hi - end(e))
     lines = [f"steps {len(steps)} steady, {_spread(marks[(0, 'step')])} s each; seconds from a step's start:"]
     for pid, process in enumerate(processes, start=1):
         found = [(name, values) for (p, name), values in marks.items() if p == pid]

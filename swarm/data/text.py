@@ -51,10 +51,10 @@ def resolve_files(patterns, data_dir: str | None, role: str) -> list[Path]:
     for pattern in patterns:
         if not isinstance(pattern, (str, Path)) or not str(pattern):
             raise ValueError(f"{NAME}: {role} entries must be file names or globs, got {pattern!r}")
-        path = Path(pattern).expanduser()
-        path = path if path.is_absolute() else base / path
+        given = Path(pattern).expanduser()
+        path = given if given.is_absolute() else base / given
         # a relative name read from where the command runs surprises whoever runs it elsewhere
-        where = "" if data_dir is not None or Path(pattern).expanduser().is_absolute() else _FROM_CWD.format(base)
+        where = "" if data_dir is not None or given.is_absolute() else _FROM_CWD.format(base)
         if any(c in str(pattern) for c in "*?["):
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
