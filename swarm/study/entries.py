@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.config import ConfigError, ExperimentConfig, load_config
+from swarm.study.pace import computing_seconds
 from swarm.training.checkpoints import latest_run
 from swarm.training.results import read_results
 
@@ -49,6 +50,7 @@ class Status:
     steps: int = 0  # optimizer steps in the results file
     epoch: float = 0.0
     wall_time_s: float | None = None  # of a finished run
+    computing_s: float | None = None  # of a finished run: its wall time less its pauses (swarm.study.pace)
     note: str = ""
 
 
@@ -140,7 +142,8 @@ def status(entry: Entry) -> Status:
         )
     summary = next((r for r in rows if r["type"] == "summary"), None)
     if summary is not None:
-        return Status("finished", summary["steps"], last.get("epoch", 0.0), summary.get("wall_time_s"))
+        wall = summary.get("wall_time_s")
+        return Status("finished", summary["steps"], last.get("epoch", 0.0), wall, computing_seconds(rows) or wall)
     checkpoint = latest_run(entry.checkpoints)
     if checkpoint is not None and same_config(checkpoint_config(entry), entry.cfg):
         return Status("partial", len(steps), last.get("epoch", 0.0), note=f"resumes from {checkpoint.name}")

@@ -3,7 +3,9 @@
 Time left is estimated from measured durations: an unfinished run takes what the finished runs of
 the same row (other seeds) took on average, else those of the same model; a run already under
 way needs only its share still to do (by epoch, or by step when the config caps the steps). Runs
-with nothing finished to go by are counted apart ("not timed yet").
+with nothing finished to go by are counted apart ("not timed yet"). Durations are computing time:
+a run's pauses are left out (swarm.study.pace), or a study paused for an hour would count an hour
+more for every later run of the paused run's row.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.study.entries import Entry, Status, status
+from swarm.study.pace import computing_seconds
 from swarm.training.results import read_results
 
 
@@ -59,9 +62,9 @@ def estimate(entries: list[Entry], states: dict[str, Status] | None = None) -> E
     by_model: dict[str, list[float]] = {}
     for entry in entries:
         st = states[entry.name]
-        if st.state == "finished" and st.wall_time_s and entry.cfg is not None:
-            by_row.setdefault(entry.row, []).append(st.wall_time_s)
-            by_model.setdefault(entry.cfg.model.name, []).append(st.wall_time_s)
+        if st.state == "finished" and st.computing_s and entry.cfg is not None:
+            by_row.setdefault(entry.row, []).append(st.computing_s)
+            by_model.setdefault(entry.cfg.model.name, []).append(st.computing_s)
     done = seconds = untimed = 0
     for entry in entries:
         st = states[entry.name]
@@ -102,8 +105,10 @@ def format_status(entries: list[Entry]) -> list[str]:
     for entry in entries:
         st = states[entry.name]
         counts[st.state] = counts.get(st.state, 0) + 1
-        spent += st.wall_time_s or 0.0
-        detail = f"{st.steps} steps" + (f", {fmt_time(st.wall_time_s)}" if st.wall_time_s is not None else "")
+        spent += st.computing_s or 0.0
+        detail = f"{st.steps} steps" + (f", {fmt_time(st.computing_s)}" if st.computing_s is not None else "")
+        if st.wall_time_s is not None and st.computing_s is not None and st.wall_time_s > st.computing_s + 60:
+            detail += f" ({fmt_time(st.wall_time_s)} with its pauses)"
         if st.state == "finished":
             detail += f"; {results_line(entry.results)}"
         if st.note:
@@ -116,29 +121,34 @@ def format_status(entries: list[Entry]) -> list[str]:
     return lines
 
 
-def last_step(path: Path) -> dict | None:
+def logged_rows(path: Path) -> list[dict]:
+    """The rows of a results file being written: a line cut short at its end is left out."""
     try:
         with path.open() as f:
             lines = f.readlines()
     except OSError:
-        return None
-    for line in reversed(lines):
+        return []
+    rows = []
+    for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        if row.get("type") == "step":
-            return row
-    return None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
-def heartbeat_line(entry: Entry, step: dict, session_s: float, others: Estimate) -> str:
-    """A running run's step, epoch and loss, and the study's runs and time left: the other runs
-    at their estimate, this one at its own measured pace (its seconds per share done so far)."""
+def heartbeat_line(entry: Entry, rows: list[dict], session_s: float, others: Estimate) -> str:
+    """A running run's step, epoch and loss (its last step row of `rows`), and the study's runs and
+    time left: the other runs at their estimate, this one at its own measured pace (its computing
+    seconds per share done so far)."""
+    step = next(r for r in reversed(rows) if r.get("type") == "step")
     cfg = entry.cfg
     cap = f"/{cfg.train.max_steps}" if cfg.train.max_steps else ""
     share = done_share(entry, step["step"], step["epoch"])
-    mine = step["time_s"] * (1.0 - share) / share if share > 0 and "time_s" in step else None
+    spent = computing_seconds(rows)
+    mine = spent * (1.0 - share) / share if share > 0 and spent is not None else None
     left = Estimate(others.done, others.left + 1, others.seconds + (mine or 0.0), others.untimed + (mine is None))
     return (
         f"    {entry.name}: step {step['step']}{cap}, epoch {step['epoch']:.2f}/{cfg.train.epochs:g}, "
@@ -169,7 +179,7 @@ class Heartbeat:
     def _loop(self) -> None:
         started = time.monotonic()
         while not self._stop.wait(self.every):
-            step = last_step(self.entry.results)
-            if step is not None:
-                line = heartbeat_line(self.entry, step, time.monotonic() - started, self.others)
+            rows = logged_rows(self.entry.results)
+            if any(r.get("type") == "step" for r in rows):
+                line = heartbeat_line(self.entry, rows, time.monotonic() - started, self.others)
                 print(line, file=self.out, flush=True)

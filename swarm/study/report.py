@@ -121,7 +121,7 @@ def write_study_report(
     md.write_text("\n".join(lines))
     finished = [r for r in runs if r["state"] == "finished"]
     unfinished = [r for r in runs if r["state"] != "finished"]
-    minutes = sum((r["summary"] or {}).get("wall_time_s", 0.0) for r in finished) / 60
+    minutes = sum(r["computing_s"] or 0.0 for r in finished) / 60
     findings = check_all([as_row(g) for g in group_seeds(runs)])
     rerun = swarm_section(results_dir, f"{Path(str(results_dir)).as_posix()}-lab")
     readme = [

@@ -3,7 +3,8 @@
 
 A run is a dict: `path`, `name`, `config` (the config as logged), `steps` and `evals` (its rows of
 those types), `summary` (None until the run finished), `state` (finished, partial or pending) and
-`stamp` (what produced it, swarm.training.stamp; None for files written before stamps). A row of a
+`stamp` (what produced it, swarm.training.stamp; None for files written before stamps) and
+`computing_s` (its time less its pauses, swarm.study.pace; None before a timed row). A row of a
 table is the runs of one config at its seeds (`group_seeds`).
 """
 
@@ -13,6 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
+from swarm.study.pace import computing_seconds
 from swarm.study.rows import Row
 from swarm.training.results import read_results
 
@@ -34,6 +36,7 @@ def load_run(path: str | Path) -> dict:
         "summary": summary,
         "state": "finished" if summary else "partial",
         "stamp": config.get("stamp"),
+        "computing_s": computing_seconds(rows),
     }
 
 
@@ -48,6 +51,7 @@ def pending_run(cfg) -> dict:
         "summary": None,
         "state": "pending",
         "stamp": None,
+        "computing_s": None,
     }
 
 

@@ -90,16 +90,20 @@ def test_time_left_comes_from_finished_runs_of_the_same_row_or_model(tmp_path):
     configs = write_configs(tmp_path / "configs")
     entries = discover(configs, tmp_path / "runs", seeds=2)  # a, a.seed1, b, b.seed1, c, c.seed1
     states = {e.name: Status("pending") for e in entries}
-    states["a-base"] = Status("finished", 8, 2.0, wall_time_s=100.0)
+    # a-base was paused for an hour: its pace is its computing time
+    states["a-base"] = Status("finished", 8, 2.0, wall_time_s=3700.0, computing_s=100.0)
     states["a-base.seed1"] = Status("partial", 4, 1.5)  # 3/4 of its 2 epochs behind it: 25 s left
-    states["b-top20"] = Status("finished", 8, 2.0, wall_time_s=300.0)
+    states["b-top20"] = Status("finished", 8, 2.0, wall_time_s=300.0, computing_s=300.0)
     got = estimate(entries, states)
     # b.seed1 at b's pace (300); c and c.seed1 at the model's (mean of 100 and 300)
     assert (got.done, got.left, got.untimed) == (2, 4, 0)
     assert got.seconds == pytest.approx(25 + 300 + 2 * 200)
     assert got.line() == "2 done / 4 left, about 12m05s left"
-    line = heartbeat_line(entries[1], {"step": 4, "epoch": 1.0, "loss": 1.0, "time_s": 30.0}, 30.0, got)
-    # this run: 30 s for half of it, 30 s to go; with the others 725 s + 30 s
+    steps = [{"type": "step", "step": s, "epoch": s / 4, "loss": 1.0, "time_s": 7.5 * s} for s in (1, 2, 3, 4)]
+    steps[2]["time_s"] += 3600.0  # paused for an hour before its third step
+    steps[3]["time_s"] += 3600.0
+    line = heartbeat_line(entries[1], steps, 30.0, got)
+    # this run: 30 s of computing for half of it, 30 s to go; with the others 725 s + 30 s
     assert line.endswith("study: 2 done / 5 left, about 12m35s left")
 
 
