@@ -42,6 +42,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _steps_or_none(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 0 (none) or a positive number of steps, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m swarm", description="hivepipe: compressed pipeline-parallel training"
@@ -114,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lab.add_argument(
         "--snapshot_every",
-        type=int,
+        type=_steps_or_none,  # refused here, before any peer starts, rather than by the trainer
         help="steps between the copies the swarm keeps of every stage (the trainer's; default 10; 0: none)",
     )
     lab.add_argument(
@@ -316,7 +322,7 @@ def lab_command(args: argparse.Namespace) -> int:
     checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
         ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
     )
-    if args.snapshot_every is not None:  # the trainer refuses a negative one in one line
+    if args.snapshot_every is not None:
         checkpointing += ["--snapshot_every", str(args.snapshot_every)]
     return run_lab(
         args.config,

@@ -8,8 +8,9 @@ import re
 import subprocess
 import sys
 
+import pytest
 from _swarm_env import assert_same_run, local_rows, p2pd_count
-from _util import REPO, SMOKE
+from _util import REPO, SMOKE, cli_here
 
 from swarm.config import load_config
 from swarm.netlab.namespaces import list_namespaces
@@ -140,3 +141,18 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
     assert forwards >= {f"train/{step}/{i}" for step in (0, 1) for i in range(cfg.train.micro_batches)}
     assert {"send", "receive", "awaiting reply", "encode", "decode"} <= {e["name"] for e in spans}
     assert "share of the time each peer spent" in out.stdout and "[lab]   stage1" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--snapshot_every", "-1"], "--snapshot_every: expected 0 (none) or a positive number of steps, got '-1'"),
+        (["--checkpoint_every", "2"], "error: --checkpoint_every needs --checkpoint_dir"),
+        (["--shaping", "tc"], "--shaping: invalid choice: 'tc' (choose from 'netns', 'inprocess')"),
+        (["--nat", "bootstrap"], "error: --nat takes stage numbers (0..1) and 'trainer', got 'bootstrap'"),
+    ],
+)
+def test_the_lab_refuses_bad_options_before_any_peer_starts(capsys, args, error):
+    done = cli_here(capsys, "lab", str(SMOKE), "--stages", "2", *args)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(error), done.stderr
+    assert done.stdout == "" and "[bootstrap]" not in done.stderr  # no process started
