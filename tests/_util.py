@@ -9,6 +9,7 @@ import subprocess
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 
 from protocols import compressed_tensor_pb2 as pb
@@ -39,6 +40,15 @@ def refusal(capsys, *args: str) -> str:
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     return lines[0]
+
+
+def one_line_error(match: str, build, *args, **kwargs) -> str:
+    """The message of the ValueError `build(*args, **kwargs)` raises: it matches `match`, in one line."""
+    with pytest.raises(ValueError, match=match) as info:
+        build(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
 
 
 def apt_install(package: str, hint: str) -> None:

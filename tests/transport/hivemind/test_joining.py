@@ -9,114 +9,20 @@ import dataclasses
 import random
 import threading
 import time
-import uuid
 
 import pytest
-import torch
-from _swarm_env import smoke, split_batches
+from _joining_run import (
+    STEPS,
+    JoiningRun,
+    close_to,
+    forward_sent,
+    route_only,
+    same_weights,
+    seen_ready,
+    wait_until,
+)
 
-from swarm.training.experiment import build_data
-from swarm.training.loop import Schedule
 from swarm.transport.hivemind.dht.survey import format_table, survey
-from swarm.transport.hivemind.stage.host import HostedStage
-
-STEPS = 5
-
-
-def _reference(cfg, data, steps: int = STEPS):
-    from swarm.transport.local import build_local_pipeline
-
-    return build_local_pipeline(cfg, Schedule.of(cfg, len(data[0]), steps).lr_horizon, capacity=len(data[0]))[0]
-
-
-def _only(router, keep: str, others) -> None:
-    """Routes to `keep` alone (the others banned for now)."""
-    router.bans.until = {peer: float("inf") for peer in others if peer != keep}
-
-
-def _wait(what, condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
-
-
-def _seen_ready(swarm, router, peer_id: str, stage: int = 1) -> None:
-    """Waits until `router`'s fresh DHT lookup shows `peer_id` ready: the peer's new record is stored
-    by a task it starts when it goes into service, so the record can lag its role."""
-
-    def ready() -> bool:
-        records = swarm.loop.run(router.peers(stage, refresh=True))
-        return any(r.peer_id == peer_id and r.ready for r in records)
-
-    _wait(f"the DHT shows {peer_id[-8:]} ready", ready)
-
-
-def _cfg():
-    """Codecs without state across micro-batches: a micro-batch computes the same on any pair of peers."""
-    return smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
-
-
-def _step(pipeline, local, items) -> None:
-    """One step through the swarm, checked against the same step in one process."""
-    ours = [m["loss"] for m in pipeline.run_many(items)]
-    assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-6)
-    assert pipeline.step() == pytest.approx(local.step())
-
-
-def _same_weights(a: HostedStage, b: HostedStage) -> bool:
-    pairs = zip(a.runtime.module.parameters(), b.runtime.module.parameters(), strict=True)
-    return all(torch.equal(p, q) for p, q in pairs)
-
-
-def _close_to(hosted: HostedStage, local, stage: int) -> bool:
-    pairs = zip(hosted.runtime.module.parameters(), local.runtimes[stage].module.parameters(), strict=True)
-    return all(torch.allclose(p, r, rtol=1e-5, atol=1e-7) for p, r in pairs)
-
-
-def _forward_sent(hosted: HostedStage) -> int:
-    """Activation bytes `hosted` sent downstream in training, over all its links."""
-    return sum(link.sent.get("forward.train", 0) for link in hosted.status().links if link.upstream)
-
-
-class _Run:
-    """A three-stage run set up on the test swarm: stages 0..2 on the shared hosts 0..2 (stage 1 left
-    out with `shared_stage1=False`), and, with `mortal`, a stage-1 peer on a host of its own that a
-    test kills (`kill`). The trainer's pipeline, the same run in one process, and its steps."""
-
-    def __init__(self, swarm, mortal: bool = True, shared_stage1: bool = True, steps: int = STEPS) -> None:
-        self.swarm, self.cfg, self.run_id = swarm, _cfg(), uuid.uuid4().hex[:8]
-        placement = [(0, 0), (1, 1), (2, 2)] if shared_stage1 else [(0, 0), (2, 2)]
-        self.hosted = swarm.host(self.cfg, self.run_id, placement)
-        self.node = self.server = self.mortal = None
-        if mortal:
-            self.node, self.server = swarm.mortal_host()
-            self.mortal = self.server.host(HostedStage(self.node, self.run_id, self.cfg, 1))
-            swarm.loop.run(self.server.announcer.announce_now())
-        data = build_data(self.cfg)
-        self.pipeline = swarm.pipeline(self.cfg, self.run_id, steps, data)
-        self.local = _reference(self.cfg, data, steps)
-        self.steps = split_batches(self.cfg, data, steps)
-
-    def step(self, n: int) -> None:
-        _step(self.pipeline, self.local, self.steps[n])
-
-    def join(self, server=None, stage: int = 1) -> HostedStage:
-        """A new peer of `stage` (default: on shared host 3) announces itself; the trainer sees it at
-        its next step boundary."""
-        server = server or self.swarm.hosts[3][1]
-        joiner = server.host(HostedStage(server.node, self.run_id, self.cfg, stage))
-        self.swarm.loop.run(server.announcer.announce_now())
-        self.swarm.loop.run(self.pipeline.router.peers(stage, refresh=True))
-        return joiner
-
-    def kill(self) -> None:
-        """The mortal peer's host goes away (its server, then its p2p daemon and DHT node)."""
-        self.swarm.loop.run(self.server.stop())
-        self.swarm.loop.run(self.node.shutdown())
-
-    def close(self) -> None:
-        self.swarm.unhost(self.run_id)
 
 
 def _held_back(source, release: threading.Event) -> None:
@@ -133,7 +39,7 @@ def _held_back(source, release: threading.Event) -> None:
 
 
 def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(swarm):
-    run = _Run(swarm, mortal=False)
+    run = JoiningRun(swarm, mortal=False)
     hosted, pipeline = run.hosted, run.pipeline
     try:
         release = threading.Event()
@@ -145,9 +51,9 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
             if n == 4:  # its download of step 2's state arrives now: it replays steps 2 and 3
                 assert joiner.role == "following" and joiner.state.steps == 0 and len(joiner.state.joining.kept) == 4
                 release.set()
-                _wait("the joiner serves", lambda j=joiner: j.role == "serving")
-                _seen_ready(swarm, hosted[0].router, joiner.node.peer_id)
-                _only(hosted[0].router, joiner.node.peer_id, pipeline.members[1])
+                wait_until("the joiner serves", lambda j=joiner: j.role == "serving")
+                seen_ready(swarm, hosted[0].router, joiner.node.peer_id)
+                route_only(hosted[0].router, joiner.node.peer_id, pipeline.members[1])
                 hosted[0].handoff.sticky = None
             run.step(n)
             if n == 1:  # set up at the boundary after step 1: it follows the rounds from step 2 on
@@ -157,7 +63,7 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
         assert joiner.meters.processed == run.cfg.train.micro_batches and joiner.state.steps == STEPS
         assert hosted[1].source.served == 1 and not pipeline.following
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
+        assert same_weights(joiner, hosted[1]) and close_to(joiner, run.local, 1)
         status = joiner.status()
         assert status.role == "serving" and status.state_bytes_in == joiner.state.joined[1] and status.joined_step == 2
         assert joiner.meters.first_batch_s > 0
@@ -174,18 +80,18 @@ def test_a_joiner_downloads_the_state_replays_the_rounds_since_and_takes_work(sw
 def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(swarm):
     """The issue's trial: a stage-1 peer started after the trainer's setup, then the original one
     killed mid-step. The newcomer takes its micro-batches and the step's lost ones run again."""
-    run = _Run(swarm, shared_stage1=False)
+    run = JoiningRun(swarm, shared_stage1=False)
     pipeline, original, micro_batches = run.pipeline, run.mortal, run.cfg.train.micro_batches
     try:
         run.step(0)
         joiner = run.join()
         run.step(1)
-        _wait("the joiner serves", lambda: joiner.role == "serving")
+        wait_until("the joiner serves", lambda: joiner.role == "serving")
         items = run.steps[2]
         half = len(items) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]  # through the original
         assert original.meters.processed == 2 * micro_batches + half
-        sent, joiner_sent = pipeline.link_bytes(), _forward_sent(joiner)
+        sent, joiner_sent = pipeline.link_bytes(), forward_sent(joiner)
         run.kill()  # it dies holding this step's gradients
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]
         assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
@@ -196,15 +102,15 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         assert joiner.meters.processed == (STEPS - 2) * micro_batches  # the re-run ones included
         now = pipeline.link_bytes()  # what the dead peer sent before it died still counts
         key = "boundary1.forward.train"
-        assert now[key] >= sent[key] + _forward_sent(joiner) - joiner_sent > sent[key]
+        assert now[key] >= sent[key] + forward_sent(joiner) - joiner_sent > sent[key]
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _close_to(joiner, run.local, 1)
+        assert close_to(joiner, run.local, 1)
     finally:
         run.close()
 
 
 def test_a_joiner_killed_while_it_follows_is_left_out(swarm):
-    run = _Run(swarm, mortal=False)
+    run = JoiningRun(swarm, mortal=False)
     hosted, pipeline = run.hosted, run.pipeline
     victim, victim_server = swarm.mortal_host()
     try:
@@ -220,7 +126,7 @@ def test_a_joiner_killed_while_it_follows_is_left_out(swarm):
             run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id] and not pipeline.following
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _close_to(hosted[1], run.local, 1)
+        assert close_to(hosted[1], run.local, 1)
         release.set()
     finally:
         run.close()
@@ -229,11 +135,11 @@ def test_a_joiner_killed_while_it_follows_is_left_out(swarm):
 def test_a_replica_killed_inside_the_step_rounds_is_left_out(swarm):
     """Two stage-1 peers serve from the start; one dies after the gradients were gathered, before
     the trainer sets their sum: the other applies it and the run goes on."""
-    run = _Run(swarm)
+    run = JoiningRun(swarm)
     hosted, pipeline = run.hosted, run.pipeline
     try:
         assert len(pipeline.members[1]) == 2
-        _only(hosted[0].router, run.node.peer_id, pipeline.members[1])
+        route_only(hosted[0].router, run.node.peer_id, pipeline.members[1])
         run.step(0)
         gather = pipeline.rounds.gather
 
@@ -250,13 +156,13 @@ def test_a_replica_killed_inside_the_step_rounds_is_left_out(swarm):
             run.step(n)
         assert pipeline.members[1] == [hosted[1].node.peer_id]
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _close_to(hosted[1], run.local, 1)
+        assert close_to(hosted[1], run.local, 1)
     finally:
         run.close()
 
 
 def test_a_source_killed_during_the_download_and_a_busy_one_the_joiner_gets_its_state_elsewhere(swarm):
-    run = _Run(swarm)
+    run = JoiningRun(swarm)
     hosted, doomed = run.hosted, run.mortal
     try:
         run.step(0)
@@ -264,22 +170,22 @@ def test_a_source_killed_during_the_download_and_a_busy_one_the_joiner_gets_its_
         _held_back(doomed.source, threading.Event())  # takes the state, then dies sending it
         joiner = run.join()
         run.step(1)
-        _wait("the doomed source took its snapshot", lambda: doomed.source.busy)
+        wait_until("the doomed source took its snapshot", lambda: doomed.source.busy)
         run.step(2)
         run.kill()
         hosted[1].source.busy = False
-        _wait("the joiner serves", lambda: joiner.role == "serving")
+        wait_until("the joiner serves", lambda: joiner.role == "serving")
         for n in range(3, STEPS):
             run.step(n)
         assert run.node.peer_id not in run.pipeline.members[1] and hosted[1].source.served == 1
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert joiner.state.joined[0] >= 3 and _same_weights(joiner, hosted[1]) and _close_to(joiner, run.local, 1)
+        assert joiner.state.joined[0] >= 3 and same_weights(joiner, hosted[1]) and close_to(joiner, run.local, 1)
     finally:
         run.close()
 
 
 def test_a_replica_killed_during_a_checkpoint_save_the_other_one_is_saved(swarm, tmp_path):
-    run = _Run(swarm)
+    run = JoiningRun(swarm)
     pipeline = run.pipeline
     try:
         run.step(0)
@@ -295,16 +201,16 @@ def test_a_replica_killed_during_a_checkpoint_save_the_other_one_is_saved(swarm,
 
 
 def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_not_notice(swarm):
-    run = _Run(swarm)
+    run = JoiningRun(swarm)
     hosted, pipeline, leaving = run.hosted, run.pipeline, run.mortal
     try:
-        _only(hosted[0].router, run.node.peer_id, pipeline.members[1])  # micro-batches go to the leaver
+        route_only(hosted[0].router, run.node.peer_id, pipeline.members[1])  # micro-batches go to the leaver
         run.step(0)
         items, half = run.steps[1], len(run.steps[1]) // 2
         ours = [m["loss"] for m in pipeline.run_many(items[:half])]
         said = []
         left = asyncio.run_coroutine_threadsafe(run.server.leave(said.append), swarm.loop.loop)
-        _wait("it says it leaves", lambda: leaving.state.leaving)
+        wait_until("it says it leaves", lambda: leaving.state.leaving)
         assert not left.done()  # it holds this step's gradients of its micro-batches
         hosted[0].router.bans.until.clear()
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]  # refused there: the other replica
@@ -318,31 +224,31 @@ def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_
         for n in range(2, STEPS):
             run.step(n)
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _close_to(hosted[1], run.local, 1)
+        assert close_to(hosted[1], run.local, 1)
     finally:
         run.close()
 
 
 def test_the_last_peer_of_a_stage_waits_for_another_before_it_leaves(swarm):
-    run = _Run(swarm, mortal=False)
+    run = JoiningRun(swarm, mortal=False)
     hosted, pipeline = run.hosted, run.pipeline
     try:
         run.step(0)
         said = []
         left = asyncio.run_coroutine_threadsafe(swarm.hosts[1][1].leave(said.append), swarm.loop.loop)
-        _wait("it says it waits", lambda: said)
+        wait_until("it says it waits", lambda: said)
         assert "no other peer serves this stage" in said[0] and not hosted[1].state.leaving
         run.step(1)  # it keeps serving meanwhile
         joiner = run.join()
         run.step(2)
-        _wait("the joiner serves", lambda: joiner.role == "serving")
-        _wait("it sees the joiner and leaves", lambda: hosted[1].state.leaving)  # it looks every announce_every_s
+        wait_until("the joiner serves", lambda: joiner.role == "serving")
+        wait_until("it sees the joiner and leaves", lambda: hosted[1].state.leaving)  # it looks every announce_every_s
         run.step(3)  # its apply reply tells the trainer it leaves (if step 2's did not already)
         left.result(timeout=30)
         assert pipeline.members[1] == [joiner.node.peer_id]
         run.step(4)
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert _close_to(joiner, run.local, 1)
+        assert close_to(joiner, run.local, 1)
     finally:
         run.close()
 
@@ -351,7 +257,7 @@ def test_the_last_peer_of_a_stage_waits_for_another_before_it_leaves(swarm):
 def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on(swarm, seed):
     """Stage 1 has two peers and a third joins; one of the first two dies at a random moment of
     the steps that follow (a micro-batch, a step round, the joiner's download, or between)."""
-    run = _Run(swarm, steps=8)
+    run = JoiningRun(swarm, steps=8)
     pipeline, local = run.pipeline, run.local
     try:
         run.step(0)
@@ -370,9 +276,9 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
             if killer.is_alive():
                 killer.join()
         assert pipeline.members[1] == [run.hosted[1].node.peer_id, joiner.node.peer_id]
-        _wait("the joiner serves", lambda: joiner.role == "serving")
+        wait_until("the joiner serves", lambda: joiner.role == "serving")
         run.pipeline.settle()  # the last step may close on the way: applied when the next begins
-        assert joiner.state.steps == 8 and _same_weights(joiner, run.hosted[1]) and _close_to(run.hosted[1], local, 1)
+        assert joiner.state.steps == 8 and same_weights(joiner, run.hosted[1]) and close_to(run.hosted[1], local, 1)
     finally:
         run.close()
 
@@ -381,7 +287,7 @@ def test_an_open_run_takes_joiners_within_its_admission_limits(swarm):
     """Two stage-1 peers announce themselves at once; with `joins_per_step` 1 the trainer sets one up
     at the next step boundary and the other at the one after (a flood of records costs the run one
     state download per stage and step), and every step keeps the single-process losses."""
-    run = _Run(swarm, mortal=False)
+    run = JoiningRun(swarm, mortal=False)
     settings = swarm.trainer.settings
     swarm.trainer.settings = dataclasses.replace(
         settings, limits=dataclasses.replace(settings.limits, joins_per_step=1)
