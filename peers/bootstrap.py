@@ -50,11 +50,15 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m peers.bootstrap", description=__doc__.splitlines()[0])
     add_metrics_arg(parser)
     add_network_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging()
     return run_until_stopped(serve(args))
 

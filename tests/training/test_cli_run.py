@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from _util import REPO, SMOKE, cli_here
 
 from peers._common import apply_threads
+from peers.trainer import main as trainer_main
 from swarm.training.results import read_results
 
 
@@ -94,19 +99,27 @@ def test_bad_options_and_paths_fail_with_one_line(tmp_path, capsys):
     assert result.returncode == 2 and "smaller than one batch" in result.stderr
 
 
-def test_peers_take_a_thread_count_and_refuse_a_bad_one():
-    for module, args in (("peers.stage", ["--stage", "0"]), ("peers.trainer", [])):
-        result = subprocess.run(
-            [sys.executable, "-m", module, *args, "--config", str(SMOKE), "--threads", "0"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-        )
-        assert (
-            result.returncode == 2
-            and result.stderr.strip().splitlines()[-1] == "error: --threads must be a positive integer, got 0"
-        )
+def peer_refusal(capsys, module: str, *argv: str) -> str:
+    """The one line peers.stage's or peers.bootstrap's serve() (in a thread of this process: no
+    signal handlers of its own) refuses `argv` with; no subprocess to import torch and hivemind."""
+    serve, build_parser = importlib.import_module(module).serve, importlib.import_module(module).build_parser
+    capsys.readouterr()
+    with ThreadPoolExecutor(1) as pool:
+        code = pool.submit(asyncio.run, serve(build_parser().parse_args(list(argv)))).result(timeout=60)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_peers_take_a_thread_count_and_refuse_a_bad_one(capsys):
+    refused = "error: --threads must be a positive integer, got 0"
+    assert peer_refusal(capsys, "peers.stage", "--stage", "0", "--config", str(SMOKE), "--threads", "0") == refused
+    handler = signal.getsignal(signal.SIGTERM)  # the trainer's main() takes SIGTERM over
+    try:
+        assert trainer_main(["--config", str(SMOKE), "--threads", "0"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == refused
     before = torch.get_num_threads()
     try:
         assert apply_threads(1) is None and torch.get_num_threads() == 1
@@ -135,17 +148,8 @@ def test_run_says_when_more_steps_are_asked_than_the_config_has(capsys):
     assert notice in done.stderr.splitlines() and done.stdout.startswith("10 steps in ")
 
 
-def test_peers_refuse_a_bad_daemon_thread_count_in_one_line():
-    for module, args in (("peers.bootstrap", []), ("peers.stage", ["--stage", "0", "--config", str(SMOKE)])):
-        result = subprocess.run(
-            [sys.executable, "-m", module, *args, "--daemon_threads", "-2"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-        )
-        assert (
-            result.returncode == 2
-            and result.stderr.strip().splitlines()[-1]
-            == "error: --daemon_threads must be 0 (one per core) or a positive integer, got -2"
-        )
+def test_peers_refuse_a_bad_daemon_thread_count_in_one_line(capsys):
+    refused = "error: --daemon_threads must be 0 (one per core) or a positive integer, got -2"
+    assert peer_refusal(capsys, "peers.bootstrap", "--daemon_threads", "-2") == refused
+    stage = ["--stage", "0", "--config", str(SMOKE), "--daemon_threads", "-2"]
+    assert peer_refusal(capsys, "peers.stage", *stage) == refused
