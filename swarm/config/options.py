@@ -19,10 +19,17 @@ def reject_unknown(what: str, options: dict, allowed: list[str]) -> None:
         raise ValueError(f"{what}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
 
 
-def first_line(error: BaseException) -> str:
-    """An exception's message cut to its first line (the class name when it has none), for one-line errors."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(error).__name__
+ONE_LINE_CHARS = 400  # a library's message past this (a list of every model type) is cut
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message as one line, for one-line errors (the class name when it has none):
+    its lines joined, as what to do is often below the first (transformers: "Couldn't instantiate
+    the backend tokenizer from one of: ..." and then which package to install), cut at ONE_LINE_CHARS."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if not text:
+        return type(error).__name__
+    return text if len(text) <= ONE_LINE_CHARS else text[: ONE_LINE_CHARS - 3].rstrip() + "..."
 
 
 def resolve_callable(spec: str, what: str) -> Callable:

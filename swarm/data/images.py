@@ -6,7 +6,9 @@ Layouts of `dir`:
   set) of each class's files, in name order, are the test split. A fixed rule rather than a
   seeded draw, so the split and the ids depend only on the files and the options.
 
-Classes are the sorted folder names (label i = classes[i]). Every image is converted to RGB and
+Classes are the sorted folder names (label i = classes[i]). Hidden files (names starting with a
+dot) are left out, and every other file is opened (its header) when the dataset is built: one that
+is not an image fails the build, not the run. Every image is converted to RGB and
 resized to `image_size` x `image_size` (bilinear; the aspect ratio is not kept) when it has
 another size. Train items get cifar10's crop-and-flip augmentation (random crop with 4 pixels of
 padding, horizontal flip) drawn per (seed, epoch, sample id); every item is normalized with
@@ -60,15 +62,33 @@ def _check_classes(root: Path) -> None:
     if not classes:
         raise ValueError(f"{NAME}: {str(root)!r} has no class folders (expected {root}/<class>/<image files>)")
     for folder in classes:
-        if not any(f.is_file() and f.name.lower().endswith(IMG_EXTENSIONS) for f in folder.rglob("*")):
+        images = (f for f in folder.rglob("*") if f.is_file() and not f.name.startswith("."))
+        if not any(f.name.lower().endswith(IMG_EXTENSIONS) for f in images):
             raise ValueError(
                 f"{NAME}: class {folder.name!r} ({str(folder)!r}) has no images ({', '.join(IMG_EXTENSIONS)})"
             )
 
 
+def _readable(paths: list[str], labels: list[int]) -> tuple[list[str], list[int]]:
+    """The files that are not hidden (a desktop's .DS_Store, an editor's ._x.png), each opened here
+    (its header: cheap) so that a file that is not an image fails the build in one line, not a run
+    at the first step or evaluation that reaches it."""
+    from PIL import Image, UnidentifiedImageError
+
+    kept = [(path, label) for path, label in zip(paths, labels, strict=True) if not Path(path).name.startswith(".")]
+    for path, _ in kept:
+        try:
+            with Image.open(path):
+                pass
+        except (OSError, UnidentifiedImageError) as e:
+            raise ValueError(f"{NAME}: {path} is not a readable image ({str(e).splitlines()[0]})") from None
+    return [path for path, _ in kept], [label for _, label in kept]
+
+
 def _folder(root: Path) -> tuple[list[str], list[int], list[str]]:
     _check_classes(root)
-    return image_folder(root)
+    paths, labels, classes = image_folder(root)
+    return (*_readable(paths, labels), classes)
 
 
 def _stats(what: str, value) -> tuple[float, ...]:

@@ -17,12 +17,13 @@ Block ids run 0..n_train-1 for train and continue n_train.. for test.
 from __future__ import annotations
 
 import glob
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from swarm.config.options import first_line
+from swarm.config.options import one_line
 from swarm.data.base import require_dir
 from swarm.data.wikitext import TokenBlocks, token_blocks
 
@@ -77,11 +78,15 @@ def _records(path: Path, fmt: str) -> Iterator[dict]:
     # reading happens inside the try: the caller's checks raise their own errors between rows.
     try:
         from datasets import load_dataset
+        from datasets.utils.logging import disable_progress_bar, set_verbosity
+
+        set_verbosity(logging.CRITICAL)  # its own log line of a file it cannot parse: the error below says it
+        disable_progress_bar()
 
         options = {"text": {"keep_linebreaks": True}, "tsv": {"sep": "\t"}}.get(fmt, {})
         yield from load_dataset(FORMATS[fmt], data_files=[str(path)], split="train", streaming=True, **options)
     except Exception as e:  # unparsable json, a binary file read as csv, ...: one line naming the file
-        raise ValueError(f"{NAME}: cannot read {str(path)!r} as {fmt} ({first_line(e)})") from None
+        raise ValueError(f"{NAME}: cannot read {str(path)!r} as {fmt} ({one_line(e)})") from None
 
 
 def read_rows(path: Path, fmt: str, field: str) -> list[str]:
@@ -135,7 +140,7 @@ def load_auto_tokenizer(tokenizer):
     try:
         return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(tokenizer))
     except Exception as e:  # missing files, offline hub name, unknown class: one line
-        raise ValueError(f"{NAME}: cannot load tokenizer {str(tokenizer)!r} as a {where} ({first_line(e)})") from None
+        raise ValueError(f"{NAME}: cannot load tokenizer {str(tokenizer)!r} as a {where} ({one_line(e)})") from None
 
 
 def _check(block_size, group_rows, test_fraction, test_files, format, field) -> float:

@@ -32,6 +32,7 @@ import torch
 from protocols.errors import PayloadError
 from protocols.message import Encoded
 from swarm.engine.delay import StageDelay
+from swarm.engine.diverged import require_finite
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
@@ -113,6 +114,7 @@ class StageRuntime:
             else:
                 if training:
                     self._saved[batch.key] = (x, y, self._trained())
+                require_finite(y, self.index, "activations", batch)
                 out = ends.outbound.send(batch, y.detach())
                 message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
         commit_received()
@@ -125,6 +127,7 @@ class StageRuntime:
         if batch.mode is Mode.EVAL:
             return Message(Kind.DONE, -1, batch, metrics=metrics)
         loss = self.loss_fn(logits, targets)
+        require_finite(loss.detach(), self.index, "loss", batch)
         metrics["loss"] = float(loss.detach())
         x_grad = self._backprop(batch, loss * batch.weight, None, x, self._trained())
         return self._gradient_message(batch, x, x_grad, ends, metrics)
@@ -259,6 +262,7 @@ class StageRuntime:
         if self.first:
             return Message(Kind.DONE, -1, batch, metrics=metrics or {})
         grad = x_grad if x_grad is not None else torch.zeros_like(x)
+        require_finite(grad, self.index, "input gradients", batch)
         out = ends.inbound.send(batch, grad)
         return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from swarm.config.options import accepted_options, reject_unknown
@@ -41,6 +42,17 @@ def build_model(name: str, num_stages: int, **options) -> StagedModel:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or 'package.module:function'")
     reject_unknown(name, options, model_options(name))
     return MODELS[name](num_stages, **options)
+
+
+def model_num_classes(name: str, options: dict) -> int | None:
+    """A built-in classifier's number of outputs from its options (None: not a built-in classifier)."""
+    if name not in MODELS or name == "transformers":
+        return None
+    default = inspect.signature(MODELS[name]).parameters.get("num_classes")
+    if default is None:
+        return None
+    n = options.get("num_classes", default.default)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def model_vocab_size(name: str, options: dict) -> int | None:

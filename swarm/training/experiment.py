@@ -14,11 +14,19 @@ from swarm.transport.local import build_local_pipeline
 
 
 def build_data(cfg: ExperimentConfig):
-    """The config's (train, test) datasets; token ids beyond a language model's vocabulary are
-    refused here, in one line, rather than as an index error inside a stage."""
-    from swarm.models.registry import model_vocab_size  # the model zoo imports transformers: only once data is in
+    """The config's (train, test) datasets; token ids beyond a language model's vocabulary, and
+    classes beyond a classifier's outputs, are refused here, in one line, rather than as an index
+    error inside a stage or the loss."""
+    from swarm.models.registry import model_num_classes, model_vocab_size  # they import transformers: data first
 
     data = build_datasets(cfg.data.name, data_dir=cfg.data.data_dir, seed=cfg.seed, **cfg.data.options)
+    classes = getattr(data[0], "num_classes", None)
+    outputs = model_num_classes(cfg.model.name, cfg.model.options)
+    if isinstance(classes, int) and outputs is not None and classes > outputs:
+        raise ValueError(
+            f"data: {cfg.data.name} has {classes} classes but the model {cfg.model.name} has {outputs} outputs"
+            f" (set model.options.num_classes: {classes})"
+        )
     vocab = model_vocab_size(cfg.model.name, cfg.model.options)
     blocks = [getattr(split, "blocks", None) for split in data]
     highest = max((int(b.max()) for b in blocks if isinstance(b, torch.Tensor) and b.numel()), default=-1)
@@ -35,8 +43,10 @@ def describe(summary: dict, results_path=None) -> list[str]:
     final = summary.get("final") or {}
     parts = [f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s"]
     for mode in ("uncompressed", "compressed"):
-        if mode in final:
+        if final.get(mode):
             parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
+    if any(mode in final for mode in ("uncompressed", "compressed")) and len(parts) == 1:
+        parts.append("no metrics: the test split is empty")
     return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
 
 

@@ -237,6 +237,21 @@ def test_images_errors_are_one_line(tmp_path):
     one_line_error("images: unknown option", build_datasets, "images", dir=pics, crop=4)
 
 
+def test_hidden_files_are_left_out_and_a_file_that_is_not_an_image_fails_the_build(tmp_path):
+    write_images(tmp_path / "pics", 3)
+    (tmp_path / "pics" / "cat" / ".DS_Store.png").write_bytes(b"")  # a desktop's, named like an image
+    train, test = build_datasets("images", dir=str(tmp_path / "pics"), image_size=8, test_fraction=0.34)
+    assert len(train) + len(test) == 9
+    (tmp_path / "pics" / "dog" / "999.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"junk" * 8)  # the test split's
+    one_line_error(
+        r"images: .*dog/999\.png is not a readable image", build_datasets, "images", dir=str(tmp_path / "pics")
+    )
+    only_hidden = tmp_path / "hidden" / "cat"
+    only_hidden.mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(only_hidden / ".a.png")
+    one_line_error("images: class 'cat' .* has no images", build_datasets, "images", dir=str(tmp_path / "hidden"))
+
+
 def test_config_accepts_the_new_names_and_refuses_others_in_one_line():
     for name in (*DATASETS, "mypkg.data:build", "data:make"):
         assert load_config(None, [f"data.name={name}"]).data.name == name

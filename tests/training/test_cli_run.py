@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from _util import REPO, SMOKE, cli_here
+from _util import REPO, SMOKE, cli_here, refusal
 
 from peers._common import apply_threads
 from peers.trainer import main as trainer_main
+from swarm.config.options import one_line
+from swarm.training.experiment import describe
 from swarm.training.results import read_results
 
 
@@ -153,3 +156,24 @@ def test_peers_refuse_a_bad_daemon_thread_count_in_one_line(capsys):
     assert peer_refusal(capsys, "peers.bootstrap", "--daemon_threads", "-2") == refused
     stage = ["--stage", "0", "--config", str(SMOKE), "--daemon_threads", "-2"]
     assert peer_refusal(capsys, "peers.stage", *stage) == refused
+
+
+def test_a_diverged_run_and_classes_beyond_the_models_outputs_are_one_line(capsys):
+    diverged = refusal(capsys, "run", str(SMOKE), "--steps", "3", "--set", "optimizer.lr=1e9")
+    assert re.fullmatch(
+        r"error: stage \d: the (activations|loss|input gradients) of micro-batch \d of step [23] are not finite"
+        r" \(NaN or inf\): the training diverged; .*",
+        diverged,
+    ), diverged
+    classes = refusal(capsys, "run", str(SMOKE), "--set", "model.options.num_classes=3")
+    assert classes == (
+        "error: data: digits has 10 classes but the model digits_cnn has 3 outputs (set model.options.num_classes: 10)"
+    )
+
+
+def test_a_run_without_test_data_says_so_and_a_librarys_message_keeps_what_to_do():
+    summary = {"steps": 2, "wall_time_s": 0.5, "final": {"uncompressed": {}, "compressed": {}}}
+    assert describe(summary) == ["2 steps in 0.5s; no metrics: the test split is empty"]
+    error = OSError("Couldn't instantiate the tokenizer from one of:\n  (1) a file\n\nYou need sentencepiece.")
+    assert one_line(error) == "Couldn't instantiate the tokenizer from one of: (1) a file You need sentencepiece."
+    assert len(one_line(ValueError("x" * 5000))) == 400 and one_line(KeyError()) == "KeyError"
