@@ -30,9 +30,27 @@ from swarm.bench.throughput_table import (
 DOCS = Path(__file__).parents[2] / "docs" / "bench"  # the committed figures
 
 
+# a plain link-bound row: what each test's rows do not set
+PLAIN = dict(
+    backward="none",
+    link_bound=1.0,
+    compute_bound=math.inf,
+    fraction_of_bound=1.0,
+    schedule_bound=1.0,
+    binding="link",
+    busiest_bytes_per_sample=1.0,
+    forward_bytes=[],
+    backward_bytes=[],
+    stage_ms_per_sample=[],
+    steps=4,
+    shaping="netns",
+    samples_per_s=1.0,
+)
+
+
 def _row(**flat) -> ThroughputRow:
-    """A row from its flat keys, as the benchmark's JSON holds them."""
-    return ThroughputRow.from_json(flat)
+    """A row from its flat keys, as the benchmark's JSON holds them (PLAIN's for those not given)."""
+    return ThroughputRow.from_json({**PLAIN, **flat})
 
 
 def test_backward_specs_and_speedups():
@@ -48,41 +66,15 @@ def test_backward_specs_and_speedups():
     assert codec_overrides("adaptive:quant")[2][-1] == "compression.adaptive.ladder=quant"
     with pytest.raises(ValueError, match="adaptive:topk or adaptive:quant"):
         codec_overrides("adaptive:zip")
-    base = dict(
-        backward="none",
-        link_bound=1.0,
-        compute_bound=math.inf,
-        fraction_of_bound=1.0,
-        schedule_bound=1.0,
-        binding="link",
-        busiest_bytes_per_sample=1.0,
-        forward_bytes=[],
-        backward_bytes=[],
-        stage_ms_per_sample=[],
-        steps=4,
-        shaping="netns",
-    )
     rows = [
-        _row(codec="none", bandwidth_mbit=100, samples_per_s=10, **base),
-        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=65, **base),
+        _row(codec="none", bandwidth_mbit=100, samples_per_s=10),
+        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=65),
     ]
     assert speedups(rows) == {("topk:0.1", 100): pytest.approx(6.5)}
 
 
 def test_target_lines_tell_link_bound_points_from_compute_bound_ones():
-    base = dict(
-        backward="none",
-        link_bound=1.0,
-        compute_bound=1.0,
-        schedule_bound=1.0,
-        busiest_bytes_per_sample=1.0,
-        forward_bytes=[],
-        backward_bytes=[],
-        stage_ms_per_sample=[],
-        steps=4,
-        shaping="netns",
-        samples_per_s=1.0,
-    )
+    base = dict(compute_bound=1.0)
     rows = [
         _row(codec="none", bandwidth_mbit=10, fraction_of_bound=0.85, binding="link stage1 up", **base),
         _row(codec="none", bandwidth_mbit=500, fraction_of_bound=0.79, binding="link stage2 down", **base),
@@ -187,22 +179,9 @@ def test_the_committed_json_rows_load_and_write_back_the_same_flat_keys_and_valu
 
 
 def test_faster_points_run_enough_steps_for_the_time_budget():
-    base = dict(
-        backward="none",
-        link_bound=1.0,
-        fraction_of_bound=1.0,
-        schedule_bound=1.0,
-        binding="link",
-        busiest_bytes_per_sample=1.0,
-        forward_bytes=[],
-        backward_bytes=[],
-        stage_ms_per_sample=[],
-        steps=4,
-        shaping="netns",
-    )
     slow = [
-        _row(codec="topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400, **base),
-        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450, **base),
+        _row(codec="topk:0.1", bandwidth_mbit=10, samples_per_s=16, compute_bound=400),
+        _row(codec="topk:0.1", bandwidth_mbit=100, samples_per_s=170, compute_bound=450),
     ]
     assert expected_samples_per_s([], 10) is None
     assert expected_samples_per_s(slow[:1], 50) == pytest.approx(80)  # scales with the rate
