@@ -42,7 +42,7 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _steps_or_none(text: str) -> int:
+def _non_negative_steps(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected 0 (none) or a positive number of steps, got {text!r}")
     return int(text)
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lab.add_argument(
         "--snapshot_every",
-        type=_steps_or_none,  # refused here, before any peer starts, rather than by the trainer
+        type=_non_negative_steps,  # refused here, before any peer starts, rather than by the trainer
         help="steps between the copies the swarm keeps of every stage (the trainer's; default 10; 0: none)",
     )
     lab.add_argument(

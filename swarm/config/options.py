@@ -22,7 +22,7 @@ def reject_unknown(what: str, options: dict, allowed: list[str]) -> None:
 ONE_LINE_CHARS = 400  # a library's message past this (a list of every model type) is cut
 
 
-def one_line(error: BaseException) -> str:
+def library_message(error: BaseException) -> str:
     """An exception's message as one line, for one-line errors (the class name when it has none):
     its lines joined, as what to do is often below the first (transformers: "Couldn't instantiate
     the backend tokenizer from one of: ..." and then which package to install), cut at ONE_LINE_CHARS."""

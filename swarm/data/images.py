@@ -6,9 +6,9 @@ Layouts of `dir`:
   set) of each class's files, in name order, are the test split. A fixed rule rather than a
   seeded draw, so the split and the ids depend only on the files and the options.
 
-Classes are the sorted folder names (label i = classes[i]). Hidden files (names starting with a
-dot) are left out, and every other file is opened (its header) when the dataset is built: one that
-is not an image fails the build, not the run. Every image is converted to RGB and
+Classes are the sorted folder names (label i = classes[i]). Hidden files and folders (names
+starting with a dot) are left out, and every other file is opened (its header) when the dataset is
+built: one that is not an image fails the build, not the run. Every image is converted to RGB and
 resized to `image_size` x `image_size` (bilinear; the aspect ratio is not kept) when it has
 another size. Train items get cifar10's crop-and-flip augmentation (random crop with 4 pixels of
 padding, horizontal flip) drawn per (seed, epoch, sample id); every item is normalized with
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from swarm.config.options import library_message
 from swarm.data.augment import CIFAR10_MEAN, CIFAR10_STD, normalize, random_crop, random_hflip, to_tensor
 from swarm.data.base import require_dir
 from swarm.data.cifar import CifarDataset, image_folder
@@ -39,7 +40,10 @@ class ImageFolderDataset(CifarDataset):
         self.mean, self.std = tuple(mean), tuple(std)
 
     def image(self, index: int) -> np.ndarray:
-        image = super().image(index)  # RGB uint8 [H, W, 3]
+        try:
+            image = super().image(index)  # RGB uint8 [H, W, 3]
+        except Exception as e:  # a body the build's header check could not see (truncated)
+            raise _unreadable(self.images[index], e) from None
         size = self.crop_size
         if image.shape[:2] != (size, size):
             image = np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
@@ -54,6 +58,11 @@ class ImageFolderDataset(CifarDataset):
         return normalize(x, self.mean, self.std), self.labels[index]
 
 
+def _hidden(path: Path, root: Path) -> bool:
+    """A file in or under a folder whose name starts with a dot (.DS_Store, ._photo.png, .thumbnails/)."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
 def _check_classes(root: Path) -> None:
     """One-line errors for what torchvision's ImageFolder would refuse with a long message."""
     from torchvision.datasets.folder import IMG_EXTENSIONS  # as cifar10: only image runs load torchvision
@@ -62,33 +71,31 @@ def _check_classes(root: Path) -> None:
     if not classes:
         raise ValueError(f"{NAME}: {str(root)!r} has no class folders (expected {root}/<class>/<image files>)")
     for folder in classes:
-        images = (f for f in folder.rglob("*") if f.is_file() and not f.name.startswith("."))
-        if not any(f.name.lower().endswith(IMG_EXTENSIONS) for f in images):
+        files = (f for f in folder.rglob("*") if f.is_file() and not _hidden(f, root))
+        if not any(f.name.lower().endswith(IMG_EXTENSIONS) for f in files):
             raise ValueError(
                 f"{NAME}: class {folder.name!r} ({str(folder)!r}) has no images ({', '.join(IMG_EXTENSIONS)})"
             )
 
 
-def _readable(paths: list[str], labels: list[int]) -> tuple[list[str], list[int]]:
-    """The files that are not hidden (a desktop's .DS_Store, an editor's ._x.png), each opened here
-    (its header: cheap) so that a file that is not an image fails the build in one line, not a run
-    at the first step or evaluation that reaches it."""
-    from PIL import Image, UnidentifiedImageError
-
-    kept = [(path, label) for path, label in zip(paths, labels, strict=True) if not Path(path).name.startswith(".")]
-    for path, _ in kept:
-        try:
-            with Image.open(path):
-                pass
-        except (OSError, UnidentifiedImageError) as e:
-            raise ValueError(f"{NAME}: {path} is not a readable image ({str(e).splitlines()[0]})") from None
-    return [path for path, _ in kept], [label for _, label in kept]
+def _unreadable(path: str, error: Exception) -> ValueError:
+    """One line naming the file (PIL's errors say little, some not which file)."""
+    return ValueError(f"{NAME}: {path} is not a readable image ({library_message(error)})")
 
 
 def _folder(root: Path) -> tuple[list[str], list[int], list[str]]:
+    """Paths, labels and classes of an ImageFolder, hidden files left out and every other file
+    opened (its header: about a tenth of a millisecond), so that one that is not an image stops the
+    build in one line rather than the run at the first step or evaluation that reaches it."""
     _check_classes(root)
     paths, labels, classes = image_folder(root)
-    return (*_readable(paths, labels), classes)
+    kept = [(p, label) for p, label in zip(paths, labels, strict=True) if not _hidden(Path(p), root)]
+    for path, _ in kept:
+        try:
+            Image.open(path).close()
+        except Exception as e:  # not an image, a decompression bomb: the file's fault, not the run's
+            raise _unreadable(path, e) from None
+    return [p for p, _ in kept], [label for _, label in kept], classes
 
 
 def _stats(what: str, value) -> tuple[float, ...]:

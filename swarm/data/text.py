@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.config.options import one_line
+from swarm.config.options import library_message
 from swarm.data.base import require_dir
 from swarm.data.wikitext import TokenBlocks, token_blocks
 
@@ -76,17 +76,18 @@ def file_format(path: Path, format: str | None) -> str:
 def _records(path: Path, fmt: str) -> Iterator[dict]:
     # datasets is a heavy import that only this source (and wikitext2's hub copy) needs. Only
     # reading happens inside the try: the caller's checks raise their own errors between rows.
+    from datasets import load_dataset
+    from datasets.utils import logging as datasets_logging
+
+    verbosity = datasets_logging.get_verbosity()
+    datasets_logging.set_verbosity(logging.CRITICAL)  # its log line of a file it cannot parse: ours says it
     try:
-        from datasets import load_dataset
-        from datasets.utils.logging import disable_progress_bar, set_verbosity
-
-        set_verbosity(logging.CRITICAL)  # its own log line of a file it cannot parse: the error below says it
-        disable_progress_bar()
-
         options = {"text": {"keep_linebreaks": True}, "tsv": {"sep": "\t"}}.get(fmt, {})
         yield from load_dataset(FORMATS[fmt], data_files=[str(path)], split="train", streaming=True, **options)
     except Exception as e:  # unparsable json, a binary file read as csv, ...: one line naming the file
-        raise ValueError(f"{NAME}: cannot read {str(path)!r} as {fmt} ({one_line(e)})") from None
+        raise ValueError(f"{NAME}: cannot read {str(path)!r} as {fmt} ({library_message(e)})") from None
+    finally:  # for this read only: a later download (wikitext2's hub copy) keeps its messages
+        datasets_logging.set_verbosity(verbosity)
 
 
 def read_rows(path: Path, fmt: str, field: str) -> list[str]:
@@ -140,7 +141,9 @@ def load_auto_tokenizer(tokenizer):
     try:
         return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(tokenizer))
     except Exception as e:  # missing files, offline hub name, unknown class: one line
-        raise ValueError(f"{NAME}: cannot load tokenizer {str(tokenizer)!r} as a {where} ({one_line(e)})") from None
+        raise ValueError(
+            f"{NAME}: cannot load tokenizer {str(tokenizer)!r} as a {where} ({library_message(e)})"
+        ) from None
 
 
 def _check(block_size, group_rows, test_fraction, test_files, format, field) -> float:

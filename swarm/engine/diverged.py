@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.engine.microbatch import MicroBatch
+from swarm.engine.microbatch import MicroBatch, Mode
 
 
 class Diverged(ValueError):
@@ -18,9 +18,17 @@ class Diverged(ValueError):
 
 
 def require_finite(tensor: torch.Tensor, stage: int, what: str, batch: MicroBatch) -> None:
-    """Raises Diverged unless `tensor` is finite; its step is counted from 1, as results rows and progress lines count."""
-    if not bool(torch.isfinite(tensor).all()):
-        raise Diverged(
-            f"stage {stage}: the {what} of micro-batch {batch.index} of step {batch.step + 1} are not finite"
-            " (NaN or inf): the training diverged; a lower optimizer.lr or an optimizer.grad_clip may help"
-        )
+    """Raises Diverged unless `tensor` (`what`: "activations are", "loss is", ...) is finite. A
+    training micro-batch's step is counted from 1, as results rows and progress lines count; an
+    evaluation's `step` is the number of steps done."""
+    if bool(torch.isfinite(tensor).all()):
+        return
+    where = (
+        f"evaluation micro-batch {batch.index} after step {batch.step}"
+        if batch.mode is Mode.EVAL
+        else f"micro-batch {batch.index} of step {batch.step + 1}"
+    )
+    raise Diverged(
+        f"stage {stage}: the {what} not finite in {where} (NaN or inf): the training diverged;"
+        " a lower optimizer.lr or an optimizer.grad_clip may help"
+    )

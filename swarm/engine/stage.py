@@ -112,9 +112,9 @@ class StageRuntime:
             if self.last:
                 message = self._finish(batch, x, y, ends)
             else:
+                require_finite(y, self.index, "activations are", batch)  # before it is kept or sent
                 if training:
                     self._saved[batch.key] = (x, y, self._trained())
-                require_finite(y, self.index, "activations", batch)
                 out = ends.outbound.send(batch, y.detach())
                 message = Message(Kind.FORWARD, self.index + 1, batch, out.payload, delivered=out.commit)
         commit_received()
@@ -127,7 +127,7 @@ class StageRuntime:
         if batch.mode is Mode.EVAL:
             return Message(Kind.DONE, -1, batch, metrics=metrics)
         loss = self.loss_fn(logits, targets)
-        require_finite(loss.detach(), self.index, "loss", batch)
+        require_finite(loss.detach(), self.index, "loss is", batch)
         metrics["loss"] = float(loss.detach())
         x_grad = self._backprop(batch, loss * batch.weight, None, x, self._trained())
         return self._gradient_message(batch, x, x_grad, ends, metrics)
@@ -262,7 +262,7 @@ class StageRuntime:
         if self.first:
             return Message(Kind.DONE, -1, batch, metrics=metrics or {})
         grad = x_grad if x_grad is not None else torch.zeros_like(x)
-        require_finite(grad, self.index, "input gradients", batch)
+        require_finite(grad, self.index, "input gradients are", batch)
         out = ends.inbound.send(batch, grad)
         return Message(Kind.BACKWARD, self.index - 1, batch, out.payload, metrics=metrics or {}, delivered=out.commit)
 

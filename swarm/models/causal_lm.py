@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from swarm.config.options import one_line
+from swarm.config.options import library_message
 from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics
 from swarm.models.decoders import CHECKED_FAMILIES, cut_decoder
 from swarm.models.lora import add_lora
@@ -37,7 +37,7 @@ def make_config(config: dict[str, Any]):
     try:
         defaults = AutoConfig.for_model(model_type).to_dict()
     except (ValueError, KeyError) as e:
-        raise ValueError(f"transformers: unknown model_type {model_type!r} ({one_line(e)})") from None
+        raise ValueError(f"transformers: unknown model_type {model_type!r} ({library_message(e)})") from None
     known = set(defaults)
     vocab = kwargs.get("vocab_size", defaults.get("vocab_size"))
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):  # defaults outside a small vocabulary
@@ -47,7 +47,7 @@ def make_config(config: dict[str, Any]):
     try:
         built = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"transformers: bad {model_type} config ({one_line(e)})") from None
+        raise ValueError(f"transformers: bad {model_type} config ({library_message(e)})") from None
     # a key the config neither knows nor consumed (legacy keys such as rope_theta are folded into
     # others) stays on it as a bare attribute: a misspelling transformers would keep silently
     unknown = sorted(k for k in set(kwargs) - known - {"attn_implementation"} if k in built.to_dict())
@@ -85,11 +85,11 @@ def load_model(pretrained: str | None, config: dict | None, attn_implementation:
         if str(e).startswith("transformers:"):
             raise
         raise ValueError(
-            f"transformers: cannot build {pretrained or config.get('model_type')!r} ({one_line(e)})"
+            f"transformers: cannot build {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None
     except (OSError, KeyError, TypeError, RuntimeError, ImportError) as e:  # ImportError: flash_attn, ...
         raise ValueError(
-            f"transformers: cannot load {pretrained or config.get('model_type')!r} ({one_line(e)})"
+            f"transformers: cannot load {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None
 
 
@@ -110,13 +110,13 @@ def check_split(model, staged: StagedModel) -> None:
                 whole = model(input_ids=probe).logits
             except Exception as e:  # a config the model itself cannot run
                 raise ValueError(
-                    f"transformers: {model_type} does not run ({type(e).__name__}: {one_line(e)})"
+                    f"transformers: {model_type} does not run ({type(e).__name__}: {library_message(e)})"
                 ) from None
             try:
                 split = staged.eval()(probe)
             except Exception as e:  # a layer that wants more than a split gives it
                 raise ValueError(
-                    f"transformers: {model_type} cannot run split ({type(e).__name__}: {one_line(e)});"
+                    f"transformers: {model_type} cannot run split ({type(e).__name__}: {library_message(e)});"
                     f" families checked: {', '.join(CHECKED_FAMILIES)}"
                 ) from None
     finally:

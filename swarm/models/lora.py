@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from swarm.config.options import one_line
+from swarm.config.options import library_message
 
 ADAPTER_DIR = "adapter"  # in a checkpoint directory of a LoRA run
 _KEYS = {"r", "alpha", "targets", "dropout"}
@@ -86,7 +86,7 @@ def add_lora(model: nn.Module, staged, lora: dict[str, Any]) -> None:
     try:
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
     except ValueError as e:
-        raise ValueError(f"lora: {one_line(e)}") from None
+        raise ValueError(f"lora: {library_message(e)}") from None
     for stage in staged.stages:
         for name, p in stage.named_parameters():
             p.requires_grad_("lora_" in name)

@@ -143,7 +143,7 @@ def status(entry: Entry) -> Status:
     summary = next((r for r in rows if r["type"] == "summary"), None)
     if summary is not None:
         wall = summary.get("wall_time_s")
-        return Status("finished", summary["steps"], last.get("epoch", 0.0), wall, computing_seconds(rows) or wall)
+        return Status("finished", summary["steps"], last.get("epoch", 0.0), wall, computing_seconds(rows))
     checkpoint = latest_run(entry.checkpoints)
     if checkpoint is not None and same_config(checkpoint_config(entry), entry.cfg):
         return Status("partial", len(steps), last.get("epoch", 0.0), note=f"resumes from {checkpoint.name}")

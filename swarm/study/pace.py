@@ -35,24 +35,26 @@ def _timed(rows: list[dict]) -> list[tuple[float, float]]:
 
 
 def computing_seconds(rows: list[dict]) -> float | None:
-    """The time a run's rows log, pauses counted as one usual gap; None without timed rows (a
-    finished run's summary adds its last stretch, after the last row)."""
+    """The time a run's rows log, pauses counted as one usual gap (a finished run's summary adds
+    its last stretch, after the last row); without timed rows, the summary's wall time, else None."""
+    summary = next((r for r in rows if r.get("type") == "summary"), None)
+    wall = summary.get("wall_time_s") if summary else None
+    wall = wall if isinstance(wall, (int, float)) else None
     timed = _timed(rows)
     if not timed:
-        return None
+        return wall
     gaps, before = [], 0.0
     for t, spent in timed:
-        gaps.append((max(t - before - spent, 0.0), spent))  # a resume's rows go back in time: no gap
+        gaps.append((max(t - before - spent, 0.0), spent))  # never negative, whatever a file holds
         before = t
-    usual = statistics.median([g for g, spent in gaps if g > 0] or [0.0])
+    steps = [g for g, spent in gaps if not spent and g > 0]  # an evaluation's gap is not a step's
+    usual = statistics.median(steps or [0.0])
     quickest = min((spent for _, spent in gaps if spent > 0), default=0.0)
     total = sum(
         (usual if g > PAUSE_FACTOR * usual else g) + (quickest if spent > EVAL_PAUSE_FACTOR * quickest else spent)
         for g, spent in gaps
     )
-    summary = next((r for r in rows if r.get("type") == "summary"), None)
-    wall = summary.get("wall_time_s") if summary else None
-    if isinstance(wall, (int, float)):
+    if wall is not None:
         tail = wall - before
         total += usual if tail > PAUSE_FACTOR * usual else max(tail, 0.0)
     return total

@@ -46,7 +46,7 @@ def describe(summary: dict, results_path=None) -> list[str]:
         if final.get(mode):
             parts.append(f"{mode}: " + ", ".join(f"{k} {v:.4f}" for k, v in final[mode].items()))
     if any(mode in final for mode in ("uncompressed", "compressed")) and len(parts) == 1:
-        parts.append("no metrics: the test split is empty")
+        parts.append("no metrics from the evaluations (is the test split empty?)")
     return ["; ".join(parts)] + ([f"results written to {results_path}"] if results_path else [])
 
 

@@ -107,6 +107,3 @@ def test_custom_errors_are_one_line(data_module, tmp_path):
     one_line_error("sample_id a float, not an int", custom, "float_ids")
     one_line_error("train and test items differ in form", custom, "mixed")
     one_line_error("the train split is a int, not a dataset", custom, "not_data")
-
-
-# ---- config and registry --------------------------------------------------------------------------

@@ -240,8 +240,13 @@ def test_images_errors_are_one_line(tmp_path):
 def test_hidden_files_are_left_out_and_a_file_that_is_not_an_image_fails_the_build(tmp_path):
     write_images(tmp_path / "pics", 3)
     (tmp_path / "pics" / "cat" / ".DS_Store.png").write_bytes(b"")  # a desktop's, named like an image
+    (tmp_path / "pics" / "dog" / ".thumbnails").mkdir()
+    (tmp_path / "pics" / "dog" / ".thumbnails" / "000.png").write_bytes(b"junk")
     train, test = build_datasets("images", dir=str(tmp_path / "pics"), image_size=8, test_fraction=0.34)
     assert len(train) + len(test) == 9
+    first = tmp_path / "pics" / "cat" / "000.png"  # a body cut short after the build read its header
+    first.write_bytes(first.read_bytes()[:60])
+    one_line_error(r"images: .*cat/000\.png is not a readable image", train.__getitem__, 0)
     (tmp_path / "pics" / "dog" / "999.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"junk" * 8)  # the test split's
     one_line_error(
         r"images: .*dog/999\.png is not a readable image", build_datasets, "images", dir=str(tmp_path / "pics")
@@ -250,6 +255,9 @@ def test_hidden_files_are_left_out_and_a_file_that_is_not_an_image_fails_the_bui
     only_hidden.mkdir(parents=True)
     Image.new("RGB", (4, 4)).save(only_hidden / ".a.png")
     one_line_error("images: class 'cat' .* has no images", build_datasets, "images", dir=str(tmp_path / "hidden"))
+
+
+# ---- config and registry --------------------------------------------------------------------------
 
 
 def test_config_accepts_the_new_names_and_refuses_others_in_one_line():

@@ -29,12 +29,17 @@ def test_a_pause_in_an_evaluation_counts_as_the_run_s_quickest_evaluation():
     assert computing_seconds(rows) == pytest.approx(4 * 1.0 + 10.0 + 10.0 + 12.0)
 
 
-def test_slow_steps_and_a_resumed_run_going_back_in_time_are_not_pauses():
+def test_slow_steps_are_not_pauses_and_evaluations_do_not_set_the_usual_step():
     slow = steps([1.0, 2.0, 3.0, 50.0, 51.0])  # 47x the usual step: contention, counted in full
     assert computing_seconds(slow) == pytest.approx(51.0)
-    resumed = steps([1.0, 2.0, 3.0, 4.0]) + steps([2.5, 3.5, 4.5])  # from a checkpoint at 2.5 s
-    assert computing_seconds(resumed) == pytest.approx(4.0 + 1.0 + 1.0)
+    # an evaluation after every step: its 0.1 s gaps (besides its own 1 s) leave the usual step at
+    # about 1 s, so the 61 s step (a slow one, not a pause: 64x) counts in full
+    rows = []
+    for t in (1.0, 3.0, 5.0, 67.0):
+        rows += [{"type": "step", "time_s": t}, {"type": "eval", "time_s": t + 1.1, "eval_s": 1.0}]
+    assert computing_seconds(rows) == pytest.approx(68.1)
 
 
-def test_rows_without_time_have_no_computing_time():
+def test_rows_without_time_have_the_summarys_wall_time_or_none():
     assert computing_seconds([{"type": "config"}, {"type": "step", "step": 1}]) is None
+    assert computing_seconds([{"type": "step", "step": 1}, {"type": "summary", "wall_time_s": 9.0}]) == 9.0

@@ -8,14 +8,17 @@ import re
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
+import pytest
 import torch
 from _util import REPO, SMOKE, cli_here, refusal
 
 from peers._common import apply_threads
 from peers.trainer import main as trainer_main
-from swarm.config.options import one_line
+from swarm.config.options import library_message
+from swarm.engine.diverged import Diverged, require_finite
+from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.training.experiment import describe
 from swarm.training.results import read_results
 
@@ -107,8 +110,13 @@ def peer_refusal(capsys, module: str, *argv: str) -> str:
     signal handlers of its own) refuses `argv` with; no subprocess to import torch and hivemind."""
     serve, build_parser = importlib.import_module(module).serve, importlib.import_module(module).build_parser
     capsys.readouterr()
-    with ThreadPoolExecutor(1) as pool:
-        code = pool.submit(asyncio.run, serve(build_parser().parse_args(list(argv)))).result(timeout=60)
+    done: dict[str, int] = {}
+    args = build_parser().parse_args(list(argv))
+    thread = threading.Thread(target=lambda: done.update(code=asyncio.run(serve(args))), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"{module} did not refuse {argv}: it is serving"  # a daemon: it ends with the tests
+    code = done["code"]
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     return lines[0]
@@ -161,7 +169,7 @@ def test_peers_refuse_a_bad_daemon_thread_count_in_one_line(capsys):
 def test_a_diverged_run_and_classes_beyond_the_models_outputs_are_one_line(capsys):
     diverged = refusal(capsys, "run", str(SMOKE), "--steps", "3", "--set", "optimizer.lr=1e9")
     assert re.fullmatch(
-        r"error: stage \d: the (activations|loss|input gradients) of micro-batch \d of step [23] are not finite"
+        r"error: stage \d: the (activations are|loss is|input gradients are) not finite in micro-batch \d of step [23]"
         r" \(NaN or inf\): the training diverged; .*",
         diverged,
     ), diverged
@@ -173,7 +181,18 @@ def test_a_diverged_run_and_classes_beyond_the_models_outputs_are_one_line(capsy
 
 def test_a_run_without_test_data_says_so_and_a_librarys_message_keeps_what_to_do():
     summary = {"steps": 2, "wall_time_s": 0.5, "final": {"uncompressed": {}, "compressed": {}}}
-    assert describe(summary) == ["2 steps in 0.5s; no metrics: the test split is empty"]
+    assert describe(summary) == ["2 steps in 0.5s; no metrics from the evaluations (is the test split empty?)"]
     error = OSError("Couldn't instantiate the tokenizer from one of:\n  (1) a file\n\nYou need sentencepiece.")
-    assert one_line(error) == "Couldn't instantiate the tokenizer from one of: (1) a file You need sentencepiece."
-    assert len(one_line(ValueError("x" * 5000))) == 400 and one_line(KeyError()) == "KeyError"
+    assert (
+        library_message(error) == "Couldn't instantiate the tokenizer from one of: (1) a file You need sentencepiece."
+    )
+    assert len(library_message(ValueError("x" * 5000))) == 400 and library_message(KeyError()) == "KeyError"
+
+
+def test_an_evaluation_that_diverges_is_named_after_the_steps_done():
+    batch = MicroBatch(50, 3, torch.arange(2), torch.zeros(2, dtype=torch.long), mode=Mode.EVAL)
+    require_finite(torch.ones(2), 1, "activations are", batch)  # finite: nothing to say
+    with pytest.raises(
+        Diverged, match=r"^stage 1: the activations are not finite in evaluation micro-batch 3 after step 50"
+    ):
+        require_finite(torch.tensor([1.0, float("inf")]), 1, "activations are", batch)
