@@ -48,10 +48,10 @@ def model_num_classes(name: str, options: dict) -> int | None:
     """A built-in classifier's number of outputs from its options (None: not a built-in classifier)."""
     if name not in MODELS or name == "transformers":
         return None
-    default = inspect.signature(MODELS[name]).parameters.get("num_classes")
-    if default is None:
+    parameter = inspect.signature(MODELS[name]).parameters.get("num_classes")
+    if parameter is None:
         return None
-    n = options.get("num_classes", default.default)
+    n = options.get("num_classes", parameter.default)
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
