@@ -42,5 +42,12 @@ class Target:
             return False
         return got <= self.value if self.lower_is_better else got >= self.value
 
+    def require_reported(self, metrics: dict[str, float]) -> None:
+        """ValueError (one line) when an evaluation does not report the target's metric at all:
+        the run would otherwise go to its last step without ever being able to stop early."""
+        if self.metric not in metrics:
+            reported = ", ".join(sorted(metrics)) or "nothing"
+            raise ValueError(f"train.target {self}: the evaluations report {reported}, not {self.metric}")
+
     def __str__(self) -> str:
         return f"{self.metric}{'<=' if self.lower_is_better else '>='}{self.value:g}"

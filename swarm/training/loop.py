@@ -315,6 +315,8 @@ def train(
                 reached = measured is not None and target is not None and target.reached(measured)
                 if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
                     save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, *adapters)
+                if measured is not None and target is not None:
+                    target.require_reported(measured)  # after the checkpoint: a resumed run loses nothing
             except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again
                 go_to(rewound.position, f"going back to the copies the swarm kept, from step {step}")
                 results.rewind(step)

@@ -49,3 +49,15 @@ def test_a_run_stops_at_the_first_evaluation_that_reaches_its_target(tmp_path):
     assert [e["step"] for e in evals] == [2, 4, 6, 8, 10]
     for e in evals:  # each evaluation says when it ended and how long it took
         assert 0 < e["eval_s"] <= e["time_s"] - steps[e["step"]]["time_s"] + 1e-6
+
+
+def test_a_target_no_evaluation_reports_stops_the_run_at_the_first_evaluation(tmp_path):
+    with pytest.raises(ValueError, match="^train.target foo>=1: the evaluations report accuracy, loss, not foo$"):
+        Target.parse("foo=1").require_reported({"loss": 1.0, "accuracy": 0.5})
+    Target.parse("loss=1").require_reported({"loss": math.nan})  # reported, though not a number: not refused
+    sets = ["train.eval_every=0.2", "train.eval_compressed=false", "model.num_stages=2", "train.target=foo=1"]
+    with pytest.raises(ValueError, match="the evaluations report accuracy, loss, not foo"):
+        run_experiment(load_config("configs/smoke.yaml", sets), tmp_path / "a.jsonl", 10, False)
+    rows = read_results(tmp_path / "a.jsonl")  # what ran before the refusal is kept
+    assert [r["step"] for r in rows if r["type"] == "step"] == [1, 2]
+    assert [r["step"] for r in rows if r["type"] == "eval"] == [2]
