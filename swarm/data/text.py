@@ -4,7 +4,8 @@ Files are read with Hugging Face datasets' packaged builders, chosen by extensio
 - text (.txt, .raw and any extension not below): one row per line, line breaks kept, as run_clm's
   `load_dataset("text", keep_linebreaks=True)`;
 - json (.json, .jsonl), csv (.csv; .tsv tab-separated), parquet (.parquet): one row per record,
-  the text in column `field`. A missing value (an empty csv cell, a json null) is an empty row.
+  the text in column `field`. A missing value (an empty csv cell, a json null or absent key) is an
+  empty row, and the count of them is printed.
 Builders stream the local files: nothing goes to the network or into the datasets cache.
 
 Rows are tokenized with `AutoTokenizer` (a local directory, a hub name, or a tokenizer object),
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -93,7 +95,7 @@ def _records(path: Path, fmt: str) -> Iterator[dict]:
 def read_rows(path: Path, fmt: str, field: str) -> list[str]:
     """The text rows of one file; `field` is the column of json/csv/parquet records."""
     column = "text" if fmt == "text" else field  # the text builder's one column
-    rows = []
+    rows, missing = [], 0
     for number, record in enumerate(_records(path, fmt), 1):
         if column not in record:
             raise ValueError(
@@ -106,7 +108,14 @@ def read_rows(path: Path, fmt: str, field: str) -> list[str]:
                 f"{NAME}: column {column!r} of {str(path)!r} holds {type(value).__name__} values (record {number}),"
                 f" not text (columns: {', '.join(record)}); set field= a text column"
             )
+        missing += value is None
         rows.append(value or "")
+    if missing:  # a json record without the key reads as null too: a misspelt key would vanish unseen
+        print(
+            f"{NAME}: {missing} of {len(rows)} records of {str(path)!r} have no {column!r} value"
+            " (absent, null or an empty cell): they are read as empty rows",
+            file=sys.stderr,
+        )
     return rows
 
 

@@ -112,6 +112,19 @@ def test_text_test_files_globs_format_and_tokenizer_object(tmp_path, tok_dir):
     assert torch.equal(same.blocks, train.blocks)
 
 
+def test_records_without_text_are_empty_rows_and_counted(tmp_path, tok_dir, capsys):
+    records = [{"text": "one two"}, {"content": "a misspelt key"}, {"text": None}, {"text": "three"}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    write_rows(tmp_path / "clean.jsonl", ROWS)
+    options = dict(tokenizer=str(tok_dir), block_size=2, test_fraction=0.0)
+    build_datasets("text", files=str(tmp_path / "clean.jsonl"), **options)
+    assert capsys.readouterr().err == ""
+    train, _ = build_datasets("text", files=str(tmp_path / "mixed.jsonl"), **options)
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and "2 of 4 records of" in note and "no 'text' value" in note
+    assert len(train) == len(expected_blocks(tok_dir, ["one two", "", "", "three"], 2))
+
+
 def test_text_errors_are_one_line(tmp_path, tok_dir):
     write_rows(tmp_path / "data.csv", ROWS)
     write_rows(tmp_path / "data.txt", ROWS)
