@@ -39,6 +39,8 @@ from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
 from swarm.lab.plan import LinkPlan, RunPlan, base_name, nat_names
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
+from swarm.transport.hivemind.net.settings import Settings
+from swarm.transport.hivemind.trainer.dispatch import micro_batches_in_flight
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -198,7 +200,9 @@ class Lab:
     def run(self) -> int:
         try:
             cfg = load_config(self.run_plan.config, self.run_plan.overrides)
-        except ConfigError as e:
+            # the stage peers run the default settings: a trainer would be refused only once they are up
+            micro_batches_in_flight(cfg.train.in_flight, self.run_plan.stages, Settings())
+        except (ConfigError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         links = self.link_plan

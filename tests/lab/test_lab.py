@@ -150,6 +150,10 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
         (["--checkpoint_every", "2"], "error: --checkpoint_every needs --checkpoint_dir"),
         (["--shaping", "tc"], "--shaping: invalid choice: 'tc' (choose from 'netns', 'inprocess')"),
         (["--nat", "bootstrap"], "error: --nat takes stage numbers (0..1) and 'trainer', got 'bootstrap'"),
+        (
+            ["--set", "train.in_flight=65"],
+            "takes at most 64 micro-batches of one sender at once (max_requests_per_sender)",
+        ),
     ],
 )
 def test_the_lab_refuses_bad_options_before_any_peer_starts(capsys, args, error):
