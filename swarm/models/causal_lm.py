@@ -46,7 +46,7 @@ def make_config(config: dict[str, Any]):
             kwargs[token] = None
     try:
         built = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # ValueError, TypeError, huggingface_hub's validation errors (not ValueErrors)
         raise ValueError(f"transformers: bad {model_type} config ({library_message(e)})") from None
     # a key the config neither knows nor consumed (legacy keys such as rope_theta are folded into
     # others) stays on it as a bare attribute: a misspelling transformers would keep silently
@@ -65,8 +65,8 @@ def vocab_size(pretrained: str | None = None, config: dict | None = None, **_) -
             return int(AutoConfig.from_pretrained(str(pretrained)).vocab_size)
         if isinstance(config, dict) and isinstance(config.get("model_type"), str):
             return int(config.get("vocab_size") or AutoConfig.for_model(config["model_type"]).vocab_size)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # building the model says what is wrong, in one line
+    except Exception:  # a bad config.json, a validation error: building the model says what, in one line
+        return None
     return None
 
 
@@ -87,10 +87,22 @@ def load_model(pretrained: str | None, config: dict | None, attn_implementation:
         raise ValueError(
             f"transformers: cannot build {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None
-    except (OSError, KeyError, TypeError, RuntimeError, ImportError) as e:  # ImportError: flash_attn, ...
+    except Exception as e:  # OSError, ImportError (flash_attn, ...), a config.json huggingface_hub refuses, ...
         raise ValueError(
             f"transformers: cannot load {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None
+
+
+def _heads_hint(config) -> str:
+    """The likeliest cause of a config that does not run: attention heads that do not divide the
+    hidden size (when the family derives each head's width from it; the error is a shape mismatch)."""
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads):
+        return ""
+    # families that give each head hidden_size // heads set head_dim to it (or leave it unset)
+    if getattr(config, "head_dim", None) not in (None, hidden // heads):
+        return ""
+    return f": hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
 
 
 def check_split(model, staged: StagedModel) -> None:
@@ -110,7 +122,8 @@ def check_split(model, staged: StagedModel) -> None:
                 whole = model(input_ids=probe).logits
             except Exception as e:  # a config the model itself cannot run
                 raise ValueError(
-                    f"transformers: {model_type} does not run ({type(e).__name__}: {library_message(e)})"
+                    f"transformers: {model_type} does not run{_heads_hint(model.config)}"
+                    f" ({type(e).__name__}: {library_message(e)})"
                 ) from None
             try:
                 split = staged.eval()(probe)

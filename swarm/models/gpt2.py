@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from swarm.config.options import library_message
 from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, plan_cuts
 from swarm.models.decoders import cut_decoder
 
@@ -29,7 +30,7 @@ def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
         try:
             return GPT2Config.from_pretrained(config)
         except (OSError, ValueError) as e:
-            raise ValueError(f"gpt2: cannot load config {config!r}: {str(e).splitlines()[0]}") from None
+            raise ValueError(f"gpt2: cannot load config {config!r}: {library_message(e)}") from None
     kwargs = dict(config or {})
     known = set(GPT2Config().to_dict()) | {"attn_implementation", "n_ctx"}
     unknown = sorted(set(kwargs) - known)
@@ -39,7 +40,10 @@ def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
     for token in ("bos_token_id", "eos_token_id"):  # the defaults (50256) fall outside a tiny vocabulary
         if token not in kwargs and vocab <= 50256:
             kwargs[token] = vocab - 1
-    return GPT2Config(**kwargs)
+    try:
+        return GPT2Config(**kwargs)
+    except Exception as e:  # a value of the wrong type: huggingface_hub's validation error, no ValueError
+        raise ValueError(f"gpt2: bad config ({library_message(e)})") from None
 
 
 def load_full(config=None, pretrained: str | None = None) -> GPT2LMHeadModel:
@@ -53,8 +57,12 @@ def load_full(config=None, pretrained: str | None = None) -> GPT2LMHeadModel:
         try:
             return GPT2LMHeadModel.from_pretrained(pretrained, **overrides)
         except (OSError, ValueError) as e:
-            raise ValueError(f"gpt2: cannot load pretrained weights {pretrained!r}: {str(e).splitlines()[0]}") from None
-    return GPT2LMHeadModel(make_config(config))
+            raise ValueError(f"gpt2: cannot load pretrained weights {pretrained!r}: {library_message(e)}") from None
+    built = make_config(config)
+    try:
+        return GPT2LMHeadModel(built)
+    except Exception as e:  # a config it cannot be built from: heads that do not divide the width, ...
+        raise ValueError(f"gpt2: cannot build the model ({library_message(e)})") from None
 
 
 def build_gpt2(

@@ -3,6 +3,8 @@ computes (logits and every parameter's gradient), splits, configs, pretrained we
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _util import TINY_DECODERS as TINY
@@ -112,6 +114,17 @@ def test_split_options_and_balance():
         build_model("transformers", 7, config=TINY["llama"])
 
 
+HEADS = r"hidden size \(\d+\) is not a multiple|hidden_size \d+ is not a multiple of num_attention_heads"
+
+
+def _saved_with_heads(directory, heads: int):
+    """A saved tiny llama whose config.json then says `heads` attention heads (not dividing its width)."""
+    load_model(None, TINY["llama"], None).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_attention_heads": heads}))
+    return directory
+
+
 def test_config_errors_are_one_line(tmp_path):
     cases = [
         (dict(config=dict(TINY["llama"], hiden_size=3)), "llama config has no key"),
@@ -121,6 +134,11 @@ def test_config_errors_are_one_line(tmp_path):
         (dict(pretrained=str(tmp_path / "missing"), config=TINY["llama"]), "exactly one of"),
         (dict(pretrained=str(tmp_path / "missing")), "cannot load"),
         (dict(config={"model_type": "t5"}), "encoder-decoder|cannot"),
+        # transformers 5 validates llama's config (huggingface_hub's error is no ValueError); qwen2's
+        # runs into a shape mismatch; a saved config.json is validated as it loads
+        (dict(config=dict(TINY["llama"], hidden_size=30, num_attention_heads=4)), HEADS),
+        (dict(config=dict(TINY["qwen2"], hidden_size=30, num_attention_heads=4)), HEADS),
+        (dict(pretrained=str(_saved_with_heads(tmp_path / "saved", 5))), HEADS),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message) as caught:

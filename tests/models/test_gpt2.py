@@ -165,6 +165,11 @@ def test_gpt2_pretrained_and_config_from_a_local_directory(tmp_path):
 def test_gpt2_errors():
     with pytest.raises(ValueError, match="unknown config key.*n_layers"):
         build_model("gpt2", 2, config=dict(n_layers=2))
+    # a value of the wrong type (refused by the config or the model), heads that do not divide the width
+    for bad in (dict(TINY_GPT2, n_embd="x"), dict(TINY_GPT2, n_embd=30, n_head=4)):
+        with pytest.raises(ValueError, match=r"^gpt2: (bad config|cannot build the model) \(") as caught:
+            build_model("gpt2", 2, config=bad)
+        assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match="1..6 stages, not 7"):
         build_model("gpt2", 7, config=TINY_GPT2)
     staged = build_model("gpt2", 2, config=TINY_GPT2)
