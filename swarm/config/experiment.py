@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarm.compression.spec import SpecError, parse
+from swarm.config.options import yaml_problem
 from swarm.config.schedule import DelayCorrection
 from swarm.config.target import Target
 
@@ -251,7 +252,7 @@ def config_from_text(text: str, overrides: list[str], where: str) -> ExperimentC
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{where}: not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: the top level must be a mapping")
     raw = apply_overrides(raw, overrides)

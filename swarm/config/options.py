@@ -32,6 +32,16 @@ def library_message(error: BaseException) -> str:
     return text if len(text) <= ONE_LINE_CHARS else text[: ONE_LINE_CHARS - 3].rstrip() + "..."
 
 
+def yaml_problem(error: Exception) -> str:
+    """What a YAML parser refused, and where (its first line alone, "while parsing a block
+    mapping", says neither)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if problem is None and mark is None:
+        return library_message(error)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{problem or getattr(error, 'context', None) or type(error).__name__}{where}"
+
+
 def resolve_callable(spec: str, what: str) -> Callable:
     """The callable "package.module:function" names (a dotted attribute path is allowed); `what`
     ("custom model", "dataset") starts each one-line error."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from swarm.config.options import library_message
 from swarm.data.augment import cifar_test_transform, cifar_train_transform
 from swarm.data.base import SampleDataset, balanced_subset, require_dir
 
@@ -55,7 +56,7 @@ def image_folder(root: Path) -> tuple[list[str], list[int], list[str]]:
     try:
         folder = ImageFolder(str(root))
     except (FileNotFoundError, RuntimeError) as e:
-        raise ValueError(f"cifar10: {root} is not an ImageFolder ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"cifar10: {root} is not an ImageFolder ({library_message(e)})") from None
     paths = [path for path, _ in folder.samples]
     return paths, [label for _, label in folder.samples], list(folder.classes)
 
@@ -67,7 +68,7 @@ def _torchvision(root: str, train: bool) -> tuple[np.ndarray, list[int], list[st
         data = CIFAR10(root=str(Path(root).expanduser()), train=train, download=True)
     except Exception as e:  # offline, bad checksum, unwritable root: one line, not a deep traceback
         raise ValueError(
-            f"cifar10: could not get CIFAR-10 into {root!r} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''});"
+            f"cifar10: could not get CIFAR-10 into {root!r} ({type(e).__name__}: {library_message(e)});"
             " pass data_dir= an ImageFolder copy to read local files"
         ) from None
     return data.data, list(data.targets), list(data.classes)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.config.options import library_message
 from swarm.data.base import SampleDataset, require_dir
 
 HEADING = re.compile(r"^ = [^=].* = \n?$")  # a top-level article title row
@@ -89,7 +90,7 @@ def load_tokenizer(tokenizer):
     try:
         return GPT2TokenizerFast.from_pretrained(str(tokenizer))
     except Exception as e:  # offline hub name, missing files: one line
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        message = library_message(e)
         raise ValueError(
             f"wikitext2: cannot load tokenizer {str(tokenizer)!r} ({message}); pass tokenizer= a local directory"
         ) from None
@@ -129,7 +130,7 @@ def _hub_rows(test_split: str) -> tuple[list[str], list[str]]:
 
         data = load_dataset("wikitext", "wikitext-2-raw-v1")
     except Exception as e:  # offline: one line
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        message = library_message(e)
         raise ValueError(
             f"wikitext2: cannot load wikitext-2-raw-v1 from the Hub ({message}); pass data_dir= local raw files"
         ) from None

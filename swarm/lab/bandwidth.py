@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from swarm.config.options import yaml_problem
 from swarm.rates import parse_rate
 
 
@@ -15,11 +16,8 @@ def _rate_file(path: Path) -> dict[str, str]:
     """A YAML (or JSON) file of {process: rate}, or a one-line error naming it."""
     try:
         table = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.MarkedYAMLError as e:
-        where = f" (line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1})" if e.problem_mark else ""
-        raise ValueError(f"--bandwidth file {path} is not readable YAML: {e.problem or e.context}{where}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"--bandwidth file {path} is not readable YAML: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"--bandwidth file {path} is not readable YAML: {yaml_problem(e)}") from None
     if not isinstance(table, dict):
         raise ValueError(f"--bandwidth file {path} must map process names to rates")
     return {str(k): str(v) for k, v in table.items()}

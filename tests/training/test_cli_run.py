@@ -82,7 +82,8 @@ def test_bad_configs_fail_with_one_line(tmp_path, capsys):
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: [unclosed\n")
     result = cli_here(capsys, "run", str(broken))
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "not valid YAML" in result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)" in result.stderr
     result = cli_here(capsys, "run", str(SMOKE), "--set", "compression.forward=topk:7")
     assert (
         result.returncode == 2

@@ -70,7 +70,7 @@ def test_config_from_text_fails_in_one_line(tmp_path):
     # load_config names the file as before
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1, 2")
-    with pytest.raises(ConfigError, match=rf"^{broken}: not valid YAML \("):
+    with pytest.raises(ConfigError, match=rf"^{broken}: not valid YAML: expected .* \(line 1, column 9\)$"):
         load_config(broken)
     assert config_from_text("", ["optimizer.lr=0.5"], "x") == load_config(None, ["optimizer.lr=0.5"])
     assert config_from_text(TEXT, ["seed=3"], "x") == load_config(SMOKE, ["seed=3"])
