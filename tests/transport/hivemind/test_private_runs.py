@@ -89,9 +89,8 @@ def test_the_token_command_prints_a_peer_id_and_a_token_the_owner_signed(tmp_pat
     assert token_main(["--run_id", "r", "--peer", out.stdout.strip()]) == 2
     assert "no identity file" in capsys.readouterr().err  # the owner has no key here yet
     owner_key = load_identity(tmp_path / "owner.key")
-    made = _token_cli("--run_id", "r", "--peer", out.stdout.strip(), "--expires", "1h", home=tmp_path)
-    assert made.returncode == 0
-    token = tokens.read_token(made.stdout.strip())
+    assert token_main(["--run_id", "r", "--peer", out.stdout.strip(), "--expires", "1h"]) == 0
+    token = tokens.read_token(capsys.readouterr().out.strip())
     assert tokens.token_owner(token) == own_peer_id(owner_key) and token.peer_id == out.stdout.strip()
     for bad, says in ((["--expires", "soon"], "--expires"), (["--peer", "x"], "--peer must be a peer id")):
         args = ["--run_id", "r", "--peer", out.stdout.strip(), *bad]
