@@ -82,10 +82,8 @@ def _reaching(trained: list[dict], target: Target) -> tuple[list[list[float]], d
         if row.get("type") != "eval":
             continue
         metrics = row.get("uncompressed", {})
-        value = metrics.get(target.metric)
-        if value is None:
-            raise ValueError(f"the evaluations have no {target.metric!r}: they give {', '.join(sorted(metrics))}")
-        curve.append([row["time_s"], row["step"], value])
+        target.require_reported(metrics)
+        curve.append([row["time_s"], row["step"], metrics[target.metric]])
         if first is None and target.reached(metrics):
             first = row
     return curve, first

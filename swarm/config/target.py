@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass
 
 _FORM = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(<=|>=|=)\s*([^\s]+)\s*$")
+# what an evaluation can report (swarm.models.base.summarize): a misspelt metric is refused with
+# the config, before any step; whether this model and data report it is known at the first evaluation
+METRICS = ("loss", "accuracy", "perplexity")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class Target:
         if match is None:
             raise ValueError(f"a target is METRIC=VALUE (e.g. loss=2.0 or accuracy=0.9), got {text!r}")
         metric, sign, number = match.groups()
+        if metric not in METRICS:
+            raise ValueError(f"target {text!r}: the metric is one of {', '.join(METRICS)}, not {metric!r}")
         try:
             value = float(number)
         except ValueError:
@@ -45,8 +50,10 @@ class Target:
     def require_reported(self, metrics: dict[str, float]) -> None:
         """ValueError (one line) when an evaluation does not report the target's metric at all:
         the run would otherwise go to its last step without ever being able to stop early."""
+        if not metrics:
+            raise ValueError(f"train.target {self}: the evaluations report no metrics (is the test split empty?)")
         if self.metric not in metrics:
-            reported = ", ".join(sorted(metrics)) or "nothing"
+            reported = ", ".join(sorted(metrics))
             raise ValueError(f"train.target {self}: the evaluations report {reported}, not {self.metric}")
 
     def __str__(self) -> str:

@@ -210,6 +210,11 @@ def train(
         go_to(load_run(latest, pipeline), f"resuming from checkpoint {latest}")
     elif resumed is not None:
         go_to(resumed, "resuming from the copies the swarm kept")
+    if target is not None and not len(test_set):
+        raise ValueError(f"train.target {target}: the test split is empty, so no evaluation can reach it")
+    if target is not None and evals and evals[-1]["step"] == step:  # resumed at an evaluation: its target may differ
+        target.require_reported(evals[-1]["uncompressed"])
+        reached = target.reached(evals[-1]["uncompressed"])
     started = time.perf_counter() - elapsed
     bytes_before: dict[str, int] = pipeline.link_bytes() if step else {}
     bar = tqdm(
