@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from swarm.compression.spec import SpecError, parse
-from swarm.config.options import yaml_problem
+from swarm.config.messages import yaml_problem
 from swarm.config.schedule import DelayCorrection
 from swarm.config.target import Target
 

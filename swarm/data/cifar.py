@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 from swarm.data.augment import cifar_test_transform, cifar_train_transform
 from swarm.data.base import SampleDataset, balanced_subset, require_dir
 

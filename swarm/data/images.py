@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 from swarm.data.augment import CIFAR10_MEAN, CIFAR10_STD, normalize, random_crop, random_hflip, to_tensor
 from swarm.data.base import require_dir
 from swarm.data.cifar import CifarDataset, image_folder

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 from swarm.data.base import require_dir
 from swarm.data.wikitext import TokenBlocks, token_blocks
 
@@ -112,7 +112,7 @@ def read_rows(path: Path, fmt: str, field: str) -> list[str]:
         rows.append(value or "")
     if missing:  # a json record without the key reads as null too: a misspelt key would vanish unseen
         print(
-            f"{NAME}: {missing} of {len(rows)} records of {str(path)!r} have no {column!r} value"
+            f"{NAME}: {missing} of {len(rows)} records of {str(path)!r} {'has' if missing == 1 else 'have'} no {column!r} value"
             " (absent, null or an empty cell): they are read as empty rows",
             file=sys.stderr,
         )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 from swarm.data.base import SampleDataset, require_dir
 
 HEADING = re.compile(r"^ = [^=].* = \n?$")  # a top-level article title row

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from swarm.config.options import yaml_problem
+from swarm.config.messages import yaml_problem
 from swarm.rates import parse_rate
 
 

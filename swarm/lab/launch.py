@@ -14,8 +14,7 @@ paces every neighbour flow at its share (swarm.transport.hivemind.flow.pacing), 
 
 The stage peers and the trainer share this machine's cores: each gets `--threads` = cores over
 their number (at least one). Left at torch's default, every process would run a thread per core,
-and the processes' threads would compete for the same cores (docs/bench/README.md says what that
-cost).
+all competing for the same cores (docs/bench/README.md says what that cost).
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.trainer.dispatch import micro_batches_in_flight
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-
-
 _STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)?: ")  # the trainer's line per step (peers.trainer)
 _JOINED = "joined with the state of step"  # a joining stage peer's line once it has its state (stage/joining.py)
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
@@ -87,6 +84,8 @@ class TrainerProcess:
 class Lab:
     """The swarm on this machine: what it will run (`run_plan`, `link_plan`, checked when the lab is
     made) and, while it runs, its processes, their namespaces (`net`) and the trainer it follows."""
+
+    stage_peers_limit_in_flight = True  # they take at most max_requests_per_sender micro-batches of one sender
 
     def __init__(
         self,
@@ -200,8 +199,8 @@ class Lab:
     def run(self) -> int:
         try:
             cfg = load_config(self.run_plan.config, self.run_plan.overrides)
-            # the stage peers run the default settings: a trainer would be refused only once they are up
-            micro_batches_in_flight(cfg.train.in_flight, self.run_plan.stages, Settings())
+            if self.stage_peers_limit_in_flight:  # by the default settings, which a trainer meets only once they are up
+                micro_batches_in_flight(cfg.train.in_flight, self.run_plan.stages, Settings())
         except (ConfigError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

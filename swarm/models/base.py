@@ -173,3 +173,14 @@ def stage_block_ranges(num_blocks: int, cuts: Sequence[int]) -> list[range]:
     """The blocks of each stage, from the cuts of `plan_cuts`."""
     bounds = [-1, *cuts, num_blocks - 1]
     return [range(bounds[i] + 1, bounds[i + 1] + 1) for i in range(len(bounds) - 1)]
+
+
+# ---- a transformers config's errors -------------------------------------------------------------
+
+
+def config_errors() -> tuple[type[Exception], ...]:
+    """What a bad transformers config raises: ValueError, TypeError, and huggingface_hub's
+    validation errors (transformers 5's configs are its strict dataclasses: no ValueErrors)."""
+    from huggingface_hub.errors import StrictDataclassError  # only models built with transformers need it
+
+    return (ValueError, TypeError, StrictDataclassError)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from swarm.config.options import library_message
-from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics
+from swarm.config.messages import library_message
+from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, config_errors
 from swarm.models.decoders import CHECKED_FAMILIES, cut_decoder
 from swarm.models.lora import add_lora
 
@@ -46,7 +46,7 @@ def make_config(config: dict[str, Any]):
             kwargs[token] = None
     try:
         built = AutoConfig.for_model(model_type, **kwargs)
-    except Exception as e:  # ValueError, TypeError, huggingface_hub's validation errors (not ValueErrors)
+    except config_errors() as e:
         raise ValueError(f"transformers: bad {model_type} config ({library_message(e)})") from None
     # a key the config neither knows nor consumed (legacy keys such as rope_theta are folded into
     # others) stays on it as a bare attribute: a misspelling transformers would keep silently
@@ -65,7 +65,7 @@ def vocab_size(pretrained: str | None = None, config: dict | None = None, **_) -
             return int(AutoConfig.from_pretrained(str(pretrained)).vocab_size)
         if isinstance(config, dict) and isinstance(config.get("model_type"), str):
             return int(config.get("vocab_size") or AutoConfig.for_model(config["model_type"]).vocab_size)
-    except Exception:  # a bad config.json, a validation error: building the model says what, in one line
+    except (OSError, KeyError, AttributeError, *config_errors()):  # building the model says what, in one line
         return None
     return None
 
@@ -87,7 +87,7 @@ def load_model(pretrained: str | None, config: dict | None, attn_implementation:
         raise ValueError(
             f"transformers: cannot build {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None
-    except Exception as e:  # OSError, ImportError (flash_attn, ...), a config.json huggingface_hub refuses, ...
+    except (OSError, KeyError, RuntimeError, ImportError, *config_errors()) as e:  # ImportError: flash_attn, ...
         raise ValueError(
             f"transformers: cannot load {pretrained or config.get('model_type')!r} ({library_message(e)})"
         ) from None

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from swarm.config.options import library_message
-from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, plan_cuts
+from swarm.config.messages import library_message
+from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, config_errors, plan_cuts
 from swarm.models.decoders import cut_decoder
 
 if TYPE_CHECKING:  # transformers loads when a GPT-2 is built: a CLI that fails on its config does not wait for it
@@ -29,7 +29,7 @@ def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
     if isinstance(config, str):
         try:
             return GPT2Config.from_pretrained(config)
-        except (OSError, ValueError) as e:
+        except (OSError, *config_errors()) as e:
             raise ValueError(f"gpt2: cannot load config {config!r}: {library_message(e)}") from None
     kwargs = dict(config or {})
     known = set(GPT2Config().to_dict()) | {"attn_implementation", "n_ctx"}
@@ -42,7 +42,7 @@ def make_config(config: dict[str, Any] | str | GPT2Config | None) -> GPT2Config:
             kwargs[token] = vocab - 1
     try:
         return GPT2Config(**kwargs)
-    except Exception as e:  # a value of the wrong type: huggingface_hub's validation error, no ValueError
+    except config_errors() as e:
         raise ValueError(f"gpt2: bad config ({library_message(e)})") from None
 
 
@@ -56,12 +56,15 @@ def load_full(config=None, pretrained: str | None = None) -> GPT2LMHeadModel:
             overrides["config"] = make_config(config)
         try:
             return GPT2LMHeadModel.from_pretrained(pretrained, **overrides)
-        except (OSError, ValueError) as e:
+        except (OSError, *config_errors()) as e:
             raise ValueError(f"gpt2: cannot load pretrained weights {pretrained!r}: {library_message(e)}") from None
     built = make_config(config)
     try:
         return GPT2LMHeadModel(built)
-    except Exception as e:  # a config it cannot be built from: heads that do not divide the width, ...
+    except (
+        RuntimeError,
+        *config_errors(),
+    ) as e:  # a config it cannot be built from: heads that do not divide the width
         raise ValueError(f"gpt2: cannot build the model ({library_message(e)})") from None
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 
 ADAPTER_DIR = "adapter"  # in a checkpoint directory of a LoRA run
 _KEYS = {"r", "alpha", "targets", "dropout"}

@@ -16,7 +16,7 @@ from _util import REPO, SMOKE, cli_here, refusal
 
 from peers._common import apply_threads
 from peers.trainer import main as trainer_main
-from swarm.config.options import library_message
+from swarm.config.messages import library_message
 from swarm.engine.diverged import Diverged, require_finite
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.training.experiment import describe

@@ -19,6 +19,8 @@ PORT = 29500  # where rank 0 listens inside its own namespace
 
 
 class GlooLab(Lab):
+    stage_peers_limit_in_flight = False  # its ranks have no such limit (swarm.bench.gloo.run)
+
     def __init__(self, *args, **kwargs) -> None:
         kwargs["pacing"] = False
         super().__init__(*args, **kwargs)
