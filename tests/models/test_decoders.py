@@ -138,7 +138,8 @@ def test_config_errors_are_one_line(tmp_path):
         # runs into a shape mismatch; a saved config.json is validated as it loads
         (dict(config=dict(TINY["llama"], hidden_size=30, num_attention_heads=4)), HEADS),
         (dict(config=dict(TINY["qwen2"], hidden_size=30, num_attention_heads=4)), HEADS),
-        (dict(pretrained=str(_saved_with_heads(tmp_path / "saved", 5))), HEADS),
+        # (transformers 5.0 loads that config.json, then refuses the weights, whose shapes differ)
+        (dict(pretrained=str(_saved_with_heads(tmp_path / "saved", 5))), rf"{HEADS}|cannot load '.*saved' \(.*sizes"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message) as caught:
