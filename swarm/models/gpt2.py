@@ -61,10 +61,8 @@ def load_full(config=None, pretrained: str | None = None) -> GPT2LMHeadModel:
     built = make_config(config)
     try:
         return GPT2LMHeadModel(built)
-    except (
-        RuntimeError,
-        *config_errors(),
-    ) as e:  # a config it cannot be built from: heads that do not divide the width
+    # a config it cannot be built from: heads that do not divide the width, a value of the wrong type
+    except (RuntimeError, *config_errors()) as e:
         raise ValueError(f"gpt2: cannot build the model ({library_message(e)})") from None
 
 

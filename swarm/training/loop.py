@@ -190,6 +190,8 @@ def train(
         )
     generator = torch.Generator().manual_seed(cfg.seed)
     target = Target.parse(cfg.train.target) if cfg.train.target else None
+    if target is not None and not len(test_set):
+        raise ValueError(f"train.target {target}: the test split is empty, so no evaluation can reach it")
     reached = False
     step, samples, epoch, done_in_epoch, elapsed = 0, 0, 0, 0, 0.0
     evals: list[dict] = []
@@ -210,8 +212,6 @@ def train(
         go_to(load_run(latest, pipeline), f"resuming from checkpoint {latest}")
     elif resumed is not None:
         go_to(resumed, "resuming from the copies the swarm kept")
-    if target is not None and not len(test_set):
-        raise ValueError(f"train.target {target}: the test split is empty, so no evaluation can reach it")
     if target is not None and evals and evals[-1]["step"] == step:  # resumed at an evaluation: its target may differ
         target.require_reported(evals[-1]["uncompressed"])
         reached = target.reached(evals[-1]["uncompressed"])
