@@ -31,7 +31,7 @@ from peers._common import (
     start_trace,
     write_trace,
 )
-from swarm.config import ConfigError, load_config
+from swarm.config import ConfigError, ExperimentConfig, load_config
 from swarm.engine.build import device_problem
 from swarm.transport.hivemind.dht.runconfig import (
     ConfigPublisher,
@@ -117,6 +117,14 @@ async def serve(args: argparse.Namespace) -> int:
             return fail(f"--token: {e}")
         if args.owner is None:
             args.owner = token_owner(token)  # the token's signer owns the run
+    own = None
+    if args.config is not None:  # its problems before the peer joins anything
+        try:
+            own = _own_config(args)
+        except (ConfigError, OSError) as e:
+            return fail(str(e))
+        if problem := _stage_problem(own[0], args.stage):
+            return fail(problem)
     try:
         settings = Settings.of(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
@@ -140,12 +148,8 @@ async def serve(args: argparse.Namespace) -> int:
     publisher: ConfigPublisher | None = None
     try:
         try:
-            cfg, run_id, mine, owner = await _config(node, args)
-            if not 0 <= args.stage < cfg.model.num_stages:
-                return fail(
-                    f"--stage {args.stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
-                )
-            if problem := device_problem(cfg.device):  # here, not at the run's setup, which it would fail
+            cfg, run_id, mine, owner = await _config(node, args, own)
+            if problem := _stage_problem(cfg, args.stage):
                 return fail(problem)
             if mine is not None:  # joiners find the run's config before its trainer starts
                 publisher = await start_publishing(node, mine)
@@ -183,19 +187,35 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _config(node: SwarmNode, args: argparse.Namespace):
+def _own_config(args: argparse.Namespace) -> tuple[ExperimentConfig, PublishedConfig]:
+    """--config with --set and --device, and the record this peer publishes for it."""
+    cfg = load_config(args.config, args.overrides + _device(args))
+    run_id = args.run_id or cfg.name
+    return cfg, PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
+
+
+def _device(args: argparse.Namespace) -> list[str]:
+    return [f"device={args.device}"] if args.device else []
+
+
+def _stage_problem(cfg: ExperimentConfig, stage: int) -> str | None:
+    """Why this peer cannot host `stage` of `cfg`, found now rather than at the run's setup."""
+    if not 0 <= stage < cfg.model.num_stages:
+        return f"--stage {stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
+    return device_problem(cfg.device)
+
+
+async def _config(node: SwarmNode, args: argparse.Namespace, own: tuple[ExperimentConfig, PublishedConfig] | None):
     """The run's config and id, what to publish (--config's, or nothing: the config the run
     published), and the run's owner (--owner, or the published config's signer; None: not known yet)."""
-    device = [f"device={args.device}"] if args.device else []
-    if args.config is not None:
-        cfg = load_config(args.config, args.overrides + device)
-        run_id = args.run_id or cfg.name
-        mine = PublishedConfig.of(run_id, Path(args.config).read_text(), args.overrides, args.config)
+    if own is not None:
+        cfg, mine = own
+        run_id = mine.run_id
         # the run's trainer may have published already: its signed record names the owner
         owners = {c.owner for c in await fetch_configs(node, run_id, args.owner) if c.owner and c.digest == mine.digest}
         return cfg, run_id, mine, args.owner or (owners.pop() if len(owners) == 1 else None)
     published = await resolve_run(node, args.run_id, args.wait, args.owner)
-    cfg = published.config(device)  # the device is this peer's own: not part of the digest
+    cfg = published.config(_device(args))  # the device is this peer's own: not part of the digest
     owner = args.owner or published.owner or None
     by = f", owner {owner}" if owner else ""
     say(f"joined run {published.run_id!r}: config {published.digest} as published on the DHT{by}")

@@ -353,3 +353,19 @@ def test_an_initial_peer_that_is_no_peer_address_is_refused_in_one_line(capsys):
         capsys.readouterr()
         assert main(["--config", str(SMOKE), "--initial_peers", maddr]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
+def test_a_stage_peer_checks_its_own_config_before_it_joins(swarm, capsys, tmp_path):
+    # nobody listens there: had the peer started its daemon first, it would fail to reach the bootstrap
+    nowhere = "/ip4/127.0.0.1/tcp/1/p2p/QmXerPtSxm7o8xV9yaYG99bhcm41CJ5z8Dafd6vq8fzggv"
+    gone = tmp_path / "gone.yaml"
+    assert stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(gone)) == [
+        f"error: config file {gone} does not exist"
+    ]
+    stages = load_config(SMOKE).model.num_stages
+    assert stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(SMOKE), "--stage", "9") == [
+        f"error: --stage 9 does not exist: the config has {stages} stages (0..{stages - 1})"
+    ]
+    missing = f"cuda:{torch.cuda.device_count()}"
+    (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(SMOKE), "--device", missing)
+    assert line.startswith(f"error: device {missing}: this machine has "), line
