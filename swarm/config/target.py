@@ -51,7 +51,7 @@ class Target:
         """ValueError (one line) when an evaluation does not report the target's metric at all:
         the run would otherwise go to its last step without ever being able to stop early."""
         if not metrics:
-            raise ValueError(f"train.target {self}: the evaluations report no metrics (is the test split empty?)")
+            raise ValueError(f"train.target {self}: the evaluations report no metrics (their count of samples is 0)")
         if self.metric not in metrics:
             reported = ", ".join(sorted(metrics))
             raise ValueError(f"train.target {self}: the evaluations report {reported}, not {self.metric}")
