@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
     signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C too, whatever was inherited: a trainer started by a script's background job would
+    # ignore SIGINT, the signal a lab stops its peers with first (then it waits for SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # imported only now: the training side (models with transformers, data, the loop) takes seconds
     # to import, and a SIGTERM meanwhile (a lab stopping its peers) must already end the trainer cleanly
     from swarm.config import ConfigError, load_config

@@ -13,6 +13,9 @@ WAITER = """
 import asyncio, signal, threading, time
 from swarm.transport.hivemind.net.loop import LoopThread
 
+# Python's own Ctrl-C, whatever was inherited: a test run started in the background of a
+# non-interactive shell ignores SIGINT, and so would this process
+signal.signal(signal.SIGINT, signal.default_int_handler)
 loop = LoopThread()
 threading.Timer(0.5, signal.pthread_kill, (loop._thread.ident, signal.SIGINT)).start()
 started = time.monotonic()

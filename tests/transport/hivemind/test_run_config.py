@@ -301,7 +301,8 @@ def test_a_stage_peer_joins_with_the_published_config(swarm, lonely, capsys):
 
 def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_the_run(swarm, lonely):
     """No stage peer ever comes, so the run fails; with --metrics_linger its metrics stay up after
-    the error (a scraper sees the end of a short run) until a SIGTERM cuts the wait short."""
+    the error (a scraper sees the end of a short run) until a Ctrl-C cuts the wait short, though the
+    trainer was started as a script's background job is, with SIGINT ignored."""
     run_id = fresh_run()
     maddrs = swarm.loop.run(lonely.maddrs())
     trainer = subprocess.Popen(
@@ -312,6 +313,7 @@ def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_th
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     out: list[str] = []
     lingering = threading.Event()
@@ -331,7 +333,7 @@ def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_th
         scraped = urllib.request.urlopen(url, timeout=10).read().decode()  # after the run's end
         assert trainer.poll() is None
     finally:
-        trainer.send_signal(signal.SIGTERM)
+        trainer.send_signal(signal.SIGINT)
         err = trainer.communicate(timeout=60)[1]  # far less than the 600 s it would have waited
         reader.join(10)
     assert "hivepipe_trainer_step" in scraped and "process_resident_memory_bytes" in scraped
