@@ -6,6 +6,7 @@ import io
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,14 @@ from _util import REPO
 
 from swarm.cli import main
 from swarm.config import load_config
-from swarm.lab.launch import Lab
 from swarm.study.entries import discover, same_config, status
 from swarm.study.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
 from swarm.study.report import write_study_report
 from swarm.study.rerun import compare
 from swarm.study.runner import StudyLocked, _lock, run_study
 from swarm.study.runs import load_run
-from swarm.training.experiment import run_experiment
+from swarm.training.experiment import build_data, run_experiment
+from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 
 
@@ -277,23 +278,31 @@ def test_the_papers_own_figures_pass_every_check():
     assert [f.verdict for f in findings] == ["holds"] * 8, [(f.title, f.ours) for f in findings if f.verdict != "holds"]
 
 
-def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, tmp_path):
-    """`swarm lab` on a study config (separate processes, hivemind DHT and libp2p on loopback)
-    repeats the single-process run; the study report puts the two side by side."""
+def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, swarm, tmp_path):
+    """A study config rerun through a swarm (hivemind DHT and libp2p on loopback; the shared one of
+    the suite: `swarm lab`'s separate processes give one process's losses in tests/lab) repeats the
+    single-process run; the study report puts the two side by side."""
     results = tmp_path / "runs"
     shutil.copytree(study["results"], results)
     lab_dir = tmp_path / "runs-lab"
     lab_dir.mkdir()
-    log = io.StringIO()
-    code = Lab(str(study["configs"] / "b-top20.yaml"), 3, str(lab_dir / "b-top20.jsonl"), out=log).run()
-    assert code == 0, log.getvalue()[-2000:]
+    cfg = load_config(study["configs"] / "b-top20.yaml")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
+    try:
+        data = build_data(cfg)
+        rerun = ResultsWriter(lab_dir / "b-top20.jsonl")
+        train(cfg, swarm.pipeline(cfg, run_id, None, data), data, rerun, None, progress=False)
+        rerun.close()
+    finally:
+        swarm.unhost(run_id)
     c = compare(load_run(results / "b-top20.jsonl"), load_run(lab_dir / "b-top20.jsonl"))
     assert c.steps == 12 and c.max_loss_rel <= 1e-5
     assert c.bytes_single == c.bytes_swarm and c.bytes_swarm
     assert len(c.evals) >= 3  # every evaluation of the swarm gives the single process's accuracies
-    for _, single, swarm in c.evals:
+    for _, single, swarm_evals in c.evals:
         for mode in ("uncompressed", "compressed"):
-            assert swarm[mode]["accuracy"] == single[mode]["accuracy"], (mode, single, swarm)
+            assert swarm_evals[mode]["accuracy"] == single[mode]["accuracy"], (mode, single, swarm_evals)
     write_study_report(study["configs"], results, tmp_path / "out")
     readme = (tmp_path / "out" / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| b-top20 |"))
