@@ -1,4 +1,4 @@
-"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, ...) cut into stages.
+"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, Falcon, ...) cut into stages.
 
 A decoder is [token embedding (+ absolute positions, dropout), layers, final norm, LM head]. The
 first stage holds the embedding, the last the final norm and the head; stage boundaries carry
@@ -28,7 +28,7 @@ from swarm.models.base import TiedPair, stage_block_ranges
 
 # Families whose staged model is checked against the unsplit one by the tests (tests/models).
 # Others with the same shape are checked once at build time on a probe input (`check_split`).
-CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
+CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "falcon")
 
 _ROLES = {  # role -> attribute names a family may use for it, in the base model
     "layers": ("layers", "h", "blocks"),
@@ -121,6 +121,17 @@ def _masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Te
     return {kind: makers[kind](**common) for kind in kinds}
 
 
+def _layer_args(config, layer: nn.Module) -> dict:
+    """Arguments a family's layers require beyond the usual ones. Falcon's take `alibi`, None
+    unless the config uses ALiBi positions, whose bias the unsplit model builds from the attention
+    mask once for all its layers."""
+    if "alibi" not in inspect.signature(layer.forward).parameters:
+        return {}
+    if getattr(config, "alibi", False):
+        raise ValueError(f"transformers: {config.model_type} with alibi positions is not supported")
+    return {"alibi": None}
+
+
 class DecoderStage(nn.Module):
     """A contiguous piece of a causal LM: optionally the embedding, some layers, optionally the head."""
 
@@ -137,6 +148,7 @@ class DecoderStage(nn.Module):
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
         self.kinds = {i: _mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
+        self.layer_args = _layer_args(config, parts.layers[layers[0]]) if len(layers) else {}
         if last:
             self.add_module(parts.names["norm"], parts.modules["norm"])
             self.add_module(parts.names["head"], head)
@@ -170,7 +182,9 @@ class DecoderStage(nn.Module):
         layers = self._modules[self.layers_name]
         if len(layers):
             masks = _masks(self.config, set(self.kinds.values()), hidden, position_ids)
-            extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
+            extra = dict(self.layer_args)
+            if self.rotary is not None:
+                extra["position_embeddings"] = self.rotary(hidden, position_ids)
             for index, layer in layers.items():
                 out = layer(
                     hidden,

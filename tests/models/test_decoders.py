@@ -134,6 +134,7 @@ def test_config_errors_are_one_line(tmp_path):
         (dict(pretrained=str(tmp_path / "missing"), config=TINY["llama"]), "exactly one of"),
         (dict(pretrained=str(tmp_path / "missing")), "cannot load"),
         (dict(config={"model_type": "t5"}), "encoder-decoder|cannot"),
+        (dict(config=dict(TINY["falcon"], alibi=True)), "^transformers: falcon with alibi positions is not supported$"),
         # transformers 5 validates llama's config (huggingface_hub's error is no ValueError); qwen2's
         # runs into a shape mismatch; a saved config.json is validated as it loads
         (dict(config=dict(TINY["llama"], hidden_size=30, num_attention_heads=4)), HEADS),
