@@ -266,6 +266,8 @@ TINY_DECODERS = {
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     ),
+    # ALiBi positions: each stage rebuilds the bias; a layer norm right after the embedding
+    "bloom": dict(model_type="bloom", vocab_size=TINY_VOCAB, hidden_size=32, n_layer=4, n_head=4),
     # Falcon-7B's shape (multi-query attention, attention and MLP in parallel, rotary positions);
     # its layers take an `alibi` argument, None without ALiBi
     "falcon": dict(

@@ -1,6 +1,6 @@
-"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, Falcon, ...) cut into stages.
+"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, Falcon, Bloom, ...) cut into stages.
 
-A decoder is [token embedding (+ absolute positions, dropout), layers, final norm, LM head]. The
+A decoder is [token embedding (+ absolute positions, dropout, a norm), layers, final norm, LM head]. The
 first stage holds the embedding, the last the final norm and the head; stage boundaries carry
 plain hidden states [B, T, d]. Each stage rebuilds what the unsplit model builds once for all its
 layers (position ids, rotary cos/sin, the causal or sliding-window mask of each layer's type), so
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,7 @@ from swarm.models.base import TiedPair, stage_block_ranges
 
 # Families whose staged model is checked against the unsplit one by the tests (tests/models).
 # Others with the same shape are checked once at build time on a probe input (`check_split`).
-CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "falcon")
+CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "falcon", "bloom")
 
 _ROLES = {  # role -> attribute names a family may use for it, in the base model
     "layers": ("layers", "h", "blocks"),
@@ -36,6 +38,7 @@ _ROLES = {  # role -> attribute names a family may use for it, in the base model
     "positions": ("wpe",),
     "dropout": ("drop", "emb_dropout", "embed_dropout"),
     "rotary": ("rotary_emb",),
+    "embed_norm": ("word_embeddings_layernorm",),
 }
 
 
@@ -121,15 +124,20 @@ def _masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Te
     return {kind: makers[kind](**common) for kind in kinds}
 
 
-def _layer_args(config, layer: nn.Module) -> dict:
-    """Arguments a family's layers require beyond the usual ones. Falcon's take `alibi`, None
-    unless the config uses ALiBi positions, whose bias the unsplit model builds from the attention
-    mask once for all its layers."""
+def _alibi_of(config, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+    """The `alibi` argument of a family's layers, from a stage's hidden states (None: they take
+    none). Bloom's is each head's bias by key position, which the unsplit model builds once for all
+    layers and a stage rebuilds, as it does rotary cos/sin; Falcon's is None unless its config
+    uses ALiBi, whose bias Falcon folds into the attention mask (refused)."""
     if "alibi" not in inspect.signature(layer.forward).parameters:
-        return {}
-    if getattr(config, "alibi", False):
+        return None
+    if not getattr(config, "alibi", True):
+        return lambda hidden: None
+    build = getattr(sys.modules[type(layer).__module__], "build_alibi_tensor", None)
+    if config.model_type == "falcon" or build is None:
         raise ValueError(f"transformers: {config.model_type} with alibi positions is not supported")
-    return {"alibi": None}
+    heads = config.num_attention_heads
+    return lambda hidden: build(hidden.new_ones(hidden.shape[:2]), heads, hidden.dtype)
 
 
 class DecoderStage(nn.Module):
@@ -141,14 +149,14 @@ class DecoderStage(nn.Module):
         self.first, self.last = first, last
         self.roles = {role: name for role, name in parts.names.items() if role != "layers"}
         if first:
-            for role in ("embed", "positions", "dropout"):
+            for role in ("embed", "positions", "dropout", "embed_norm"):
                 if role in parts.modules:
                     self.add_module(parts.names[role], parts.modules[role])
         self.layers_name = parts.names["layers"]
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
         self.kinds = {i: _mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
-        self.layer_args = _layer_args(config, parts.layers[layers[0]]) if len(layers) else {}
+        self.alibi = _alibi_of(config, parts.layers[layers[0]]) if len(layers) else None
         if last:
             self.add_module(parts.names["norm"], parts.modules["norm"])
             self.add_module(parts.names["head"], head)
@@ -177,14 +185,17 @@ class DecoderStage(nn.Module):
             dropout = self._part("dropout")
             if dropout is not None:
                 hidden = dropout(hidden)
+            embed_norm = self._part("embed_norm")  # Bloom's, right after the embedding
+            if embed_norm is not None:
+                hidden = embed_norm(hidden)
         else:
             hidden = x
         layers = self._modules[self.layers_name]
         if len(layers):
             masks = _masks(self.config, set(self.kinds.values()), hidden, position_ids)
-            extra = dict(self.layer_args)
-            if self.rotary is not None:
-                extra["position_embeddings"] = self.rotary(hidden, position_ids)
+            extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
+            if self.alibi is not None:
+                extra["alibi"] = self.alibi(hidden)
             for index, layer in layers.items():
                 out = layer(
                     hidden,
