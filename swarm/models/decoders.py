@@ -137,7 +137,11 @@ def _alibi_of(config, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     if config.model_type == "falcon" or build is None:
         raise ValueError(f"transformers: {config.model_type} with alibi positions is not supported")
     heads = config.num_attention_heads
-    return lambda hidden: build(hidden.new_ones(hidden.shape[:2]), heads, hidden.dtype)
+    # an attention mask of ones as the unsplit model would take it: integers, whose running sum
+    # (the key positions) stays exact past 256, where a bf16 one would not
+    return lambda hidden: build(
+        torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device), heads, hidden.dtype
+    )
 
 
 class DecoderStage(nn.Module):
