@@ -144,6 +144,15 @@ def _alibi_of(config, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     )
 
 
+def _arguments_of(layer: nn.Module) -> frozenset[str] | None:
+    """The keyword arguments a layer's forward takes (None: any). Bloom's layers in transformers
+    5.0 take no position_ids; their positions are the ALiBi bias."""
+    parameters = inspect.signature(layer.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
+
+
 class DecoderStage(nn.Module):
     """A contiguous piece of a causal LM: optionally the embedding, some layers, optionally the head."""
 
@@ -161,6 +170,7 @@ class DecoderStage(nn.Module):
         self.kinds = {i: _mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
         self.alibi = _alibi_of(config, parts.layers[layers[0]]) if len(layers) else None
+        self.layer_takes = _arguments_of(parts.layers[layers[0]]) if len(layers) else None
         if last:
             self.add_module(parts.names["norm"], parts.modules["norm"])
             self.add_module(parts.names["head"], head)
@@ -201,13 +211,11 @@ class DecoderStage(nn.Module):
             if self.alibi is not None:
                 extra["alibi"] = self.alibi(hidden)
             for index, layer in layers.items():
-                out = layer(
-                    hidden,
-                    attention_mask=masks[self.kinds[int(index)]],
-                    position_ids=position_ids,
-                    use_cache=False,
-                    **extra,
-                )
+                arguments = {"attention_mask": masks[self.kinds[int(index)]], "position_ids": position_ids}
+                arguments.update(use_cache=False, **extra)
+                if self.layer_takes is not None:
+                    arguments = {k: v for k, v in arguments.items() if k in self.layer_takes}
+                out = layer(hidden, **arguments)
                 hidden = out[0] if isinstance(out, tuple) else out
         if self.last:
             hidden = self._part("head")(self._part("norm")(hidden))
