@@ -125,6 +125,8 @@ async def serve(args: argparse.Namespace) -> int:
             return fail(str(e))
         if problem := _stage_problem(own[0], args.stage):
             return fail(problem)
+    elif args.device and (problem := device_problem(args.device)):  # the peer's own, whatever the run's config
+        return fail(problem)
     try:
         settings = Settings.of(call_timeout_s=args.timeout, max_micro_batch_bytes=int(args.max_payload_mb * 2**20))
     except ValueError as e:
@@ -149,7 +151,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         try:
             cfg, run_id, mine, owner = await _config(node, args, own)
-            if problem := _stage_problem(cfg, args.stage):
+            if own is None and (problem := _stage_problem(cfg, args.stage)):  # the published config's
                 return fail(problem)
             if mine is not None:  # joiners find the run's config before its trainer starts
                 publisher = await start_publishing(node, mine)

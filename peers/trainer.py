@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     signal.signal(signal.SIGTERM, _interrupt)
     # Ctrl-C too, whatever was inherited: a trainer started by a script's background job would
-    # ignore SIGINT, the signal a lab stops its peers with first (then it waits for SIGTERM)
+    # ignore SIGINT, the signal a lab stops its peers with first, and hold the lab until its SIGTERM
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # imported only now: the training side (models with transformers, data, the loop) takes seconds
     # to import, and a SIGTERM meanwhile (a lab stopping its peers) must already end the trainer cleanly

@@ -5,6 +5,7 @@ _codec_cases, _feedback_cases) are importable from every test package."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # Tests never reach outside the machine: the Hugging Face libraries stay offline.
@@ -40,6 +41,16 @@ torch.set_num_threads(2)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_inherited():
+    """A peer's main() run in this process sets its own Ctrl-C handler: the next tests' processes
+    inherit SIGINT as the suite did (ignored, when the suite runs in a script's background)."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not handler and handler is not None:
+        signal.signal(signal.SIGINT, handler)
 
 
 @pytest.fixture(scope="session")

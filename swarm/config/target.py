@@ -51,7 +51,9 @@ class Target:
         """ValueError (one line) when an evaluation does not report the target's metric at all:
         the run would otherwise go to its last step without ever being able to stop early."""
         if not metrics:
-            raise ValueError(f"train.target {self}: the evaluations report no metrics (their count of samples is 0)")
+            raise ValueError(
+                f"train.target {self}: the evaluations report no metrics (no samples counted, or no loss nor accuracy)"
+            )
         if self.metric not in metrics:
             reported = ", ".join(sorted(metrics))
             raise ValueError(f"train.target {self}: the evaluations report {reported}, not {self.metric}")

@@ -40,6 +40,7 @@ _ROLES = {  # role -> attribute names a family may use for it, in the base model
     "rotary": ("rotary_emb",),
     "embed_norm": ("word_embeddings_layernorm",),
 }
+STEM_ROLES = ("embed", "positions", "dropout", "embed_norm")  # what stage 0 holds before the layers
 
 
 @dataclass
@@ -162,15 +163,16 @@ class DecoderStage(nn.Module):
         self.first, self.last = first, last
         self.roles = {role: name for role, name in parts.names.items() if role != "layers"}
         if first:
-            for role in ("embed", "positions", "dropout", "embed_norm"):
+            for role in STEM_ROLES:
                 if role in parts.modules:
                     self.add_module(parts.names[role], parts.modules[role])
         self.layers_name = parts.names["layers"]
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
         self.kinds = {i: _mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
-        self.alibi = _alibi_of(config, parts.layers[layers[0]]) if len(layers) else None
-        self.layer_takes = _arguments_of(parts.layers[layers[0]]) if len(layers) else None
+        # per layer: a family may mix layer classes
+        self.alibi = {i: _alibi_of(config, parts.layers[i]) for i in layers}
+        self.layer_takes = {i: _arguments_of(parts.layers[i]) for i in layers}
         if last:
             self.add_module(parts.names["norm"], parts.modules["norm"])
             self.add_module(parts.names["head"], head)
@@ -208,13 +210,15 @@ class DecoderStage(nn.Module):
         if len(layers):
             masks = _masks(self.config, set(self.kinds.values()), hidden, position_ids)
             extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
-            if self.alibi is not None:
-                extra["alibi"] = self.alibi(hidden)
+            entering = hidden  # the unsplit model builds ALiBi from the hidden states its layers start with
             for index, layer in layers.items():
-                arguments = {"attention_mask": masks[self.kinds[int(index)]], "position_ids": position_ids}
-                arguments.update(use_cache=False, **extra)
-                if self.layer_takes is not None:
-                    arguments = {k: v for k, v in arguments.items() if k in self.layer_takes}
+                i = int(index)
+                arguments = {"attention_mask": masks[self.kinds[i]], "position_ids": position_ids, "use_cache": False}
+                if (alibi := self.alibi[i]) is not None:
+                    arguments["alibi"] = alibi(entering)  # [B * heads, 1, T]: cheap next to the layer
+                arguments.update(extra)
+                if (takes := self.layer_takes[i]) is not None:
+                    arguments = {k: v for k, v in arguments.items() if k in takes}
                 out = layer(hidden, **arguments)
                 hidden = out[0] if isinstance(out, tuple) else out
         if self.last:
@@ -285,7 +289,7 @@ def cut_decoder(
     parts = find_parts(model, where)
     n = len(parts.layers)
     if starts is None:
-        stem = sum(_size(parts.modules.get(role)) for role in ("embed", "positions", "dropout"))
+        stem = sum(_size(parts.modules.get(role)) for role in STEM_ROLES)
         head = _size(parts.modules["norm"]) + _size(parts.modules["head"])
         starts = balanced_starts(stem, [_size(layer) for layer in parts.layers], head, num_stages, first_layers)
     starts = check_starts(starts, n, num_stages)

@@ -180,3 +180,36 @@ def test_configs_transformers_takes_and_outputs_a_split_cannot_keep():
         build_model("transformers", 2, config=gemma2)
     with pytest.raises(ValueError, match="cannot load .*FlashAttention"):
         build_model("transformers", 2, config=TINY["llama"], attn_implementation="flash_attention_2")
+
+
+def test_layers_whose_forward_takes_no_keywords_beyond_its_own_get_only_those(monkeypatch):
+    """Bloom's layers in transformers 5.0 take no `position_ids` (newer releases take **kwargs):
+    a stage passes a layer only the arguments its forward names, and still computes what the
+    unsplit model computes."""
+    from transformers.models.bloom import modeling_bloom
+
+    original = modeling_bloom.BloomBlock.forward
+
+    def named_only(self, hidden_states, alibi, attention_mask, layer_past=None, use_cache=False, **rest):
+        return original(self, hidden_states, alibi, attention_mask, layer_past=layer_past, use_cache=use_cache, **rest)
+
+    def strict(
+        self,
+        hidden_states,
+        alibi,
+        attention_mask,
+        layer_past=None,
+        use_cache=False,
+        output_attentions=False,
+        cache_position=None,
+    ):  # what the unsplit model passes, in 5.0 and later
+        return named_only(self, hidden_states, alibi, attention_mask, layer_past, use_cache)
+
+    monkeypatch.setattr(modeling_bloom.BloomBlock, "forward", strict)
+    whole, staged = _pair("bloom", 3)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    whole.eval()
+    staged.eval()
+    monkeypatch.setattr(modeling_bloom.BloomBlock, "forward", named_only)  # the unsplit model's own call
+    with torch.no_grad():
+        assert torch.equal(whole(input_ids=ids).logits, staged(ids))

@@ -292,8 +292,10 @@ def test_a_study_row_rerun_through_the_swarm_matches_and_is_reported(study, swar
     try:
         data = build_data(cfg)
         rerun = ResultsWriter(lab_dir / "b-top20.jsonl")
-        train(cfg, swarm.pipeline(cfg, run_id, None, data), data, rerun, None, progress=False)
-        rerun.close()
+        try:
+            train(cfg, swarm.pipeline(cfg, run_id, None, data), data, rerun, None, progress=False)
+        finally:
+            rerun.close()
     finally:
         swarm.unhost(run_id)
     c = compare(load_run(results / "b-top20.jsonl"), load_run(lab_dir / "b-top20.jsonl"))

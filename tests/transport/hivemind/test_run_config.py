@@ -306,14 +306,14 @@ def test_the_trainer_publishes_its_config_for_the_run_and_its_metrics_outlive_th
     run_id = fresh_run()
     maddrs = swarm.loop.run(lonely.maddrs())
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "peers.trainer", "--config", str(SMOKE), "--set", "seed=3", "--run_id", run_id]
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # SIGINT ignored, as in a script's background job
+        + [sys.executable, "-m", "peers.trainer", "--config", str(SMOKE), "--set", "seed=3", "--run_id", run_id]
         + ["--initial_peers", *maddrs, "--threads", "1", "--wait", "3"]
         + ["--metrics_port", "0", "--metrics_linger", "600"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     out: list[str] = []
     lingering = threading.Event()
@@ -370,4 +370,7 @@ def test_a_stage_peer_checks_its_own_config_before_it_joins(swarm, capsys, tmp_p
     ]
     missing = f"cuda:{torch.cuda.device_count()}"
     (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(SMOKE), "--device", missing)
+    assert line.startswith(f"error: device {missing}: this machine has "), line
+    # without --config the run's config comes from the DHT, but --device is the peer's own
+    (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--device", missing)
     assert line.startswith(f"error: device {missing}: this machine has "), line
