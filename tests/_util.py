@@ -271,11 +271,6 @@ TINY_DECODERS = {
     # Falcon-7B's shape (multi-query attention, attention and MLP in parallel, rotary positions);
     # its layers take an `alibi` argument, None without ALiBi
     "falcon": dict(
-        model_type="falcon",
-        vocab_size=TINY_VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+        model_type="falcon", vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4
     ),
 }
