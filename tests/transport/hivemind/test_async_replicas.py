@@ -115,7 +115,7 @@ def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_
     swarm, tmp_path, monkeypatch
 ):
     """Link order holds per sender only: stage 2 hears from both of stage 1's peers. One of them
-    holds a micro-batch of step 2 back (a slow forward) while stage 0 routes step 3's to the other;
+    holds a micro-batch of step 2 back (a slow link) while stage 0 routes step 3's to the other;
     stage 2 applies step 1's update with the first of step 3's, before the held-back one comes. It
     runs at the weights step 2 ran at, which stage 2 keeps until its next update
     (swarm.engine.stash), where it used to be refused (and the run, without copies, ended). With
@@ -124,27 +124,42 @@ def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_
     run_experiment(cfg, tmp_path / "one.jsonl", STEPS, progress=False)
     run_id = uuid.uuid4().hex[:8]
     first, slow, other, last = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
-    holding = threading.Event()
-    forward = slow.work.forward
+    holding, held, overtaken = threading.Event(), threading.Event(), threading.Event()
+    send, last_forward = slow.handoff.send, last.work.forward
 
-    def held_back(batch, data, ends):
-        if batch.step == 2 and not holding.is_set():
+    async def held_back(batch, *args, **kwargs):
+        if batch.step == 2 and not held.is_set():
             holding.set()
-            time.sleep(1.5)  # on its computing thread: its later micro-batches wait too
+            # on its way to stage 2, not on the computing thread, which the step-1 round of the
+            # replicas needs (step 3 waits for that round); held until stage 2 has run a micro-batch
+            # of step 3 (which applied step 1's update there), not for a fixed time, which a loaded
+            # machine outlasts before step 3 comes
+            await asyncio.get_running_loop().run_in_executor(None, overtaken.wait, 60)
+            held.set()
             holding.clear()
-        return forward(batch, data, ends)
+        return await send(batch, *args, **kwargs)
 
-    slow.work.forward = held_back
+    def watched(batch, data, ends):
+        message = last_forward(batch, data, ends)
+        if batch.step >= 3:
+            overtaken.set()
+        return message
+
+    slow.handoff.send, last.work.forward = held_back, watched
     choose = first.handoff.choose
 
     async def around_the_slow_one(session, exclude=()):
-        return await choose(session, [*exclude, slow.node.peer_id] if holding.is_set() else exclude)
+        # every micro-batch to the slow peer until it holds one of step 2 back (routing by load could
+        # hand it none of step 2's), none while it holds it, then either
+        avoid = other if not (holding.is_set() or held.is_set()) else slow if holding.is_set() else None
+        return await choose(session, [*exclude, avoid.node.peer_id] if avoid is not None else exclude)
 
     first.handoff.choose = around_the_slow_one
     late = forwards_at_kept_weights(monkeypatch)
     try:
         rows = ResultsWriter(None)
         _run(swarm, cfg, run_id, rows)
+        assert held.is_set() and overtaken.is_set()  # the slow peer held step 2's back past step 3's
         assert 2 in late, late  # the overtaking happened, at stage 2
         _same_losses(rows.rows, read_results(tmp_path / "one.jsonl"))
     finally:
