@@ -273,4 +273,39 @@ TINY_DECODERS = {
     "falcon": dict(
         model_type="falcon", vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4
     ),
+    # sliding and full layers alternating, soft-capped attention, and logits soft-capped after the
+    # head by a cap small enough for a random model's logits to feel it
+    "gemma2": dict(
+        model_type="gemma2",
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        final_logit_softcapping=0.5,
+        **_DECODER_COMMON,
+    ),
+    # rotary cos/sin of its own per layer type (local and global bases)
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=0.5,
+        **_DECODER_COMMON,
+    ),
+    # its pieces under model.decoder, learned positions two rows into their table, an embedding
+    # narrower than the layers (projected in and out), the head tied to the embedding
+    "opt": dict(
+        model_type="opt",
+        vocab_size=TINY_VOCAB,
+        hidden_size=32,
+        word_embed_proj_dim=16,
+        ffn_dim=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        dropout=0.0,
+    ),
+    "cohere": dict(model_type="cohere", num_key_value_heads=2, logit_scale=4.0, **_DECODER_COMMON),  # logits scaled up
+    "granite": dict(model_type="granite", num_key_value_heads=2, logits_scaling=0.25, **_DECODER_COMMON),  # ... down
 }

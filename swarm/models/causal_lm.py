@@ -22,8 +22,6 @@ from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, co
 from swarm.models.decoders import CHECKED_FAMILIES, cut_decoder
 from swarm.models.lora import add_lora
 
-OUTPUT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
 
 def make_config(config: dict[str, Any]):
     """A transformers config from {model_type: ..., other keys}; unknown keys are refused (a
@@ -159,11 +157,8 @@ def build_transformers(
     model = load_model(pretrained, config, attn_implementation)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"transformers: {model.config.model_type} is an encoder-decoder; only decoders split here")
-    for key in OUTPUT_TRANSFORMS:  # applied to the logits outside the layers: a split would leave them out
-        if getattr(model.config, key, None) not in (None, 1, 1.0):
-            raise ValueError(
-                f"transformers: {model.config.model_type} with {key} set is not supported (its logits are transformed)"
-            )
+    if getattr(model.config, "layerdrop", 0.0):  # OPT's: layers skipped at random in training
+        raise ValueError(f"transformers: {model.config.model_type} with layerdrop set is not supported")
     model.train()
     # with LoRA the embedding is frozen: stage 0 with a layer (adapters) makes the gradient sent back to it useful
     stages, tied = cut_decoder(model, num_stages, split, first_layers=1 if lora is not None else 0)

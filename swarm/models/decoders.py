@@ -1,10 +1,12 @@
-"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, Falcon, Bloom, ...) cut into stages.
+"""Hugging Face causal-LM decoders (Llama, Mistral, Qwen2, GPT-NeoX, GPT-2, Falcon, Bloom, Gemma 2 and 3,
+OPT, ...) cut into stages.
 
-A decoder is [token embedding (+ absolute positions, dropout, a norm), layers, final norm, LM head]. The
-first stage holds the embedding, the last the final norm and the head; stage boundaries carry
-plain hidden states [B, T, d]. Each stage rebuilds what the unsplit model builds once for all its
-layers (position ids, rotary cos/sin, the causal or sliding-window mask of each layer's type), so
-a stage's layers run standalone and the composed stages compute what the unsplit model computes.
+A decoder is [token embedding (+ a projection in, absolute positions, dropout, a norm), layers,
+final norm, a projection out, LM head, a transform of the logits]. The first stage holds the
+embedding, the last the final norm and the head; stage boundaries carry plain hidden states
+[B, T, d]. Each stage rebuilds what the unsplit model builds once for all its layers (position
+ids, rotary cos/sin of each layer's type, the causal or sliding-window mask of each layer's type),
+so a stage's layers run standalone and the composed stages compute what the unsplit model computes.
 
 Stage attributes keep the family's own names (`embed_tokens`, `layers.<global index>`, `norm`,
 `lm_head`; GPT-2: `wte`, `wpe`, `drop`, `h.<i>`, `ln_f`), and `DecoderStage.source_names` maps
@@ -17,30 +19,34 @@ shared weight receives them.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from swarm.models import decoder_inputs as inputs
 from swarm.models.base import TiedPair, stage_block_ranges
 
 # Families whose staged model is checked against the unsplit one by the tests (tests/models).
 # Others with the same shape are checked once at build time on a probe input (`check_split`).
-CHECKED_FAMILIES = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "falcon", "bloom")
+CHECKED_FAMILIES = (
+    *("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "falcon", "bloom"),
+    *("gemma2", "gemma3_text", "opt", "cohere", "granite"),
+)
 
 _ROLES = {  # role -> attribute names a family may use for it, in the base model
     "layers": ("layers", "h", "blocks"),
     "norm": ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f"),
-    "positions": ("wpe",),
+    "positions": ("wpe", "embed_positions"),
     "dropout": ("drop", "emb_dropout", "embed_dropout"),
     "rotary": ("rotary_emb",),
     "embed_norm": ("word_embeddings_layernorm",),
+    "project_in": ("project_in",),  # OPT's, when its embedding is narrower than its layers
+    "project_out": ("project_out",),
 }
-STEM_ROLES = ("embed", "positions", "dropout", "embed_norm")  # what stage 0 holds before the layers
+STEM_ROLES = ("embed", "project_in", "positions", "dropout", "embed_norm")  # what stage 0 holds before the layers
+TAIL_ROLES = ("norm", "project_out")  # what the last stage holds after the layers, before the head
 
 
 @dataclass
@@ -50,7 +56,6 @@ class DecoderParts:
 
     names: dict[str, str]
     modules: dict[str, nn.Module]
-    base_prefix: str
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -64,6 +69,11 @@ def find_parts(model: nn.Module, where: str = "transformers") -> DecoderParts:
     base = getattr(model, prefix, None) if prefix else None
     if not isinstance(base, nn.Module):
         raise ValueError(f"{where}: {model_type}: no base model under {prefix!r}; is it a causal LM?")
+    decoder = getattr(base, "decoder", None)  # OPT keeps its pieces one level down
+    if not any(isinstance(getattr(base, n, None), nn.ModuleList) for n in _ROLES["layers"]) and isinstance(
+        decoder, nn.Module
+    ):
+        base = decoder
     names: dict[str, str] = {}
     modules: dict[str, nn.Module] = {}
     embed = base.get_input_embeddings()
@@ -74,7 +84,7 @@ def find_parts(model: nn.Module, where: str = "transformers") -> DecoderParts:
             if isinstance(module, nn.Module):
                 names[role] = name
                 break
-    missing = [role for role in ("embed", "layers", "norm") if not names.get(role)]
+    missing = [role for role in ("embed", "layers") if not names.get(role)]  # a norm is optional (OPT-350m has none)
     if missing or not isinstance(getattr(base, names.get("layers", ""), None), nn.ModuleList):
         raise ValueError(f"{where}: {model_type}: cannot find the decoder's {', '.join(missing) or 'layer list'}")
     modules = {role: getattr(base, name) for role, name in names.items()}
@@ -87,71 +97,7 @@ def find_parts(model: nn.Module, where: str = "transformers") -> DecoderParts:
     if not head_name:
         raise ValueError(f"{where}: {model_type}: no LM head next to the base model")
     names["head"], modules["head"] = head_name, head
-    return DecoderParts(names, modules, prefix)
-
-
-def _mask_kind(config, index: int) -> str:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
-
-
-@functools.cache
-def _mask_makers() -> tuple[dict, frozenset]:
-    """transformers' mask functions by layer type, and the names of their arguments, which moved
-    within 5.x (`input_embeds` -> `inputs_embeds`, `past_key_values` -> `cache`, `cache_position`
-    dropped): the old names still work in 5.24 with a FutureWarning on every call."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    return makers, frozenset(inspect.signature(create_causal_mask).parameters)
-
-
-def _masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-    makers, names = _mask_makers()
-    unknown = sorted(kinds - set(makers))
-    if unknown:
-        raise ValueError(f"transformers: layer type(s) {', '.join(unknown)} are not supported")
-    common = {
-        "config": config,
-        "inputs_embeds" if "inputs_embeds" in names else "input_embeds": hidden,
-        "attention_mask": None,
-        "cache" if "cache" in names else "past_key_values": None,
-        "position_ids": position_ids,
-    }
-    if "cache_position" in names:
-        common["cache_position"] = position_ids[0]
-    return {kind: makers[kind](**common) for kind in kinds}
-
-
-def _alibi_of(config, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-    """The `alibi` argument of a family's layers, from a stage's hidden states (None: they take
-    none). Bloom's is each head's bias by key position, which the unsplit model builds once for all
-    layers and a stage rebuilds, as it does rotary cos/sin; Falcon's is None unless its config
-    uses ALiBi, whose bias Falcon folds into the attention mask (refused)."""
-    if "alibi" not in inspect.signature(layer.forward).parameters:
-        return None
-    if not getattr(config, "alibi", True):
-        return lambda hidden: None
-    build = getattr(sys.modules[type(layer).__module__], "build_alibi_tensor", None)
-    if config.model_type == "falcon" or build is None:
-        raise ValueError(f"transformers: {config.model_type} with alibi positions is not supported")
-    heads = config.num_attention_heads
-    # an attention mask of ones as the unsplit model would take it: integers, whose running sum
-    # (the key positions) stays exact past 256, where a bf16 one would not
-    return lambda hidden: build(
-        torch.ones(hidden.shape[:2], dtype=torch.long, device=hidden.device), heads, hidden.dtype
-    )
-
-
-def _arguments_of(layer: nn.Module) -> frozenset[str] | None:
-    """The keyword arguments a layer's forward takes (None: any). Bloom's layers in transformers
-    5.0 take no position_ids; their positions are the ALiBi bias."""
-    parameters = inspect.signature(layer.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return None
-    return frozenset(parameters)
+    return DecoderParts(names, modules)
 
 
 class DecoderStage(nn.Module):
@@ -166,16 +112,28 @@ class DecoderStage(nn.Module):
             for role in STEM_ROLES:
                 if role in parts.modules:
                     self.add_module(parts.names[role], parts.modules[role])
+        self.embed_scale = inputs.embed_scale(config, parts.modules["embed"]) if first else None
         self.layers_name = parts.names["layers"]
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
-        self.kinds = {i: _mask_kind(config, i) for i in layers}
+        self.kinds = {i: inputs.mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
+        # Gemma 3's rotary embedding gives each layer type its own cos/sin (local and global bases)
+        self.rotary_by_kind = (
+            self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        )
         # per layer: a family may mix layer classes
-        self.alibi = {i: _alibi_of(config, parts.layers[i]) for i in layers}
-        self.layer_takes = {i: _arguments_of(parts.layers[i]) for i in layers}
+        self.alibi = {i: inputs.alibi_of(config, parts.layers[i]) for i in layers}
+        self.layer_takes = {i: inputs.arguments_of(parts.layers[i]) for i in layers}
         if last:
-            self.add_module(parts.names["norm"], parts.modules["norm"])
+            for role in TAIL_ROLES:
+                if role in parts.modules:
+                    self.add_module(parts.names[role], parts.modules[role])
             self.add_module(parts.names["head"], head)
+        self.logit_transforms = [  # (transform, its config value)
+            (transform, value)
+            for key, transform in inputs.LOGIT_TRANSFORMS.items()
+            if last and (value := getattr(config, key, None)) not in (None, 1, 1.0)
+        ]
         self.source_names: dict[str, str] = {}
 
     def _part(self, role: str) -> nn.Module | None:
@@ -191,13 +149,12 @@ class DecoderStage(nn.Module):
                     f"{self.config.model_type}: stage 0 takes token ids (an integer tensor [B, T]), got {x.dtype}"
                 )
             hidden = self._part("embed")(x)
-            positions = self._part("positions")
-            if positions is not None:
-                if length > positions.num_embeddings:
-                    raise ValueError(
-                        f"{self.config.model_type}: sequence length {length} exceeds the {positions.num_embeddings} positions"
-                    )
-                hidden = hidden + positions(position_ids)
+            if self.embed_scale is not None:
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            if (project_in := self._part("project_in")) is not None:
+                hidden = project_in(hidden)
+            if (positions := self._part("positions")) is not None:
+                hidden = hidden + inputs.position_embeddings(self.config, positions, position_ids)
             dropout = self._part("dropout")
             if dropout is not None:
                 hidden = dropout(hidden)
@@ -208,21 +165,31 @@ class DecoderStage(nn.Module):
             hidden = x
         layers = self._modules[self.layers_name]
         if len(layers):
-            masks = _masks(self.config, set(self.kinds.values()), hidden, position_ids)
-            extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids)}
+            kinds = set(self.kinds.values())
+            masks = inputs.masks(self.config, kinds, hidden, position_ids)
+            if self.rotary_by_kind:
+                rotary = {kind: self.rotary(hidden, position_ids, kind) for kind in kinds}
+            elif self.rotary is not None:
+                rotary = dict.fromkeys(kinds, self.rotary(hidden, position_ids))
             entering = hidden  # the unsplit model builds ALiBi from the hidden states its layers start with
             for index, layer in layers.items():
                 i = int(index)
                 arguments = {"attention_mask": masks[self.kinds[i]], "position_ids": position_ids, "use_cache": False}
                 if (alibi := self.alibi[i]) is not None:
                     arguments["alibi"] = alibi(entering)  # [B * heads, 1, T]: cheap next to the layer
-                arguments.update(extra)
+                if self.rotary is not None:
+                    arguments["position_embeddings"] = rotary[self.kinds[i]]
                 if (takes := self.layer_takes[i]) is not None:
                     arguments = {k: v for k, v in arguments.items() if k in takes}
                 out = layer(hidden, **arguments)
                 hidden = out[0] if isinstance(out, tuple) else out
         if self.last:
-            hidden = self._part("head")(self._part("norm")(hidden))
+            for role in TAIL_ROLES:
+                if (part := self._part(role)) is not None:
+                    hidden = part(hidden)
+            hidden = self._part("head")(hidden)
+            for transform, value in self.logit_transforms:
+                hidden = transform(hidden, value)
         return hidden
 
 
@@ -290,7 +257,7 @@ def cut_decoder(
     n = len(parts.layers)
     if starts is None:
         stem = sum(_size(parts.modules.get(role)) for role in STEM_ROLES)
-        head = _size(parts.modules["norm"]) + _size(parts.modules["head"])
+        head = sum(_size(parts.modules.get(role)) for role in (*TAIL_ROLES, "head"))
         starts = balanced_starts(stem, [_size(layer) for layer in parts.layers], head, num_stages, first_layers)
     starts = check_starts(starts, n, num_stages)
     head = parts.modules["head"]
