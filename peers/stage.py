@@ -33,6 +33,7 @@ from peers._common import (
 )
 from swarm.config import ConfigError, ExperimentConfig, load_config
 from swarm.engine.build import device_problem
+from swarm.models.registry import stage_count_problem
 from swarm.transport.hivemind.dht.runconfig import (
     ConfigPublisher,
     PublishedConfig,
@@ -204,7 +205,7 @@ def _stage_problem(cfg: ExperimentConfig, stage: int) -> str | None:
     """Why this peer cannot host `stage` of `cfg`, found now rather than at the run's setup."""
     if not 0 <= stage < cfg.model.num_stages:
         return f"--stage {stage} does not exist: the config has {cfg.model.num_stages} stages (0..{cfg.model.num_stages - 1})"
-    return device_problem(cfg.device)
+    return stage_count_problem(cfg.model.name, cfg.model.num_stages, cfg.model.options) or device_problem(cfg.device)
 
 
 async def _config(node: SwarmNode, args: argparse.Namespace, own: tuple[ExperimentConfig, PublishedConfig] | None):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from swarm.config import ExperimentConfig, load_config
-from swarm.lab.launch import peer_threads
+from swarm.lab.plan import peer_threads
 from swarm.training.experiment import run_experiment
 from swarm.training.results import read_results
 

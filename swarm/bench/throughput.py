@@ -26,7 +26,8 @@ from swarm.compression import parse
 from swarm.config import load_config
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch
-from swarm.lab.launch import Lab, available_cores
+from swarm.lab.launch import Lab
+from swarm.lab.plan import available_cores
 from swarm.models.registry import MODELS, build_model
 from swarm.rates import parse_delay, parse_rate
 from swarm.training.experiment import build_data

@@ -22,7 +22,7 @@ from swarm.bench.throughput import codec_overrides, describe_setup, input_bytes_
 from swarm.bench.throughput_figures import measure_run
 from swarm.config import load_config
 from swarm.config.target import Target
-from swarm.lab.launch import available_cores
+from swarm.lab.plan import available_cores
 from swarm.rates import parse_delay, parse_rate
 from swarm.training.results import read_results
 

@@ -35,7 +35,8 @@ from pathlib import Path
 from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
-from swarm.lab.plan import LinkPlan, RunPlan, base_name, nat_names
+from swarm.lab.plan import LinkPlan, RunPlan, available_cores, base_name, nat_names, peer_threads
+from swarm.models.registry import stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
 from swarm.transport.hivemind.net.settings import Settings
@@ -45,15 +46,6 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 _STEP_LINE = re.compile(r"^step (\d+)(?:/\d+)?: ")  # the trainer's line per step (peers.trainer)
 _JOINED = "joined with the state of step"  # a joining stage peer's line once it has its state (stage/joining.py)
 _NOISE = ("FutureWarning", "warnings.warn", "use of closed network connection")  # harmless shutdown chatter
-
-
-def available_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def peer_threads(peers: int) -> int:
-    """torch threads for each of `peers` computing processes on this machine: a fair share of its cores."""
-    return max(1, available_cores() // max(peers, 1))
 
 
 class PrefixedOutput:
@@ -199,6 +191,8 @@ class Lab:
     def run(self) -> int:
         try:
             cfg = load_config(self.run_plan.config, self.run_plan.overrides)
+            if problem := stage_count_problem(cfg.model.name, cfg.model.num_stages, cfg.model.options):
+                raise ValueError(problem)  # before a peer starts (each would build the model to find it)
             if self.stage_peers_limit_in_flight:  # by the default settings, which a trainer meets only once they are up
                 micro_batches_in_flight(cfg.train.in_flight, self.run_plan.stages, Settings())
         except (ConfigError, ValueError) as e:

@@ -19,6 +19,15 @@ from swarm.rates import parse_delay
 SHAPINGS = ("netns", "inprocess")
 
 
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def peer_threads(peers: int) -> int:
+    """torch threads for each of `peers` computing processes on this machine: a fair share of its cores."""
+    return max(1, available_cores() // max(peers, 1))
+
+
 def base_name(name: str) -> str:
     """A churn joiner (stage1.2) has its stage's first peer's link."""
     return name.split(".", 1)[0]

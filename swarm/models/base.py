@@ -123,6 +123,10 @@ def summarize(totals: dict[str, float], perplexity: bool = True) -> dict[str, fl
 # ---- where to cut ------------------------------------------------------------------------------
 
 
+class StageCountError(ValueError):
+    """More stages than a model can be split into (`registry.stage_count_problem` tells it apart)."""
+
+
 def plan_cuts(
     name: str,
     num_blocks: int,
@@ -155,7 +159,9 @@ def plan_cuts(
         return cuts
     if num_stages > most:
         parts = " + stem" * stem + " + head" * head
-        raise ValueError(f"{name}: {num_blocks} blocks{parts} can be split into 1..{most} stages, not {num_stages}")
+        raise StageCountError(
+            f"{name}: {num_blocks} blocks{parts} can be split into 1..{most} stages, not {num_stages}"
+        )
     if num_stages <= num_blocks:
         return [(i * num_blocks) // num_stages - 1 for i in range(1, num_stages)]
     # more stages than blocks: one block per stage, then the head alone, then the stem alone

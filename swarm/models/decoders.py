@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from swarm.models import decoder_inputs as inputs
-from swarm.models.base import TiedPair, stage_block_ranges
+from swarm.models.base import StageCountError, TiedPair, stage_block_ranges
 
 # Families whose staged model is checked against the unsplit one by the tests (tests/models).
 # Others with the same shape are checked once at build time on a probe input (`check_split`).
@@ -207,7 +207,7 @@ def balanced_starts(stem: int, layers: list[int], head: int, num_stages: int, fi
     n = len(layers)
     most = n + 2 - min(first_layers, 1)
     if num_stages > most:
-        raise ValueError(
+        raise StageCountError(
             f"transformers: {n} layers + embedding + head can be split into 1..{most} stages, not {num_stages}"
         )
     prefix = [0]

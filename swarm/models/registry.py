@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import torch
+
 from swarm.config.options import accepted_options, reject_unknown
-from swarm.models.base import StagedModel
+from swarm.models.base import StageCountError, StagedModel
 from swarm.models.causal_lm import build_transformers, vocab_size
 from swarm.models.custom import build_custom
 from swarm.models.digits import build_digits_cnn, build_digits_mlp
@@ -42,6 +44,23 @@ def build_model(name: str, num_stages: int, **options) -> StagedModel:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)} or 'package.module:function'")
     reject_unknown(name, options, model_options(name))
     return MODELS[name](num_stages, **options)
+
+
+def stage_count_problem(name: str, num_stages: int, options: dict) -> str | None:
+    """Whether a built-in model splits into `num_stages` stages, asked before any peer starts: the
+    builder runs on the meta device (no weights are made, no data read). None when it does, or when
+    the question cannot be asked cheaply (a pretrained model's weights, a user's function), or when
+    building fails otherwise: the build that follows reports that in its place."""
+    if ":" in name or name not in MODELS or options.get("pretrained") is not None:
+        return None
+    try:
+        with torch.device("meta"):
+            build_model(name, num_stages, **options)
+    except StageCountError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - anything else (a forward that meta tensors cannot run) is the build's to say
+        return None
+    return None
 
 
 def model_num_classes(name: str, options: dict) -> int | None:

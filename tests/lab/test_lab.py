@@ -154,6 +154,8 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
             ["--set", "train.in_flight=65"],
             "takes at most 64 micro-batches of one sender at once (max_requests_per_sender)",
         ),
+        # found on the meta device, before the peers start (each used to build the model to find it)
+        (["--stages", "9"], "error: digits_cnn: 4 blocks can be split into 1..4 stages, not 9"),
     ],
 )
 def test_the_lab_refuses_bad_options_before_any_peer_starts(capsys, args, error):

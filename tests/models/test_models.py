@@ -18,6 +18,7 @@ from swarm.models import (
     plan_cuts,
     summarize,
 )
+from swarm.models.registry import stage_count_problem
 from swarm.models.resnet import ResNet18
 
 
@@ -256,3 +257,22 @@ def test_relay_carries_real_boundary_sizes_through_every_stage(boundary, shape):
         build_model("relay", 4, boundary="vgg")
     with pytest.raises(ValueError, match="at least 2 stages"):
         build_model("relay", 1)
+
+
+def test_a_stage_count_past_the_split_is_found_without_building_weights(tmp_path):
+    """What the lab and a stage peer ask before any peer starts: on the meta device, for built-in
+    models and transformers configs; not asked of a pretrained model's weights or a user's function."""
+    llama = {"model_type": "llama", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64}
+    llama |= {"num_hidden_layers": 4, "num_attention_heads": 4}
+    assert stage_count_problem("digits_cnn", 5, {}) == "digits_cnn: 4 blocks can be split into 1..4 stages, not 5"
+    assert stage_count_problem("gpt2", 15, {}) == "gpt2: 12 blocks + stem + head can be split into 1..14 stages, not 15"
+    assert stage_count_problem("transformers", 7, {"config": llama}) == (
+        "transformers: 4 layers + embedding + head can be split into 1..6 stages, not 7"
+    )
+    assert stage_count_problem("resnet18", 10, {"width": 16}) is None
+    assert stage_count_problem("transformers", 6, {"config": llama}) is None  # its forward cannot run on meta
+    assert (
+        stage_count_problem("transformers", 7, {"config": llama | {"model_type": "nonsense"}}) is None
+    )  # the build's to say
+    assert stage_count_problem("gpt2", 15, {"pretrained": str(tmp_path / "nowhere")}) is None
+    assert stage_count_problem("tests_custom_module:build", 99, {}) is None

@@ -12,7 +12,8 @@ from __future__ import annotations
 import socket
 import subprocess
 
-from swarm.lab.launch import Lab, available_cores
+from swarm.lab.launch import Lab
+from swarm.lab.plan import available_cores
 
 GLOO = "torch:gloo"  # its name among the benchmarks' --codecs
 PORT = 29500  # where rank 0 listens inside its own namespace

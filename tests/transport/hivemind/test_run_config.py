@@ -368,6 +368,10 @@ def test_a_stage_peer_checks_its_own_config_before_it_joins(swarm, capsys, tmp_p
     assert stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(SMOKE), "--stage", "9") == [
         f"error: --stage 9 does not exist: the config has {stages} stages (0..{stages - 1})"
     ]
+    too_many = ("--config", str(SMOKE), "--set", "model.num_stages=9")
+    assert stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, *too_many) == [
+        "error: digits_cnn: 4 blocks can be split into 1..4 stages, not 9"
+    ]
     missing = f"cuda:{torch.cuda.device_count()}"
     (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--config", str(SMOKE), "--device", missing)
     assert line.startswith(f"error: device {missing}: this machine has "), line
