@@ -121,8 +121,10 @@ class DecoderStage(nn.Module):
         self.rotary_by_kind = (
             self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters
         )
-        # per layer: a family may mix layer classes
-        self.alibi = {i: inputs.alibi_of(config, parts.layers[i]) for i in layers}
+        # per layer: a family may mix layer classes; one ALiBi builder per class, its bias built
+        # once per forward (the same for every layer of that class, as the unsplit model's)
+        builders = {type(parts.layers[i]): inputs.alibi_of(config, parts.layers[i]) for i in layers}
+        self.alibi = {i: builders[type(parts.layers[i])] for i in layers}
         self.layer_takes = {i: inputs.arguments_of(parts.layers[i]) for i in layers}
         if last:
             for role in TAIL_ROLES:
@@ -172,11 +174,14 @@ class DecoderStage(nn.Module):
             elif self.rotary is not None:
                 rotary = dict.fromkeys(kinds, self.rotary(hidden, position_ids))
             entering = hidden  # the unsplit model builds ALiBi from the hidden states its layers start with
+            biases = {}
             for index, layer in layers.items():
                 i = int(index)
                 arguments = {"attention_mask": masks[self.kinds[i]], "position_ids": position_ids, "use_cache": False}
                 if (alibi := self.alibi[i]) is not None:
-                    arguments["alibi"] = alibi(entering)  # [B * heads, 1, T]: cheap next to the layer
+                    if alibi not in biases:
+                        biases[alibi] = alibi(entering)  # [B * heads, 1, T]
+                    arguments["alibi"] = biases[alibi]
                 if self.rotary is not None:
                     arguments["position_embeddings"] = rotary[self.kinds[i]]
                 if (takes := self.layer_takes[i]) is not None:
