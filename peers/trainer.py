@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ended = False  # finished or failed, not interrupted: what --metrics_linger holds the metrics for
     start_trace(args, "trainer")
     try:
+        data = build_data(cfg)  # first: data that cannot be read leaves no config of a run on the DHT
         publisher = loop.run(_publish(node, run_id, args.config, args.overrides))
-        data = build_data(cfg)
         schedule = Schedule.of(cfg, len(data[0]), args.steps)
         pipeline = SwarmPipeline(
             node,

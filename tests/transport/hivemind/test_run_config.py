@@ -378,3 +378,32 @@ def test_a_stage_peer_checks_its_own_config_before_it_joins(swarm, capsys, tmp_p
     # without --config the run's config comes from the DHT, but --device is the peer's own
     (line,) = stage_errors(capsys, swarm.loop, "--initial_peers", nowhere, "--device", missing)
     assert line.startswith(f"error: device {missing}: this machine has "), line
+
+
+def test_a_trainer_whose_data_cannot_be_read_publishes_no_config(swarm, lonely, capsys):
+    """Its data is built before it publishes: a stage peer joining by the DHT finds no config of a
+    run whose trainer already failed (the record would have lived on for its TTL)."""
+    from peers.trainer import main
+
+    run_id = f"bad-data-{uuid.uuid4().hex[:6]}"
+    maddr = str(swarm.loop.run(lonely.maddrs())[0])
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "--config",
+                str(SMOKE),
+                "--set",
+                "data.options.test_subset=5000",
+                "--run_id",
+                run_id,
+                "--initial_peers",
+                maddr,
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: digits test: subset=5000 is larger than the 1397 samples available"
+    )
+    assert swarm.loop.run(fetch_configs(lonely, run_id)) == []
