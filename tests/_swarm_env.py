@@ -227,3 +227,12 @@ def split_batches(cfg, data, steps: int = 3):
         ids, inputs, targets = collate(items)
         out.append(split_micro_batches(step, ids, inputs, targets, cfg.train.micro_batches, Mode.TRAIN, False))
     return out
+
+
+def stage_errors(capsys, loop, *argv: str) -> list[str]:
+    """peers.stage's serve() in this process, for the ways it refuses to start (no subprocess to import torch)."""
+    from peers.stage import build_parser, serve
+
+    capsys.readouterr()
+    assert loop.run(serve(build_parser().parse_args(["--stage", "0", *argv]))) == 2
+    return capsys.readouterr().err.strip().splitlines()
