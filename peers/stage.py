@@ -227,10 +227,13 @@ async def _config(node: SwarmNode, args: argparse.Namespace, own: tuple[Experime
 
 async def _leave(server: StageServer, signals: StopSignals) -> None:
     """Drains (swarm.transport.hivemind.stage.leaving) unless a second signal says to leave now."""
-    say("stopping: finishing what this peer holds (Ctrl-C again to leave now)")
     drained = asyncio.create_task(server.leave(say))
     again = asyncio.create_task(signals.next())
-    await asyncio.wait({drained, again}, return_when=asyncio.FIRST_COMPLETED)
+    # said only when draining takes a while: a peer stopped after its run finished (a lab's end)
+    # leaves at once, and a hint to press Ctrl-C again would only confuse there
+    if not (await asyncio.wait({drained, again}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED))[0]:
+        say("stopping: finishing what this peer holds (Ctrl-C again to leave now)")
+        await asyncio.wait({drained, again}, return_when=asyncio.FIRST_COMPLETED)
     for task in (drained, again):
         task.cancel()
     say("left the run" if drained.done() and not drained.cancelled() else "leaving now")
