@@ -227,12 +227,19 @@ async def _config(node: SwarmNode, args: argparse.Namespace, own: tuple[Experime
 
 async def _leave(server: StageServer, signals: StopSignals) -> None:
     """Drains (swarm.transport.hivemind.stage.leaving) unless a second signal says to leave now."""
-    drained = asyncio.create_task(server.leave(say))
+    said: list[str] = []  # the drain's own lines, which say what it waits for
+
+    def drain_says(line: str) -> None:
+        said.append(line)
+        say(line)
+
+    drained = asyncio.create_task(server.leave(drain_says))
     again = asyncio.create_task(signals.next())
-    # said only when draining takes a while: a peer stopped after its run finished (a lab's end)
-    # leaves at once, and a hint to press Ctrl-C again would only confuse there
+    # only when draining takes a while and has said nothing yet: a peer stopped after its run
+    # finished (a lab's end) leaves at once, and a hint to press Ctrl-C again would only confuse
     if not (await asyncio.wait({drained, again}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED))[0]:
-        say("stopping: finishing what this peer holds (Ctrl-C again to leave now)")
+        if not said:
+            say("stopping: finishing what this peer holds (Ctrl-C again to leave now)")
         await asyncio.wait({drained, again}, return_when=asyncio.FIRST_COMPLETED)
     for task in (drained, again):
         task.cancel()

@@ -307,5 +307,8 @@ TINY_DECODERS = {
         dropout=0.0,
     ),
     "cohere": dict(model_type="cohere", num_key_value_heads=2, logit_scale=4.0, **_DECODER_COMMON),  # logits scaled up
-    "granite": dict(model_type="granite", num_key_value_heads=2, logits_scaling=0.25, **_DECODER_COMMON),  # ... down
+    # logits scaled down; embeddings scaled up in the base model's forward (Granite 3's 12)
+    "granite": dict(
+        model_type="granite", num_key_value_heads=2, logits_scaling=0.25, embedding_multiplier=12.0, **_DECODER_COMMON
+    ),
 }

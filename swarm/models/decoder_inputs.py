@@ -57,12 +57,17 @@ def masks(config, kinds: set[str], hidden: torch.Tensor, position_ids: torch.Ten
     return {kind: makers[kind](**common) for kind in kinds}
 
 
-def embed_scale(config, embed: nn.Module) -> float | None:
-    """The factor a family's base model scales its embeddings by in its own forward. Gemma and
-    Gemma 2 in transformers 5.0 multiply by sqrt(hidden size) (in the embeddings' dtype) there;
-    later releases moved it into the embedding module (`embed_scale`), which stage 0 holds."""
+def embed_scale(config, base: nn.Module, embed: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a family's base model multiplies its embeddings by in its own forward (None: nothing).
+    Granite's (and its kin's) `embedding_multiplier`, a Python float. Gemma and Gemma 2 in
+    transformers 5.0: sqrt(hidden size), rounded to the embeddings' dtype first; later releases
+    moved that into the embedding module (`embed_scale`), which stage 0 holds."""
+    multiplier = getattr(base, "embedding_multiplier", None)
+    if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool):
+        return lambda hidden: hidden * multiplier
     if config.model_type in ("gemma", "gemma2", "vaultgemma") and not hasattr(embed, "embed_scale"):
-        return config.hidden_size**0.5
+        normalizer = config.hidden_size**0.5
+        return lambda hidden: hidden * torch.tensor(normalizer, dtype=hidden.dtype)
     return None
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.models import decoder_inputs as inputs
+from swarm.models import decoder_inputs as stage_inputs
 from swarm.models.base import StageCountError, TiedPair, stage_block_ranges
 
 # Families whose staged model is checked against the unsplit one by the tests (tests/models).
@@ -56,6 +56,7 @@ class DecoderParts:
 
     names: dict[str, str]
     modules: dict[str, nn.Module]
+    base: nn.Module  # the base model, whose forward may scale the embeddings (`embed_scale`)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -97,7 +98,7 @@ def find_parts(model: nn.Module, where: str = "transformers") -> DecoderParts:
     if not head_name:
         raise ValueError(f"{where}: {model_type}: no LM head next to the base model")
     names["head"], modules["head"] = head_name, head
-    return DecoderParts(names, modules)
+    return DecoderParts(names, modules, base)
 
 
 class DecoderStage(nn.Module):
@@ -112,10 +113,10 @@ class DecoderStage(nn.Module):
             for role in STEM_ROLES:
                 if role in parts.modules:
                     self.add_module(parts.names[role], parts.modules[role])
-        self.embed_scale = inputs.embed_scale(config, parts.modules["embed"]) if first else None
+        self.embed_scale = stage_inputs.embed_scale(config, parts.base, parts.modules["embed"]) if first else None
         self.layers_name = parts.names["layers"]
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
-        self.kinds = {i: inputs.mask_kind(config, i) for i in layers}
+        self.kinds = {i: stage_inputs.mask_kind(config, i) for i in layers}
         self.rotary = parts.modules.get("rotary") if len(layers) else None
         # Gemma 3's rotary embedding gives each layer type its own cos/sin (local and global bases)
         self.rotary_by_kind = (
@@ -123,9 +124,9 @@ class DecoderStage(nn.Module):
         )
         # per layer: a family may mix layer classes; one ALiBi builder per class, its bias built
         # once per forward (the same for every layer of that class, as the unsplit model's)
-        builders = {type(parts.layers[i]): inputs.alibi_of(config, parts.layers[i]) for i in layers}
+        builders = {type(parts.layers[i]): stage_inputs.alibi_of(config, parts.layers[i]) for i in layers}
         self.alibi = {i: builders[type(parts.layers[i])] for i in layers}
-        self.layer_takes = {i: inputs.arguments_of(parts.layers[i]) for i in layers}
+        self.layer_takes = {i: stage_inputs.arguments_of(parts.layers[i]) for i in layers}
         if last:
             for role in TAIL_ROLES:
                 if role in parts.modules:
@@ -133,8 +134,8 @@ class DecoderStage(nn.Module):
             self.add_module(parts.names["head"], head)
         self.logit_transforms = [  # (transform, its config value)
             (transform, value)
-            for key, transform in inputs.LOGIT_TRANSFORMS.items()
-            if last and (value := getattr(config, key, None)) not in (None, 1, 1.0)
+            for key, transform in stage_inputs.LOGIT_TRANSFORMS.items()
+            if last and (value := getattr(config, key, None)) is not None  # 1.0 too: a soft-cap of 1 is tanh
         ]
         self.source_names: dict[str, str] = {}
 
@@ -152,11 +153,11 @@ class DecoderStage(nn.Module):
                 )
             hidden = self._part("embed")(x)
             if self.embed_scale is not None:
-                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+                hidden = self.embed_scale(hidden)
             if (project_in := self._part("project_in")) is not None:
                 hidden = project_in(hidden)
             if (positions := self._part("positions")) is not None:
-                hidden = hidden + inputs.position_embeddings(self.config, positions, position_ids)
+                hidden = hidden + stage_inputs.position_embeddings(self.config, positions, position_ids)
             dropout = self._part("dropout")
             if dropout is not None:
                 hidden = dropout(hidden)
@@ -168,7 +169,7 @@ class DecoderStage(nn.Module):
         layers = self._modules[self.layers_name]
         if len(layers):
             kinds = set(self.kinds.values())
-            masks = inputs.masks(self.config, kinds, hidden, position_ids)
+            masks = stage_inputs.masks(self.config, kinds, hidden, position_ids)
             if self.rotary_by_kind:
                 rotary = {kind: self.rotary(hidden, position_ids, kind) for kind in kinds}
             elif self.rotary is not None:

@@ -49,9 +49,12 @@ def build_model(name: str, num_stages: int, **options) -> StagedModel:
 def stage_count_problem(name: str, num_stages: int, options: dict) -> str | None:
     """Whether a built-in model splits into `num_stages` stages, asked before any peer starts: the
     builder runs on the meta device (no weights are made, no data read). None when it does, or when
-    the question cannot be asked cheaply (a pretrained model's weights, a user's function), or when
-    building fails otherwise: the build that follows reports that in its place."""
+    the question cannot be asked cheaply (a pretrained model's weights, a config named by a hub
+    name, which a lookup would fetch, a user's function), or when building fails otherwise: the
+    build that follows reports that in its place."""
     if ":" in name or name not in MODELS or options.get("pretrained") is not None:
+        return None
+    if isinstance(options.get("config"), str):  # gpt2's `config: gpt2-medium`
         return None
     try:
         with torch.device("meta"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarm.models.base import StagedModel, classification_loss, classification_metrics
+from swarm.models.base import StageCountError, StagedModel, classification_loss, classification_metrics
 
 
 class _ToMaps(nn.Module):
@@ -81,7 +81,7 @@ def build_relay(num_stages: int, boundary: str = "resnet18.layer1", num_classes:
     if boundary not in shapes:
         raise ValueError(f"relay: boundary must be one of {', '.join(shapes)}, got {boundary!r}")
     if not isinstance(num_stages, int) or num_stages < 2:
-        raise ValueError(
+        raise StageCountError(
             f"relay: needs at least 2 stages (it exists to load the links between them), got {num_stages!r}"
         )
     tokens = boundary == "gpt2"

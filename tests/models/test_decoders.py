@@ -19,11 +19,12 @@ def test_every_checked_family_has_a_tiny_config():
     assert set(TINY) == set(CHECKED_FAMILIES)
 
 
-def _pair(family: str, num_stages: int, **options):
+def _pair(family: str, num_stages: int, config_changes: dict | None = None, **options):
+    config = {**TINY[family], **(config_changes or {})}
     torch.manual_seed(0)
-    whole = load_model(None, TINY[family], None)
+    whole = load_model(None, config, None)
     torch.manual_seed(0)
-    staged = build_model("transformers", num_stages, config=TINY[family], **options)
+    staged = build_model("transformers", num_stages, config=config, **options)
     return whole, staged
 
 
@@ -175,6 +176,14 @@ def test_a_split_that_computes_something_else_is_refused():
 def test_configs_transformers_takes_and_outputs_a_split_cannot_keep():
     legacy = build_model("transformers", 2, config=dict(TINY["llama"], rope_theta=5e5))  # folded into rope_parameters
     assert legacy.stages[1].config.rope_parameters["rope_theta"] == 5e5
+    capped = build_model("transformers", 2, config=dict(TINY["gemma2"], final_logit_softcapping=1.0))  # tanh itself
+    assert capped.stages[1].logit_transforms  # (built: the probe found the split's logits equal)
+    # OPT-350m's shape: no final norm (its layers normalize after), projections in and out
+    whole, staged = _pair("opt", 3, config_changes={"do_layer_norm_before": False})
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(whole.eval()(input_ids=ids).logits, staged.eval()(ids))
+    assert "final_layer_norm" not in dict(staged.stages[2].named_children())
     with pytest.raises(ValueError, match="^transformers: opt with layerdrop set is not supported$"):
         build_model("transformers", 2, config=dict(TINY["opt"], layerdrop=0.1))  # layers skipped at random
     with pytest.raises(ValueError, match="cannot load .*FlashAttention"):

@@ -275,4 +275,8 @@ def test_a_stage_count_past_the_split_is_found_without_building_weights(tmp_path
         stage_count_problem("transformers", 7, {"config": llama | {"model_type": "nonsense"}}) is None
     )  # the build's to say
     assert stage_count_problem("gpt2", 15, {"pretrained": str(tmp_path / "nowhere")}) is None
+    assert stage_count_problem("gpt2", 30, {"config": "gpt2-medium"}) is None  # a hub lookup: left to the build
+    assert stage_count_problem("relay", 1, {}) == (
+        "relay: needs at least 2 stages (it exists to load the links between them), got 1"
+    )
     assert stage_count_problem("tests_custom_module:build", 99, {}) is None

@@ -134,7 +134,7 @@ def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_
             # replicas needs (step 3 waits for that round); held until stage 2 has run a micro-batch
             # of step 3 (which applied step 1's update there), not for a fixed time, which a loaded
             # machine outlasts before step 3 comes
-            await asyncio.get_running_loop().run_in_executor(None, overtaken.wait, 60)
+            await asyncio.get_running_loop().run_in_executor(None, overtaken.wait, 20)  # < the 30 s call timeout
             held.set()
             holding.clear()
         return await send(batch, *args, **kwargs)
@@ -163,6 +163,7 @@ def test_a_micro_batch_overtaken_by_the_next_steps_through_another_replica_runs_
         assert 2 in late, late  # the overtaking happened, at stage 2
         _same_losses(rows.rows, read_results(tmp_path / "one.jsonl"))
     finally:
+        overtaken.set()  # a held micro-batch of a failed run lets its thread go
         swarm.unhost(run_id)
 
 

@@ -105,7 +105,10 @@ async def drain(
     peer.events.add("leave", f"stage {place.stage}: leaving after this step (draining)")
     announced = time.monotonic()
     peer.changed()
-    say(f"stage {place.stage}: leaving after this step (finishing the micro-batches and gradients it holds)")
+    say(
+        f"stage {place.stage}: leaving after this step (finishing the micro-batches and gradients it holds;"
+        " Ctrl-C again to leave now)"
+    )
     settings = place.settings
     while time.monotonic() - rounds.last_s < settings.calls.call_timeout_s:  # a run gone quiet takes nothing
         if state.runtime is None or (rounds.told_leaving and not meters.queue and state.nothing_unshared()):
