@@ -236,9 +236,8 @@ def frame(message_type, head_field: str, head, payload: bytes) -> list:
 # ---- tiny random configs of the transformers decoder families the tests check -----------------------
 
 TINY_VOCAB = 97
-_DECODER_COMMON = dict(
-    vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4
-)
+_DECODER_SIZES = dict(vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4)
+_DECODER_COMMON = dict(_DECODER_SIZES, intermediate_size=64)
 TINY_DECODERS = {
     "llama": dict(model_type="llama", num_key_value_heads=2, max_position_embeddings=64, **_DECODER_COMMON),
     # a window shorter than the sequence: the sliding-window mask matters
@@ -296,15 +295,7 @@ TINY_DECODERS = {
     # its pieces under model.decoder, learned positions two rows into their table, an embedding
     # narrower than the layers (projected in and out), the head tied to the embedding
     "opt": dict(
-        model_type="opt",
-        vocab_size=TINY_VOCAB,
-        hidden_size=32,
-        word_embed_proj_dim=16,
-        ffn_dim=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        dropout=0.0,
+        model_type="opt", word_embed_proj_dim=16, ffn_dim=64, max_position_embeddings=64, dropout=0.0, **_DECODER_SIZES
     ),
     "cohere": dict(model_type="cohere", num_key_value_heads=2, logit_scale=4.0, **_DECODER_COMMON),  # logits scaled up
     # logits scaled down; embeddings scaled up in the base model's forward (Granite 3's 12)
