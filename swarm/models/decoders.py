@@ -117,6 +117,7 @@ class DecoderStage(nn.Module):
         self.layers_name = parts.names["layers"]
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
         self.kinds = {i: stage_inputs.mask_kind(config, i) for i in layers}
+        self.kind_set = set(self.kinds.values())  # the layer types whose masks and rotary a forward builds
         self.rotary = parts.modules.get("rotary") if len(layers) else None
         # Gemma 3's rotary embedding gives each layer type its own cos/sin (local and global bases)
         self.rotary_by_kind = (
@@ -168,7 +169,7 @@ class DecoderStage(nn.Module):
             hidden = x
         layers = self._modules[self.layers_name]
         if len(layers):
-            kinds = set(self.kinds.values())
+            kinds = self.kind_set
             masks = stage_inputs.masks(self.config, kinds, hidden, position_ids)
             if self.rotary_by_kind:
                 rotary = {kind: self.rotary(hidden, position_ids, kind) for kind in kinds}
