@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.sampling import is_sample_request, picked_tokens
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
 
@@ -33,12 +35,15 @@ class StagedModel:
 
     Stage i takes stage i-1's output (stage 0 the batch input); the last returns logits.
     `metrics` returns sums and counts (e.g. correct, count, loss_sum) so micro-batches add up.
+    `whole`: the unsplit model whose modules the stages share, where the builder has one (a
+    transformers causal LM): what an export saves (swarm.export).
     """
 
     stages: list[nn.Module]
     loss: LossFn
     metrics: MetricsFn
     tied: list[TiedPair] = field(default_factory=list)
+    whole: nn.Module | None = None
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """All stages in order, in this process: the unsplit model's output, without a pipeline."""
@@ -81,7 +86,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Token accuracy and summed token loss (perplexity = exp(loss_sum / count))."""
+    """Token accuracy and summed token loss (perplexity = exp(loss_sum / count)); for a sample
+    request in place of labels, the next token of each row instead (swarm.models.sampling)."""
+    if is_sample_request(labels):
+        return picked_tokens(logits, labels)
     vocab = logits.shape[-1]
     shifted = logits.detach()[:, :-1].float().reshape(-1, vocab)
     target = labels[:, 1:].reshape(-1).to(logits.device)
