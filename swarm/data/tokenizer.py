@@ -16,3 +16,11 @@ def data_tokenizer(name: str, options: dict):
     if name == "wikitext2":
         return load_tokenizer(options.get("tokenizer", "gpt2"))
     return None
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids as the data's rows were tokenized (with the tokenizer's special tokens:
+    a Llama tokenizer's BOS), less an end-of-sequence token some append (ByT5's): a prompt goes on."""
+    ids = list(tokenizer(text)["input_ids"])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids

@@ -37,13 +37,14 @@ class ExportOptions:
 def export_run(run: RunState, options: ExportOptions) -> list[str]:
     """Writes `run`'s model into `options.out`; the lines to print (what was written, from where)."""
     options.check()
+    model = run.cfg.model
+    if options.merge and (model.name != "transformers" or model.options.get("lora") is None):
+        raise ValueError(f"--merge: this run's model ({model.name}) trained no LoRA adapters to merge")
     staged = rebuild(run)
     options.out.mkdir(parents=True, exist_ok=True)
     if staged.whole is not None and hasattr(staged.whole, "save_pretrained"):
         lines = save_decoder(staged, run, options.out, options.merge)
     else:
-        if options.merge:
-            raise ValueError(f"--merge: model {run.cfg.model.name} has no LoRA adapters to merge")
         lines = save_zoo(staged, run, options.out)
     if options.push_to_hub is not None:
         lines.append(hub.push(options.out, options.push_to_hub))

@@ -18,7 +18,7 @@ import hashlib
 import torch
 
 from swarm.config import ExperimentConfig
-from swarm.data.tokenizer import data_tokenizer
+from swarm.data.tokenizer import data_tokenizer, prompt_ids
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.models.sampling import sample_request, tokens_of
 
@@ -50,7 +50,7 @@ class PipelineSampler:
             )
         block_size = int(blocks[0].shape[1])
         if cfg.train.sample_prompt is not None:
-            prompt = list(tokenizer(cfg.train.sample_prompt, add_special_tokens=False)["input_ids"])
+            prompt = prompt_ids(tokenizer, cfg.train.sample_prompt)
         else:
             prompt = blocks[0][0, : max(1, block_size // 2)].tolist()
         if not prompt:
@@ -81,8 +81,8 @@ class PipelineSampler:
         return {
             "type": "sample",
             "step": step,
-            "prompt": self.tokenizer.decode(self.prompt),
-            "text": self.tokenizer.decode(new),
+            "prompt": self.tokenizer.decode(self.prompt, skip_special_tokens=True),
+            "text": self.tokenizer.decode(new, skip_special_tokens=True),
             "tokens": new,
             "temperature": temperature,
         }
