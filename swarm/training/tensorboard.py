@@ -34,7 +34,7 @@ class TensorBoardRows:
     def __init__(self, directory: str) -> None:
         self.writer = _summary_writer(directory)
         self.codecs: dict[int, tuple[str, str]] = {}  # boundary -> (forward, backward) specs
-        self.last: tuple[int, float] | None = None  # (samples, time_s) of the step row before
+        self.seen: dict[int, tuple[int, float]] = {0: (0, 0.0)}  # step -> its row's (samples, time_s)
 
     def observe(self, row: dict) -> None:
         kind = row.get("type")
@@ -50,8 +50,8 @@ class TensorBoardRows:
         elif kind == "sample":
             text = f"{row['prompt']} ⟶ {row['text']}"
             self.writer.add_text("sample", text, row["step"])
-        elif kind == "rewind":
-            self.last = None
+        elif kind == "rewind":  # the next step row follows the row of this step
+            self.seen = {step: seen for step, seen in self.seen.items() if step <= row["step"]}
 
     def _config(self, row: dict) -> None:
         cfg = ExperimentConfig.model_validate(row["config"])
@@ -66,10 +66,10 @@ class TensorBoardRows:
         for name in ("loss", "lr", "epoch"):
             self.writer.add_scalar(f"train/{name}", row[name], step)
         samples, seconds = row["samples"], row["time_s"]
-        before_samples, before_seconds = self.last or (0, 0.0)
+        before_samples, before_seconds = self.seen[max(self.seen)]  # the row before, in the results
         if seconds > before_seconds:
             self.writer.add_scalar("train/samples_per_s", (samples - before_samples) / (seconds - before_seconds), step)
-        self.last = (samples, seconds)
+        self.seen[step] = (samples, seconds)
         ran = {int(b): tuple(specs) for b, specs in row.get("codecs", {}).items()} or self.codecs
         for link, count in row.get("bytes", {}).items():
             self.writer.add_scalar(f"bytes/{link.removesuffix('.train')}{_codec(ran, link)}", count, step)
