@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics is not None:
             metrics.close()
         return fail(str(e))
-    publisher = results = reporter = pipeline = board = None
+    publisher = results = reporter = pipeline = board = export_failed = None
     ended = False  # finished or failed, not interrupted: what --metrics_linger holds the metrics for
     start_trace(args, "trainer")
     try:
@@ -231,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             results.listeners.append(echo_lines(progress, say))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
         if export is not None:  # the stages' state of the last step, fetched from its peers
-            for line in export_pipeline(pipeline, cfg, summary["steps"], export):
-                say(line)
+            try:
+                for line in export_pipeline(pipeline, cfg, summary["steps"], export):
+                    say(line)
+            except (ValueError, OSError) as e:  # the run itself finished: it is told so, and finishes
+                export_failed = f"--export: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()
         say(f"trainer reach: {node.reach.summary()}")
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     if adaptive is not None:
         say(adaptive)
-    return 0
+    return fail(export_failed) if export_failed else 0
 
 
 if __name__ == "__main__":
