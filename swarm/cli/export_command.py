@@ -59,9 +59,12 @@ async def _from_swarm(args: argparse.Namespace, cfg):
     from swarm.export.live import live_state
     from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
     from swarm.transport.hivemind.net.settings import Settings
-    from swarm.transport.hivemind.trust.keys import default_owner_path, load_identity
+    from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, load_identity
 
-    owner_key = load_identity(args.identity_path or default_owner_path(), create=False)
+    try:
+        owner_key = load_identity(args.identity_path or default_owner_path(), create=False)
+    except IdentityError as e:
+        raise ValueError(f"--identity_path: {e} (the run owner's key, the one its trainer runs with)") from None
     options = NodeOptions(initial_peers=list(args.initial_peers), client_mode=True, settings=Settings())
     node = await SwarmNode.create(options)
     try:
@@ -88,13 +91,12 @@ def _run_state(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from swarm.export.exporter import ExportOptions, export_run
-    from swarm.transport.hivemind.trust.keys import IdentityError
 
     options = ExportOptions(Path(args.out), args.merge, args.push_to_hub)
     try:
         options.check()  # before a checkpoint is read or a swarm reached
         lines = export_run(_run_state(args), options)
-    except (ValueError, OSError, IdentityError, RuntimeError) as e:  # RuntimeError: the node, no config on the DHT
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: the node, no config on the DHT
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     print("\n".join(lines))

@@ -130,6 +130,13 @@ def test_export_and_generate_refuse_in_one_line(tmp_path, capsys):
         capsys, "export", ck, "--out", out, "--merge"
     )
     assert "--set needs --config" in refusal(capsys, "export", ck, "--out", out, "--set", "seed=1")
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmbugXX635RKdGMYR1FbYYWYo5Lt7AYxhmtKz2bUVYanuP"
+    key = str(tmp_path / "no.key")  # never made up: only the owner's key exports a live run
+    said = refusal(capsys, "export", "--initial_peers", peer, "--identity_path", key, "--out", out)
+    assert (
+        said
+        == f"error: --identity_path: no identity file at {key} (the run owner's key, the one its trainer runs with)"
+    )
     assert "holds no complete checkpoint" in refusal(capsys, "export", str(tmp_path), "--out", out)
     # the Hub: refused before anything is exported, never reached (HF_HUB_OFFLINE: tests/conftest.py)
     assert "the Hugging Face Hub is off here" in refusal(capsys, "export", ck, "--out", out, "--push_to_hub", "me/it")
