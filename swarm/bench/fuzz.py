@@ -86,21 +86,31 @@ async def send(p2p, peer_id: str, case: Case, limit_s: float) -> tuple[str, str]
             return "closed", ""
         if not case.stall:
             await stream.end()
+        return await answer(stream, limit_s)
+    except (ConnectionError, OSError) as e:
+        return "closed", str(e)[:80]
+    finally:
+        stream.close()
+
+
+async def answer(stream: PeerStream, limit_s: float) -> tuple[str, str]:
+    """The peer's reply on `stream` within `limit_s`, as (outcome, detail)."""
+    try:
         frame = await asyncio.wait_for(read_frame(stream.replies()), limit_s)
     except TimeoutError:
         return "hung", ""
     except ProtocolError:  # the stream ended before a reply: the peer closed it
         return "closed", ""
     except RemoteError as e:  # a hivemind handler's error reply
-        message = str(e)
-        return ("multi-line" if "\n" in message or not message else "refused"), message
+        return _refusal(str(e))
     except (ConnectionError, OSError) as e:
         return "closed", str(e)[:80]
-    finally:
-        stream.close()
     if frame.kind != "error":
         return "answered", frame.kind
-    message = frame.head.message
+    return _refusal(frame.head.message)
+
+
+def _refusal(message: str) -> tuple[str, str]:
     return ("multi-line" if "\n" in message or not message else "refused"), message
 
 
