@@ -4,8 +4,9 @@
 has. Each must be refused at about the cost of reading it, while the peer answers anyone's `info`
 at once.
 
-Every message is written on its own stream, all but its last byte, before the first is completed:
-the peer holds them all while the stranger is not banned yet, and then finds each complete.
+Every message is written on its own stream, all but its last byte, before the first is completed
+(`Held`): the peer holds them all while their sender is not banned yet, and then finds each
+complete, one after another.
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ FLOODS = {
 }
 
 
+def flood_messages(category: str, count: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [FLOODS[category](rng) for _ in range(count)]
+
+
 @dataclass
 class Flooded:
-    """What the peer did with each message (`outcomes`: (outcome, detail) as fuzz.send reports
-    them) and how long each status call made meanwhile took to answer (`info_s`; None: it failed)."""
+    """What the peer did with each message completed (`outcomes`: (outcome, detail), as
+    swarm.bench.fuzz.send reports them) and how long each status call made meanwhile took to be
+    answered (`info_s`; None: it failed)."""
 
     outcomes: list[tuple[str, str]] = field(default_factory=list)
     info_s: list[float | None] = field(default_factory=list)
-
-    @property
-    def slowest_info_s(self) -> float:
-        return max((s if s is not None else float("inf") for s in self.info_s), default=0.0)
 
 
 async def timed(probe: Callable[[], Awaitable]) -> float | None:
@@ -50,34 +53,48 @@ async def timed(probe: Callable[[], Awaitable]) -> float | None:
     return time.monotonic() - started
 
 
-async def flood(
-    p2p, peer_id: str, messages: list[bytes], probe: Callable[[], Awaitable] | None, limit_s: float
-) -> Flooded:
-    """Holds `messages` open at `peer_id`, each on its own stream, then completes them one after
-    another, each with `probe()` (a status call, say) made while the peer takes it."""
-    streams = []
-    try:
-        for message in messages:
-            stream = await PeerStream.open(p2p, peer_id)
-            streams.append(stream)
-            stream.writer.write(framed(message)[:-1])
-            await stream.writer.drain()
+class Held:
+    """Messages held open at a peer, each on its own stream: all of each but its last byte written."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[PeerStream, bytes]] = []
+
+    @classmethod
+    async def open(cls, p2p, peer_id: str, messages: list[bytes]) -> Held:
+        held = cls()
+        try:
+            for message in messages:
+                stream = await PeerStream.open(p2p, peer_id)
+                held.waiting.append((stream, message))
+                stream.writer.write(framed(message)[:-1])
+                await stream.writer.drain()
+        except BaseException:
+            held.close()
+            raise
+        return held
+
+    async def complete(self, count: int, probe: Callable[[], Awaitable] | None, limit_s: float) -> Flooded:
+        """Completes the next `count` messages one after another, each with `probe()` (a status
+        call, say) made while the peer takes it."""
         result = Flooded()
-        for stream, message in zip(streams, messages, strict=True):
-            stream.writer.write(message[-1:])
-            await stream.end()
-            if probe is None:
-                result.outcomes.append(await answer(stream, limit_s))
-                continue
-            outcome, seconds = await asyncio.gather(answer(stream, limit_s), timed(probe))
+        for _ in range(count):
+            stream, message = self.waiting.pop(0)
+            try:
+                try:
+                    stream.writer.write(message[-1:])
+                    await stream.end()
+                except (ConnectionError, OSError):  # turned away before it was read (banned): its reply waits
+                    pass
+                replied = answer(stream, limit_s)
+                outcome, seconds = await asyncio.gather(replied, timed(probe) if probe else asyncio.sleep(0))
+            finally:
+                stream.close()
             result.outcomes.append(outcome)
-            result.info_s.append(seconds)
+            if probe is not None:
+                result.info_s.append(seconds)
         return result
-    finally:
-        for stream in streams:
+
+    def close(self) -> None:
+        for stream, _ in self.waiting:
             stream.close()
-
-
-def flood_messages(category: str, count: int, seed: int = 0) -> list[bytes]:
-    rng = random.Random(seed)
-    return [FLOODS[category](rng) for _ in range(count)]
+        self.waiting.clear()

@@ -17,7 +17,7 @@ from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.errors import RemoteError
 from protocols.message import Encoded, RawPart
-from swarm.bench.fuzz_floods import flood, flood_messages
+from swarm.bench.fuzz_floods import Held, flood_messages
 from swarm.engine.build import build_staged_model
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
@@ -54,7 +54,11 @@ def test_a_strangers_held_zeros_and_random_bytes_cost_it_a_ban_and_the_run_nothi
         async def attack():
             while not target.meters.processed:  # the run is under way
                 await asyncio.sleep(0.01)
-            return await flood(stranger.p2p, peer, messages, status, limit_s=30)
+            held = await Held.open(stranger.p2p, peer, messages)
+            try:
+                return await held.complete(len(messages), status, limit_s=30)
+            finally:
+                held.close()
 
         attacking = asyncio.run_coroutine_threadsafe(attack(), outside.loop)
         results = ResultsWriter(None)
