@@ -82,7 +82,7 @@ class Tally:
         for kind, c in self.costs.items():
             mib = c.sent / 2**20
             if c.cpu_s is None:
-                lines.append(f"{kind:<30}{c.messages:>9}{mib:>10.1f}{'not metered (hivemind handler)':>27}")
+                lines.append(f"{kind:<30}{c.messages:>9}{mib:>10.1f}  not metered (hivemind's handler)")
                 continue
             per_mib = f"{1000 * c.cpu_s / mib:>9.2f}" if mib >= 0.01 else f"{'-':>9}"
             each = 1000 * c.cpu_s / max(c.messages, 1)
