@@ -27,6 +27,9 @@ from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.net.node import SwarmNode
+from swarm.transport.hivemind.net.settings import Settings
+from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.server import StageServer
 
 INFO_S = 1.0  # the issue's bound: a peer answers a status call within a second throughout
 
@@ -113,3 +116,36 @@ def test_a_members_float_targets_are_refused_where_decoded_as_its_fault(swarm):
     finally:
         swarm.unhost(run_id)
         swarm.loop.run(member.shutdown())
+
+
+def test_a_sender_whose_refusals_cost_more_than_its_share_of_a_core_is_banned(swarm):
+    """Well-formed requests a peer refuses (an unsigned setup) ban nobody by themselves; a sender
+    whose refusals cost the peer more CPU than its budget (here a millionth of a core) is banned."""
+    cfg = smoke("model.num_stages=1")
+    run_id = uuid.uuid4().hex[:8]
+    (shared,) = swarm.host(cfg, run_id, [(0, 0)])
+    budget = swarm.options(settings=Settings.of(call_timeout_s=30, read_timeout_s=10, refusal_cpu_share=1e-6))
+    node = swarm.loop.run(SwarmNode.create(budget))
+    server = StageServer(node)
+    swarm.loop.run(server.start(announce=False))
+    server.host(HostedStage(node, run_id, cfg, 0))
+    stranger = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+    setup = pb.SetupRequest(to=address(run_id, 0))
+
+    def refusal(peer: str) -> str:
+        with pytest.raises(RemoteError) as caught:
+            swarm.loop.run(call(stranger.streams, peer, "setup", setup, b"", 20))
+        assert caught.value.code == pb.REFUSED
+        return str(caught.value)
+
+    try:
+        for peer in (shared.node.peer_id, node.peer_id):
+            assert "banned" not in refusal(peer)  # unsigned: refused, its sender not to blame
+        assert "banned" not in refusal(shared.node.peer_id)  # a tenth of a core: far from it
+        assert "is banned for a while" in refusal(node.peer_id)
+        assert any("cost more than 1e-06 of a core over 10s" in e.text for e in server.events.last() if e.kind == "ban")
+    finally:
+        swarm.unhost(run_id)
+        swarm.loop.run(server.stop())
+        for created in (node, stranger):
+            swarm.loop.run(created.shutdown())

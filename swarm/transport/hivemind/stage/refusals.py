@@ -72,7 +72,7 @@ class Refusals:
         if e is None or isinstance(e, Replied) or category(e) is None:
             return
         if self.cpu.refused(sender, seconds) and not self.banned.banned(sender):
-            share = f"{self.cpu.share:.0%} of a core over {self.cpu.window_s:.0f}s"
+            share = f"{self.cpu.share:g} of a core over {self.cpu.window_s:g}s"
             self._ban(sender, f"refusing {kind} requests from {sender[-8:]} cost more than {share}")
 
     def _ban(self, sender: str, why: str) -> None:
