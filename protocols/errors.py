@@ -15,6 +15,13 @@ class ProtocolError(ValueError):
     """A message that breaks the stage protocol (truncated, corrupted, out of order, wrong kind)."""
 
 
+class MalformedMessage(ProtocolError):
+    """Bytes no peer speaking the protocol writes: a message that does not parse, or breaks the
+    layout every message has (a head first, then chunks; a marker, then a length within the limit).
+    A slow or broken link truncates a stream, it never makes these: their sender is to blame, and is
+    banned for a while (swarm.transport.hivemind.stage.server)."""
+
+
 class RemoteError(RuntimeError):
     """The peer answered, with an error reply (it keeps serving); `code` says what may help."""
 
@@ -38,6 +45,11 @@ class RemoteError(RuntimeError):
         """The peer does not serve this now (not set up, joining, leaving, at another step):
         another peer of its stage may."""
         return self.code in (pb.NOT_READY, pb.UNAVAILABLE)
+
+
+class Replied(RemoteError):
+    """An error reply as its caller received it: another peer's word, never a fault of whoever
+    sent the caller the request it was serving (a stage relays its downstream's errors)."""
 
 
 class SenderFault(RemoteError):

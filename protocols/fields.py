@@ -43,30 +43,43 @@ def _varint_at(buf, pos: int) -> tuple[int, int]:
     raise ValueError("truncated or overlong varint")
 
 
+_SKIP = {1: 8, 5: 4}  # fixed64, fixed32: bytes after the key
+
+
 def trailing_field(buf: memoryview, number: int) -> tuple[int, int] | None:
     """(where its tag starts, where its content starts) when the last field of the serialized
     message `buf` is field `number`, length-delimited, and ends exactly where `buf` does; None
-    otherwise (a malformed message included: protobuf then parses it whole and says what is wrong)."""
-    pos, last = 0, None
+    otherwise (a malformed message included: protobuf then parses it whole, in native code, and
+    says what is wrong).
+
+    It reads one key per field, skipping every field's content by its length, and stops at the
+    first key no message of ours has: field number 0, a wire type other than varint, fixed64,
+    length-delimited or fixed32, a field whose number is not above the one before (protobuf writes
+    each field of ours once, in number order, and `number` is the last), or a length past the end.
+    So a well-formed message costs at most `number` keys, whatever its size: read on, zero bytes
+    (field 0, varint 0) cost one Python iteration per two bytes, 2.3 s for a stranger's 2 MiB."""
+    pos, previous, last = 0, 0, None
     try:
         while pos < len(buf):
             start = pos
             key, pos = _varint_at(buf, pos)
-            kind, content = key & 7, None
+            field, kind, content = key >> 3, key & 7, None
+            if not previous < field <= number:
+                return None
             if kind == 0:
                 pos = _varint_at(buf, pos)[1]
-            elif kind == 1:
-                pos += 8
             elif kind == 2:
                 length, pos = _varint_at(buf, pos)
                 content, pos = pos, pos + length
-            elif kind == 5:
-                pos += 4
+            elif kind in _SKIP:
+                pos += _SKIP[kind]
             else:
                 return None
-            last = (key >> 3, start, content)
+            if pos > len(buf):
+                return None
+            previous, last = field, (start, content)
     except ValueError:
         return None
-    if pos != len(buf) or last is None or last[0] != number or last[2] is None:
+    if previous != number or last[1] is None:
         return None
-    return last[1], last[2]
+    return last

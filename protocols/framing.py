@@ -10,10 +10,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NamedTuple
 
+from google.protobuf.message import DecodeError
+
 from protocols import fields
 from protocols import stage_pb2 as pb
 from protocols.checksum import crc32
-from protocols.errors import ProtocolError
+from protocols.errors import MalformedMessage, ProtocolError
 
 CHUNK_BYTES = 1 << 20  # well under hivemind's 2 MiB unary guidance and 4 MiB message cap
 MAX_PAYLOAD_BYTES = 1 << 34  # stage checkpoints and gradients of big stages
@@ -71,15 +73,18 @@ class Assembler:
 
 async def _each(messages: AsyncIterator, idle_timeout: float | None):
     """The messages, each within `idle_timeout` seconds of the previous one (a slow link may take
-    long for a whole payload, but a silent peer is noticed)."""
+    long for a whole payload, but a silent peer is noticed). Read in the caller's task (not
+    `wait_for`'s own): what parsing them costs is the caller's (swarm.transport.hivemind.net.cpu)."""
     iterator = aiter(messages)
     while True:
         try:
-            yield await asyncio.wait_for(anext(iterator), idle_timeout)
+            async with asyncio.timeout(idle_timeout):
+                message = await anext(iterator)
         except StopAsyncIteration:
             return
         except TimeoutError:
             raise ProtocolError(f"no message for {idle_timeout:.0f}s in the middle of a payload") from None
+        yield message
 
 
 class Frame(NamedTuple):
@@ -114,17 +119,17 @@ async def read_frame(
             kind = message.WhichOneof("head")
             if kind == "error":
                 return Frame(kind, message.error, b"")
-            if head_field is not None and kind != head_field:
-                raise ProtocolError(f"expected a {head_field} head, got {kind or 'none'}")
             if kind is None:
-                raise ProtocolError("the first message has no head")
+                raise MalformedMessage("the first message has no head")
+            if head_field is not None and kind != head_field:
+                raise ProtocolError(f"expected a {head_field} head, got {kind}")
             if check is not None:
                 check(kind, message)
             assembler = Assembler(max_bytes(kind) if callable(max_bytes) else max_bytes)
         elif message.WhichOneof("head") is not None:
-            raise ProtocolError("a head arrived in the middle of a payload")
+            raise MalformedMessage("a head arrived in the middle of a payload")
         if not message.HasField("chunk"):
-            raise ProtocolError("message without a payload chunk")
+            raise MalformedMessage("message without a payload chunk")
         if assembler.add(message.chunk, data):
             return Frame(kind, getattr(first, kind), assembler.payload(), first)
     if first is None:
@@ -180,17 +185,30 @@ class Received(NamedTuple):
         return item if isinstance(item, cls) else cls(item, None)
 
 
-def parse_message(message_type, data: bytes) -> Received:
+def parse_message(message_type, data: bytes, max_head: int | None = None) -> Received:
     """A received message. When it is laid out as `frame_parts` writes it (the chunk last, its
     data last), protobuf parses all but the data, which stays a view of `data`: not copied twice
-    more (into the message, then out of it). Anything else is parsed whole, as protobuf would."""
+    more (into the message, then out of it). Anything else is parsed whole, as protobuf would.
+
+    Finding the chunk reads a key per field (protocols.fields), and protobuf parses in native code
+    only the bytes besides the chunk's data, which `max_head` bounds (None: not bounded): a
+    message with more is refused before they are parsed. Bytes that do not parse, or any over the
+    limit, are a MalformedMessage."""
     view = memoryview(data)
     chunk_at = fields.trailing_field(view, _CHUNK[message_type])
     data_at = fields.trailing_field(view[chunk_at[1] :], _DATA) if chunk_at else None
-    if data_at:
-        message = message_type.FromString(view[: chunk_at[0]])
-        if not message.HasField("chunk"):  # a chunk field twice would merge: left to protobuf
-            message.chunk.SetInParent()
-            message.chunk.MergeFromString(view[chunk_at[1] : chunk_at[1] + data_at[0]])
-            return Received(message, view[chunk_at[1] + data_at[1] :])
-    return Received(message_type.FromString(data), None)
+    data_bytes = len(view) - chunk_at[1] - data_at[1] if data_at else 0
+    if max_head is not None and len(view) - data_bytes > max_head:
+        raise MalformedMessage(
+            f"a {message_type.__name__} of {len(view) - data_bytes} bytes besides its chunk's data (at most {max_head})"
+        )
+    try:
+        if data_at:
+            message = message_type.FromString(view[: chunk_at[0]])
+            if not message.HasField("chunk"):  # a chunk field twice would merge: left to protobuf
+                message.chunk.SetInParent()
+                message.chunk.MergeFromString(view[chunk_at[1] : chunk_at[1] + data_at[0]])
+                return Received(message, view[chunk_at[1] + data_at[1] :])
+        return Received(message_type.FromString(data), None)
+    except DecodeError as e:
+        raise MalformedMessage(f"a malformed {message_type.__name__}: {e}") from None

@@ -190,9 +190,9 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
         raise PayloadError(f"payload is not a CompressedTensor: {e}") from None
     if msg.format_version != PROTOCOL_VERSION:
         raise PayloadError(f"unsupported format version {msg.format_version} (this peer reads {PROTOCOL_VERSION})")
+    if len(msg.shape) > limits.max_rank:  # before a Python loop over a list of any length
+        raise PayloadError(f"tensor rank {len(msg.shape)} exceeds the limit of {limits.max_rank}")
     shape = tuple(int(d) for d in msg.shape)
-    if len(shape) > limits.max_rank:
-        raise PayloadError(f"tensor rank {len(shape)} exceeds the limit of {limits.max_rank}")
     numel = math.prod(shape)
     if numel > limits.max_elements or any(d > limits.max_elements for d in shape):
         raise PayloadError(f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
@@ -222,6 +222,8 @@ def decode(payload: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> Encoded:
     else:
         _check_finite(body.values if isinstance(body, SparsePart) else body, dtype)
     stamp = None
+    if len(msg.state.sample_versions) > rows_of(shape):  # a version per sample, at most
+        raise PayloadError(f"{len(msg.state.sample_versions)} state versions for {rows_of(shape)} samples")
     if msg.HasField("state"):
         stamp = StateStamp(msg.state.version, tuple(msg.state.sample_versions), msg.state.warmup)
     enc = Encoded(shape, dtype, body, stamp)

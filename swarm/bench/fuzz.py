@@ -3,19 +3,19 @@
 An in-process swarm (a bootstrap peer, one host per stage, the trainer) trains a config while a
 fuzzer, a stranger on the DHT that also holds a stolen admission to each stage's previous stage,
 sends `count` malformed messages (swarm.bench.fuzz_cases) to the stage peers, each on a new stream,
-several at once. Every message must be answered by a one-line error or a closed stream within the
-peer's limits (a hang is counted), no peer may stop serving, the run's losses must equal the
-single-process run's, and this process's memory may grow by at most the documented bound
-(docs/security.md). It prints the outcomes per category.
+several at once, kind after kind (swarm.bench.fuzz_campaign), and floods of 2 MiB messages it holds
+open (swarm.bench.fuzz_floods). Every message must be answered by a one-line error or a closed
+stream within the peer's limits (a hang is counted), no peer may stop serving, the run's losses
+must equal the single-process run's, and this process's memory may grow by at most the documented
+bound (docs/security.md). It prints the outcomes per category, and the CPU the stage peers spent on
+each kind of message (swarm.transport.hivemind.net.cpu).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import resource
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -23,10 +23,19 @@ from hivemind.p2p import PeerID
 
 from protocols.errors import ProtocolError, RemoteError
 from protocols.framing import read_frame
-from swarm.bench.fuzz_cases import Case, Cases, Target
+from swarm.bench.fuzz_cases import Case
 from swarm.transport.hivemind.net.streams import PeerStream
 
 OUTCOMES = ("refused", "closed", "answered", "hung", "multi-line")
+
+
+@dataclass
+class Cost:
+    """What the stage peers spent on one kind of message: CPU seconds, for `messages` of `sent` bytes."""
+
+    messages: int = 0
+    sent: int = 0
+    cpu_s: float | None = 0.0  # None: not measured (another handler than the stage server's)
 
 
 @dataclass
@@ -41,6 +50,8 @@ class Tally:
     seconds: Counter = field(default_factory=Counter)  # per category, summed
     answered_kinds: Counter = field(default_factory=Counter)
     reasons: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))  # refusals' first words
+    costs: dict[str, Cost] = field(default_factory=lambda: defaultdict(Cost))  # per kind of message, in order sent
+    info_s: list = field(default_factory=list)  # status calls during the floods: seconds to answer (None: failed)
 
     def add(self, category: str, outcome: str, seconds: float, detail: str = "") -> None:
         self.counts[category][outcome] += 1
@@ -57,6 +68,28 @@ class Tally:
 
     def of(self, outcome: str) -> int:
         return sum(c[outcome] for c in self.counts.values())
+
+    def cost(self, kind: str, messages: int, sent: int, cpu_s: float | None) -> None:
+        cost = self.costs[kind]
+        cost.messages, cost.sent = cost.messages + messages, cost.sent + sent
+        cost.cpu_s = None if cpu_s is None or cost.cpu_s is None else cost.cpu_s + cpu_s
+
+    def cpu_table(self) -> str:
+        """The CPU the stage peers spent on each kind of message (its refusal included)."""
+        lines = [
+            f"{'CPU of the stage peers':<30}{'messages':>9}{'MiB sent':>10}{'CPU s':>9}{'ms each':>9}{'ms/MiB':>9}"
+        ]
+        for kind, c in self.costs.items():
+            mib = c.sent / 2**20
+            if c.cpu_s is None:
+                lines.append(f"{kind:<30}{c.messages:>9}{mib:>10.1f}  not metered (hivemind's handler)")
+                continue
+            per_mib = f"{1000 * c.cpu_s / mib:>9.2f}" if mib >= 0.01 else f"{'-':>9}"
+            each = 1000 * c.cpu_s / max(c.messages, 1)
+            lines.append(f"{kind:<30}{c.messages:>9}{mib:>10.1f}{c.cpu_s:>9.3f}{each:>9.3f}{per_mib}")
+        total = sum(c.cpu_s or 0.0 for c in self.costs.values())
+        lines.append(f"{'total':<30}{sum(c.messages for c in self.costs.values()):>9}{'':>10}{total:>9.3f}")
+        return "\n".join(lines)
 
     def table(self) -> str:
         lines = [f"{'category':<24}" + "".join(f"{o:>11}" for o in OUTCOMES) + f"{'ms each':>9}"]
@@ -86,57 +119,32 @@ async def send(p2p, peer_id: str, case: Case, limit_s: float) -> tuple[str, str]
             return "closed", ""
         if not case.stall:
             await stream.end()
+        return await answer(stream, limit_s)
+    except (ConnectionError, OSError) as e:
+        return "closed", str(e)[:80]
+    finally:
+        stream.close()
+
+
+async def answer(stream: PeerStream, limit_s: float) -> tuple[str, str]:
+    """The peer's reply on `stream` within `limit_s`, as (outcome, detail)."""
+    try:
         frame = await asyncio.wait_for(read_frame(stream.replies()), limit_s)
     except TimeoutError:
         return "hung", ""
     except ProtocolError:  # the stream ended before a reply: the peer closed it
         return "closed", ""
     except RemoteError as e:  # a hivemind handler's error reply
-        message = str(e)
-        return ("multi-line" if "\n" in message or not message else "refused"), message
+        return _refusal(str(e))
     except (ConnectionError, OSError) as e:
         return "closed", str(e)[:80]
-    finally:
-        stream.close()
     if frame.kind != "error":
         return "answered", frame.kind
-    message = frame.head.message
+    return _refusal(frame.head.message)
+
+
+def _refusal(message: str) -> tuple[str, str]:
     return ("multi-line" if "\n" in message or not message else "refused"), message
-
-
-async def campaign(
-    stranger,
-    member,
-    targets: list[Target],
-    count: int,
-    limit_s: float,
-    stall_limit_s: float,
-    concurrency: int = 8,
-    stalls: int = 4,
-    seed: int = 0,
-) -> Tally:
-    """`count` cases spread over `targets` (plus `stalls` streams left half-written, which the peer
-    must close within `stall_limit_s`), `concurrency` at once, sent by the P2P `stranger` or, for a
-    member's cases, `member`."""
-    tally = Tally()
-    makers = [Cases(t, seed + i) for i, t in enumerate(targets)]
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(i: int, stall: bool) -> None:
-        target, maker = targets[i % len(targets)], makers[i % len(targets)]
-        async with slots if not stall else contextlib.nullcontext():
-            # made when its turn comes: the peer's step as it is then, and no case held before
-            case = maker.stall() if stall else maker.next()
-            started = time.monotonic()
-            try:
-                sender = member if case.member else stranger
-                outcome, detail = await send(sender, target.peer_id, case, stall_limit_s if stall else limit_s)
-            except Exception as e:  # opening the stream failed: the peer is gone (a crash)
-                outcome, detail = "hung", f"{type(e).__name__}: {e}"[:120]
-            tally.add(case.category, outcome, time.monotonic() - started, detail)
-
-    await asyncio.gather(*(one(i, False) for i in range(count)), *(one(i, True) for i in range(stalls)))
-    return tally
 
 
 def max_rss_mib() -> float:

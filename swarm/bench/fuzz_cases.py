@@ -79,6 +79,7 @@ class Case:
     stall: bool = False  # the fuzzer stops writing half-way and waits for the peer to close the stream
     hang_up: bool = False  # the fuzzer closes the stream at once (a truncated frame's end never comes)
     member: bool = False  # sent by the fuzzer's member (else by its stranger)
+    vandal: bool = False  # ... by its vandal: bytes no peer of the protocol writes, banned at its first
     handler: str | None = None  # another p2p handler of the peer than the stage protocol's
     notes: dict = field(default_factory=dict)
 
@@ -132,11 +133,12 @@ class Cases:
     # ---- the categories ----------------------------------------------------------------------
 
     def random_bytes(self) -> Case:
-        return Case("random bytes", self._bytes(self.rng.randint(1, 4096)))
+        return Case("random bytes", self._bytes(self.rng.randint(1, 4096)), vandal=True)
 
     def huge_length(self) -> Case:
         length = self.rng.randint(1 << 22, (1 << 64) - 1)
-        return Case("absurd message length", P2P.MESSAGE_MARKER + length.to_bytes(8, "big") + self._bytes(64))
+        data = P2P.MESSAGE_MARKER + length.to_bytes(8, "big") + self._bytes(64)
+        return Case("absurd message length", data, vandal=True)
 
     def truncated(self) -> Case:
         whole = request_bytes("micro_batch", self._head(False), self._activations())
@@ -185,7 +187,7 @@ class Cases:
         """A head far over the limit (up to 1 MiB), refused before anything else of it is read."""
         head = self._head(False)
         head.sender = "x" * self.rng.randint(65 << 10, 1 << 20)
-        return Case("oversized head", request_bytes("micro_batch", head, self._activations()))
+        return Case("oversized head", request_bytes("micro_batch", head, self._activations()), vandal=True)
 
     def control(self) -> Case:
         t = self.t
@@ -307,6 +309,14 @@ class Cases:
         payload = self._activations()
         return Case("member's replayed micro-batch", request_bytes("micro_batch", head, payload), member=True)
 
+    def float_targets(self) -> Case:
+        """A member's well-formed micro-batch whose targets are floats, where the loss takes class
+        indices: refused where they are decoded, as its fault (they once reached the last stage's loss)."""
+        head = self._head(True, epoch=self._next_epoch())
+        self.batch = dataclasses.replace(self.batch, targets=torch.rand(4))
+        head.batch.CopyFrom(batch_to_meta(self.batch))
+        return Case("member's float targets", request_bytes("micro_batch", head, self._activations()), member=True)
+
     def averaging_length(self) -> Case:
         """The replicas' all-reduce handler (hivemind's wire format) with an absurd message length."""
         length = self.rng.randint(4 << 20, 1 << 40)
@@ -324,22 +334,28 @@ class Cases:
         cut = self.rng.randint(len(whole) // 4, len(whole) // 2)
         return Case("stalled stream", whole[:cut], stall=True, member=True)
 
-    def next(self) -> Case:
-        return self.rng.choices(
-            [
-                self.random_bytes,
-                self.huge_length,
-                self.truncated,
-                self.extended,
-                self.bad_chunks,
-                self.stranger_micro_batch,
-                self.control,
-                self.member_payload,
-                self.big_head,
-                self.zeros_after_refusal,
-                self.stale_micro_batch,
-                self.replayed_micro_batch,
-                self.averaging_length,
-            ],
-            weights=[1, 1, 1, 1, 2, 2, 3, 1, 1, 1, 1, 1, 1],
-        )[0]()
+    def make(self, kind: str) -> Case:
+        """A case of `kind` (a name of ROUNDS)."""
+        return getattr(self, kind)()
+
+
+# the kinds of case: (what the fuzz tables call the round of them, its share of the campaign's
+# messages, who sends them: "member" when some are the member's), in the order they are sent
+# (swarm.bench.fuzz_campaign): the vandal's first (banned at its first, after the floods of
+# swarm.bench.fuzz_floods), then the stranger's, then the member's
+ROUNDS = {
+    "random_bytes": ("random bytes", 1, "vandal"),
+    "huge_length": ("absurd message length", 1, "vandal"),
+    "big_head": ("oversized head", 1, "vandal"),
+    "truncated": ("truncated frame", 1, "stranger"),
+    "extended": ("extended frame", 1, "stranger"),
+    "stranger_micro_batch": ("stranger's micro-batch", 2, "stranger"),
+    "control": ("control calls", 3, "stranger"),
+    "zeros_after_refusal": ("zeros after a refusal", 1, "stranger"),
+    "averaging_length": ("all-reduce's absurd length", 1, "stranger"),
+    "bad_chunks": ("bad chunks", 2, "member"),
+    "member_payload": ("member's bad payload", 1, "member"),
+    "float_targets": ("member's float targets", 1, "member"),
+    "stale_micro_batch": ("member's past micro-batch", 1, "member"),
+    "replayed_micro_batch": ("member's replayed micro-batch", 1, "member"),
+}

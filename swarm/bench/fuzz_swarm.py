@@ -12,8 +12,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.bench.fuzz import Tally, campaign, max_rss_mib
+from swarm.bench.fuzz import Tally, max_rss_mib
+from swarm.bench.fuzz_campaign import Plan, Senders, Served, campaign
 from swarm.bench.fuzz_cases import targets_of
+from swarm.bench.fuzz_floods import FLOODS
 from swarm.config import ExperimentConfig
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
@@ -65,17 +67,18 @@ def run(cfg: ExperimentConfig, steps: int, count: int, seed: int = 0, say=print)
             servers.append(server)
             hosted.append(server.host(HostedStage(server.node, run_id, cfg, stage)))
             loop.run(server.announcer.announce_now())
-        trainer, stranger, member = node(client=True), node(client=True), node(client=True)
+        trainer = node(client=True)
+        senders = Senders(*(node(client=True) for _ in range(4)))  # stranger, member, vandal, status reader
         data = build_data(cfg)
         pipeline = SwarmPipeline(trainer, loop, cfg, run_id)
         pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=30)
-        targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
-        say(f"{len(hosted)} stage peers training {steps} steps; {count} malformed messages on their way")
-        rss = max_rss_mib()
+        targets = targets_of(hosted, pipeline, senders.stranger.peer_id, senders.member.peer_id)
         limit = SETTINGS.streams.read_timeout_s + SETTINGS.streams.drain_s + 10
-        running = asyncio.run_coroutine_threadsafe(
-            campaign(stranger.p2p, member.p2p, targets, count, limit, limit, seed=seed), loop.loop
-        )
+        plan = Plan(count, limit, limit, seed=seed)
+        floods = f"{len(FLOODS) * plan.floods} floods of 2 MiB held open at each"
+        say(f"{len(hosted)} stage peers training {steps} steps; {count} malformed messages and {floods} on their way")
+        rss = max_rss_mib()
+        running = asyncio.run_coroutine_threadsafe(campaign(senders, targets, plan, Served(servers)), loop.loop)
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, steps, progress=False)
         tally = running.result()
@@ -105,8 +108,16 @@ def format_report(report: FuzzReport) -> str:
         f"messages: {t.total}; hung: {t.of('hung')}; multi-line errors: {t.of('multi-line')}; "
         f"answered: {dict(t.answered_kinds) or 'none'} (status calls are public)",
         f"slowest answer: {t.slowest_s:.1f}s (a stalled stream waits read_timeout_s)",
+        t.cpu_table(),
+        f"status calls during the floods: {len(t.info_s)}, answered within {_slowest(t.info_s)}",
         f"run: {report.steps} steps, largest relative loss difference to one process {report.max_loss_diff:.2e}; "
         f"every stage peer still serving: {'yes' if report.serving else 'NO'}",
         f"peak memory of the swarm's process grew {report.memory_mib:.0f} MiB during the campaign",
     ]
     return "\n".join(lines)
+
+
+def _slowest(seconds: list) -> str:
+    if None in seconds:
+        return f"their limit but {seconds.count(None)} (failed)"
+    return f"{max(seconds, default=0.0):.3f}s at worst"

@@ -20,7 +20,8 @@ def add_parser(which, positive_int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when no message hung a peer, every peer still serves and the losses are one process's."""
+    """0 when no message hung a peer, every status call during the floods was answered, every peer
+    still serves and the losses are one process's."""
     from swarm.bench import fuzz_swarm
     from swarm.config import ConfigError, load_config
 
@@ -31,5 +32,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = fuzz_swarm.run(cfg, args.steps, args.count, args.seed)
     print(fuzz_swarm.format_report(report))
-    ok = report.tally.of("hung") == 0 and report.serving and report.max_loss_diff <= 1e-5
+    answered = None not in report.tally.info_s
+    ok = report.tally.of("hung") == 0 and answered and report.serving and report.max_loss_diff <= 1e-5
     return 0 if ok else 1

@@ -83,6 +83,7 @@ def build_runtime(
         hold_grads,
         Forward(cfg.train.precision, cfg.train.checkpoint_activations, device, cfg.seed),
     )
+    runtime.targets = staged.targets  # every stage checks them: each hands them on toward the loss
     if cfg.train.schedule == "async":
         runtime.delay = StageDelay(DelayCorrection.parse(cfg.train.delay_correction))
         if hold_grads:  # a swarm's stage: two steps open at once (swarm.engine.versions)

@@ -73,6 +73,9 @@ class StageRuntime:
         # gradients here whatever micro-batches this peer ran (`hold_combined`)
         self.combined: dict[int, dict[str, torch.Tensor]] = {}
         self.stash = WeightStash()  # the version the step before the current one runs at (a swarm's async)
+        # what the loss takes as targets (swarm.models.base.Targets; None: not known): a transport
+        # checks a received micro-batch's against it where it decodes them, before any model sees them
+        self.targets = None
 
     @property
     def first(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.sampling import is_sample_request, picked_tokens
+from swarm.models.sampling import is_sample_request, picked_tokens, request_problem
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
@@ -29,12 +29,55 @@ class TiedPair:
     second: tuple[int, str]
 
 
+INDEX_DTYPES = (torch.int64, torch.uint8)  # what cross entropy takes as class indices
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What a model's loss takes as targets, so that a stage peer refuses others where it decodes
+    a micro-batch, as its sender's fault, before any model sees them: integer class indices below
+    `classes` (or `ignore`, a language model's -100), `dims` dimensions per sample (0: an index per
+    sample; 1: one per token); with `probabilities`, also a float distribution over the classes
+    per sample (cross entropy's soft labels); with `samples` (a language model), an evaluation
+    micro-batch's sample request (swarm.models.sampling)."""
+
+    classes: int
+    dims: int = 0
+    ignore: int | None = None
+    probabilities: bool = False
+    samples: bool = False
+
+    def problem(self, targets: torch.Tensor, evaluating: bool = False) -> str | None:
+        """What is wrong with `targets` for this loss (`evaluating`: of an evaluation micro-batch), in
+        a few words (None: nothing)."""
+        shape, dtype = tuple(targets.shape), str(targets.dtype).removeprefix("torch.")
+        if self.samples and is_sample_request(targets):
+            return request_problem(targets) if evaluating else f"a sample request {shape} in a training micro-batch"
+        if targets.is_floating_point() and self.probabilities and shape[1:] == (self.classes,):
+            return None
+        wanted = "class indices (int64)" + (
+            f" or probabilities of shape (N, {self.classes})" if self.probabilities else ""
+        )
+        if targets.dtype not in INDEX_DTYPES:
+            return f"{dtype} values of shape {shape}: the loss takes {wanted}"
+        if targets.dim() != 1 + self.dims:
+            per = "one per sample" if self.dims == 0 else f"{1 + self.dims}-D, one per token of each sample"
+            return f"shape {shape}: the loss takes class indices, {per}"
+        indices = targets if self.ignore is None else targets[targets != self.ignore]
+        if indices.numel():
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= self.classes:
+                return f"class index {low if low < 0 else high} outside 0..{self.classes - 1}"
+        return None
+
+
 @dataclass
 class StagedModel:
     """A model cut into pipeline stages.
 
     Stage i takes stage i-1's output (stage 0 the batch input); the last returns logits.
     `metrics` returns sums and counts (e.g. correct, count, loss_sum) so micro-batches add up.
+    `targets`: what its loss takes (None: not known, a user's loss; only finite values are checked).
     `whole`: the unsplit model whose modules the stages share, where the builder has one (a
     transformers causal LM): what an export saves (swarm.export).
     """
@@ -43,6 +86,7 @@ class StagedModel:
     loss: LossFn
     metrics: MetricsFn
     tied: list[TiedPair] = field(default_factory=list)
+    targets: Targets | None = None
     whole: nn.Module | None = None
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -59,6 +103,22 @@ class StagedModel:
 
     def eval(self) -> StagedModel:
         return self.train(False)
+
+
+def classifier(stages: list[nn.Module], num_classes: int) -> StagedModel:
+    """Stages whose last gives `num_classes` logits per sample, with a classification loss."""
+    return StagedModel(
+        stages, classification_loss, classification_metrics, [], Targets(num_classes, probabilities=True)
+    )
+
+
+def language_model(
+    stages: list[nn.Module], vocab: int, tied: list[TiedPair], whole: nn.Module | None = None
+) -> StagedModel:
+    """Stages of a causal language model of `vocab` tokens (cut from `whole`), with its loss
+    (labels = inputs, shifted)."""
+    targets = Targets(vocab, dims=1, ignore=-100, samples=True)
+    return StagedModel(stages, causal_lm_loss, causal_lm_metrics, tied, targets, whole)
 
 
 # ---- losses and metrics --------------------------------------------------------------------------

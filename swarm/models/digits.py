@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from swarm.models.base import StagedModel, classification_loss, classification_metrics, plan_cuts, stage_block_ranges
+from swarm.models.base import StagedModel, classifier, plan_cuts, stage_block_ranges
 
 
 def _check_positive(name: str, **values) -> None:
@@ -21,13 +21,15 @@ def _check_positive(name: str, **values) -> None:
             raise ValueError(f"{name}: {option} must be a positive integer, got {value!r}")
 
 
-def _staged(name: str, blocks: list[nn.Module], num_stages: int, split_after: Sequence[int] | None) -> StagedModel:
+def _staged(
+    name: str, blocks: list[nn.Module], num_stages: int, split_after: Sequence[int] | None, num_classes: int
+) -> StagedModel:
     cuts = plan_cuts(name, len(blocks), num_stages, stem=False, head=False, split_after=split_after)
     stages = [
         nn.Sequential(OrderedDict((f"block{i}", blocks[i]) for i in blocks_of_stage))
         for blocks_of_stage in stage_block_ranges(len(blocks), cuts)
     ]
-    return StagedModel(stages, classification_loss, classification_metrics, [])
+    return classifier(stages, num_classes)
 
 
 def cnn_blocks(
@@ -56,7 +58,11 @@ def build_digits_cnn(
         raise ValueError(f"digits_cnn: image_size must be an even integer >= 2, got {image_size!r}")
     plan_cuts("digits_cnn", 4, num_stages, stem=False, head=False, split_after=split_after)
     return _staged(
-        "digits_cnn", cnn_blocks(num_classes, width, hidden, in_channels, image_size), num_stages, split_after
+        "digits_cnn",
+        cnn_blocks(num_classes, width, hidden, in_channels, image_size),
+        num_stages,
+        split_after,
+        num_classes,
     )
 
 
@@ -78,4 +84,4 @@ def build_digits_mlp(
         else:
             layer = nn.Sequential(nn.Linear(fan_in, hidden), nn.ReLU())
         blocks.append(nn.Sequential(nn.Flatten(), layer) if i == 0 else layer)
-    return _staged("digits_mlp", blocks, num_stages, split_after)
+    return _staged("digits_mlp", blocks, num_stages, split_after, num_classes)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from swarm.config.messages import library_message
-from swarm.models.base import StagedModel, causal_lm_loss, causal_lm_metrics, config_errors, plan_cuts
+from swarm.models.base import StagedModel, config_errors, language_model, plan_cuts
 from swarm.models.decoders import cut_decoder
 
 if TYPE_CHECKING:  # transformers loads when a GPT-2 is built: a CLI that fails on its config does not wait for it
@@ -82,4 +82,4 @@ def build_gpt2(
     model = load_full(config, pretrained)
     cuts = plan_cuts("gpt2", model.config.n_layer, num_stages, split_after=split_after)
     stages, tied = cut_decoder(model, num_stages, [c + 1 for c in cuts], where="gpt2")
-    return StagedModel(stages, causal_lm_loss, causal_lm_metrics, tied, model)
+    return language_model(stages, model.config.vocab_size, tied, model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarm.models.base import StageCountError, StagedModel, classification_loss, classification_metrics
+from swarm.models.base import StageCountError, StagedModel, classifier
 
 
 class _ToMaps(nn.Module):
@@ -95,4 +95,4 @@ def build_relay(num_stages: int, boundary: str = "resnet18.layer1", num_classes:
         + [relay() for _ in range(num_stages - 2)]
         + [nn.Sequential(relay(), _Head(features, num_classes, tokens))]
     )
-    return StagedModel(stages, classification_loss, classification_metrics, [])
+    return classifier(stages, num_classes)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.models.base import StagedModel, classification_loss, classification_metrics, plan_cuts, stage_block_ranges
+from swarm.models.base import StagedModel, classifier, plan_cuts, stage_block_ranges
 
 
 class BasicBlock(nn.Module):
@@ -100,4 +100,4 @@ def build_resnet18(
             raise ValueError(f"resnet18: {option} must be a positive integer, got {value!r}")
     plan_cuts("resnet18", 8, num_stages, split_after=split_after)  # fail before building anything
     model = ResNet18(num_classes=num_classes, width=width, in_channels=in_channels)
-    return StagedModel(cut(model, num_stages, split_after), classification_loss, classification_metrics, [])
+    return classifier(cut(model, num_stages, split_after), num_classes)

@@ -27,6 +27,16 @@ def is_sample_request(targets: torch.Tensor) -> bool:
     return targets.is_floating_point() and targets.dim() == 2 and targets.shape[1] == 2
 
 
+def request_problem(request: torch.Tensor) -> str | None:
+    """What is wrong with a sample request's numbers (None: nothing): temperatures >= 0, draws in [0, 1]."""
+    temperatures, draws = request[:, 0], request[:, 1]
+    if not bool(torch.isfinite(request).all()) or bool((temperatures < 0).any()):
+        return "a sample request's temperatures must be finite numbers >= 0"
+    if bool(((draws < 0) | (draws > 1)).any()):
+        return "a sample request's draws must be in [0, 1]"
+    return None
+
+
 def pick(logits: torch.Tensor, temperature: float, draw: float) -> int:
     """The token of one row's next-token `logits` [vocab] at `temperature` for the uniform `draw`."""
     logits = logits.detach().double()

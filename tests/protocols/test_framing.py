@@ -10,6 +10,7 @@ from _util import frame
 from google.protobuf.message import DecodeError
 
 from protocols import stage_pb2 as pb
+from protocols.errors import MalformedMessage
 from protocols.framing import CHUNK_BYTES, Assembler, ProtocolError, frame_parts, parse_message
 
 
@@ -48,7 +49,7 @@ def test_framed_parts_are_what_protobuf_writes_and_view_the_payload():
 def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf_does():
     """parse_message leaves a framed chunk's data out of the parsed message (a view of the bytes
     received); a message laid out otherwise (chunk first, a field after it, the chunk twice) is
-    parsed whole, and garbage fails as protobuf fails."""
+    parsed whole, and garbage is refused as malformed (its sender is to blame), in one line."""
     payload = os.urandom(CHUNK_BYTES + 300)
     head = pb.MicroBatchHead(to=pb.Address(run_id="r", stage=1))
     for parts in frame_parts(pb.StageRequest, "micro_batch", head, payload):
@@ -78,8 +79,27 @@ def test_received_messages_keep_their_chunk_data_as_a_view_and_parse_as_protobuf
     for garbage in (whole.SerializeToString()[:-1], b"\x22\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0f"):
         with pytest.raises(DecodeError):
             pb.StageRequest.FromString(garbage)
-        with pytest.raises(DecodeError):
+        with pytest.raises(MalformedMessage, match="^a malformed StageRequest: [^\n]*$"):
             parse_message(pb.StageRequest, garbage)
+
+
+def test_bytes_besides_the_chunk_data_are_bounded_before_protobuf_parses_them():
+    """A request's head and signature are at most 64 KiB: a message with more bytes besides its
+    chunk's data (a head padded with fields, or any message not laid out as frame_parts writes
+    it) is refused before protobuf reads them; the data itself is not counted."""
+    head = pb.MicroBatchHead(to=pb.Address(run_id="r", stage=1))
+    (parts,) = frame_parts(pb.StageRequest, "micro_batch", head, bytes(CHUNK_BYTES))
+    framed = b"".join(parts)
+    assert parse_message(pb.StageRequest, framed, max_head=1024).data is not None
+    big = pb.MicroBatchHead(sender="x" * 4096)
+    (parts,) = frame_parts(pb.StageRequest, "micro_batch", big, bytes(CHUNK_BYTES))
+    padded = b"".join(parts)
+    repeated = pb.StageRequest(micro_batch=head).SerializeToString() + framed  # the head twice: parsed whole
+    empty_fields = b"\x08\x00" * (1 << 20)  # 2 MiB of fields, none of them a chunk
+    cases = ((padded, len(padded) - CHUNK_BYTES), (repeated, len(repeated)), (empty_fields, len(empty_fields)))
+    for data, size in cases:
+        with pytest.raises(MalformedMessage, match=f"of {size} bytes besides its chunk's data \\(at most 1024\\)"):
+            parse_message(pb.StageRequest, data, max_head=1024)
 
 
 def test_chunks_verify_length_order_and_checksum():

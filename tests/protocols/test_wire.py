@@ -230,3 +230,19 @@ def test_random_bytes_with_valid_prefix_rejected(tail, item):
     _, payload, _ = item
     with pytest.raises(PayloadError):
         wire.decode(payload[: len(payload) // 2] + tail)
+
+
+def test_lists_longer_than_their_tensor_allows_are_refused_before_they_are_walked():
+    """A payload's repeated fields are refused by their length, before a Python loop reads them:
+    state versions (one per sample at most), a carried tensor's shape (at most 8 dimensions)."""
+    from protocols import stage_pb2 as spb
+    from protocols.message import RawPart, StateStamp
+    from swarm.transport.hivemind.net.meta import ProtocolError, raw_to_tensor
+
+    stamped = Encoded((4, 8), torch.float32, RawPart(torch.zeros(4, 8)), StateStamp(sample_versions=(1,) * 4))
+    assert wire.decode(wire.encode(stamped)).stamp.sample_versions == (1,) * 4
+    stamped.stamp = StateStamp(sample_versions=(1,) * 100_000)
+    with pytest.raises(PayloadError, match="^100000 state versions for 4 samples$"):
+        wire.decode(wire.encode(stamped))
+    with pytest.raises(ProtocolError, match=r"^targets: a shape of 100000 dimensions \(at most 8\)$"):
+        raw_to_tensor(spb.RawTensor(dtype="int64", shape=[1] * 100_000, data=bytes(8)), "targets")

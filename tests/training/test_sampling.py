@@ -9,7 +9,7 @@ import pytest
 import torch
 from _export_cases import tiny_llama
 
-from swarm.models.base import causal_lm_metrics
+from swarm.models.base import Targets, causal_lm_metrics
 from swarm.models.sampling import pick, sample_request, tokens_of
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
@@ -79,3 +79,17 @@ def test_a_sample_needs_data_with_a_tokenizer(tmp_path):
     custom = cfg.model_copy(update={"data": cfg.data.model_copy(update={"name": "tests:none", "options": {}})})
     with pytest.raises(ValueError, match=r"train.sample_every: data tests:none names no tokenizer"):
         PipelineSampler.of(custom, data)
+
+
+def test_a_stage_takes_a_sample_request_only_from_an_evaluation_micro_batch():
+    """Where a stage peer decodes a micro-batch (swarm.models.base.Targets): a language model's
+    evaluation may ask for a sample; anything else with those targets is its sender's fault."""
+    tokens = Targets(50, dims=1, ignore=-100, samples=True)
+    request = sample_request(0.7, torch.tensor([0.3]))
+    assert tokens.problem(request, evaluating=True) is None
+    assert tokens.problem(request) == "a sample request (1, 2) in a training micro-batch"
+    assert tokens.problem(sample_request(0.7, torch.tensor([1.5])), evaluating=True) == (
+        "a sample request's draws must be in [0, 1]"
+    )
+    assert tokens.problem(sample_request(-1, torch.tensor([0.5])), evaluating=True).endswith("finite numbers >= 0")
+    assert Targets(10, probabilities=True).problem(request, evaluating=True).startswith("float64 values")

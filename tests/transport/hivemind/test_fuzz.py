@@ -1,6 +1,7 @@
-"""10,000 malformed messages at every stage peer of a training run (swarm.bench.fuzz): none crashes or
-hangs a peer, each is answered by a one-line error or a closed stream, memory stays within the
-bound docs/security.md gives, and the run's losses are the single-process run's."""
+"""10,000 malformed messages at every stage peer of a training run (swarm.bench.fuzz), and floods of
+2 MiB messages held open: none crashes or hangs a peer, each is answered by a one-line error or a
+closed stream, memory stays within the bound docs/security.md gives, the run's losses are the
+single-process run's, and what each kind of message cost the peers in CPU is measured."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import uuid
 
 from _swarm_env import SETTINGS, assert_same_run, local_rows, smoke
 
-from swarm.bench.fuzz import campaign, max_rss_mib
-from swarm.bench.fuzz_cases import targets_of
+from swarm.bench.fuzz import max_rss_mib
+from swarm.bench.fuzz_campaign import Plan, Senders, Served, campaign
+from swarm.bench.fuzz_cases import ROUNDS, targets_of
+from swarm.bench.fuzz_floods import FLOODS
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
@@ -25,21 +28,23 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
     cfg = smoke("train.epochs=10")
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
-    stranger, member = (swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True))) for _ in range(2))
+    senders = Senders(*(swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True))) for _ in range(4)))
+    servers = [swarm.hosts[s][1] for s in range(cfg.model.num_stages)]
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        targets = targets_of(hosted, pipeline, stranger.peer_id, member.peer_id)
+        targets = targets_of(hosted, pipeline, senders.stranger.peer_id, senders.member.peer_id)
         rss = max_rss_mib()
         limit = SETTINGS.streams.read_timeout_s + SETTINGS.streams.drain_s + 10
-        running = asyncio.run_coroutine_threadsafe(
-            campaign(stranger.p2p, member.p2p, targets, COUNT, limit_s=limit, stall_limit_s=limit), swarm.loop.loop
-        )
+        plan = Plan(COUNT, limit_s=limit, stall_limit_s=limit)
+        running = asyncio.run_coroutine_threadsafe(campaign(senders, targets, plan, Served(servers)), swarm.loop.loop)
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         tally = running.result(timeout=600)
         print(tally.table())
-        assert tally.total == COUNT + 4
+        print(tally.cpu_table())
+        floods = len(FLOODS) * plan.floods * len(targets)
+        assert tally.total == COUNT + 4 + floods
         assert tally.of("hung") == 0 and tally.of("multi-line") == 0, tally.table()
         # only a stranger's status call gets an answer: everything else is refused or dropped
         assert set(tally.answered_kinds) <= {"info"}, tally.answered_kinds
@@ -56,6 +61,16 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         # the all-reduce handler refuses an absurd length before reading it
         assert any("a message of _ bytes" in r for r in tally.reasons["all-reduce's absurd length"])
         assert tally.counts["zeros after a refusal"]["refused"] > 0
+        # a member's float targets: refused where decoded, as its fault (or as its ban's)
+        assert any("targets: float_ values" in r for r in tally.reasons["member's float targets"])
+        # the floods are refused (malformed: the vandal is banned) and status calls meanwhile answered
+        for kind in FLOODS:
+            assert tally.counts[kind]["refused"] + tally.counts[kind]["closed"] == plan.floods * len(targets)
+        assert len(tally.info_s) == floods and None not in tally.info_s
+        # every kind of message's CPU is measured (the all-reduce's is hivemind's handler: not metered)
+        assert set(tally.costs) == {name for name, _, _ in ROUNDS.values()} | set(FLOODS) | {"stalled stream"}
+        assert tally.costs.pop("all-reduce's absurd length").cpu_s is None
+        assert all(c.cpu_s > 0 for c in tally.costs.values()), tally.cpu_table()
         assert tally.counts["stalled stream"]["refused"] + tally.counts["stalled stream"]["closed"] == 4
         assert max_rss_mib() - rss < MEMORY_BOUND_MIB
         assert all(h.runtime is not None and h.meters.processed > 0 for h in hosted)  # every peer still serves
@@ -64,5 +79,5 @@ def test_malformed_messages_cost_their_sender_only(swarm, tmp_path):
         assert_same_run(results.rows, local_rows(cfg, tmp_path, STEPS), retried=pipeline.handoff.retries > 0)
     finally:
         swarm.unhost(run_id)
-        for node in (stranger, member):
+        for node in (senders.stranger, senders.member, senders.vandal, senders.reader):
             swarm.loop.run(node.shutdown())

@@ -64,3 +64,5 @@ def test_the_all_reduce_handler_refuses_an_absurd_length_before_reading_it():
         asyncio.run(read(huge))
     with pytest.raises(ProtocolError, match="message marker"):
         asyncio.run(read(b"\x07" + bytes(8)))
+    with pytest.raises(ProtocolError, match="^a malformed AveragingData: "):  # one line to the caller
+        asyncio.run(read(_message(bytes(1 << 16))))

@@ -27,7 +27,7 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.stage.server import MAX_HEAD_BYTES
+from swarm.transport.hivemind.stage.server import MAX_MESSAGE_HEAD_BYTES
 
 STEPS = 2
 BLOCK = 1024
@@ -112,7 +112,7 @@ def test_a_language_models_micro_batches_carry_16_bit_tokens_and_keep_a_small_he
 def test_a_1024_token_language_model_trains_through_the_swarm_as_in_one_process(swarm, llm_config, tmp_path):
     """Training micro-batches of 8 x 1024 tokens and the default evaluation batch go through 3
     stage peers; losses and evaluations equal one process's. A stranger's 1 MiB head is refused
-    in one line before anything else of it is read, and the run goes on."""
+    in one line before protobuf parses any of it, and the run goes on."""
     cfg = llm_config
     run_id = uuid.uuid4().hex[:8]
     swarm.host(cfg, run_id, [(s, s) for s in range(cfg.model.num_stages)])
@@ -122,7 +122,7 @@ def test_a_1024_token_language_model_trains_through_the_swarm_as_in_one_process(
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
         stage1 = swarm.hosts[1][0].peer_id
         head = pb.MicroBatchHead(to=address(run_id, 1), sender="x" * (1 << 20), budget_s=5)
-        with pytest.raises(RemoteError, match=f"^a head of more than {MAX_HEAD_BYTES} bytes$"):
+        with pytest.raises(RemoteError, match=f"besides its chunk's data \\(at most {MAX_MESSAGE_HEAD_BYTES}\\)$"):
             swarm.loop.run(call(stranger.streams, stage1, "micro_batch", head, b"", 10))
         results = ResultsWriter(None)
         train(cfg, pipeline, data, results, STEPS, progress=False)

@@ -332,9 +332,16 @@ def test_bad_payloads_versions_and_unknown_calls_get_one_line_errors(swarm):
         finally:
             swarm.loop.run(member.shutdown())
 
-        headless = [pb.StageRequest(chunk=good[0].chunk)]  # a request of no kind this peer knows
-        error, _ = swarm.loop.run(_raw_call(p2p, peer, headless))
-        assert isinstance(error, pb.ErrorReply) and error.message == "the first message has no head"
+        # a request of no kind: bytes no peer of the protocol writes, its sender banned (not the trainer)
+        headless = [pb.StageRequest(chunk=good[0].chunk)]
+        vandal = swarm.loop.run(SwarmNode.create(swarm.options(client_mode=True)))
+        try:
+            error, _ = swarm.loop.run(_raw_call(vandal.p2p, peer, headless))
+            assert isinstance(error, pb.ErrorReply) and error.message == "the first message has no head"
+            error, _ = swarm.loop.run(_raw_call(vandal.p2p, peer, good))
+            assert "is banned for a while" in error.message
+        finally:
+            swarm.loop.run(vandal.shutdown())
 
         with pytest.raises(Exception):  # noqa: B017 (hivemind reports an unknown protocol in several ways)
             swarm.loop.run(

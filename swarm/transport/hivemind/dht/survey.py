@@ -157,7 +157,8 @@ class Recovery:
 @dataclass
 class Trust:
     """How the peer defends itself (docs/security.md): requests it refused, by why, and the peers it
-    refuses now for a malformed payload. The peer's as a whole, not one stage's."""
+    refuses now (a malformed payload or message, refusals that cost too much CPU). The peer's as a
+    whole, not one stage's."""
 
     refused: dict[str, int] = field(default_factory=dict)
     banned: int = 0

@@ -78,5 +78,7 @@ class StageCollector(Collector):
             fill_stage(families, status)
         for why, n in sorted(reply.refused.items()):
             families.counter("refused_requests", "requests it refused, by why", n, why=why)
-        families.gauge("banned_callers", "peers it refuses now for a malformed payload", reply.banned)
+        families.gauge(
+            "banned_callers", "peers it refuses now (malformed bytes, or refusals that cost too much CPU)", reply.banned
+        )
         fill_events(families, events, "stage")

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from protocols.errors import one_line
+from protocols.errors import MalformedMessage, one_line
 from protocols.framing import ProtocolError
 
 PREFETCH = 5  # requests read ahead of the handler
@@ -25,7 +26,8 @@ PREFETCH = 5  # requests read ahead of the handler
 
 async def read_request(reader: asyncio.StreamReader, request_type, limit: int):
     """The next request message, or None at the caller's end of stream (an error marker);
-    ProtocolError for a length over `limit`, before any of it is read."""
+    ProtocolError for a length over `limit`, before any of it is read, and for bytes that do not
+    parse (in native code: at most `limit` of them)."""
     marker = await reader.readexactly(1)
     if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
         raise ProtocolError(f"a message marker {marker!r}: expected a message or the end of the stream")
@@ -35,9 +37,10 @@ async def read_request(reader: asyncio.StreamReader, request_type, limit: int):
     data = await reader.readexactly(length)
     if marker == P2P.ERROR_MARKER:
         return None
-    message = request_type()
-    message.ParseFromString(data)
-    return message
+    try:
+        return request_type.FromString(data)
+    except DecodeError as e:
+        raise MalformedMessage(f"a malformed {request_type.__name__}: {e}") from None
 
 
 def bounded_stream_handler(p2p: P2P, name: str, handler: Callable, request_type, limit: int):

@@ -16,7 +16,7 @@ import time
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS
-from protocols.errors import RemoteError, TransportError, short
+from protocols.errors import RemoteError, Replied, TransportError, short
 from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.busy import Busy
@@ -103,7 +103,7 @@ class Exchange:
         if self.traced is not None:
             self._trace(waited, began, sent, arrived[0] if arrived else time.time(), len(frame.payload))
         if frame.kind == "error":
-            raise RemoteError(frame.head.message, frame.head.code, frame.head.blamed, frame.head.stale)
+            raise Replied(frame.head.message, frame.head.code, frame.head.blamed, frame.head.stale)
         self._complete = True
         return frame
 

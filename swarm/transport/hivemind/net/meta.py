@@ -71,8 +71,10 @@ def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
     dtype = _DTYPES.get(raw.dtype)
     if dtype is None:
         raise ProtocolError(f"{what}: unknown dtype {raw.dtype!r}")
+    if len(raw.shape) > MAX_RANK:  # before a Python loop over a list of any length
+        raise ProtocolError(f"{what}: a shape of {len(raw.shape)} dimensions (at most {MAX_RANK})")
     shape = tuple(int(d) for d in raw.shape)
-    if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+    if any(d < 0 for d in shape):
         raise ProtocolError(f"{what}: bad shape {shape}")
     numel = math.prod(shape)
     if numel > MAX_ELEMENTS:

@@ -94,6 +94,12 @@ class Limits:
     # Micro-batch payload bytes one peer may have at a stage server at once (declared in the head,
     # counted before the payload is read): a member cannot fill the peer's memory.
     max_held_bytes_per_sender: int = 1 << 31
+    # CPU one peer's refused requests may cost a stage server (swarm.transport.hivemind.net.cpu):
+    # this share of a core over any `refusal_cpu_window_s`; a sender over it is banned, as one of a
+    # malformed payload is (retries.ban_s ...). An honest peer's refusals (a micro-batch of a past
+    # step, a stream cut short) cost a checksum of its payload at most.
+    refusal_cpu_share: float = 0.1
+    refusal_cpu_window_s: float = 10.0
     # Admissions to an open run (anyone may announce a stage): a stage takes at most this many new
     # peers at one step boundary, has at most this many still catching up, and at most this many
     # members; the others wait for a later boundary. A burst of joiners (a Sybil flood of records)

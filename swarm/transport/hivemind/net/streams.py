@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from protocols import stage_pb2 as pb
-from protocols.errors import ProtocolError, RemoteError, short
+from protocols.errors import MalformedMessage, ProtocolError, RemoteError, short
 from protocols.framing import CHUNK_BYTES, Received, parse_message
 from protocols.version import STREAM
 from swarm.netlab.delayline import DelayLine
@@ -47,7 +47,7 @@ async def read_message(
             return None  # the end-of-stream marker, or garbage: either way nothing more to read
         length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
         if length > limit:
-            raise ProtocolError(f"a message of {length} bytes: messages are at most {limit} bytes")
+            raise MalformedMessage(f"a message of {length} bytes: messages are at most {limit} bytes")
         data = await reader.readexactly(length)
     except asyncio.IncompleteReadError:  # the peer closed the stream
         return None
@@ -165,32 +165,36 @@ class Requests:
 
     `next` waits for the first byte of the next request and notes when it came: a sender starts
     writing a payload as soon as its send slot is free, so that byte marks the start of the
-    payload's transfer (what the link meters time), whether the stream is new or reused."""
+    payload's transfer (what the link meters time), whether the stream is new or reused. Every
+    message besides its chunk's data is at most `max_head` bytes (framing.parse_message)."""
 
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
+    def __init__(self, reader: asyncio.StreamReader, max_head: int | None = None) -> None:
+        self.reader, self.max_head = reader, max_head
         self.started = 0.0
-        self._begun = False  # `next` read the first message's marker already
+        self._marker: bytes | None = None  # the first byte of the next request, read by `next`
 
     async def next(self, idle_timeout: float) -> bool:
-        """True when a request begins; False when the caller ended the stream or let it idle."""
+        """True when a request begins (or bytes that are none: `messages` refuses them); False
+        when the caller ended the stream or let it idle."""
         try:
             marker = await asyncio.wait_for(self.reader.readexactly(1), idle_timeout)
         except (asyncio.IncompleteReadError, TimeoutError):
             return False
         self.started = time.monotonic()
-        self._begun = marker == P2P.MESSAGE_MARKER  # else the end-of-stream marker
-        return self._begun
+        self._marker = marker
+        return marker != P2P.ERROR_MARKER  # the caller's end of stream is an empty error
 
     async def messages(self) -> AsyncIterator[Received]:
         """This request's messages (a reader of one frame stops at its last one) and, read on,
         whatever follows until the caller ends the stream."""
         while True:
-            begun, self._begun = self._begun, False
-            data = await read_message(self.reader, begun)
+            marker, self._marker = self._marker, None
+            if marker is not None and marker != P2P.MESSAGE_MARKER:
+                raise MalformedMessage(f"a message marker {marker!r}: expected a message or the end of the stream")
+            data = await read_message(self.reader, marker is not None)
             if data is None:
                 return
-            yield parse_message(pb.StageRequest, data)
+            yield parse_message(pb.StageRequest, data, self.max_head)
 
     async def drain(self, timeout: float, limit: int) -> None:
         """Reads and drops what is left of a refused request until the caller ends the stream (its
@@ -200,7 +204,8 @@ class Requests:
         zeros reads as a stream of empty messages, and parsing those without yielding to the event
         loop once froze a stage peer for 30 s (64 zero-filled 2 MiB payloads)."""
         most = limit // CHUNK_BYTES + 4
-        begun, self._begun = self._begun, False
+        begun = self._marker == P2P.MESSAGE_MARKER
+        self._marker = None
         with contextlib.suppress(Exception):
             async with asyncio.timeout(timeout):
                 dropped = 0

@@ -91,7 +91,7 @@ class Chain:
                 f"stage {self.place.stage} of run {self.place.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
                 pb.NOT_READY,
             )
-        batch, carried, body = _unpack(head, payload)
+        batch, carried, body = _unpack(head, payload, runtime.targets)
         if self.closing.depth == 1:  # else in link order (`_chain`)
             await self._admit(head, batch, sender)
         # from arrival: the sender's clock runs meanwhile
@@ -307,14 +307,18 @@ def _budget(declared: float, most: float) -> float:
     return min(declared, most)
 
 
-def _unpack(head: pb.MicroBatchHead, payload: bytes) -> tuple[MicroBatch, pb.Carried, memoryview]:
+def _unpack(head: pb.MicroBatchHead, payload: bytes, targets) -> tuple[MicroBatch, pb.Carried, memoryview]:
     """The micro-batch of `head` and its payload, what it carries and a view of its activations;
-    a malformed payload is its sender's fault."""
+    a malformed payload, or targets its loss does not take (`targets`: swarm.models.base.Targets,
+    None: not known), are its sender's fault."""
     try:
         carried, body = envelope.unpack(payload)
-        return meta_to_batch(head.batch, carried), carried, body
+        batch = meta_to_batch(head.batch, carried)
     except (PayloadError, ProtocolError) as e:
         raise SenderFault(str(e)) from None
+    if targets is not None and (problem := targets.problem(batch.targets, batch.mode is Mode.EVAL)) is not None:
+        raise SenderFault(f"targets: {problem}")
+    return batch, carried, body
 
 
 def _inputs(carried: pb.Carried, body: memoryview):

@@ -17,12 +17,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS, Trust
-from protocols.errors import ProtocolError, RemoteError, SenderFault, one_line
+from protocols.errors import ProtocolError, RemoteError, one_line
 from protocols.framing import Frame, frame_parts, read_frame
 from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
@@ -31,18 +32,22 @@ from swarm.engine.microbatch import Kind
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import Announcer
 from swarm.transport.hivemind.flow.pacing import carrying, send_paced
+from swarm.transport.hivemind.net.cpu import RequestCpu
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests, linger
-from swarm.transport.hivemind.routing.router import Bans
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
 from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.refusals import Refusals
 from swarm.transport.hivemind.stage.state import PeerServices
 
 log = logging.getLogger(__name__)
 _KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
+# ... and what a message may hold besides its chunk's data, checked before protobuf parses any of
+# it: the head and signature, their tags and lengths, and the chunk's own fields
+MAX_MESSAGE_HEAD_BYTES = MAX_HEAD_BYTES + 64
 
 
 def _check_version(address: pb.Address) -> None:
@@ -60,14 +65,13 @@ def _code(e: BaseException) -> int:
     return pb.ERROR_UNSPECIFIED
 
 
-def _refusal(e: BaseException) -> str | None:
-    """What a failed request says of its sender: not allowed, or malformed; None for the errors of
-    a working swarm (a peer not ready, at another step, a link to restart, a downstream failure)."""
-    if isinstance(e, SenderFault):  # its own payload: not a reply from further down the chain
-        return "malformed payload"
-    if isinstance(e, RemoteError):
-        return "not allowed" if e.code == pb.REFUSED else None
-    return "malformed request" if isinstance(e, ProtocolError) else None
+@dataclass
+class _Outcome:
+    """How a request ended: its kind (as far as it was read) and, when it failed, why (the stream
+    then closes: what is left of it is unknown)."""
+
+    kind: str = "request"
+    error: BaseException | None = None
 
 
 class StageServer:
@@ -80,14 +84,11 @@ class StageServer:
         self.averager = ReplicaAverager(node.p2p, AVERAGING_NAMESPACE, self.settings.calls.call_timeout_s)
         self._addrs: list[str] = []
         self._tasks: set[asyncio.Task] = set()
-        # senders of payloads that pass the checksum but not decoding (NaN/Inf, absurd shapes, bad
-        # codec parameters): refused at the head for a while, longer each time
-        self.banned = Bans(
-            self.settings.retries.ban_s, self.settings.retries.ban_growth, self.settings.retries.ban_max_s
-        )
-        self.refused: Counter = Counter()  # requests refused, by `_refusal` (status: peers.status)
         self.events = EventLog()  # what happened to this peer and its stages (status, metrics)
-        self._told: set[tuple[str, str]] = set()  # (sender, refusal) pairs already in the events
+        # requests refused, by why; senders of malformed bytes (a message that does not parse, a
+        # payload that passes its checksum but not decoding), or whose refusals cost too much CPU,
+        # refused at the head for a while, longer each time
+        self.refusals = Refusals(self.settings, self.events)
         self.active: Counter = Counter()  # requests in progress per sender (settings.limits.max_requests_per_sender)
         self.held: Counter = Counter()  # their payload bytes (settings.limits.max_held_bytes_per_sender)
 
@@ -138,11 +139,8 @@ class StageServer:
 
     def _turned_away(self, sender: str) -> pb.ErrorReply | None:
         """A banned sender's request, or one over its requests in progress, is not read at all."""
-        if self.banned.banned(sender):
-            self.refused["not allowed"] += 1
-            return pb.ErrorReply(
-                message=f"peer {sender[-8:]} is banned for a while: it sent a malformed payload", code=pb.REFUSED
-            )
+        if (refusal := self.refusals.turned_away(sender)) is not None:
+            return refusal
         if self.active[sender] >= self.settings.limits.max_requests_per_sender:  # a while later it may
             message = f"peer {sender[-8:]} has {self.active[sender]} requests in progress here already"
             return pb.ErrorReply(message=message, code=pb.UNAVAILABLE)
@@ -168,15 +166,6 @@ class StageServer:
         else:
             hosted.gate.state(head, sender, hosted.session_id)
 
-    def _tell_refusal(self, sender: str, category: str, kind: str, e: BaseException) -> None:
-        """An event for a sender's first refusal of each kind (a stranger retrying makes no flood)."""
-        if (sender, category) in self._told:
-            return
-        if len(self._told) > 4096:
-            self._told.clear()
-        self._told.add((sender, category))
-        self.events.add("refuse", f"{kind} from {sender[-8:]} refused ({category}): {one_line(e)}")
-
     def _limit(self, kind: str) -> int:
         """The largest payload a request of `kind` may carry."""
         return (
@@ -189,7 +178,7 @@ class StageServer:
 
     async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()  # through a relay too: the caller it names (net.reach)
-        requests = Requests(reader)
+        requests = Requests(reader, MAX_MESSAGE_HEAD_BYTES)
         with contextlib.closing(writer):
             try:
                 while await requests.next(self.settings.streams.server_idle_s):
@@ -198,23 +187,28 @@ class StageServer:
                         await linger(reader)
                         return
                     self.active[sender] += 1
+                    cpu = RequestCpu()  # what serving it costs this peer, refusing it included
+                    outcome = _Outcome()
                     try:
-                        if not await self._one(requests, sender, writer):
-                            return
+                        await cpu.run(self._one(requests, sender, writer, outcome))
                     finally:
                         self.active[sender] -= 1
                         if not self.active[sender]:
                             del self.active[sender]
+                        self.refusals.charge(sender, outcome.kind, cpu.seconds, outcome.error)
+                    if outcome.error is not None:
+                        return
             except Exception as e:  # the stream broke (the caller sees that on its side)
                 log.debug("stream from %s ended: %s", sender[-8:], one_line(e))
 
-    async def _one(self, requests: Requests, sender: str, writer: asyncio.StreamWriter) -> bool:
-        """One request and its reply; whether the stream may carry another (not after an error)."""
-        kind, held = "request", 0
+    async def _one(self, requests: Requests, sender: str, writer: asyncio.StreamWriter, outcome: _Outcome) -> None:
+        """One request and its reply; `outcome` says how it ended (after an error the stream may
+        carry no other)."""
+        held = 0
 
         def check(head_kind: str, message) -> None:
-            nonlocal kind, held
-            kind = head_kind
+            nonlocal held
+            outcome.kind = head_kind
             self._admit(head_kind, message, sender)
             if head_kind == "micro_batch":  # its payload stays here until the reply is written
                 held = self._hold(sender, message.chunk.total_length)
@@ -226,19 +220,9 @@ class StageServer:
                 )
                 reply = await self._dispatch(frame, requests, sender)
             except Exception as e:
-                if category := _refusal(e):
-                    self.refused[category] += 1
-                    self._tell_refusal(sender, category, kind, e)
-                if category == "malformed payload":
-                    self.banned.prune()
-                    seconds = self.banned.fail(sender)
-                    self.events.add(
-                        "ban",
-                        f"{kind} from {sender[-8:]} was malformed: refused for {seconds:.0f}s",
-                        logging.WARNING,
-                        log,
-                    )
-                log.warning("%s from %s rejected: %s", kind, sender[-8:], one_line(e))
+                outcome.error = e
+                self.refusals.refused(sender, outcome.kind, e)
+                log.warning("%s from %s rejected: %s", outcome.kind, sender[-8:], one_line(e))
                 error = pb.ErrorReply(
                     message=one_line(e),
                     code=_code(e),
@@ -246,10 +230,9 @@ class StageServer:
                     stale=getattr(e, "stale", []),
                 )
                 await P2P.send_protobuf(pb.StageReply(error=error), writer)
-                await requests.drain(self.settings.streams.drain_s, self._limit(kind) + MAX_MESSAGE_BYTES)
-                return False
+                await requests.drain(self.settings.streams.drain_s, self._limit(outcome.kind) + MAX_MESSAGE_BYTES)
+                return
             await asyncio.wait_for(reply(writer), self.settings.calls.call_timeout_s)  # a caller that stops reading
-            return True
         finally:
             self._release(sender, held)
 
@@ -370,8 +353,9 @@ class StageServer:
 
     def _info(self, request: pb.InfoRequest) -> pb.InfoReply:
         reply = pb.InfoReply(protocol_version=PROTOCOL_VERSION, peer_id=self.node.peer_id, addrs=self._addrs)
-        reply.refused.update(self.refused)
-        reply.banned = sum(1 for peer in self.banned.until if self.banned.banned(peer))
+        reply.refused.update(self.refusals.counted)
+        banned = self.refusals.banned
+        reply.banned = sum(1 for peer in banned.until if banned.banned(peer))
         reply.events.extend(event.to_pb() for event in self.events.last())
         reply.reach.CopyFrom(self.node.reach.status(self.node.relay))
         for (run_id, _), hosted in sorted(self.hosted.items()):

@@ -13,6 +13,7 @@ from protocols.errors import RemoteError
 from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.tracing import TRACER
+from swarm.transport.hivemind.net.cpu import charged
 from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 
 
@@ -25,10 +26,11 @@ class StageWork:
     async def run(self, fn, *args):
         """`fn(*args)` on the stage's computing thread, one call after another in the order asked.
         The call is submitted before this coroutine first suspends: a caller that takes a link
-        number and then awaits this keeps numbers and encodings in the same order."""
+        number and then awaits this keeps numbers and encodings in the same order. Its CPU time
+        counts toward the request being served, if any (net.cpu: a refused one's sender pays it)."""
         if self._closed:  # a call that came in while the peer shuts down: another peer may take it
             raise RemoteError(f"stage {self.place.stage} peer is shutting down", pb.UNAVAILABLE)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, charged(fn), *args)
 
     def close(self) -> None:
         self._closed = True
