@@ -27,6 +27,7 @@ from peers._common import (
     start_trace,
     write_trace,
 )
+from swarm.cli import run_outputs
 from swarm.transport.hivemind.net.settings import Settings
 
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--private", action="store_true", help="only peers given --allow or a token (python -m peers.token) join"
     )
+    run_outputs.add_arguments(parser)  # --export, --merge, --tensorboard
     add_threads_arg(parser)
     add_metrics_arg(parser)
     parser.add_argument(
@@ -134,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     # imported only now: the training side (models with transformers, data, the loop) takes seconds
     # to import, and a SIGTERM meanwhile (a lab stopping its peers) must already end the trainer cleanly
     from swarm.config import ConfigError, load_config
+    from swarm.export.exporter import export_pipeline
     from swarm.training.checkpoints import Checkpointing
     from swarm.training.experiment import build_data, describe, open_results
     from swarm.training.loop import Schedule, train
     from swarm.training.progress import RunProgress, echo_lines
+    from swarm.training.tensorboard import TensorBoardRows
     from swarm.transport.hivemind.dht.runstatus import start_status
     from swarm.transport.hivemind.monitor.peer_metrics import NodeCollector
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
@@ -162,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"--snapshot_every must be 0 (no copies) or a positive number of steps, got {args.snapshot_every}")
     if not args.metrics_linger >= 0:  # NaN too
         return fail(f"--metrics_linger must be 0 or a positive number of seconds, got {args.metrics_linger}")
+    try:
+        export = run_outputs.export_options(args)  # a bad --export fails before the run starts
+    except ValueError as e:
+        return fail(str(e))
     checkpoint = Checkpointing(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
     run_id = args.run_id or cfg.name
     try:
@@ -187,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if metrics is not None:
             metrics.close()
         return fail(str(e))
-    publisher = results = reporter = pipeline = None
+    publisher = results = reporter = pipeline = board = export_failed = None
     ended = False  # finished or failed, not interrupted: what --metrics_linger holds the metrics for
     start_trace(args, "trainer")
     try:
@@ -213,11 +221,21 @@ def main(argv: list[str] | None = None) -> int:
         members = pipeline.setup(schedule.lr_horizon, len(data[0]))
         say(f"run {run_id!r}: " + ", ".join(f"stage {s}: {len(p)} peer(s)" for s, p in sorted(members.items())))
         resumed = pipeline.resumed()  # a run an earlier trainer left: its rows up to there are kept
-        results = open_results(args.results, checkpoint, resumed=None if resumed is None else resumed["step"])
+        if args.tensorboard:
+            board = TensorBoardRows(args.tensorboard)
+        listeners = [board.observe] if board is not None else []
+        at = None if resumed is None else resumed["step"]
+        results = open_results(args.results, checkpoint, resumed=at, listeners=listeners)
         results.listeners.append(progress.observe)
         if not sys.stderr.isatty():
             results.listeners.append(echo_lines(progress, say))
         summary = train(cfg, pipeline, data, results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
+        if export is not None:  # the stages' state of the last step, fetched from its peers
+            try:
+                for line in export_pipeline(pipeline, cfg, summary["steps"], export):
+                    say(line)
+            except (ValueError, OSError) as e:  # the run itself finished: it is told so, and finishes
+                export_failed = f"--export: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         results.write({"type": "stages", "stages": pipeline.stage_rows()})
         pipeline.finish()
         say(f"trainer reach: {node.reach.summary()}")
@@ -238,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         write_trace(args, node.peer_id)
         if results is not None:
             results.close()
+        if board is not None:
+            board.close()
         if metrics is not None:
             if ended:
                 _linger(metrics, args.metrics_linger)
@@ -255,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         say(line)
     if adaptive is not None:
         say(adaptive)
-    return 0
+    return fail(export_failed) if export_failed else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,17 @@ import json
 import math
 import sys
 
-from swarm.cli import bench_fuzz, bench_oracle, bench_target, bench_throughput, timeline_command
+from swarm.cli import (
+    bench_fuzz,
+    bench_oracle,
+    bench_target,
+    bench_throughput,
+    export_command,
+    generate_command,
+    lab_command,
+    run_outputs,
+    timeline_command,
+)
 from swarm.cli.allocator import keep_freed_memory
 
 
@@ -95,65 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
     )
-    lab = commands.add_parser(
-        "lab", help="a swarm on this machine: bootstrap, stage peers and trainer as separate processes"
-    )
-    lab.add_argument("config", help="experiment YAML (see configs/)")
-    lab.add_argument(
-        "--stages",
-        type=_positive_int,
-        required=True,
-        help="number of stage peers (the model is split into this many stages)",
-    )
-    lab.add_argument("--results", help="write JSON-lines results here")
-    lab.add_argument("--steps", type=_positive_int, help="stop after this many optimizer steps")
-    lab.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
-    )
-    lab.add_argument("--device", help="cpu, cuda, cuda:N for the stage peers (overrides the config)")
-    lab.add_argument(
-        "--checkpoint_dir",
-        help="the trainer saves checkpoints here (every stage's state) and resumes from the newest one",
-    )
-    lab.add_argument(
-        "--checkpoint_every", type=_positive_int, help="steps between checkpoints (default: after every evaluation)"
-    )
-    lab.add_argument(
-        "--snapshot_every",
-        type=_non_negative_steps,  # refused here, before any peer starts, rather than by the trainer
-        help="steps between the copies the swarm keeps of every stage (the trainer's; default 10; 0: none)",
-    )
-    lab.add_argument(
-        "--bandwidth",
-        help="shape the links: a rate (100mbit), per process (stage1=20mbit,*=100mbit) or a YAML file {process: rate}",
-    )
-    lab.add_argument(
-        "--delay", help="one-way delay per process link, e.g. 40ms (netem where the kernel has it, else in process)"
-    )
-    lab.add_argument(
-        "--shaping",
-        choices=["netns", "inprocess"],
-        help="netns: namespaces + tc (default as root); inprocess: peers pace their own sends",
-    )
-    lab.add_argument("--no_probe", action="store_true", help="skip the link throughput probe before a shaped run")
-    lab.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="write the run's timeline here: every peer's spans of computing, sending, receiving and waiting, clocks aligned (Chrome trace JSON: Perfetto, chrome://tracing)",
-    )
-    lab.add_argument(
-        "--no_pacing", action="store_true", help="do not tell the stage peers their link rates (they then send unpaced)"
-    )
-    lab.add_argument(
-        "--churn",
-        metavar="SPEC",
-        help="stage peers join, die and leave, the trainer dies, during the run: join:1@10,kill:1@30,stop:2@step50,kill:trainer@60 (seconds from the trainer's start, or stepN) or random:SEED[@EVERY]",
-    )
-    lab.add_argument(
-        "--nat",
-        metavar="WHO",
-        help="put these processes each behind its own NAT router (namespaces): stage numbers and 'trainer', e.g. 1,2; they dial out, nobody dials in",
-    )
+    run_outputs.add_arguments(run)
+    lab_command.add_parser(commands, _positive_int, _non_negative_steps)
+    export_command.add_parser(commands)
+    generate_command.add_parser(commands, _positive_int, _non_negative_float)
     study = commands.add_parser("study", help="run every unfinished config of a study directory, resumably")
     study.add_argument("configs", help="a directory of experiment YAMLs, e.g. configs/study-cpu")
     study.add_argument("--results_dir", default="runs/study-cpu", help="results (NAME.jsonl) and checkpoints go here")
@@ -221,11 +176,16 @@ def run_command(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    board = None
     try:
-        summary = run_experiment(cfg, args.results, args.steps, progress=sys.stderr.isatty(), checkpoint=checkpoint)
+        hooks, board = run_outputs.hooks(args, cfg)
+        summary = run_experiment(cfg, args.results, args.steps, sys.stderr.isatty(), checkpoint, hooks)
     except (ValueError, OSError) as e:  # bad model/data options, missing data, unwritable paths
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    finally:
+        if board is not None:
+            board.close()
     print("\n".join(describe(summary, args.results)))
     return 0
 
@@ -313,36 +273,6 @@ def bench_streams(args: argparse.Namespace) -> int:
     return 0
 
 
-def lab_command(args: argparse.Namespace) -> int:
-    from swarm.lab.launch import run_lab
-
-    if args.checkpoint_every and not args.checkpoint_dir:
-        print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
-        return 2
-    checkpointing = (["--checkpoint_dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
-        ["--checkpoint_every", str(args.checkpoint_every)] if args.checkpoint_every else []
-    )
-    if args.snapshot_every is not None:
-        checkpointing += ["--snapshot_every", str(args.snapshot_every)]
-    return run_lab(
-        args.config,
-        args.stages,
-        args.results,
-        args.steps,
-        args.overrides,
-        args.device,
-        checkpointing,
-        bandwidth=args.bandwidth,
-        delay=args.delay,
-        shaping=args.shaping,
-        probe=not args.no_probe,
-        pacing=not args.no_pacing,
-        churn=args.churn,
-        trace=args.trace,
-        nat=args.nat,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keep_freed_memory()
@@ -365,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "study":
         return study_command(args)
     if args.command == "lab":
-        return lab_command(args)
+        return lab_command.run(args)
     if args.command == "timeline":
         return timeline_command.run(args)
+    if args.command == "export":
+        return export_command.run(args)
+    if args.command == "generate":
+        return generate_command.run(args)
     return 2
 
 

@@ -18,6 +18,8 @@ from swarm.config.messages import yaml_problem
 from swarm.config.schedule import DelayCorrection
 from swarm.config.target import Target
 
+LANGUAGE_MODELS = ("transformers", "gpt2")  # the built-in models whose output is a causal LM's logits
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message is one line and names the field."""
@@ -150,6 +152,12 @@ class TrainConfig(_Strict):
     # replicated stage, and compares that stage's gradient digests (relative tolerance below)
     verify: float = Field(0, ge=0, le=1)
     verify_tolerance: float = Field(1e-5, ge=0)
+    # a language model's sample through the pipeline at every Nth evaluation (0: none), printed
+    # beside the loss and written to the results (swarm.training.sampling)
+    sample_every: int = Field(0, ge=0)
+    sample_prompt: str | None = Field(None, min_length=1)  # default: the start of the test split's first block
+    sample_tokens: int = Field(32, ge=1)  # new tokens per sample
+    sample_temperature: float = Field(0.0, ge=0, allow_inf_nan=False)  # 0: greedy
 
     @field_validator("delay_correction")
     @classmethod
@@ -200,6 +208,10 @@ class ExperimentConfig(_Strict):
             )
         for b in range(max(boundaries, 1)):
             self.compression.link(b).check(f"compression (boundary {b})")
+        if self.train.sample_every and self.model.name not in LANGUAGE_MODELS:
+            raise ValueError(
+                f"train.sample_every: samples need a language model (model {' or '.join(LANGUAGE_MODELS)}), not {self.model.name}"
+            )
         if self.compression.adaptive is not None and boundaries < 1:
             raise ValueError(
                 "compression.adaptive: a 1-stage model has no links to adapt (model.num_stages must be at least 2)"

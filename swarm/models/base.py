@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models.sampling import is_sample_request, picked_tokens, request_problem
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
 
@@ -36,16 +38,21 @@ class Targets:
     a micro-batch, as its sender's fault, before any model sees them: integer class indices below
     `classes` (or `ignore`, a language model's -100), `dims` dimensions per sample (0: an index per
     sample; 1: one per token); with `probabilities`, also a float distribution over the classes
-    per sample (cross entropy's soft labels)."""
+    per sample (cross entropy's soft labels); with `samples` (a language model), an evaluation
+    micro-batch's sample request (swarm.models.sampling)."""
 
     classes: int
     dims: int = 0
     ignore: int | None = None
     probabilities: bool = False
+    samples: bool = False
 
-    def problem(self, targets: torch.Tensor) -> str | None:
-        """What is wrong with `targets` for this loss, in a few words (None: nothing)."""
+    def problem(self, targets: torch.Tensor, evaluating: bool = False) -> str | None:
+        """What is wrong with `targets` for this loss (`evaluating`: of an evaluation micro-batch), in
+        a few words (None: nothing)."""
         shape, dtype = tuple(targets.shape), str(targets.dtype).removeprefix("torch.")
+        if self.samples and is_sample_request(targets):
+            return request_problem(targets) if evaluating else f"a sample request {shape} in a training micro-batch"
         if targets.is_floating_point() and self.probabilities and shape[1:] == (self.classes,):
             return None
         wanted = "class indices (int64)" + (
@@ -71,6 +78,8 @@ class StagedModel:
     Stage i takes stage i-1's output (stage 0 the batch input); the last returns logits.
     `metrics` returns sums and counts (e.g. correct, count, loss_sum) so micro-batches add up.
     `targets`: what its loss takes (None: not known, a user's loss; only finite values are checked).
+    `whole`: the unsplit model whose modules the stages share, where the builder has one (a
+    transformers causal LM): what an export saves (swarm.export).
     """
 
     stages: list[nn.Module]
@@ -78,6 +87,7 @@ class StagedModel:
     metrics: MetricsFn
     tied: list[TiedPair] = field(default_factory=list)
     targets: Targets | None = None
+    whole: nn.Module | None = None
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """All stages in order, in this process: the unsplit model's output, without a pipeline."""
@@ -102,9 +112,13 @@ def classifier(stages: list[nn.Module], num_classes: int) -> StagedModel:
     )
 
 
-def language_model(stages: list[nn.Module], vocab: int, tied: list[TiedPair]) -> StagedModel:
-    """Stages of a causal language model of `vocab` tokens, with its loss (labels = inputs, shifted)."""
-    return StagedModel(stages, causal_lm_loss, causal_lm_metrics, tied, Targets(vocab, dims=1, ignore=-100))
+def language_model(
+    stages: list[nn.Module], vocab: int, tied: list[TiedPair], whole: nn.Module | None = None
+) -> StagedModel:
+    """Stages of a causal language model of `vocab` tokens (cut from `whole`), with its loss
+    (labels = inputs, shifted)."""
+    targets = Targets(vocab, dims=1, ignore=-100, samples=True)
+    return StagedModel(stages, causal_lm_loss, causal_lm_metrics, tied, targets, whole)
 
 
 # ---- losses and metrics --------------------------------------------------------------------------
@@ -132,7 +146,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Token accuracy and summed token loss (perplexity = exp(loss_sum / count))."""
+    """Token accuracy and summed token loss (perplexity = exp(loss_sum / count)); for a sample
+    request in place of labels, the next token of each row instead (swarm.models.sampling)."""
+    if is_sample_request(labels):
+        return picked_tokens(logits, labels)
     vocab = logits.shape[-1]
     shifted = logits.detach()[:, :-1].float().reshape(-1, vocab)
     target = labels[:, 1:].reshape(-1).to(logits.device)

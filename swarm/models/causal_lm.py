@@ -162,7 +162,7 @@ def build_transformers(
     model.train()
     # with LoRA the embedding is frozen: stage 0 with a layer (adapters) makes the gradient sent back to it useful
     stages, tied = cut_decoder(model, num_stages, split, first_layers=1 if lora is not None else 0)
-    staged = language_model(list(stages), model.config.vocab_size, tied)
+    staged = language_model(list(stages), model.config.vocab_size, tied, model)
     check_split(model, staged)  # every family, every config: a few ms for small models, seconds for 7B
     if lora is not None:
         add_lora(model, staged, lora)

@@ -82,4 +82,4 @@ def build_gpt2(
     model = load_full(config, pretrained)
     cuts = plan_cuts("gpt2", model.config.n_layer, num_stages, split_after=split_after)
     stages, tied = cut_decoder(model, num_stages, [c + 1 for c in cuts], where="gpt2")
-    return language_model(stages, model.config.vocab_size, tied)
+    return language_model(stages, model.config.vocab_size, tied, model)

@@ -4,6 +4,7 @@ place once complete; `latest_run` finds the newest complete one."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import torch
 
+from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import FORMAT, atomic_save
 from swarm.engine.pipeline import Pipeline
 
 _RUN_DIR = re.compile(r"step-(\d+)")
+EXPERIMENT_FILE = "experiment.json"  # in a checkpoint directory: the run's config
 
 
 @dataclass(frozen=True)
@@ -54,27 +57,30 @@ def save_run(
     pipeline: Pipeline,
     trainer: dict,
     keep: int = 2,
-    lora: dict | None = None,
-    base: str | None = None,
+    cfg: ExperimentConfig | None = None,
 ) -> Path:
     """Every stage (through `pipeline.save_checkpoint`) and the trainer's position, as one
-    directory renamed into place when complete; keeps the newest `keep` checkpoints. A LoRA run
-    (`lora`: the model's lora options, `base`: its pretrained weights) also gets its adapters as a
-    peft directory, `adapter/`."""
+    directory renamed into place when complete; keeps the newest `keep` checkpoints. With the
+    run's `cfg`, the directory also holds it (`EXPERIMENT_FILE`: what rebuilds the model, for
+    `python -m swarm export`), and a LoRA run's adapters as a peft directory, `adapter/`."""
     directory = Path(directory)
     final = run_dir(directory, step)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    options = cfg.model.options if cfg is not None and cfg.model.name == "transformers" else {}
+    lora = options.get("lora")
     try:
         pipeline.save_checkpoint(tmp, step)
+        if cfg is not None:
+            (tmp / EXPERIMENT_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
         if lora is not None:
             from swarm.models.lora import ADAPTER_DIR, write_adapters  # LoRA runs only: peft is heavy
 
             stages = sorted(tmp.glob("stage*.pt"), key=lambda p: int(p.stem.removeprefix("stage")))
             # mapped, not read: a stage file also holds its links' state (AQ-SGD tables can be large)
             states = [torch.load(p, map_location="cpu", weights_only=True, mmap=True) for p in stages]
-            write_adapters(states, lora, base, tmp / ADAPTER_DIR)
+            write_adapters(states, lora, options.get("pretrained"), tmp / ADAPTER_DIR)
         atomic_save({"format": FORMAT, "step": int(step), **trainer}, tmp / "trainer.pt")
         if final.exists():
             shutil.rmtree(final)

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
 from swarm.config import ExperimentConfig
 from swarm.data import build_datasets
+from swarm.engine.pipeline import Pipeline
 from swarm.training.checkpoints import Checkpointing, latest_run, run_step
 from swarm.training.loop import Schedule, train
-from swarm.training.results import ResultsWriter, read_results
+from swarm.training.results import STEPPED, ResultsWriter, read_results
 from swarm.transport.local import build_local_pipeline
 
 
@@ -56,21 +60,36 @@ def _rows_until(results_path, step: int) -> list[dict]:
         rows = read_results(results_path)
     except (OSError, ValueError):
         return []
-    return [r for r in rows if r["type"] == "config" or (r["type"] in ("step", "eval") and r.get("step", 0) <= step)]
+    return [r for r in rows if r["type"] == "config" or (r["type"] in STEPPED and r.get("step", 0) <= step)]
 
 
 def open_results(
-    results_path, checkpoint: Checkpointing | None = None, writer=ResultsWriter, resumed: int | None = None
+    results_path,
+    checkpoint: Checkpointing | None = None,
+    writer=ResultsWriter,
+    resumed: int | None = None,
+    listeners=(),
 ) -> ResultsWriter:
     """The results file of a run; one that resumes from a checkpoint, or at step `resumed` from the
-    copies a swarm kept, keeps its rows up to the newer of the two (where `train` goes on from)."""
+    copies a swarm kept, keeps its rows up to the newer of the two (where `train` goes on from).
+    `listeners` see every row, the kept ones too."""
     steps = [] if resumed is None else [resumed]
     if checkpoint is not None and (latest := latest_run(checkpoint.directory)) is not None:
         steps.append(run_step(latest))
     kept = _rows_until(results_path, max(steps)) if steps and results_path is not None else []
     results = writer(results_path)
+    results.listeners.extend(listeners)
     results.keep(kept)
     return results
+
+
+@dataclass
+class RunHooks:
+    """What a caller adds to a run: listeners of its results rows (TensorBoard's event files), and
+    what runs once it finished, with its pipeline and summary (an export of the trained model)."""
+
+    listeners: list[Callable[[dict], None]] = field(default_factory=list)
+    finished: Callable[[Pipeline, dict], None] | None = None
 
 
 def run_experiment(
@@ -79,6 +98,7 @@ def run_experiment(
     max_steps: int | None = None,
     progress: bool = True,
     checkpoint: Checkpointing | None = None,
+    hooks: RunHooks | None = None,
 ) -> dict:
     """Single-process run: the in-process transport. With `checkpoint`, resumes and saves."""
     if cfg.compression.adaptive is not None:
@@ -88,8 +108,12 @@ def run_experiment(
     data = build_data(cfg)
     schedule = Schedule.of(cfg, len(data[0]), max_steps)
     pipeline, _ = build_local_pipeline(cfg, schedule.lr_horizon, capacity=len(data[0]))
-    results = open_results(results_path, checkpoint)
+    hooks = hooks or RunHooks()
+    results = open_results(results_path, checkpoint, listeners=hooks.listeners)
     try:
-        return train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
+        summary = train(cfg, pipeline, data, results, max_steps, progress, checkpoint)
     finally:
         results.close()
+    if hooks.finished is not None:
+        hooks.finished(pipeline, summary)
+    return summary

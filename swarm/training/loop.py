@@ -26,8 +26,9 @@ from swarm.engine.pipeline import Pipeline, Rewound
 from swarm.models import summarize
 from swarm.tracing import TRACER
 from swarm.training.checkpoints import Checkpointing, latest_run, load_run, run_step, save_run
-from swarm.training.progress import RunProgress
+from swarm.training.progress import RunProgress, sample_line
 from swarm.training.results import ResultsWriter
+from swarm.training.sampling import PipelineSampler
 from swarm.training.stamp import stamp
 
 
@@ -176,8 +177,7 @@ def train(
             f"--steps {max_steps}: the config's run has {schedule.total_steps} steps (train.epochs, train.max_steps); it stops there",
             file=sys.stderr,
         )
-    options = cfg.model.options if cfg.model.name == "transformers" else {}
-    adapters = (options["lora"], options.get("pretrained")) if options.get("lora") is not None else (None, None)
+    sampler = PipelineSampler.of(cfg, data)  # train.sample_every
     if not any(row.get("type") == "config" for row in results.rows):  # a resumed run's file has it
         results.write(
             {
@@ -235,6 +235,11 @@ def train(
         results.write(row)
         shown.update({k: round(v, 4) for k, v in row["uncompressed"].items()})
         bar.set_postfix(shown)
+        if sampler is not None and sampler.due(len(evals)):
+            sampled = sampler.sample(pipeline, step)
+            results.write(sampled)
+            if progress:  # else the rows' listeners print (the trainer's progress lines)
+                bar.write(sample_line(sampled), file=sys.stderr)
         return row
 
     def ahead(after: int, batches: _Peekable) -> list:
@@ -319,7 +324,7 @@ def train(
                 measured = _traced(f"evaluate at {step}", run_eval)["uncompressed"] if evaluated else None
                 reached = measured is not None and target is not None and target.reached(measured)
                 if checkpoint is not None and (step % checkpoint.every == 0 if checkpoint.every else evaluated):
-                    save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, *adapters)
+                    save_run(checkpoint.directory, step, pipeline, position(epoch_start), checkpoint.keep, cfg)
                 if measured is not None and target is not None:
                     target.require_reported(measured)  # after the checkpoint: a resumed run loses nothing
             except Rewound as rewound:  # a stage was lost: its steps since the swarm's copies run again

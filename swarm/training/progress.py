@@ -93,9 +93,14 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def sample_line(row: dict) -> str:
+    """How a sample row (train.sample_every) prints beside the loss."""
+    return f"sample at step {row['step']}: {row['prompt']!r} -> {row['text']!r}"
+
+
 def echo_lines(progress: RunProgress, say) -> Callable[[dict], None]:
-    """A results listener that `say`s one line per step and evaluation, where no terminal shows a
-    bar (logs, `swarm lab`'s prefixed lines); `progress` must have seen the row already."""
+    """A results listener that `say`s one line per step, evaluation and sample, where no terminal
+    shows a bar (logs, `swarm lab`'s prefixed lines); `progress` must have seen the row already."""
 
     def echo(row: dict) -> None:
         if row.get("type") == "step":
@@ -109,5 +114,7 @@ def echo_lines(progress: RunProgress, say) -> Callable[[dict], None]:
                     if mode in row
                 )
             )
+        elif row.get("type") == "sample":
+            say(sample_line(row))
 
     return echo

@@ -8,6 +8,8 @@ Schema (every line has "type"):
            adaptive compression, "codecs"
 - eval:    {"step", "epoch", "uncompressed": {metrics}, "compressed": {metrics}}  (metrics: loss and
            accuracy; perplexity for language models)
+- sample:  (train.sample_every) {"step", "prompt", "text", "tokens": [new token ids], "temperature"}:
+           a language model's sample through the pipeline after the evaluation of that step
 - summary: {"name", "steps", "samples", "wall_time_s", "bytes": {link totals}, "bytes_per_sample":
            {link: bytes per training sample}, "state_bytes", "final": {eval row}, "best": {"compressed": .., "uncompressed": ..}}
            swarm runs add "round_bytes" (payload bytes of the trainer's step rounds, by
@@ -27,6 +29,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+STEPPED = ("step", "eval", "sample")  # rows of one step: a run that goes back drops those after it
 
 
 class ResultsWriter:
@@ -60,7 +64,7 @@ class ResultsWriter:
     def rewind(self, step: int) -> None:
         """The run went back to `step`: its step and eval rows after it go (each step is kept once)."""
         self._tell([{"type": "rewind", "step": step}])
-        self.rows = [r for r in self.rows if r.get("type") not in ("step", "eval") or r.get("step", 0) <= step]
+        self.rows = [r for r in self.rows if r.get("type") not in STEPPED or r.get("step", 0) <= step]
         if self._file is not None:
             self._file.seek(0)
             self._file.truncate()

@@ -58,6 +58,7 @@ def test_lab_runs_separate_processes_shaped_in_process_and_matches_single_proces
     cfg = load_config(SMOKE, [*overrides, "model.num_stages=2"])
     assert_same_run(read_results(results), local_rows(cfg, tmp_path, steps=2))
     assert sorted(p.name for p in (tmp_path / "ck" / "step-00000002").iterdir()) == [
+        "experiment.json",  # the run's config: what python -m swarm export rebuilds the model from
         "stage0.pt",
         "stage1.pt",
         "trainer.pt",

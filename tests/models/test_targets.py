@@ -13,7 +13,7 @@ def test_built_in_models_say_what_their_loss_takes():
     digits = build_model("digits_mlp", 2, num_classes=7)
     assert digits.targets == Targets(7, probabilities=True)
     gpt2 = build_model("gpt2", 2, config={"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 50})
-    assert gpt2.targets == Targets(50, dims=1, ignore=-100)
+    assert gpt2.targets == Targets(50, dims=1, ignore=-100, samples=True)
     for staged, good in ((digits, torch.tensor([0, 6])), (gpt2, torch.tensor([[0, 49, -100]]))):
         assert staged.targets.problem(good) is None
         staged.loss(staged(torch.randn(2, 64) if staged is digits else good.clamp(min=0)), good)  # the loss takes them

@@ -212,6 +212,7 @@ def test_swarm_checkpoint_resumes_exactly_in_the_swarm_and_in_one_process(swarm,
         )
         assert sorted(p.name for p in directory.iterdir()) == ["step-00000002", "step-00000004"]
         assert sorted(p.name for p in (directory / "step-00000002").iterdir()) == [
+            "experiment.json",
             "stage0.pt",
             "stage1.pt",
             "stage2.pt",

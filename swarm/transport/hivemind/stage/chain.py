@@ -316,7 +316,7 @@ def _unpack(head: pb.MicroBatchHead, payload: bytes, targets) -> tuple[MicroBatc
         batch = meta_to_batch(head.batch, carried)
     except (PayloadError, ProtocolError) as e:
         raise SenderFault(str(e)) from None
-    if targets is not None and (problem := targets.problem(batch.targets)) is not None:
+    if targets is not None and (problem := targets.problem(batch.targets, batch.mode is Mode.EVAL)) is not None:
         raise SenderFault(f"targets: {problem}")
     return batch, carried, body
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.trust import manifests
+
 
 @dataclass(frozen=True)
 class Held:
@@ -18,6 +21,31 @@ class Held:
     step: int
     lineage: str
     sha256: bytes = b""
+
+
+Accepted = dict[tuple[str, int], dict[int, manifests.Named]]  # (lineage, step) -> stage -> what the owner names
+
+
+def shown_manifests(statuses: dict, owner: str, run_id: str) -> Accepted:
+    """What the manifests the peers' `statuses` show name, of those `owner` signed for `run_id`."""
+    answered = [status for status in statuses.values() if isinstance(status, pb.StageStatus)]
+    return manifests.accepted([m for status in answered for m in status.manifests], owner, run_id)
+
+
+def named_of(accepted: Accepted, lineage: str, step: int, stage: int) -> manifests.Named:
+    return accepted.get((lineage, step), {}).get(stage) or manifests.Named()
+
+
+def held_named(statuses: dict, accepted: Accepted) -> list[Held]:
+    """The copies the peers' `statuses` ({(hosted stage, peer): status}) say they keep, of those
+    `accepted` names: a copy no manifest of the owner's names is never restored nor exported."""
+    return [
+        Held(peer, stage, int(c.stage), int(c.step), c.lineage, bytes(c.sha256))
+        for (stage, peer), status in statuses.items()
+        if isinstance(status, pb.StageStatus)
+        for c in status.snapshots
+        if bytes(c.sha256) in named_of(accepted, c.lineage, int(c.step), int(c.stage)).copies
+    ]
 
 
 def newest_complete(copies: list[Held], num_stages: int, lineage: str | None = None):

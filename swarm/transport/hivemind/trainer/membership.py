@@ -48,20 +48,27 @@ class TrainerPlace:
         return self.node.settings
 
     async def statuses(self, peers: list[tuple[int, str]], timeout: float) -> dict[tuple[int, str], object]:
-        """Each (stage, peer)'s status of the stage it hosts for this run, or the exception it
-        raised (it did not answer, or no longer hosts that stage)."""
-        request = pb.InfoRequest(to=address(self.run_id))
-        replies = await asyncio.gather(
-            *(call(self.node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
-        )
-        statuses: dict[tuple[int, str], object] = {}
-        for (stage, peer), reply in zip(peers, replies, strict=True):
-            if isinstance(reply, BaseException):
-                statuses[(stage, peer)] = reply
-                continue
-            found = [s for s in reply.head.stages if s.stage == stage]
-            statuses[(stage, peer)] = found[0] if found else RemoteError(f"it no longer hosts stage {stage}")
-        return statuses
+        """Each (stage, peer)'s status of the stage it hosts for this run (`stage_statuses`)."""
+        return await stage_statuses(self.node, self.run_id, peers, timeout)
+
+
+async def stage_statuses(
+    node: SwarmNode, run_id: str, peers: list[tuple[int, str]], timeout: float
+) -> dict[tuple[int, str], object]:
+    """Each (stage, peer)'s status of the stage it hosts for `run_id`, or the exception it raised
+    (it did not answer, or no longer hosts that stage). Anyone may ask (`info`)."""
+    request = pb.InfoRequest(to=address(run_id))
+    replies = await asyncio.gather(
+        *(call(node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
+    )
+    statuses: dict[tuple[int, str], object] = {}
+    for (stage, peer), reply in zip(peers, replies, strict=True):
+        if isinstance(reply, BaseException):
+            statuses[(stage, peer)] = reply
+            continue
+        found = [s for s in reply.head.stages if s.stage == stage]
+        statuses[(stage, peer)] = found[0] if found else RemoteError(f"it no longer hosts stage {stage}")
+    return statuses
 
 
 class Membership:

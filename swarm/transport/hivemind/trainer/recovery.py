@@ -29,7 +29,14 @@ from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
-from swarm.transport.hivemind.trainer.copies import Held, History, newest_complete
+from swarm.transport.hivemind.trainer.copies import (
+    Held,
+    History,
+    held_named,
+    named_of,
+    newest_complete,
+    shown_manifests,
+)
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 from swarm.transport.hivemind.trust import manifests
@@ -221,22 +228,12 @@ class Recovery:
     def _copies(self, statuses) -> list[Held]:
         """The copies the peers say they keep, of those the owner's manifests name (ours, and those
         the peers keep, signed by our key): a copy no manifest names is never restored."""
-        answered = [status for status in statuses.values() if isinstance(status, pb.StageStatus)]
-        shown = manifests.accepted(
-            [m for status in answered for m in status.manifests], self.place.owner.peer_id, self.place.run_id
-        )
-        for key, stages in shown.items():
+        for key, stages in shown_manifests(statuses, self.place.owner.peer_id, self.place.run_id).items():
             self.accepted.setdefault(key, stages)
-        return [
-            Held(peer, stage, int(c.stage), int(c.step), c.lineage, bytes(c.sha256))
-            for (stage, peer), status in statuses.items()
-            if isinstance(status, pb.StageStatus)
-            for c in status.snapshots
-            if bytes(c.sha256) in self._named_of(c.lineage, int(c.step), int(c.stage)).copies
-        ]
+        return held_named(statuses, self.accepted)
 
     def _named_of(self, lineage: str, step: int, stage: int) -> manifests.Named:
-        return self.accepted.get((lineage, step), {}).get(stage) or manifests.Named()
+        return named_of(self.accepted, lineage, step, stage)
 
     async def resume_point(self, found: dict[int, list[str]]):
         """A new trainer's look at the stage peers `found`: the newest step of which they hold a
