@@ -33,6 +33,9 @@ def _ran(hold: bool):
     for runtime in pipeline.runtimes:
         runtime.hold_grads = hold
     pipeline.run_many(_step_zero(cfg))
+    if not hold:  # one process's step sums them into p.grad
+        for runtime in pipeline.runtimes:
+            runtime.accumulate_held()
     return cfg, pipeline
 
 

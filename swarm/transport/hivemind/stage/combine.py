@@ -25,11 +25,14 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
+from swarm.engine.exactsum import exponent_counts, exponents_from_counts, from_grid
 from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.net.meta import tensors_to_payload
 from swarm.transport.hivemind.stage.averaging import AveragingError
 from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
+
+GRID_ROUND = b"/grid"  # the id suffix of a replicas group's first round: the step's grid (`_exact`)
 
 
 class Combining:
@@ -45,8 +48,13 @@ class Combining:
         me = self.place.peer_id
         groups = list(head.groups)
         local = await self._before_sums(groups, self._local, head, groups)
+        tied = {name for group in groups if group.names for name in group.names}
         results = await asyncio.gather(
-            *(self._sum(group, local[i], me) for i, group in enumerate(groups)), return_exceptions=True
+            *(
+                self._sum(group, local[i], me) if group.names else self._exact_packed(head, group, groups, tied)
+                for i, group in enumerate(groups)
+            ),
+            return_exceptions=True,
         )
         for result in results:
             if isinstance(result, AveragingError):
@@ -70,6 +78,7 @@ class Combining:
         if self.peer.averager is not None:
             for group in groups:
                 self.peer.averager.refuse(group.group_id)
+                self.peer.averager.refuse(group.group_id + GRID_ROUND)
 
     def _check_held(self, head: pb.GatherRequest) -> None:
         """Raises STALE, naming them, unless every micro-batch the gather counts here is held, of
@@ -106,9 +115,7 @@ class Combining:
         if replicas:
             names = self._names(replicas[0], set())  # every parameter that trains, tied ones too
             try:
-                sums = self._unpacked(
-                    names, await self._sum(replicas[0], self._packed(names, sums), self.place.peer_id)
-                )
+                sums = await self._exact(head, replicas[0], names, head.groups)
             except AveragingError as e:
                 self._refuse(tied)
                 raise self._group_failed(e) from None
@@ -125,11 +132,43 @@ class Combining:
             uncounted.update(() if group.counted else names)
         return await self.work.run(self.work.timed, self._held_reply, head, {**sums, **totals}, totals, uncounted)
 
-    def _held_local(self, head: pb.GatherRequest, corrected: bool) -> dict[str, torch.Tensor]:
-        """On the computing thread: the sum of the held gradients the round counts here, in index
-        order; a replica's part as computed (dc compensates the replicas' whole sum: `_whole`)."""
+    def _held_local(self, head: pb.GatherRequest, alone: bool) -> dict[str, torch.Tensor]:
+        """On the computing thread: the sum of the held gradients the round counts here, corrected
+        as applied; a replica's part is summed with its replicas' instead (`_exact`; dc compensates
+        the replicas' whole sum: `_whole`)."""
         self._check_held(head)
-        return self.state.runtime.held_sum(_keys(head), corrected)
+        return self.state.runtime.held_sum(_keys(head)) if alone else {}
+
+    async def _exact(
+        self, head: pb.GatherRequest, group: pb.AverageGroup, names: list[str], refused
+    ) -> dict[str, torch.Tensor]:
+        """The replicas' sum of the held gradients the round counts, the same bits whatever
+        micro-batches each ran (swarm.engine.exactsum): a first round takes the largest exponent of
+        every member's micro-batches per parameter (the step's grid), a second sums every member's
+        integers on it. A joiner catching up contributes nothing. By name, in the parameters' dtype."""
+        runtime, me = self.state.runtime, self.place.peer_id
+        contributes = self.state.joining is None
+        keys = _keys(head)
+        grid, counts = await self._before_sums(refused, runtime.held_grid, keys) if contributes else ({}, {})
+        rounds = [True] * (len(names) + 1)  # a grid round's sums are integers, as are presence flags
+        (summed,) = await self._sum(group, [exponent_counts(grid, counts, names)], me, GRID_ROUND, rounds[:1])
+        grid, single = exponents_from_counts(summed, names)
+        integers = await self._before_sums(refused, runtime.held_integers, keys, grid, single) if contributes else {}
+        zeros = [torch.zeros(runtime.parameter(name).shape, dtype=torch.float64) for name in names]
+        packed = [integers.get(name, zero) for name, zero in zip(names, zeros, strict=True)]
+        present = torch.tensor([float(name in integers) for name in names])
+        rounds = [name not in single for name in names] + [True]
+        totals = self._unpacked(names, await self._sum(group, [*packed, present], me, integers=rounds))
+        dtypes = {name: runtime.parameter(name).dtype for name in totals}
+        return {
+            name: t.to(dtypes[name]) if name in single else from_grid(t, grid.get(name), dtypes[name])
+            for name, t in totals.items()
+        }
+
+    async def _exact_packed(self, head, group, groups, tied: set[str]) -> list[torch.Tensor]:
+        """`_exact` of a synchronous step's replicas group, as `_packed` tensors (for `_set`)."""
+        names = self._names(group, tied)
+        return self._packed(names, await self._exact(head, group, names, groups))
 
     def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
@@ -172,6 +211,9 @@ class Combining:
         tied = {name for group in groups if group.names for name in group.names}
         out = []
         for group in groups:
+            if not group.names:  # replicas: summed exactly from the held gradients (`_exact`)
+                out.append([])
+                continue
             names = self._names(group, tied)
             grads = {} if joining is not None else runtime.gradients(names)
             out.append(self._packed(names, grads))
@@ -196,12 +238,18 @@ class Combining:
         blamed = [peer for peer in error.peers if peer != self.place.peer_id]
         return RemoteError(f"stage {self.place.stage}: {error}", pb.GROUP_FAILED, blamed)
 
-    async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
+    async def _sum(
+        self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str, round_id: bytes = b"", integers=()
+    ) -> list[torch.Tensor]:
+        """The group's sum of `tensors`; `round_id` tells a group's rounds apart (`_exact`'s grid),
+        `integers` flags the tensors that hold integers (ReplicaAverager.sum)."""
         receivers = set(group.receivers)
         contributors = [peer for peer in group.peers if peer not in receivers]
         if list(group.peers) == [me] or not any(t.numel() for t in tensors):
             return tensors  # alone, or nothing to sum (a replicated stage with nothing to train)
-        return await self.peer.averager.sum(group.group_id, list(group.peers), tensors, contributors)
+        return await self.peer.averager.sum(
+            group.group_id + round_id, list(group.peers), tensors, contributors, integers=integers
+        )
 
     def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
         """On the computing thread: every summed gradient in place (a joiner keeps them to replay)."""
