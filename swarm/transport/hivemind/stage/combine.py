@@ -3,8 +3,10 @@ with the peers that share them, among themselves (swarm.transport.hivemind.stage
 through the trainer.
 
 The trainer names the groups in the request (`pb.AverageGroup`): the replicas of a stage sum every
-parameter's gradient but the tied ones; the two stages of a tied parameter (GPT-2's embedding and
-LM head) sum that one, every peer of both stages in the group, so each copy gets the whole sum. A
+parameter's gradient exactly (`_exact`: the same bits however they split the step's micro-batches,
+swarm.engine.exactsum), so each holds the stage's whole; then the two stages of a tied parameter
+(GPT-2's embedding and LM head) add their wholes of it, one peer of each stage contributing and
+every peer of both in the group, so each copy gets the whole sum, as one process's two. A
 peer that joined mid-run and is catching up takes part without contributing: it keeps the sums
 and sets them when it replays the step (swarm.transport.hivemind.stage.joining). Each tensor
 travels with a presence flag: a parameter none of the group had a gradient for stays without one,
@@ -18,8 +20,6 @@ the step's gradients until its decision applies them (`StageRuntime.hold_combine
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import torch
 
@@ -45,24 +45,39 @@ class Combining:
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
         if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
             return await self._held(head), b""
-        me = self.place.peer_id
         groups = list(head.groups)
-        local = await self._before_sums(groups, self._local, head, groups)
-        tied = {name for group in groups if group.names for name in group.names}
-        results = await asyncio.gather(
-            *(
-                self._sum(group, local[i], me) if group.names else self._exact_packed(head, group, groups, tied)
-                for i, group in enumerate(groups)
-            ),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, AveragingError):
-                raise self._group_failed(result) from None
-            if isinstance(result, BaseException):
-                raise result
-        await self.work.run(self.work.timed, self._set, head, groups, results)
+        await self._before_sums(groups, self._local, head)
+        replicas = [group for group in groups if not group.names]
+        tied = [group for group in groups if group.names]
+        joining = self.state.joining is not None
+        tied_names = [name for group in tied for name in group.names]
+        if replicas:  # every parameter that trains, tied ones too: each peer then holds the stage's whole
+            try:
+                sums = await self._exact(head, replicas[0], self._names(replicas[0], set()), groups)
+            except AveragingError as e:
+                self._refuse(tied)
+                raise self._group_failed(e) from None
+        else:
+            sums = {} if joining else self.state.runtime.gradients(tied_names)
+        totals, uncounted = await self._tie(tied, sums)
+        await self.work.run(self.work.timed, self._set, head, {**sums, **totals}, uncounted)
         return pb.GatherReply(), b""
+
+    async def _tie(self, tied: list[pb.AverageGroup], sums: dict[str, torch.Tensor]) -> tuple[dict, set[str]]:
+        """A tied parameter's groups add both stages' wholes `sums` (one peer per stage contributes:
+        the trainer's `groups(held=True)`), as one process adds its two copies (swarm.engine.step
+        `tie`); the totals, and the tied parameters this stage leaves out of its squared norm."""
+        totals: dict[str, torch.Tensor] = {}
+        uncounted: set[str] = set()
+        for group in tied:
+            names = list(group.names)
+            try:
+                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
+            except AveragingError as e:
+                raise self._group_failed(e) from None
+            totals.update(self._unpacked(names, total))
+            uncounted.update(() if group.counted else names)
+        return totals, uncounted
 
     async def _before_sums(self, groups, fn, *args):
         """`fn(*args)` on the computing thread. When it raises, this peer will not join `groups`:
@@ -120,16 +135,7 @@ class Combining:
                 self._refuse(tied)
                 raise self._group_failed(e) from None
             sums = await self._before_sums(tied, self._whole, int(head.step), sums)
-        totals: dict[str, torch.Tensor] = {}
-        uncounted = set()
-        for group in tied:
-            names = list(group.names)
-            try:
-                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
-            except AveragingError as e:
-                raise self._group_failed(e) from None
-            totals.update(self._unpacked(names, total))
-            uncounted.update(() if group.counted else names)
+        totals, uncounted = await self._tie(tied, sums)
         return await self.work.run(self.work.timed, self._held_reply, head, {**sums, **totals}, totals, uncounted)
 
     def _held_local(self, head: pb.GatherRequest, alone: bool) -> dict[str, torch.Tensor]:
@@ -165,33 +171,6 @@ class Combining:
             for name, t in totals.items()
         }
 
-    async def _exact_packed(self, head, group, groups, tied: set[str]) -> list[torch.Tensor]:
-        """`_exact` of a synchronous step's replicas group, as `_packed` tensors (for `_set`)."""
-        names = self._names(group, tied)
-        return self._packed(names, await self._exact(head, group, names, groups))
-
-    def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
-        dtype, with a delay correction's part)."""
-        runtime = self.state.runtime
-        runtime.hold_combined(step, sums)
-        return runtime.combined_grads(step)
-
-    def _held_reply(
-        self,
-        head: pb.GatherRequest,
-        sums: dict[str, torch.Tensor],
-        totals: dict[str, torch.Tensor],
-        uncounted: set[str],
-    ) -> pb.GatherReply:
-        state, step = self.state, int(head.step)
-        runtime = state.runtime
-        square = runtime.sums_sq_norm({name: g for name, g in sums.items() if name not in uncounted})
-        state.keep_tied(step, totals)
-        state.count(step)
-        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
-        return pb.GatherReply(held_sq_norm=square, lr=lr)
-
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
@@ -200,24 +179,12 @@ class Combining:
             name for name, p in self.state.runtime.module.named_parameters() if name not in tied and p.requires_grad
         ]
 
-    def _local(self, head: pb.GatherRequest, groups: list[pb.AverageGroup]) -> list[list[torch.Tensor]]:
-        """On the computing thread: the micro-batches' summed gradients (none while joining: it
-        holds no micro-batch), each group's tensors with their presence flags last."""
-        runtime = self.state.runtime
-        joining = self.state.joining
-        if joining is None:
+    def _local(self, head: pb.GatherRequest) -> None:
+        """On the computing thread: the micro-batches' exact sum as this peer's gradients (none while
+        joining: it holds no micro-batch)."""
+        if self.state.joining is None:
             self._check_held(head)
-            runtime.accumulate(_keys(head))
-        tied = {name for group in groups if group.names for name in group.names}
-        out = []
-        for group in groups:
-            if not group.names:  # replicas: summed exactly from the held gradients (`_exact`)
-                out.append([])
-                continue
-            names = self._names(group, tied)
-            grads = {} if joining is not None else runtime.gradients(names)
-            out.append(self._packed(names, grads))
-        return out
+            self.state.runtime.accumulate(_keys(head))
 
     def _packed(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """A group's tensors (zeros for a parameter without a gradient), with their presence flags last."""
@@ -251,16 +218,9 @@ class Combining:
             group.group_id + round_id, list(group.peers), tensors, contributors, integers=integers
         )
 
-    def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
+    def _set(self, head: pb.GatherRequest, combined: dict[str, torch.Tensor], uncounted: set[str]) -> None:
         """On the computing thread: every summed gradient in place (a joiner keeps them to replay)."""
-        tied = {name for group in groups if group.names for name in group.names}
-        combined: dict[str, torch.Tensor] = {}
-        self.uncounted = []
-        for group, tensors in zip(groups, sums, strict=True):
-            names = self._names(group, tied)
-            combined.update(self._unpacked(names, tensors))
-            if group.names and not group.counted:
-                self.uncounted.extend(names)
+        self.uncounted = list(uncounted)
         joining = self.state.joining
         if joining is not None:
             slots, payload = tensors_to_payload(combined)
