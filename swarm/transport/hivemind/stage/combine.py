@@ -171,6 +171,28 @@ class Combining:
             for name, t in totals.items()
         }
 
+    def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
+        dtype, with a delay correction's part)."""
+        runtime = self.state.runtime
+        runtime.hold_combined(step, sums)
+        return runtime.combined_grads(step)
+
+    def _held_reply(
+        self,
+        head: pb.GatherRequest,
+        sums: dict[str, torch.Tensor],
+        totals: dict[str, torch.Tensor],
+        uncounted: set[str],
+    ) -> pb.GatherReply:
+        state, step = self.state, int(head.step)
+        runtime = state.runtime
+        square = runtime.sums_sq_norm({name: g for name, g in sums.items() if name not in uncounted})
+        state.keep_tied(step, totals)
+        state.count(step)
+        lr = state.rates.get((state.generation, step), runtime.optimizer.param_groups[0]["lr"])
+        return pb.GatherReply(held_sq_norm=square, lr=lr)
+
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
