@@ -191,8 +191,11 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     overrides = ["train.epochs=100", "train.eval_every=20", f"train.schedule={schedule}"]
     sets = [a for o in overrides for a in ("--set", o)]
     steps = 90  # the joiners join at about step 26 on an idle machine (the churn test above)
+    # the asynchronous schedule keeps the pipeline full: a longer delay keeps its steps as long as
+    # the synchronous ones, so the joiners' processes start well before the kill
+    delay = "20ms" if schedule == "sync" else "80ms"
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
-    command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
+    command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
     out, daemons_left = _lab(command, timeout=500)
     log = out.stdout[-6000:] + out.stderr[-3000:]
