@@ -77,8 +77,17 @@ def to_grid(grad: torch.Tensor, e: int | None) -> torch.Tensor:
     """`grad` in units of 2^(e - GRID_BITS), rounded to integers (float64; a power-of-two scaling
     of a float32 value is exact, so the only rounding is this one, half to even)."""
     if e is None:
-        return torch.zeros(grad.shape, dtype=torch.float64, device=grad.device)
-    return torch.round(torch.ldexp(grad.detach().double(), torch.tensor(float(GRID_BITS - e), dtype=torch.float64)))
+        return torch.zeros(grad.shape, dtype=torch.float64, device=_float64_device(grad))
+    return torch.round(torch.ldexp(as_float64(grad), torch.tensor(float(GRID_BITS - e), dtype=torch.float64)))
+
+
+def _float64_device(grad: torch.Tensor) -> torch.device:
+    return torch.device("cpu") if grad.device.type == "mps" else grad.device  # MPS has no float64
+
+
+def as_float64(grad: torch.Tensor) -> torch.Tensor:
+    """`grad` in float64, exactly (on the CPU where its device has no float64)."""
+    return grad.detach().to(_float64_device(grad), torch.float64)
 
 
 def from_grid(total: torch.Tensor, e: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +108,7 @@ def integer_sums(
     sums: dict[str, torch.Tensor] = {}
     for term in terms:
         for name, grad in term:
-            units = grad.detach().double() if name in single else to_grid(grad, grid.get(name))
+            units = as_float64(grad) if name in single else to_grid(grad, grid.get(name))
             sums[name] = units if name not in sums else sums[name].add_(units)
     return sums
 
@@ -109,9 +118,11 @@ def exact_sum(terms: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> dict[str, 
     counts = term_counts(terms)
     single = {name for name, count in counts.items() if count == 1}
     grid = grid_exponents(terms)
-    dtypes = {name: grad.dtype for term in terms for name, grad in term}
+    like = {name: grad for term in terms for name, grad in term}  # each sum in its gradients' dtype and device
     return {
-        name: total.to(dtypes[name]) if name in single else from_grid(total, grid.get(name), dtypes[name])
+        name: (total if name in single else from_grid(total, grid.get(name), torch.float64)).to(
+            like[name].device, like[name].dtype
+        )
         for name, total in integer_sums(terms, grid, single).items()
     }
 

@@ -167,7 +167,7 @@ class StageRuntime:
         digest = hashlib.sha256()
         for name, g in held:
             digest.update(name.encode())
-            digest.update(g.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return float(int.from_bytes(digest.digest()[:8], "big") >> 12)
 
     def accumulate(self, keys) -> None:
