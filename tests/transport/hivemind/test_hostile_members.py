@@ -108,7 +108,7 @@ def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_
     swarm.loop.run(server.averager.stop())  # "protocols not supported" for anyone summing with it
     skipped = []
 
-    async def never_sums(group, tensors, me):
+    async def never_sums(group, tensors, me, *rounds, **flags):  # any round of the group (its grid too)
         skipped.append(group.group_id)
         return tensors
 
