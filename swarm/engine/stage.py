@@ -8,11 +8,9 @@ with their own limits): the runtime takes `Encoded` messages only. Receiver-side
 commits when the stage has processed a message; sender-side state commits through
 `Message.delivered` once the transport has delivered it.
 
-Each micro-batch's parameter gradients are kept apart until the step says which micro-batches
-count (`accumulate`; one process: all, `accumulate_held`): a micro-batch retried after a failure
-further down the pipeline then never counts twice. Held gradients are summed exactly
-(swarm.engine.exactsum), so the sums have the same bits however a swarm's replicas split and add
-them, and equal one process's. `hold_grads` marks a swarm's stage (two steps open at once).
+Each micro-batch's parameter gradients are kept apart until the step says which count
+(`accumulate`; one process: all): one retried after a failure never counts twice. They are summed
+exactly (swarm.engine.exactsum): the same bits however replicas split them, and one process's.
 
 With an asynchronous schedule in a swarm (swarm.engine.delay), a stage applies an update while
 micro-batches of the step before are still waiting for their backward here, or for their forward
@@ -25,7 +23,6 @@ A delay correction's per-step weights (lookahead's predicted ones, dc's v_then) 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -34,6 +31,7 @@ import torch
 from protocols.errors import PayloadError
 from protocols.message import Encoded
 from swarm.engine.delay import StageDelay
+from swarm.engine.digest import gradient_digest
 from swarm.engine.diverged import require_finite
 from swarm.engine.exactsum import exact_sum, grid_exponents, integer_sums, term_counts
 from swarm.engine.linkend import LinkEnds
@@ -67,7 +65,7 @@ class StageRuntime:
         self.device = torch.device(device)
         # micro-batch key -> (input, output, the (name, parameter) pairs its forward ran with)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
-        self.hold_grads = hold_grads
+        self.hold_grads = hold_grads  # a swarm's stage: two steps may be open at once (build: versions)
         self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: swarm.engine.stash
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
@@ -158,17 +156,8 @@ class StageRuntime:
         return grads[-1] if wants_x else None
 
     def held_digest(self, key, exact: bool = True) -> float:
-        """What a swarm's verification compares between two peers that ran micro-batch `key`: a hash
-        of the bits of the gradients held for it (`exact`; 52 bits, a float64 integer), else their
-        squared norm in float64, for a tolerance (0 when none are held)."""
-        held = self.held.get(key, [])
-        if not exact:
-            return sum(float(g.detach().double().pow(2).sum()) for _, g in held)
-        digest = hashlib.sha256()
-        for name, g in held:
-            digest.update(name.encode())
-            digest.update(g.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return float(int.from_bytes(digest.digest()[:8], "big") >> 12)
+        """`digest.gradient_digest` of the gradients held for micro-batch `key` (verification's)."""
+        return gradient_digest(self.held.get(key, []), exact)
 
     def accumulate(self, keys) -> None:
         """Gradients := the sum of the held gradients of `keys`, in the given order.
@@ -180,8 +169,7 @@ class StageRuntime:
             p.grad = sums.get(name)
 
     def accumulate_held(self) -> None:
-        """One process's step: gradients := the exact sum of every held gradient (its step's
-        micro-batches only), which are then forgotten."""
+        """One process's step: gradients := the exact sum of every held gradient, then forgotten."""
         self.accumulate(sorted(self.held))
         self.held.clear()
 
@@ -260,20 +248,18 @@ class StageRuntime:
         return sums
 
     def _held_terms(self, keys) -> list[list[tuple[str, torch.Tensor]]]:
-        missing = [key for key in keys if key not in self.held]
-        if missing:
+        if missing := [key for key in keys if key not in self.held]:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
         return [self.held[key] for key in keys]
 
     def held_grid(self, keys) -> tuple[dict[str, int], dict[str, int]]:
-        """The exact sum's grid of the held gradients of `keys` and how many of them hold each
-        parameter (swarm.engine.exactsum): replicas add up theirs. Raises KeyError if a key is not held."""
+        """The exact sum's grid of the held gradients of `keys`, and how many hold each parameter
+        (swarm.engine.exactsum; replicas add up theirs). KeyError if a key is not held."""
         terms = self._held_terms(keys)
         return grid_exponents(terms), term_counts(terms)
 
     def held_integers(self, keys, grid: dict[str, int], single: set[str]) -> dict[str, torch.Tensor]:
-        """The held gradients of `keys` summed as integers on `grid` (float64; a parameter in
-        `single`, held by one micro-batch of the whole step: its values), what replicas add up."""
+        """What replicas add up: the held gradients of `keys` as integers on `grid` (exactsum.integer_sums)."""
         return integer_sums(self._held_terms(keys), grid, single)
 
     def _gradient_message(
