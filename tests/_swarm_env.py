@@ -10,10 +10,12 @@ import subprocess
 import uuid
 
 import pytest
+import torch
 from _util import SMOKE, write_tiny_tokenizer
 
 from swarm.config import load_config
 from swarm.engine.stash import WeightStash
+from swarm.lab.plan import peer_threads
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
@@ -175,14 +177,26 @@ def local_rows(cfg, tmp_path, steps: int = STEPS):
 
 
 def assert_losses_of_one_process(results, config, overrides: list[str], tmp_path, steps: int) -> None:
-    """A lab's results file holds steps 1..`steps` once each, with the losses of one process on
-    `config` with `overrides` (within 1e-5: replicas change the summation order)."""
-    ours = [r for r in read_results(results) if r["type"] == "step"]
+    """A lab's results file holds steps 1..`steps` once each, with the losses and evaluations of
+    one process on `config` with `overrides`, bit for bit, however replicas split the steps
+    (swarm.engine.exactsum). The process computes with the lab peers' torch threads: a kernel's
+    floats may depend on how many threads split it."""
+    rows = read_results(results)
     cfg = load_config(config, overrides)
-    reference = [r for r in local_rows(cfg, tmp_path, steps=steps) if r["type"] == "step"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(peer_threads(cfg.model.num_stages + 1))
+    try:
+        theirs = local_rows(cfg, tmp_path, steps=steps)
+    finally:
+        torch.set_num_threads(threads)
+    ours, reference = ([r for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
     for a, b in zip(ours, reference, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])
+    evals, reference_evals = ({r["step"]: r for r in run if r["type"] == "eval"} for run in (rows, theirs))
+    assert evals.keys() == reference_evals.keys()
+    for step, row in reference_evals.items():
+        assert all(evals[step][mode] == row[mode] for mode in ("uncompressed", "compressed")), step
 
 
 def assert_same_run(ours, theirs, retried: bool = False):

@@ -12,6 +12,7 @@ import math
 import sys
 
 from swarm.cli import (
+    bench_exact_sum,
     bench_fuzz,
     bench_oracle,
     bench_target,
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     streams.add_argument("--exchanges", type=_positive_int, default=300, help="exchanges timed per mode")
     streams.add_argument("--payload_kb", type=_positive_int, default=60, help="request size (KiB)")
     streams.add_argument("--json", action="store_true", help="print a JSON list of rows on stdout")
+    bench_exact_sum.add_parser(which, _positive_int)
     bench_fuzz.add_parser(which, _positive_int)
     bench_oracle.add_parser(which, _positive_int)
     bench_target.add_parser(which, _positive_int)
@@ -282,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_throughput.run(args)
     if args.command == "bench" and args.bench == "streams":
         return bench_streams(args)
+    if args.command == "bench" and args.bench == "exact-sum":
+        return bench_exact_sum.run(args)
     if args.command == "bench" and args.bench == "fuzz":
         return bench_fuzz.run(args)
     if args.command == "bench" and args.bench == "oracle":

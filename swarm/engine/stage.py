@@ -8,10 +8,9 @@ with their own limits): the runtime takes `Encoded` messages only. Receiver-side
 commits when the stage has processed a message; sender-side state commits through
 `Message.delivered` once the transport has delivered it.
 
-With `hold_grads` (the swarm), each micro-batch's parameter gradients are kept apart until the
-step says which micro-batches count (`accumulate`): a micro-batch retried after a failure further
-down the pipeline then never counts twice. Held gradients are added in micro-batch order, so the
-sums equal the in-process run's direct accumulation.
+Each micro-batch's parameter gradients are kept apart until the step says which count
+(`accumulate`; one process: all): one retried after a failure never counts twice. They are summed
+exactly (swarm.engine.exactsum): the same bits however replicas split them, and one process's.
 
 With an asynchronous schedule in a swarm (swarm.engine.delay), a stage applies an update while
 micro-batches of the step before are still waiting for their backward here, or for their forward
@@ -32,7 +31,9 @@ import torch
 from protocols.errors import PayloadError
 from protocols.message import Encoded
 from swarm.engine.delay import StageDelay
+from swarm.engine.digest import gradient_digest
 from swarm.engine.diverged import require_finite
+from swarm.engine.exactsum import exact_sum, grid_exponents, integer_sums, term_counts
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
@@ -64,7 +65,7 @@ class StageRuntime:
         self.device = torch.device(device)
         # micro-batch key -> (input, output, the (name, parameter) pairs its forward ran with)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
-        self.hold_grads = hold_grads
+        self.hold_grads = hold_grads  # a swarm's stage: two steps may be open at once (build: versions)
         self.held: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # by parameter name: swarm.engine.stash
         self.run_forward = run_forward or Forward(device=self.device)
         self.delay: StageDelay | None = None  # train.schedule async: the last step's gradients (swarm.engine.delay)
@@ -145,13 +146,8 @@ class StageRuntime:
     ) -> torch.Tensor | None:
         """Backward through this stage; the input's gradient (None for stage 0's input)."""
         if not output.requires_grad:  # nothing up to here trains (a LoRA run's frozen embedding stage)
-            if self.hold_grads:
-                self.held[batch.key] = []
+            self.held[batch.key] = []
             return None
-        if not self.hold_grads:
-            with self.run_forward.recomputing(self.module):
-                output.backward(grad_output)
-            return x.grad
         params = [p for _, p in trained]  # the objects the forward ran with (a newer version may be current)
         wants_x = x.requires_grad
         with self.run_forward.recomputing(self.module):
@@ -159,10 +155,9 @@ class StageRuntime:
         self.held[batch.key] = [(name, g) for (name, _), g in zip(trained, grads, strict=False) if g is not None]
         return grads[-1] if wants_x else None
 
-    def held_digest(self, key) -> float:
-        """The squared norm (in float64) of the gradients held for micro-batch `key`: what a swarm's
-        verification compares between two peers that ran it (0 when none are held)."""
-        return sum(float(g.detach().double().pow(2).sum()) for _, g in self.held.get(key, []))
+    def held_digest(self, key, exact: bool = True) -> float:
+        """`digest.gradient_digest` of the gradients held for micro-batch `key` (verification's)."""
+        return gradient_digest(self.held.get(key, []), exact)
 
     def accumulate(self, keys) -> None:
         """Gradients := the sum of the held gradients of `keys`, in the given order.
@@ -172,6 +167,11 @@ class StageRuntime:
         sums = self._summed(keys)
         for name, p in self.module.named_parameters():
             p.grad = sums.get(name)
+
+    def accumulate_held(self) -> None:
+        """One process's step: gradients := the exact sum of every held gradient, then forgotten."""
+        self.accumulate(sorted(self.held))
+        self.held.clear()
 
     def accumulate_step(self, step: int, count: int) -> None:
         """`accumulate` of an asynchronous step's `count` micro-batches, or its replicas' sum where
@@ -242,16 +242,25 @@ class StageRuntime:
         """Parameter name -> the sum of its held gradients of `keys`, added in the given order (and,
         in a swarm with a delay correction, `corrected` as if applied now: `versions`; one process's
         kept gradients are the raw sums)."""
-        missing = [key for key in keys if key not in self.held]
-        if missing:
-            raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
-        sums: dict[str, torch.Tensor] = {}
-        for key in keys:
-            for name, g in self.held[key]:
-                sums[name] = g.clone() if name not in sums else sums[name].add_(g)
+        sums = exact_sum(self._held_terms(keys))
         if corrected and self.versions is not None and keys:
             sums = self.versions.corrected(keys[0][1], self.module, sums)  # a key is (mode, step, index)
         return sums
+
+    def _held_terms(self, keys) -> list[list[tuple[str, torch.Tensor]]]:
+        if missing := [key for key in keys if key not in self.held]:
+            raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
+        return [self.held[key] for key in keys]
+
+    def held_grid(self, keys) -> tuple[dict[str, int], dict[str, int]]:
+        """The exact sum's grid of the held gradients of `keys`, and how many hold each parameter
+        (swarm.engine.exactsum; replicas add up theirs). KeyError if a key is not held."""
+        terms = self._held_terms(keys)
+        return grid_exponents(terms), term_counts(terms)
+
+    def held_integers(self, keys, grid: dict[str, int], single: set[str]) -> dict[str, torch.Tensor]:
+        """What replicas add up: the held gradients of `keys` as integers on `grid` (exactsum.integer_sums)."""
+        return integer_sums(self._held_terms(keys), grid, single)
 
     def _gradient_message(
         self,

@@ -75,6 +75,8 @@ class LocalPipeline:
     # ---- the synchronous step (swarm.engine.step), its rounds on the runtimes -----------------
 
     def step(self) -> float:
+        for runtime in self.runtimes:
+            runtime.accumulate_held()  # the exact sum a swarm's replicas get too (swarm.engine.exactsum)
         delayed = [r for r in self.runtimes if r.delay is not None]  # train.schedule async (swarm.engine.delay)
         # a list, not a generator: every stage swaps, whatever the first one says
         if delayed and not any([r.delay.swap(r.module) for r in delayed]):  # the first step: nothing yet

@@ -32,8 +32,11 @@ def run_one(pipeline, ids, x, y, mode=Mode.TRAIN, exact=False, step=0, index=0):
     return pipeline.run_many([(MicroBatch(step, index, ids, y, mode, 1.0, exact), x)])[0]
 
 
-def stage_grads(staged):
-    return [p.grad.clone() for stage in staged.stages for p in stage.parameters()]
+def stage_grads(pipeline):
+    """The step's summed gradients, as one process's step sets them (swarm.engine.exactsum)."""
+    for runtime in pipeline.runtimes:
+        runtime.accumulate_held()
+    return [p.grad.clone() for runtime in pipeline.runtimes for p in runtime.module.parameters()]
 
 
 def test_codec_none_equals_unsplit_model():
@@ -48,7 +51,7 @@ def test_codec_none_equals_unsplit_model():
     loss = staged.loss(ref_staged(x), y)
     loss.backward()
     assert math.isclose(metrics["loss"], float(loss.detach()), rel_tol=1e-6)
-    ours = torch.cat([g.flatten() for g in stage_grads(staged)])
+    ours = torch.cat([g.flatten() for g in stage_grads(pipeline)])
     theirs = torch.cat([p.grad.flatten() for p in ref_staged.parameters()])
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 
@@ -72,7 +75,7 @@ def test_engine_compression_equals_codec_applied_directly():
     h.backward(g_wire)
     assert math.isclose(metrics["loss"], float(loss.detach()), rel_tol=1e-6)
     for ours, theirs in zip(
-        stage_grads(staged), [p.grad for m in (first, second) for p in m.parameters()], strict=True
+        stage_grads(pipeline), [p.grad for m in (first, second) for p in m.parameters()], strict=True
     ):
         assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 

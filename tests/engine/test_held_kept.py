@@ -33,6 +33,9 @@ def _ran(hold: bool):
     for runtime in pipeline.runtimes:
         runtime.hold_grads = hold
     pipeline.run_many(_step_zero(cfg))
+    if not hold:  # one process's step sums them into p.grad
+        for runtime in pipeline.runtimes:
+            runtime.accumulate_held()
     return cfg, pipeline
 
 
@@ -96,3 +99,24 @@ def test_a_replicated_steps_combined_sum_replaces_what_a_replica_held_until_appl
     )
     runtime.apply_step(step_keys(0, count))
     assert runtime.combined == {} and not any(key in runtime.held for key in step_keys(0, count))
+
+
+def test_the_verification_digest_is_the_gradients_bits():
+    """`train.verify` with no tolerance compares a hash of a micro-batch's gradient bits: two runs of
+    the same micro-batch agree, one ulp anywhere does not; with a tolerance, squared norms."""
+    cfg, first = _ran(hold=True)
+    _, second = _ran(hold=True)
+    key = step_keys(0, cfg.train.micro_batches)[1]
+    a, b = first.runtimes[1], second.runtimes[1]
+    assert a.held_digest(key) == b.held_digest(key) and a.held_digest(key) == int(a.held_digest(key)) < 2**52
+    name, grad = b.held[key][-1]
+    b.held[key][-1] = (
+        name,
+        grad.clone()
+        .view(-1)
+        .index_put_((torch.tensor(0),), grad.view(-1)[0].nextafter(torch.tensor(1.0)))
+        .view_as(grad),
+    )
+    assert a.held_digest(key) != b.held_digest(key)
+    norm = sum(float(g.double().pow(2).sum()) for _, g in a.held[key])
+    assert a.held_digest(key, exact=False) == norm

@@ -179,3 +179,29 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
         assert re.search(line, out.stdout), (line, log)
     assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     assert daemons_left == 0
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_bit_for_bit(tmp_path, schedule):
+    """Stage 1 gets a second and a third peer once training runs, and stage 2 a second; then stage
+    1's first peer is killed -9. The replicas split the steps' micro-batches however their routes
+    fall, and sum them exactly (swarm.engine.exactsum): every loss and evaluation is one process's,
+    bit for bit, under either schedule."""
+    results = tmp_path / "replicas.jsonl"
+    overrides = ["train.epochs=100", "train.eval_every=20", f"train.schedule={schedule}"]
+    sets = [a for o in overrides for a in ("--set", o)]
+    steps = 90  # the joiners join at about step 26 on an idle machine (the churn test above)
+    # the asynchronous schedule keeps the pipeline full: a longer delay keeps its steps as long as
+    # the synchronous ones, so the joiners' processes start well before the kill
+    delay = "20ms" if schedule == "sync" else "80ms"
+    command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
+    command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
+    command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
+    out, daemons_left = _lab(command, timeout=500)
+    log = out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0, log
+    assert "kill stage1\n" in out.stdout, log
+    served = [re.findall(rf"\[stage1\.{n}\] stage 1: (\d+) micro-batches", out.stdout) for n in (2, 3)]
+    assert all(counts and int(counts[-1]) > 0 for counts in served), log  # both joiners took work
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
+    assert daemons_left == 0

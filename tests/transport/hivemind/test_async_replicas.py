@@ -34,12 +34,12 @@ def _same_losses(rows, theirs) -> None:
     steps, reference = ([r for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert [r["step"] for r in steps] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
     for a, b in zip(steps, reference, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])  # however replicas split a step
         assert abs(a["lr"] - b["lr"]) <= 1e-12 * b["lr"], (a["step"], a["lr"], b["lr"])
     evals, reference_evals = ([r["uncompressed"] for r in run if r["type"] == "eval"] for run in (rows, theirs))
     assert len(evals) == len(reference_evals) == 2
     for a, b in zip(evals, reference_evals, strict=True):
-        assert all(abs(a[k] - v) <= 1e-5 * abs(v) for k, v in b.items()), (a, b)
+        assert a == b
 
 
 def _identical(replicas) -> None:
@@ -96,7 +96,7 @@ def test_peers_of_a_stage_sum_each_step_by_one_round_with_the_floats_of_one_proc
             for part in ("kept", "then") if correction == DC else ("kept",):
                 assert mine["delay"][part].keys() == one["delay"][part].keys(), (stage, part)
                 for name, value in one["delay"][part].items():
-                    assert torch.allclose(mine["delay"][part][name], value, rtol=1e-5, atol=1e-7), (stage, part, name)
+                    assert torch.equal(mine["delay"][part][name], value), (stage, part, name)
         replicas = [h for h in hosted if h.stage == 1]
         assert sum(h.meters.processed > 0 for h in replicas) >= 2  # their sums are real sums
         _identical(replicas)

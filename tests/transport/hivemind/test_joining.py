@@ -94,7 +94,7 @@ def test_the_first_peer_of_a_stage_killed_after_a_joiner_serves_the_run_goes_on(
         sent, joiner_sent = pipeline.link_bytes(), forward_sent(joiner)
         run.kill()  # it dies holding this step's gradients
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]
-        assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
+        assert ours == [m["loss"] for m in run.local.run_many(items)]
         assert pipeline.step() == pytest.approx(run.local.step())
         for n in range(3, STEPS):
             run.step(n)
@@ -214,7 +214,7 @@ def test_a_replica_that_leaves_mid_step_finishes_what_it_holds_and_the_run_does_
         assert not left.done()  # it holds this step's gradients of its micro-batches
         hosted[0].router.bans.until.clear()
         ours += [m["loss"] for m in pipeline.run_many(items[half:])]  # refused there: the other replica
-        assert ours == pytest.approx([m["loss"] for m in run.local.run_many(items)], rel=1e-6)
+        assert ours == [m["loss"] for m in run.local.run_many(items)]
         assert pipeline.step() == pytest.approx(run.local.step())
         left.result(timeout=20)
         assert leaving.meters.processed == run.cfg.train.micro_batches + half and not leaving.runtime.held
@@ -270,7 +270,7 @@ def test_a_replica_killed_at_a_random_moment_while_another_joins_the_run_goes_on
                 if n == kill_at:
                     killer.start()
                 ours = [m["loss"] for m in pipeline.run_many(items)]
-                assert ours == pytest.approx([m["loss"] for m in local.run_many(items)], rel=1e-5)
+                assert ours == [m["loss"] for m in local.run_many(items)]
                 assert pipeline.step() == pytest.approx(local.step(), rel=1e-5)
         finally:
             if killer.is_alive():

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 
-import pytest
 import torch
 from _swarm_env import local_rows, smoke, tiny_gpt2
 
@@ -28,7 +27,7 @@ def _same_losses(ours, theirs) -> None:
     reference = [r for r in theirs if r["type"] == "step"]
     assert [r["step"] for r in steps] == [r["step"] for r in reference]
     for a, b in zip(steps, reference, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        assert a["loss"] == b["loss"], a["step"]  # bit for bit, however the replicas split a step
 
 
 def _train(swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS, every: int = 0) -> SwarmPipeline:

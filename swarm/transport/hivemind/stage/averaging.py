@@ -25,12 +25,13 @@ from typing import AsyncIterator  # noqa: UP035  ServicerBase reads rpc_* hints 
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, TensorPartReducer
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
 from protocols.errors import one_line
+from swarm.engine.exactsum import recovered
 from swarm.transport.hivemind.net.bounded_handler import add_bounded_handlers
 
 AVERAGING_NAMESPACE = "hivepipe.average"  # the p2p handler's namespace: every stage peer's averager
@@ -68,8 +69,11 @@ class _Runner(AllReduceRunner):
     run at once, before a reducer can finish any slice without a sender, and a reducer that ends
     this way answers its senders with errors, so the failure reaches every member."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, integers: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
+        if integers:  # the reducer of this member's slice adds in float64: exact for integers below 2^53
+            stock = self.tensor_part_reducer
+            self.tensor_part_reducer = _Float64Reducer(stock.part_shapes, stock.num_senders)
         self.failed: dict[PeerID, str] = {}  # the first failures, not those that followed from them
         self.reduced_by: set[PeerID] = set()  # reducers whose slices all came back
 
@@ -111,6 +115,16 @@ class _Runner(AllReduceRunner):
         return [p for p, n in zip(self.ordered_peer_ids, parts, strict=True) if n and p not in done]
 
 
+class _Float64Reducer(TensorPartReducer):
+    """hivemind's reducer with a float64 accumulator (the stock one is float32, which rounds
+    integers past 2^24): an exact sum's integers (swarm.engine.exactsum) add exactly, in any order."""
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if getattr(self, "accumulator", None) is not None:
+            self.accumulator = self.accumulator.double()
+
+
 class ReplicaAverager(ServicerBase):
     """Sums tensors with named groups of peers; one per (run, stage) hosted by a peer.
 
@@ -149,6 +163,7 @@ class ReplicaAverager(ServicerBase):
         peers: Sequence[str],
         tensors: Sequence[torch.Tensor],
         contributors: Collection[str] | None = None,
+        integers: Sequence[bool] = (),
     ) -> list[torch.Tensor]:
         """The sum of `tensors` over the `contributors` (default: every member) of the group `peers`
         (base58 ids; this peer among them); every member calls with the same arguments but tensors.
@@ -166,8 +181,12 @@ class ReplicaAverager(ServicerBase):
         power of two the division and mean * k are exact: two contributors get fl32(a + b), what
         one process gives. Otherwise the reducer adds in the order parts arrive and mean * k rounds
         again: within a few ulps of the parts' magnitudes (tests/transport/hivemind/test_averaging.py).
-        Float64 inputs are summed in float32 too. Tensors go to the CPU for the exchange and come
-        back to their own device and dtype.
+        Float64 inputs are summed in float32 too, but with `integers` (a flag per tensor): then
+        reducers add in float64, and a flagged tensor holds integers whose sum stays below 2^46
+        (swarm.engine.exactsum), added exactly and given back as those integers on every member,
+        whatever the order (`exactsum.recovered`); an unflagged one is a float32 value and zeros
+        (one contributor has it), which comes back as that value. Tensors go to the CPU for the exchange and come back to their own
+        device and dtype.
 
         Raises AveragingError naming the peer(s) when a member fails, or when the group has not
         finished within `timeout_s`; the others may then fail too, or may have finished first.
@@ -196,6 +215,7 @@ class ReplicaAverager(ServicerBase):
             peer_fractions=(1.0,) * len(peers),
             modes=(AveragingMode.NODE,) * len(peers),  # a non-contributor reduces a slice too
             sender_timeout=self.timeout_s,
+            integers=any(integers),
         )
         slot = self._groups.setdefault(group_id, asyncio.get_running_loop().create_future())
         slot.set_result(runner)
@@ -220,9 +240,10 @@ class ReplicaAverager(ServicerBase):
         if runner.failed or runner.tensor_part_container.failed_size:  # a failure after the last part came
             raise AveragingError(f"averaging group {group_id!r} failed: {self._blame(runner, None)}", runner.failed)
         k = len(contributors)
-        return [
-            ((x + d) * k).to(device=t.device, dtype=t.dtype) for x, d, t in zip(local, deltas, tensors, strict=True)
-        ]
+        sums = [(x + d) * k for x, d in zip(local, deltas, strict=True)]
+        if integers:
+            sums = [recovered(total, k) if flag else total for total, flag in zip(sums, integers, strict=True)]
+        return [total.to(device=t.device, dtype=t.dtype) for total, t in zip(sums, tensors, strict=True)]
 
     def refuse(self, group_id: bytes) -> None:
         """This peer will not join `group_id` (it cannot contribute what the group sums: the gather

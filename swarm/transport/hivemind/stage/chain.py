@@ -110,7 +110,8 @@ class Chain:
             if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
                 self.state.attempts.finished(batch, sender)  # its gradients are the ones held here now
                 if batch.mode is Mode.TRAIN and self.state.cfg.train.verify:  # every one: none stands out
-                    digest = await self.work.run(runtime.held_digest, batch.key)
+                    exact = not self.state.cfg.train.verify_tolerance  # bits, else a norm to compare within it
+                    digest = await self.work.run(runtime.held_digest, batch.key, exact)
                     outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest
         except BaseException:
             if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:

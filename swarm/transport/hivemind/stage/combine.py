@@ -3,8 +3,10 @@ with the peers that share them, among themselves (swarm.transport.hivemind.stage
 through the trainer.
 
 The trainer names the groups in the request (`pb.AverageGroup`): the replicas of a stage sum every
-parameter's gradient but the tied ones; the two stages of a tied parameter (GPT-2's embedding and
-LM head) sum that one, every peer of both stages in the group, so each copy gets the whole sum. A
+parameter's gradient exactly (`_exact`: the same bits however they split the step's micro-batches,
+swarm.engine.exactsum), so each holds the stage's whole; then the two stages of a tied parameter
+(GPT-2's embedding and LM head) add their wholes of it, one peer of each stage contributing and
+every peer of both in the group, so each copy gets the whole sum, as one process's two. A
 peer that joined mid-run and is catching up takes part without contributing: it keeps the sums
 and sets them when it replays the step (swarm.transport.hivemind.stage.joining). Each tensor
 travels with a presence flag: a parameter none of the group had a gradient for stays without one,
@@ -19,17 +21,18 @@ the step's gradients until its decision applies them (`StageRuntime.hold_combine
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
+from swarm.engine.exactsum import exponent_counts, exponents_from_counts, from_grid
 from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.net.meta import tensors_to_payload
 from swarm.transport.hivemind.stage.averaging import AveragingError
 from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
+
+GRID_ROUND = b"/grid"  # the id suffix of a replicas group's first round: the step's grid (`_exact`)
 
 
 class Combining:
@@ -42,19 +45,39 @@ class Combining:
     async def gather(self, head: pb.GatherRequest) -> tuple[pb.GatherReply, bytes]:
         if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
             return await self._held(head), b""
-        me = self.place.peer_id
         groups = list(head.groups)
-        local = await self._before_sums(groups, self._local, head, groups)
-        results = await asyncio.gather(
-            *(self._sum(group, local[i], me) for i, group in enumerate(groups)), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, AveragingError):
-                raise self._group_failed(result) from None
-            if isinstance(result, BaseException):
-                raise result
-        await self.work.run(self.work.timed, self._set, head, groups, results)
+        await self._before_sums(groups, self._local, head)
+        replicas = [group for group in groups if not group.names]
+        tied = [group for group in groups if group.names]
+        joining = self.state.joining is not None
+        tied_names = [name for group in tied for name in group.names]
+        if replicas:  # every parameter that trains, tied ones too: each peer then holds the stage's whole
+            try:
+                sums = await self._exact(head, replicas[0], self._names(replicas[0], set()), groups)
+            except AveragingError as e:
+                self._refuse(tied)
+                raise self._group_failed(e) from None
+        else:
+            sums = {} if joining else self.state.runtime.gradients(tied_names)
+        totals, uncounted = await self._tie(tied, sums)
+        await self.work.run(self.work.timed, self._set, head, {**sums, **totals}, uncounted)
         return pb.GatherReply(), b""
+
+    async def _tie(self, tied: list[pb.AverageGroup], sums: dict[str, torch.Tensor]) -> tuple[dict, set[str]]:
+        """A tied parameter's groups add both stages' wholes `sums` (one peer per stage contributes:
+        the trainer's `groups(held=True)`), as one process adds its two copies (swarm.engine.step
+        `tie`); the totals, and the tied parameters this stage leaves out of its squared norm."""
+        totals: dict[str, torch.Tensor] = {}
+        uncounted: set[str] = set()
+        for group in tied:
+            names = list(group.names)
+            try:
+                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
+            except AveragingError as e:
+                raise self._group_failed(e) from None
+            totals.update(self._unpacked(names, total))
+            uncounted.update(() if group.counted else names)
+        return totals, uncounted
 
     async def _before_sums(self, groups, fn, *args):
         """`fn(*args)` on the computing thread. When it raises, this peer will not join `groups`:
@@ -70,6 +93,7 @@ class Combining:
         if self.peer.averager is not None:
             for group in groups:
                 self.peer.averager.refuse(group.group_id)
+                self.peer.averager.refuse(group.group_id + GRID_ROUND)
 
     def _check_held(self, head: pb.GatherRequest) -> None:
         """Raises STALE, naming them, unless every micro-batch the gather counts here is held, of
@@ -106,30 +130,46 @@ class Combining:
         if replicas:
             names = self._names(replicas[0], set())  # every parameter that trains, tied ones too
             try:
-                sums = self._unpacked(
-                    names, await self._sum(replicas[0], self._packed(names, sums), self.place.peer_id)
-                )
+                sums = await self._exact(head, replicas[0], names, head.groups)
             except AveragingError as e:
                 self._refuse(tied)
                 raise self._group_failed(e) from None
             sums = await self._before_sums(tied, self._whole, int(head.step), sums)
-        totals: dict[str, torch.Tensor] = {}
-        uncounted = set()
-        for group in tied:
-            names = list(group.names)
-            try:
-                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
-            except AveragingError as e:
-                raise self._group_failed(e) from None
-            totals.update(self._unpacked(names, total))
-            uncounted.update(() if group.counted else names)
+        totals, uncounted = await self._tie(tied, sums)
         return await self.work.run(self.work.timed, self._held_reply, head, {**sums, **totals}, totals, uncounted)
 
-    def _held_local(self, head: pb.GatherRequest, corrected: bool) -> dict[str, torch.Tensor]:
-        """On the computing thread: the sum of the held gradients the round counts here, in index
-        order; a replica's part as computed (dc compensates the replicas' whole sum: `_whole`)."""
+    def _held_local(self, head: pb.GatherRequest, alone: bool) -> dict[str, torch.Tensor]:
+        """On the computing thread: the sum of the held gradients the round counts here, corrected
+        as applied; a replica's part is summed with its replicas' instead (`_exact`; dc compensates
+        the replicas' whole sum: `_whole`)."""
         self._check_held(head)
-        return self.state.runtime.held_sum(_keys(head), corrected)
+        return self.state.runtime.held_sum(_keys(head)) if alone else {}
+
+    async def _exact(
+        self, head: pb.GatherRequest, group: pb.AverageGroup, names: list[str], refused
+    ) -> dict[str, torch.Tensor]:
+        """The replicas' sum of the held gradients the round counts, the same bits whatever
+        micro-batches each ran (swarm.engine.exactsum): a first round takes the largest exponent of
+        every member's micro-batches per parameter (the step's grid), a second sums every member's
+        integers on it. A joiner catching up contributes nothing. By name, in the parameters' dtype."""
+        runtime, me = self.state.runtime, self.place.peer_id
+        contributes = self.state.joining is None
+        keys = _keys(head)
+        grid, counts = await self._before_sums(refused, runtime.held_grid, keys) if contributes else ({}, {})
+        rounds = [True] * (len(names) + 1)  # a grid round's sums are integers, as are presence flags
+        (summed,) = await self._sum(group, [exponent_counts(grid, counts, names)], me, GRID_ROUND, rounds[:1])
+        grid, single = exponents_from_counts(summed, names)
+        integers = await self._before_sums(refused, runtime.held_integers, keys, grid, single) if contributes else {}
+        zeros = [torch.zeros(runtime.parameter(name).shape, dtype=torch.float64) for name in names]
+        packed = [integers.get(name, zero) for name, zero in zip(names, zeros, strict=True)]
+        present = torch.tensor([float(name in integers) for name in names])
+        rounds = [name not in single for name in names] + [True]
+        totals = self._unpacked(names, await self._sum(group, [*packed, present], me, integers=rounds))
+        dtypes = {name: runtime.parameter(name).dtype for name in totals}
+        return {
+            name: t.to(dtypes[name]) if name in single else from_grid(t, grid.get(name), dtypes[name])
+            for name, t in totals.items()
+        }
 
     def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
@@ -161,21 +201,12 @@ class Combining:
             name for name, p in self.state.runtime.module.named_parameters() if name not in tied and p.requires_grad
         ]
 
-    def _local(self, head: pb.GatherRequest, groups: list[pb.AverageGroup]) -> list[list[torch.Tensor]]:
-        """On the computing thread: the micro-batches' summed gradients (none while joining: it
-        holds no micro-batch), each group's tensors with their presence flags last."""
-        runtime = self.state.runtime
-        joining = self.state.joining
-        if joining is None:
+    def _local(self, head: pb.GatherRequest) -> None:
+        """On the computing thread: the micro-batches' exact sum as this peer's gradients (none while
+        joining: it holds no micro-batch)."""
+        if self.state.joining is None:
             self._check_held(head)
-            runtime.accumulate(_keys(head))
-        tied = {name for group in groups if group.names for name in group.names}
-        out = []
-        for group in groups:
-            names = self._names(group, tied)
-            grads = {} if joining is not None else runtime.gradients(names)
-            out.append(self._packed(names, grads))
-        return out
+            self.state.runtime.accumulate(_keys(head))
 
     def _packed(self, names: list[str], grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """A group's tensors (zeros for a parameter without a gradient), with their presence flags last."""
@@ -196,23 +227,22 @@ class Combining:
         blamed = [peer for peer in error.peers if peer != self.place.peer_id]
         return RemoteError(f"stage {self.place.stage}: {error}", pb.GROUP_FAILED, blamed)
 
-    async def _sum(self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str) -> list[torch.Tensor]:
+    async def _sum(
+        self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str, round_id: bytes = b"", integers=()
+    ) -> list[torch.Tensor]:
+        """The group's sum of `tensors`; `round_id` tells a group's rounds apart (`_exact`'s grid),
+        `integers` flags the tensors that hold integers (ReplicaAverager.sum)."""
         receivers = set(group.receivers)
         contributors = [peer for peer in group.peers if peer not in receivers]
         if list(group.peers) == [me] or not any(t.numel() for t in tensors):
             return tensors  # alone, or nothing to sum (a replicated stage with nothing to train)
-        return await self.peer.averager.sum(group.group_id, list(group.peers), tensors, contributors)
+        return await self.peer.averager.sum(
+            group.group_id + round_id, list(group.peers), tensors, contributors, integers=integers
+        )
 
-    def _set(self, head: pb.GatherRequest, groups: list[pb.AverageGroup], sums: list[list[torch.Tensor]]) -> None:
+    def _set(self, head: pb.GatherRequest, combined: dict[str, torch.Tensor], uncounted: set[str]) -> None:
         """On the computing thread: every summed gradient in place (a joiner keeps them to replay)."""
-        tied = {name for group in groups if group.names for name in group.names}
-        combined: dict[str, torch.Tensor] = {}
-        self.uncounted = []
-        for group, tensors in zip(groups, sums, strict=True):
-            names = self._names(group, tied)
-            combined.update(self._unpacked(names, tensors))
-            if group.names and not group.counted:
-                self.uncounted.extend(names)
+        self.uncounted = list(uncounted)
         joining = self.state.joining
         if joining is not None:
             slots, payload = tensors_to_payload(combined)

@@ -126,8 +126,8 @@ class SwarmRounds:
     ) -> dict[tuple[int, str], list[pb.AverageGroup]]:
         """Each (stage, peer)'s averaging groups for one attempt of the step's gather round (ids of
         their own: a retry, or the same step replayed after a restore, never meets an old group).
-        `held`: an asynchronous step's held round, where a stage's peers all hold the stage's whole
-        sum when the tied groups run (stage.combine), so one peer per stage contributes to them;
+        `held`: a stage's peers all hold the stage's whole sum when the tied groups run (stage.combine:
+        their replicas' exact sum comes first), so one peer per stage contributes to them;
         without `replicas` (every peer holds the whole step already) only the tied groups."""
         by_stage: dict[int, list[str]] = defaultdict(list)
         for stage, peer in peers:
@@ -208,7 +208,7 @@ class SwarmRounds:
         for attempt in range(place.settings.retries.attempts):
             counted = self.counted()
             peers = membership.peers()
-            groups = self.groups(peers)
+            groups = self.groups(peers, held=True)  # a tied group adds each stage's whole: its replicas' exact sum
             replies = await asyncio.gather(
                 *(self.gather_on(s, peer, counted.get((s, peer), []), groups.get((s, peer), [])) for s, peer in peers),
                 return_exceptions=True,

@@ -3,11 +3,12 @@ time, on another peer of one replicated stage, and compares the results.
 
 With equal thread counts a micro-batch gives the same floats on any peer holding the same weights
 (replicas do, bit for bit: swarm.transport.hivemind.stage.averaging), so the check can be tight:
-the stage's gradient digest (the squared norm of the gradients it holds for that micro-batch,
+the stage's gradient digest (a hash of the bits of the gradients it holds for that micro-batch,
 which every stage reports with every training micro-batch while verification is on, so no member
 can tell which of its micro-batches are checked; a wrong forward changes it too, through the
-gradient that comes back for the wrong output) must agree within
-`train.verify_tolerance`, relative. The owner picks the micro-batches (as the step is handed over)
+gradient that comes back for the wrong output) must be equal. A model whose kernels are not
+deterministic (some GPU ops) sets `train.verify_tolerance`: the digest is then the gradients'
+squared norm, and both must agree within it, relative. The owner picks the micro-batches (as the step is handed over)
 and the stage (after they ran) with a system random source, and nothing of the picks leaves it
 until a check runs: a member cannot know in advance which of its results are compared. With an
 asynchronous schedule the next step's micro-batches enter after the step's checks (trainer.dispatch),
