@@ -90,6 +90,7 @@ def test_bad_cli_values_get_one_line_errors(capsys):
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+@pytest.mark.peers
 def test_stream_bench_times_both_modes_over_real_daemons(capsys):
     """`bench streams` runs two hivemind peers and reports per-exchange wall and CPU time for a new
     stream per exchange and for one kept stream (the figures are read, not asserted)."""

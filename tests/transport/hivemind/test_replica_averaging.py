@@ -20,6 +20,8 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 8
 
 
