@@ -118,6 +118,7 @@ def test_shaped_stream_adds_delay_without_cutting_rate():
     asyncio.run(main())
 
 
+@pytest.mark.peers
 def test_in_process_p2p_stream_through_the_bucket():
     """A real hivemind P2P stream (two daemons on loopback), the sender shaped by the bucket: never
     faster than the bucket, and (with room for a loaded machine) not much slower."""
@@ -343,6 +344,7 @@ def test_without_root_one_line_error(caps):
 # ----------------------------------------------------------------- shaping measured over hivemind
 
 
+@pytest.mark.peers
 def test_shaping_limits_hivemind_throughput(caps):
     """Probe servers in b (20mbit) and c (1gbit), one client in a (1gbit); real p2p daemons per namespace."""
     with NetLab(["a", "b", "c"], rates={"a": "1gbit", "b": "20mbit", "c": "1gbit"}) as net:

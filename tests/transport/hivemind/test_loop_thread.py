@@ -13,8 +13,6 @@ WAITER = """
 import asyncio, signal, threading, time
 from swarm.transport.hivemind.net.loop import LoopThread
 
-pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
-
 # Python's own Ctrl-C, whatever was inherited: a test run started in the background of a
 # non-interactive shell ignores SIGINT, and so would this process
 signal.signal(signal.SIGINT, signal.default_int_handler)
