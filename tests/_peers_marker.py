@@ -73,6 +73,22 @@ class Watch:
 
         subprocess.Popen.__init__ = recording_popen
         multiprocessing.process.BaseProcess.start = recording_start
+        self._watch_daemons()
+
+    def _watch_daemons(self) -> None:
+        """hivemind starts its p2p daemon with asyncio's subprocess API, which on uvloop (the
+        swarm's loops) spawns without subprocess.Popen: its P2P.create is watched instead."""
+        from hivemind.p2p import P2P
+
+        create = P2P.create.__func__
+        watch = self
+
+        async def recording_create(cls, *args, **kwargs):
+            if watch.armed:
+                watch.started.append("a p2p daemon (hivemind's P2P.create)")
+            return await create(cls, *args, **kwargs)
+
+        P2P.create = classmethod(recording_create)
 
     def arm(self, item) -> None:
         self.started.clear()

@@ -107,6 +107,7 @@ def test_stream_bench_times_both_modes_over_real_daemons(capsys):
     )
 
 
+@pytest.mark.peers
 def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses(capsys):
     """`bench fuzz` attacks a small training swarm and says how each category of message ended and
     whether the losses are one process's (its memory figure, a growth of this process's peak, means
