@@ -1,140 +1,162 @@
-"""bench time-to-target's rows as a table, how they stand against the targets, a plot and JSON."""
+"""bench time-to-target's rows (swarm.bench.target_estimate) as a table, how they stand against
+the targets, a plot and JSON."""
 
 from __future__ import annotations
 
 import json
-import math
 
 from swarm.bench.gloo.launch import GLOO
+from swarm.bench.target_estimate import TimeRow
+from swarm.bench.target_steps import Steps, Variant
 from swarm.bench.throughput_table import aligned
-from swarm.bench.time_to_target import TargetRow
 from swarm.config.target import Target
 
-SOONER = 4.0  # the target: the best codec reaches the target this many times sooner than none
+SOONER = 4.0  # the best codec and schedule reach the target this many times sooner (by T)
+ASYNC_STEPS = 1.1  # asynchronous steps to the target at most this many times the synchronous
+REAL_WITHIN = 0.10  # a real run's measured seconds within this fraction of its T
 
 
-def format_rows(rows: list[TargetRow]) -> str:
+def format_rows(rows: list[TimeRow]) -> str:
     header = [
+        "optimizer",
+        "schedule",
         "codec",
-        "backward",
         "Mbit/s",
         "delay ms",
-        "reached",
         "steps",
-        "seconds",
+        "s/step",
+        "T s",
         "samples/s",
-        "link bound",
-        "compute bound",
-        "x none",
+        "bound",
+        "oracle",
     ]
-    base = {_links(r): r for r in rows if r.point.codec == "none"}
     table = [header]
     for r in rows:
-        none = base.get(_links(r))
-        sooner = sooner_than(r, none) if none is not None and r is not none else None
-        went, speed = r.reaching, r.achieved
+        steps = str(r.steps_to_target) if r.reached else f">{r.steps}"
+        total = f"{r.T:.0f}" if r.T is not None else "-"
+        if r.kind == "real":
+            total += (
+                f" (measured {r.measured_seconds:.0f})"
+                if r.measured_seconds is not None
+                else " (measured: not reached)"
+            )
         table.append(
             [
-                r.point.codec,
-                r.point.backward,
-                f"{r.point.bandwidth_mbit:g}",
-                f"{r.point.delay_ms:g}",
-                "yes" if went.reached else "no",
-                str(went.steps_to_target if went.reached else went.steps),
-                f"{went.seconds_to_target:.1f}" if went.reached else f">{went.train_seconds:.1f}",
-                f"{speed.samples_per_s:.1f}",
-                f"{speed.link_bound:.1f}",
-                f"{speed.compute_bound:.1f}" if math.isfinite(speed.compute_bound) else "-",
-                f"{sooner:.2f}" if sooner is not None else "-",
+                r.optimizer,
+                r.schedule,
+                r.codec if r.codec == r.backward or r.codec == GLOO else f"{r.codec}|{r.backward}",
+                f"{r.bandwidth_mbit:g}",
+                f"{r.delay_ms:g}",
+                steps,
+                f"{r.step_seconds:.3f}",
+                total,
+                f"{r.samples_per_s:.1f}",
+                f"{100 * r.fraction_of_bound:.0f}% {r.binding}",
+                "equal" if r.oracle_gap == 0 else f"{r.oracle_gap:.1e}",
             ]
         )
     return aligned(table)
 
 
-def sooner_than(row: TargetRow, none: TargetRow) -> float | None:
-    """How many times sooner `row` reached the target than `none` (None when `row` did not reach it;
-    a lower bound when only `none` missed it: its training time is then what it had)."""
-    went, other = row.reaching, none.reaching
-    if not went.reached:
-        return None
-    theirs = other.seconds_to_target if other.reached else other.train_seconds
-    return theirs / went.seconds_to_target if went.seconds_to_target else None
+def _links(row: TimeRow) -> tuple[float, float]:
+    return row.bandwidth_mbit, row.delay_ms
 
 
-def _links(row: TargetRow) -> tuple[float, float]:
-    """The links a row ran on (rows on the same links are compared): bandwidth and delay."""
-    return row.point.bandwidth_mbit, row.point.delay_ms
+def _verdict(factor: float, goal: float, at_most: bool = False) -> str:
+    ok = factor <= goal if at_most else factor >= goal
+    return "met" if ok else f"missed ({factor:.2f}x against {goal:g}x)"
 
 
-def target_lines(rows: list[TargetRow], sooner: float = SOONER) -> list[str]:
-    """Per bandwidth and delay: the best codec against none (target: `sooner` times sooner) and
-    hivepipe's none against torch:gloo (target: at least as fast, in samples/s and to the target)."""
+def target_lines(rows: list[TimeRow]) -> list[str]:
+    """Per link and optimizer: asynchronous against synchronous steps (uncompressed), the best T
+    against uncompressed synchronous training and against torch:gloo, and real runs against T."""
     lines = []
-    for key in dict.fromkeys(_links(r) for r in rows):
-        here = [r for r in rows if _links(r) == key]
-        where = f"at {key[0]:g} Mbit/s, {key[1]:g} ms"
-        none = next((r for r in here if r.point.codec == "none"), None)
-        gloo = next((r for r in here if r.point.codec == GLOO), None)
-        compressed = [r for r in here if r.point.codec not in ("none", GLOO) and r.reaching.reached]
-        if none is not None and compressed:
-            best = min(compressed, key=lambda r: r.reaching.seconds_to_target)
-            factor = sooner_than(best, none)
-            bound = "" if none.reaching.reached else " (at least: none did not reach it)"
-            verdict = "met" if factor >= sooner else f"missed by {100 * (1 - factor / sooner):.0f}%"
-            lines.append(
-                f"{where}: {best.point.codec} reached {best.reaching.target} {factor:.2f}x sooner than none{bound} (target >= {sooner:g}x: {verdict})"
-            )
-        elif none is not None and not compressed:
-            lines.append(f"{where}: no compressed codec reached {none.reaching.target}")
-        if none is not None and gloo is not None:
-            factor = none.achieved.samples_per_s / gloo.achieved.samples_per_s
-            verdict = "met" if factor >= 1 else f"missed by {100 * (1 - factor):.0f}%"
-            race = ""
-            ours, theirs = none.reaching, gloo.reaching
-            if ours.reached and theirs.reached:
-                race = f"; to the target {ours.seconds_to_target:.1f}s against gloo's {theirs.seconds_to_target:.1f}s"
-            lines.append(
-                f"{where}: none {none.achieved.samples_per_s:.1f} samples/s against torch:gloo {gloo.achieved.samples_per_s:.1f}, {factor:.2f}x (target >= 1x: {verdict}){race}"
-            )
+    estimates = [r for r in rows if r.kind == "estimate"]
+    for key in dict.fromkeys(_links(r) for r in estimates):
+        for optimizer in dict.fromkeys(r.optimizer for r in estimates):
+            here = [r for r in estimates if _links(r) == key and r.optimizer == optimizer]
+            where = f"{optimizer} at {key[0]:g} Mbit/s, {key[1]:g} ms"
+            sync = next((r for r in here if r.schedule == "sync" and r.codec == "none"), None)
+            gloo = next((r for r in here if r.codec == GLOO), None)
+            for other in (r for r in here if r.schedule != "sync" and r.codec == "none"):
+                if sync is not None and sync.reached and other.reached:
+                    factor = other.steps_to_target / sync.steps_to_target
+                    lines.append(
+                        f"{where}: {other.schedule} needs {other.steps_to_target} steps to {other.target}, synchronous {sync.steps_to_target}: {factor:.2f}x (target <= {ASYNC_STEPS:g}x: {_verdict(factor, ASYNC_STEPS, True)})"
+                    )
+            ours = [r for r in here if r.codec != GLOO and r.T is not None]
+            if not ours:
+                lines.append(f"{where}: no variant reached the target")
+                continue
+            best = min(ours, key=lambda r: r.T)
+            for name, base in (("uncompressed synchronous", sync), (GLOO, gloo)):
+                if base is None:
+                    continue
+                if base is best:
+                    lines.append(
+                        f"{where}: {name} is the soonest to {best.target} ({best.T:.0f} s; target >= {SOONER:g}x: missed)"
+                    )
+                    continue
+                if base.T is None:
+                    lines.append(
+                        f"{where}: {name} did not reach {best.target}; {best.schedule} {best.codec} in {best.T:.0f} s"
+                    )
+                    continue
+                factor = base.T / best.T
+                lines.append(
+                    f"{where}: {best.schedule} {best.codec} reaches {best.target} in {best.T:.0f} s, {factor:.2f}x sooner than {name} ({base.T:.0f} s; target >= {SOONER:g}x: {_verdict(factor, SOONER)})"
+                )
+    for r in (r for r in rows if r.kind == "real"):
+        where = f"{r.optimizer} {r.schedule} {r.codec} at {r.bandwidth_mbit:g} Mbit/s, {r.delay_ms:g} ms"
+        if r.measured_seconds is None or r.T is None:
+            lines.append(f"{where}: run to the target in the lab, it did not reach it")
+            continue
+        off = abs(r.measured_seconds - r.T) / r.measured_seconds
+        verdict = "met" if off <= REAL_WITHIN else f"missed ({100 * off:.0f}%)"
+        lines.append(
+            f"{where}: measured {r.measured_seconds:.0f} s to the target in the lab, T = {r.T:.0f} s: {100 * off:.0f}% apart (target <= {100 * REAL_WITHIN:.0f}%: {verdict})"
+        )
     return lines
 
 
-def plot(rows: list[TargetRow], path: str, title: str) -> None:
-    """The evaluation metric against training seconds, one curve per codec, a panel per bandwidth."""
+def plot(rows: list[TimeRow], steps: dict[Variant, Steps], path: str, title: str) -> None:
+    """The evaluation metric against estimated training seconds (its step x the row's seconds per
+    step), a curve per variant, a panel per link."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(dict.fromkeys(_links(r) for r in rows))
+    estimates = [r for r in rows if r.kind == "estimate"]
+    keys = list(dict.fromkeys(_links(r) for r in estimates))
     fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 4.5), squeeze=False)
-    codecs = list(dict.fromkeys(r.point.codec for r in rows))
-    target = rows[0].reaching.target
+    goal = Target.parse(estimates[0].target)
     for ax, key in zip(axes[0], keys, strict=True):
-        for r in (r for r in rows if _links(r) == key):
-            codec, curve = r.point.codec, r.reaching.curve
-            seconds, _, values = zip(*curve, strict=True) if curve else ((), (), ())
-            label = codec if codec in (GLOO, "none") else f"{codec} / {r.point.backward}"
-            ax.plot(seconds, values, ".-" if codec != GLOO else "x--", color=f"C{codecs.index(codec)}", label=label)
-        goal = Target.parse(target)
-        metric, value = goal.metric, goal.value
-        ax.axhline(value, color="k", linestyle=":", alpha=0.6, label=f"target {target}")
-        ax.set_xlabel("training seconds (evaluations left out)")
-        ax.set_ylabel(f"evaluation {metric}")
+        for i, r in enumerate(r for r in estimates if _links(r) == key):
+            curve = steps[r.variant].curve
+            ax.plot(
+                [s * r.step_seconds for s, _ in curve],
+                [m for _, m in curve],
+                "x--" if r.codec == GLOO else "-",
+                color=f"C{i % 10}",
+                label=r.variant.label,
+            )
+        ax.axhline(goal.value, color="k", linestyle=":", alpha=0.6, label=f"target {goal}")
+        ax.set_xlabel("training seconds (steps x seconds per step)")
+        ax.set_ylabel(f"evaluation {goal.metric}")
+        ax.set_xscale("log")
         ax.set_title(f"{key[0]:g} Mbit/s, {key[1]:g} ms one way")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def to_json(rows: list[TargetRow]) -> str:
-    """The rows as docs/bench/time-to-target.json holds them: a flat object per point."""
+def to_json(rows: list[TimeRow]) -> str:
     return json.dumps([r.to_json() for r in rows], indent=1)
 
 
-def from_json(text: str) -> list[TargetRow]:
-    """`to_json`'s rows back, a committed file's too."""
-    return [TargetRow.from_json(flat) for flat in json.loads(text)]
+def from_json(text: str) -> list[TimeRow]:
+    return [TimeRow(**row) for row in json.loads(text)]

@@ -118,16 +118,42 @@ class DataConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    name: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
+    # muon: Muon on the hidden blocks' matrices, AdamW on the rest (swarm.engine.muon); nadam:
+    # AdamW's groups with Nesterov momentum and decoupled weight decay
+    name: Literal["sgd", "adamw", "muon", "nadam"] = "sgd"
+    lr: float = Field(0.1, gt=0)  # muon: Muon's rate
+    adamw_lr: float | None = Field(None, gt=0)  # muon: the AdamW part's rate (default: lr / 10)
+    momentum: float = Field(0.9, ge=0, lt=1)  # sgd's (default 0.9) or Muon's (default 0.95)
     weight_decay: float = Field(5e-4, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     schedule_epochs: float | None = Field(None, gt=0)  # schedule length; the run's length by default
+    schedule_steps: int | None = Field(None, ge=1)  # ... or in steps (a run cut short by max_steps or a target)
     warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine and linear decay to this fraction of the peak
     grad_clip: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _muon_momentum(cls, data: Any) -> Any:
+        # Muon's momentum is 0.95 (torch's default, modded-nanogpt's); SGD's stays 0.9
+        if isinstance(data, dict) and data.get("name") == "muon" and "momentum" not in data:
+            data = {**data, "momentum": 0.95}
+        return data
+
+    @model_validator(mode="after")
+    def _one_schedule_length(self) -> OptimizerConfig:
+        if self.schedule_epochs is not None and self.schedule_steps is not None:
+            raise ValueError("optimizer: schedule_epochs and schedule_steps both set; give the schedule's length once")
+        if self.adamw_lr is not None and self.name != "muon":
+            raise ValueError(f"optimizer.adamw_lr: only muon has a second rate (name is {self.name}; lr is its rate)")
+        return self
+
+    @property
+    def adamw_rate(self) -> float:
+        """The AdamW part's rate under muon."""
+        return self.adamw_lr if self.adamw_lr is not None else self.lr / 10
 
 
 class TrainConfig(_Strict):
@@ -147,7 +173,9 @@ class TrainConfig(_Strict):
     target: str | None = None  # METRIC=VALUE: stop once an evaluation reaches it (swarm.config.target)
     # sync: every step applies its own gradients; async: the step before's (swarm.engine.delay)
     schedule: Literal["sync", "async"] = "sync"
-    delay_correction: str = "none"  # async: none or dc:LAMBDA (delay-compensated gradients)
+    # async: lookahead (the default: weights predicted one update ahead), none, or dc:LAMBDA
+    # (delay-compensated gradients); sync: none
+    delay_correction: str = "none"
     # a swarm runs this fraction of training micro-batches a second time, on another peer of a
     # replicated stage, and compares that stage's gradient digests (relative tolerance below)
     verify: float = Field(0, ge=0, le=1)
@@ -158,6 +186,14 @@ class TrainConfig(_Strict):
     sample_prompt: str | None = Field(None, min_length=1)  # default: the start of the test split's first block
     sample_tokens: int = Field(32, ge=1)  # new tokens per sample
     sample_temperature: float = Field(0.0, ge=0, allow_inf_nan=False)  # 0: greedy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_looks_ahead(cls, data: Any) -> Any:
+        # measured best of none, lookahead and dc (docs/configs.md "Muon and the asynchronous schedule")
+        if isinstance(data, dict) and data.get("schedule") == "async" and "delay_correction" not in data:
+            data = {**data, "delay_correction": "lookahead"}
+        return data
 
     @field_validator("delay_correction")
     @classmethod

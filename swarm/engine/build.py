@@ -16,6 +16,7 @@ from swarm.engine.precision import Forward
 from swarm.engine.stage import StageRuntime
 from swarm.engine.versions import StepVersions
 from swarm.models import StagedModel, build_model
+from swarm.models.matrices import hidden_matrices
 
 
 def build_staged_model(cfg: ExperimentConfig) -> StagedModel:
@@ -68,7 +69,7 @@ def build_runtime(
 ) -> StageRuntime:
     device = torch.device(cfg.device)
     module = staged.stages[index].to(device)
-    optimizer = make_optimizer(cfg.optimizer, module)
+    optimizer = make_optimizer(cfg.optimizer, module, hidden_matrices(staged, index))
     scheduler = make_scheduler(cfg.optimizer, optimizer, total_steps)
     last = index == cfg.model.num_stages - 1
     runtime = StageRuntime(

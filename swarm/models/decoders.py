@@ -115,6 +115,7 @@ class DecoderStage(nn.Module):
                     self.add_module(parts.names[role], parts.modules[role])
         self.embed_scale = stage_inputs.embed_scale(config, parts.base, parts.modules["embed"]) if first else None
         self.layers_name = parts.names["layers"]
+        self.hidden_blocks = (self.layers_name,)  # what Muon trains (swarm.models.matrices)
         self.add_module(self.layers_name, nn.ModuleDict({str(i): parts.layers[i] for i in layers}))
         self.kinds = {i: stage_inputs.mask_kind(config, i) for i in layers}
         self.kind_set = set(self.kinds.values())  # the layer types whose masks and rotary a forward builds

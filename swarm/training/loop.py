@@ -51,9 +51,11 @@ class Schedule:
         for cap in (cfg.train.max_steps, max_steps):
             if cap is not None:
                 total = min(total, cap)
-        horizon = (
-            total if cfg.optimizer.schedule_epochs is None else max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
-        )
+        horizon = total
+        if cfg.optimizer.schedule_epochs is not None:
+            horizon = max(1, round(cfg.optimizer.schedule_epochs * per_epoch))
+        elif cfg.optimizer.schedule_steps is not None:
+            horizon = cfg.optimizer.schedule_steps
         return cls(
             per_epoch,
             total,

@@ -155,8 +155,19 @@ def _run(cfg, directory=None, every=None, crash_at=None, steps=6) -> list[dict]:
         ),
         # stochastic rounding draws from the global RNG, which the checkpoint restores
         (["compression.forward=quant:3/stochastic", "compression.backward=quant:4/stochastic"], 6, 5),
+        # Muon's momentum and AdamW's moments, and the look-ahead's last move, all in the checkpoint
+        (
+            [
+                "compression.forward=quant:4",
+                "compression.backward=quant:4",
+                "optimizer={name: muon, lr: 0.02}",
+                "train.schedule=async",
+            ],
+            7,
+            5,
+        ),
     ],
-    ids=["ef21-reuse", "aqsgd-ef-epochs", "stochastic"],
+    ids=["ef21-reuse", "aqsgd-ef-epochs", "stochastic", "muon-async"],
 )
 def test_resumed_run_repeats_the_uninterrupted_run(tmp_path, overrides, steps, crash_at, capsys):
     cfg = load_config(SMOKE, overrides)

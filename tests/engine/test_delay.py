@@ -62,7 +62,7 @@ def test_each_step_applies_the_gradients_of_the_step_before():
 
 
 def test_delay_compensation_changes_the_update_and_needs_a_strength():
-    none_losses, none_run = _run(load_config(SMOKE, [*BASE, "train.schedule=async"]), 4)
+    none_losses, none_run = _run(load_config(SMOKE, [*BASE, "train.schedule=async", "train.delay_correction=none"]), 4)
     dc_losses, dc_run = _run(load_config(SMOKE, [*BASE, "train.schedule=async", "train.delay_correction=dc:2.0"]), 4)
     assert none_losses[:3] == dc_losses[:3]  # steps 2 and 3 apply gradients of weights that had not moved yet
     assert not _equal(_weights(none_run), _weights(dc_run))
@@ -78,7 +78,7 @@ def test_delay_compensation_changes_the_update_and_needs_a_strength():
 
 def test_look_ahead_trains_at_the_predicted_weights_and_evaluates_at_the_weights():
     cfg = load_config(SMOKE, [*BASE, "train.schedule=async", "train.delay_correction=lookahead"])
-    plain_losses, plain = _run(load_config(SMOKE, [*BASE, "train.schedule=async"]), 3)
+    plain_losses, plain = _run(load_config(SMOKE, [*BASE, "train.schedule=async", "train.delay_correction=none"]), 3)
     ahead_losses, ahead = _run(cfg, 3)
     # the first update is at step 2; step 3 runs at v_2 + (v_2 - v_1), the weights after it are v_3
     assert ahead_losses[:2] == plain_losses[:2] and ahead_losses[2] != plain_losses[2]

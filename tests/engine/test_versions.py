@@ -80,7 +80,7 @@ def test_a_swarms_stages_give_one_process_floats_for_every_correction(correction
     last = {(Mode.TRAIN.value, STEPS - 1, i) for i in range(cfg.train.micro_batches)}  # applied by none yet
     assert all(set(r.held) == last and not r.pending for r in swarm_like.runtimes)
     if correction != "none":  # the correction ran: not the uncorrected run's floats
-        plain, _ = _run(load_config(SMOKE, BASE), STEPS)
+        plain, _ = _run(load_config(SMOKE, [*BASE, "train.delay_correction=none"]), STEPS)
         assert ours[:2] == plain[:2] and ours[3:] != plain[3:]
 
 

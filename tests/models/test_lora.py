@@ -15,6 +15,7 @@ from swarm.models.causal_lm import load_model
 from swarm.training.checkpoints import Checkpointing, latest_run
 from swarm.training.experiment import build_data, open_results
 from swarm.training.loop import Schedule, train
+from swarm.training.results import read_results
 from swarm.transport.local import build_local_pipeline
 
 LLAMA = dict(TINY_DECODERS["llama"], vocab_size=300)  # the tiny tokenizer has 260 tokens
@@ -120,3 +121,29 @@ def test_lora_keeps_a_layer_in_the_first_stage_by_default(tmp_path):
         assert any(p.requires_grad for p in staged.stages[0].parameters())
     plain = build_model("transformers", 4, pretrained=str(tmp_path / "base"))
     assert len(plain.stages[0].layers) == 0
+
+
+def test_muon_trains_the_adapter_matrices_and_only_them(tmp_path):
+    """LoRA's A and B are the hidden blocks' matrices: Muon takes them all (nothing is left for
+    AdamW), the base never moves, and the loss falls."""
+    raw = lora_config(tmp_path, optimizer={"name": "muon", "lr": 0.05}, train={"max_steps": 6})
+    cfg = config_from_text(yaml.safe_dump(raw), [], "test")
+    data = build_data(cfg)
+    pipeline, staged = build_local_pipeline(cfg, 6, capacity=len(data[0]))
+    adapters = {id(p) for s in staged.stages for n, p in s.named_parameters() if "lora_" in n}
+    muon = {
+        id(p) for r in pipeline.runtimes for g in r.optimizer.param_groups if g["kind"] == "muon" for p in g["params"]
+    }
+    others = [
+        p for r in pipeline.runtimes for g in r.optimizer.param_groups if g["kind"] != "muon" for p in g["params"]
+    ]
+    assert muon == adapters and not others
+    before = {id(p): p.detach().clone() for s in staged.stages for p in s.parameters() if id(p) not in adapters}
+    results = open_results(tmp_path / "run.jsonl", None)
+    try:
+        train(cfg, pipeline, data, results, 6, False, None)
+    finally:
+        results.close()
+    assert all(torch.equal(v, p) for s in staged.stages for p in s.parameters() if (v := before.get(id(p))) is not None)
+    losses = [r["loss"] for r in read_results(tmp_path / "run.jsonl") if r["type"] == "step"]
+    assert len(losses) == 6 and losses[-1] < losses[0]

@@ -228,11 +228,11 @@ def test_study_configs_are_generated_and_carry_the_papers_figures():
     assert tables == {"Table 1": 8, "Table 2": 6, "Table 3": 5, "Table 4": 4, "Table 5": 6}
 
 
-def test_rank_sweep_configs_are_generated_from_the_time_to_target_config():
+def test_rank_sweep_configs_are_generated_from_the_byte_gpt_config():
     generator = REPO / "configs" / "rank-sweep" / "generate.py"
     result = subprocess.run([sys.executable, str(generator), "--check"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    base = load_config(REPO / "configs" / "bench" / "time-to-target.yaml")
+    base = load_config(REPO / "configs" / "bench" / "byte-gpt-200.yaml")
     sweep = {p.stem: load_config(p) for p in sorted((REPO / "configs" / "rank-sweep").glob("*.yaml"))}
     codecs = {name: (cfg.compression.forward, cfg.compression.backward) for name, cfg in sweep.items()}
     assert codecs["rank-r0-none"] == ("none", "none")
