@@ -6,8 +6,11 @@ Shared by the swarm tests: one `Swarm` for the whole session (the `swarm` fixtur
 
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +33,39 @@ HOSTS = 5
 SETTINGS = Settings.of(call_timeout_s=30, read_timeout_s=10)  # a test's peers give up sooner than a swarm's
 
 
-def p2pd_count() -> int:
-    out = subprocess.run(["pgrep", "-c", "-x", "p2pd"], capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
+TAG = "HIVEPIPE_TEST_COMMAND"  # in the environment of a command's processes, their p2p daemons' too
+
+
+@dataclass
+class Finished:
+    """A command run to its end (`run_tagged`): its result, how many of its p2p daemons outlived
+    it, and its pid (the namespaces a lab makes are named after it: hp-PID-...)."""
+
+    done: subprocess.CompletedProcess
+    daemons_left: int
+    pid: int
+
+
+def run_tagged(command: list[str], timeout: float, cwd) -> Finished:
+    """Runs `command` and counts the p2p daemons it left behind. Its daemons are told apart by a tag
+    in their environment: a machine-wide count would also see the daemons of other swarms on this
+    machine (the suite's other worker, other users) come and go meanwhile."""
+    tag = uuid.uuid4().hex
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env={**os.environ, TAG: tag}
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    left = 0
+    for pid in subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout.split():
+        try:
+            left += f"{TAG}={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            pass
+    return Finished(subprocess.CompletedProcess(command, process.returncode, out, err), left, process.pid)
 
 
 class Swarm:

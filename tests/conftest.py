@@ -12,6 +12,12 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One torch thread here and in every process a test starts (peers, labs, CLIs): pytest-xdist runs
+# two workers on this 2-core machine, and a thread per core in each process oversubscribed the
+# cores several times over (the suite's main slowness). Swarm and single-process runs then also
+# compute with the same thread count, as their equality needs.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch
@@ -34,7 +40,31 @@ settings.register_profile(
 )
 settings.load_profile("hivepipe")
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)
+
+from _peers_marker import WATCH, fail_if_started, mark_collected  # noqa: E402
+
+WATCH.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    mark_collected(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    WATCH.arm(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        result = yield
+    finally:
+        started = WATCH.disarm()
+    fail_if_started(item, started)
+    return result
 
 
 @pytest.fixture(autouse=True)

@@ -90,6 +90,7 @@ def test_bad_cli_values_get_one_line_errors(capsys):
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+@pytest.mark.peers
 def test_stream_bench_times_both_modes_over_real_daemons(capsys):
     """`bench streams` runs two hivemind peers and reports per-exchange wall and CPU time for a new
     stream per exchange and for one kept stream (the figures are read, not asserted)."""
@@ -106,6 +107,7 @@ def test_stream_bench_times_both_modes_over_real_daemons(capsys):
     )
 
 
+@pytest.mark.peers
 def test_fuzz_bench_prints_outcomes_per_category_and_the_runs_losses(capsys):
     """`bench fuzz` attacks a small training swarm and says how each category of message ended and
     whether the losses are one process's (its memory figure, a growth of this process's peak, means

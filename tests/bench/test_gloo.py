@@ -34,6 +34,7 @@ def test_the_gloo_baseline_refuses_what_it_cannot_do(capsys):
     assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.9") is None  # gloo's interface by address
 
 
+@pytest.mark.peers
 def test_time_to_target_runs_hivepipe_and_gloo_on_the_same_shaped_links(tmp_path):
     """The whole benchmark, small: steps from one process, seconds per step from shaped lab runs
     (namespaces as root) of hivepipe and gloo, and the soonest point run to the target for real.

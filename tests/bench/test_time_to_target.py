@@ -66,6 +66,7 @@ def test_a_variant_is_its_overrides():
         Variant("muon", "later", "none").check()
 
 
+@pytest.mark.peers
 def test_one_process_runs_are_kept_and_reused_for_the_same_config_only(tmp_path):
     lines = []
     runs = StepRuns("configs/smoke.yaml", ["train.max_steps=2", "train.eval_every=0.1"], tmp_path, lines.append)

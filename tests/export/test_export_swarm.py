@@ -31,6 +31,8 @@ from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.net.node import SwarmNode
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 
 def _trained(swarm, cfg, run_id: str, steps: int, checkpoint=None):
     """`steps` steps of `cfg` through the swarm (copies every 2 steps); the pipeline, its rows."""

@@ -4,37 +4,14 @@ trainer started again), ending with the single-process run's losses."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import pytest
-from _swarm_env import assert_losses_of_one_process
+from _swarm_env import assert_losses_of_one_process, run_tagged
 from _util import REPO, SMOKE
 
 from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
-
-TAG = "HIVEPIPE_CHURN_TEST"  # in the environment of a lab's processes, their p2p daemons' too
-
-
-def _lab(command: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, int]:
-    """Runs `command` (a `swarm lab`); its result, and how many of its p2p daemons outlived it.
-    Its daemons are told apart by a tag in their environment: a machine-wide count would also see
-    the daemons of other swarms on this machine come and go meanwhile."""
-    tag = uuid.uuid4().hex
-    out = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, TAG: tag}
-    )
-    left = 0
-    for pid in subprocess.run(["pgrep", "-x", "p2pd"], capture_output=True, text=True).stdout.split():
-        try:
-            left += f"{TAG}={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # it ended meanwhile
-            pass
-    return out, left
 
 
 def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
@@ -130,6 +107,7 @@ def test_a_kill_waits_for_a_joiner_of_its_stage_to_have_its_state():
     assert dict(lab.processes)["stage1"].signals == [15]
 
 
+@pytest.mark.peers
 def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_keeps_the_single_process_losses(
     tmp_path,
 ):
@@ -154,7 +132,8 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
     command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--snapshot_every", "5", "--churn"]
     command += ["join:1@0,join:2@0,kill:1@step60,stop:2@step66,kill:0@step82,join:0@step82,kill:trainer@step96"]
-    out, daemons_left = _lab(command, timeout=500)
+    finished = run_tagged(command, timeout=500, cwd=REPO)
+    out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
     assert out.returncode == 0, log
     for line in ("join stage1.2", "join stage2.2", "kill stage1\n", "stop stage2\n", "[stage2] left the run"):

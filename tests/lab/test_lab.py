@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
-from _swarm_env import assert_same_run, local_rows, p2pd_count
+from _swarm_env import Finished, assert_same_run, local_rows, run_tagged
 from _util import REPO, SMOKE, cli_here
 
 from swarm.config import load_config
@@ -19,21 +18,21 @@ from swarm.training.results import read_results
 SHAPED = ["--bandwidth", "stage1=20mbit,*=50mbit", "--delay", "5ms"]
 
 
-def _lab(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def _lab(*args: str, timeout: float) -> Finished:
     """`python -m swarm lab` on the smoke config, two stages, two steps, and `args`."""
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "2", "--steps", "2", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run_tagged(command, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.peers
 def test_lab_runs_separate_processes_shaped_in_process_and_matches_single_process(tmp_path):
     """Two stage peers and a trainer, each process pacing what it sends (the shaping a user without
     root gets); checkpoints, the stages' compute rows, and the single-process losses. (The lab
     without shaping: tests/lab/test_lab_models.py; in namespaces: the test below.)"""
-    before = p2pd_count()
     results = tmp_path / "lab.jsonl"
     overrides = ["compression.forward=topk:0.1+ef21", "compression.backward=topk:reuse", "train.eval_every=100"]
     sets = [a for o in overrides for a in ("--set", o)]
-    out = _lab(
+    finished = _lab(
         "--results",
         str(results),
         "--checkpoint_dir",
@@ -46,6 +45,7 @@ def test_lab_runs_separate_processes_shaped_in_process_and_matches_single_proces
         *sets,
         timeout=150,
     )
+    out = finished.done
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[stage0]" in out.stdout and "[stage1]" in out.stdout and "[trainer] step 2" in out.stdout
     # the run over, its peers leave at once when the lab stops them: no hint to press Ctrl-C again
@@ -79,7 +79,7 @@ def test_lab_runs_separate_processes_shaped_in_process_and_matches_single_proces
     )
     threads = max(1, len(os.sched_getaffinity(0)) // 3)  # two stage peers and the trainer share the cores
     assert f"[lab] torch threads per peer: {threads}" in out.stdout
-    assert p2pd_count() == before  # every daemon the lab started is gone
+    assert finished.daemons_left == 0  # every daemon the lab started is gone
 
 
 def _peers_worked(results) -> None:
@@ -92,12 +92,12 @@ def _peers_worked(results) -> None:
     assert all(own > 0 and daemon > 0 for own, daemon in used.values()), used
 
 
+@pytest.mark.peers
 def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
     """... and writes the run's timeline: every peer's spans, clocks aligned (one machine's: within
     a few milliseconds of each other)."""
     results = tmp_path / "shaped.jsonl"
-    namespaces = set(list_namespaces("hp"))
-    out = _lab(
+    finished = _lab(
         "--results",
         str(results),
         *SHAPED,
@@ -109,6 +109,7 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
         str(tmp_path / "run.json"),
         timeout=200,
     )
+    out = finished.done
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (
         "stage1     10.77.0.4       up tbf 20mbit" in out.stdout
@@ -117,7 +118,7 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
     probe = re.search(r"probe trainer<->stage1: up ([0-9.]+) Mbit/s, down ([0-9.]+) Mbit/s", out.stdout)
     assert probe and all(5 < float(v) <= 20.5 for v in probe.groups())  # the 20mbit link binds
     assert re.search(r"probe trainer<->bootstrap: up [0-9.]+ Mbit/s", out.stdout)  # every access link is crossed
-    assert set(list_namespaces("hp")) == namespaces  # all torn down
+    assert list_namespaces(f"hp-{finished.pid}-") == []  # all torn down (the lab's, named after its pid)
     rows = read_results(results)
     meter = next(r for r in rows if r["type"] == "meter")["samples"]
     counted = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 from _swarm_env import assert_same_run, local_rows
@@ -17,6 +18,8 @@ from swarm.training.results import read_results
 
 sys.path.insert(0, str(REPO / "tests" / "models"))
 from test_lora import lora_config  # noqa: E402  (the same tiny pretrained Llama, tokenizer and text)
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 
 def test_lora_decoder_on_local_text_through_the_swarm_equals_one_process(tmp_path):

@@ -8,8 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from _swarm_env import assert_losses_of_one_process
 from _util import REPO, SMOKE, ensure_iptables
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 
 def test_stages_behind_nat_are_relayed_and_a_replica_behind_nat_killed_9_keeps_the_losses(tmp_path):

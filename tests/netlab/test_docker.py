@@ -122,6 +122,7 @@ def test_prometheus_scrapes_every_peer_at_its_metrics_port():
     assert not re.fullmatch(relabel["regex"], "stage2-remote;203.0.113.9:9100")  # a label given is kept
 
 
+@pytest.mark.peers
 def test_public_override_gives_every_peer_a_published_port_and_its_public_address():
     base = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]
     public = yaml.safe_load((DOCKER / "compose.public.yaml").read_text())["services"]
@@ -187,6 +188,7 @@ def test_dockerfile_lint():
         assert (REPO / path).exists(), f"COPY {path}: missing from the build context"
 
 
+@pytest.mark.peers
 def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     out = _entrypoint(
         {"DRY_RUN": "1", "RATE": "20mbit", "DELAY": "50ms", "ROLE": "stage", "STAGE": "2", "IFACE": "eth0"},
@@ -262,6 +264,7 @@ def test_entrypoint_dry_run_prints_tc_and_the_peer_command():
     assert "peers.trainer" in paced.stdout and "--uplink 20mbit" in paced.stdout, paced.stdout + paced.stderr
 
 
+@pytest.mark.peers
 def test_entrypoint_metrics_port_and_the_status_page():
     peers = "/ip4/1.2.3.4/tcp/1/p2p/Qm"
     for role in ("bootstrap", "stage", "trainer"):
@@ -289,6 +292,7 @@ def test_entrypoint_metrics_port_and_the_status_page():
     ), derived.stdout + derived.stderr
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -303,6 +307,7 @@ def test_entrypoint_bad_input_is_one_line(env, message):
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.peers
 def test_entrypoint_shapes_for_real_inside_a_namespace():
     try:
         require()

@@ -61,6 +61,7 @@ def _connect(net: NetLab, name: str, host: str, port: int) -> str:
     return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip()
 
 
+@pytest.mark.peers
 def test_a_process_behind_nat_dials_out_and_nobody_dials_in(caps):
     with NetLab(["public", "home"], nat=["home"]) as net:
         tag = net.topology.tag

@@ -118,6 +118,7 @@ def test_shaped_stream_adds_delay_without_cutting_rate():
     asyncio.run(main())
 
 
+@pytest.mark.peers
 def test_in_process_p2p_stream_through_the_bucket():
     """A real hivemind P2P stream (two daemons on loopback), the sender shaped by the bucket: never
     faster than the bucket, and (with room for a loaded machine) not much slower."""
@@ -140,6 +141,7 @@ def test_detect_reports_the_kernel(caps):
         assert "netem" in caps.errors and "in-process" in caps.summary()
 
 
+@pytest.mark.peers
 def test_namespaces_up_and_gone_without_leftovers(caps):
     with NetLab(["boot", "stage0", "trainer"], rates={"stage0": "20mbit", "trainer": "1gbit"}, delays="10ms") as net:
         tag = net.topology.tag
@@ -170,6 +172,7 @@ def test_namespaces_up_and_gone_without_leftovers(caps):
     assert _ns_leftovers(tag) == []
 
 
+@pytest.mark.peers
 def test_no_leftovers_after_an_exception_and_a_killed_child(caps):
     with pytest.raises(RuntimeError, match="boom"), NetLab(["a", "b"], rates="5mbit") as net:
         tag = net.topology.tag
@@ -192,6 +195,7 @@ def test_required_delay_without_netem_is_a_clear_error(caps):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.peers
 def test_group_cpu_counts_a_peer_and_its_daemon_apart_and_keeps_an_exited_process(tmp_path):
     """A lab reads each peer's CPU time and its p2p daemon's from /proc by process group. Here a group
     leader burns 0.3 s; a child started as `p2pd` burns 0.6 s and exits; a child whose name holds a
@@ -283,6 +287,7 @@ def _owner(mode: str, sigint: str = "python"):
         cleanup_stale(prefix)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_teardown_on_signal_then_the_signal_is_passed_on(caps, sig):
     with _owner("with") as (process, tag, _):
@@ -292,6 +297,7 @@ def test_teardown_on_signal_then_the_signal_is_passed_on(caps, sig):
         assert code == -sig, process.stderr.read()[-500:]  # still dies of the signal, as without the lab
 
 
+@pytest.mark.peers
 def test_an_ignored_sigint_stays_ignored_while_a_lab_is_up(caps):
     """A process that ignores SIGINT (a background job) keeps ignoring it: the kernel drops the
     SIGINT at once, and the SIGTERM after it is what tears the lab down and ends the process."""
@@ -303,6 +309,7 @@ def test_an_ignored_sigint_stays_ignored_while_a_lab_is_up(caps):
         assert code == -signal.SIGTERM, process.stderr.read()[-500:]
 
 
+@pytest.mark.peers
 def test_cleanup_stale_after_the_owner_was_killed(caps):
     with _owner("crash") as (process, tag, prefix):
         process.kill()
@@ -313,6 +320,7 @@ def test_cleanup_stale_after_the_owner_was_killed(caps):
         assert _ns_leftovers(tag) == []
 
 
+@pytest.mark.peers
 def test_a_killed_lab_leaves_nothing_behind_after_the_next_start(caps):
     """SIGKILL skips every cleanup; the next NetLab of the same prefix removes the dead owner's
     namespaces first."""
@@ -325,6 +333,7 @@ def test_a_killed_lab_leaves_nothing_behind_after_the_next_start(caps):
         assert _ns_leftovers(net.topology.tag) == []
 
 
+@pytest.mark.peers
 def test_without_root_one_line_error(caps):
     code = "import os\nfrom swarm.netlab.namespaces import NetLab\nlab = NetLab(['a'])\nos.seteuid(65534)\nlab.start()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
@@ -335,6 +344,7 @@ def test_without_root_one_line_error(caps):
 # ----------------------------------------------------------------- shaping measured over hivemind
 
 
+@pytest.mark.peers
 def test_shaping_limits_hivemind_throughput(caps):
     """Probe servers in b (20mbit) and c (1gbit), one client in a (1gbit); real p2p daemons per namespace."""
     with NetLab(["a", "b", "c"], rates={"a": "1gbit", "b": "20mbit", "c": "1gbit"}) as net:

@@ -27,6 +27,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
+@pytest.mark.peers
 def test_run_writes_the_documented_results(tmp_path):
     out = tmp_path / "smoke.jsonl"
     result = cli("run", str(SMOKE), "--steps", "3", "--results", str(out), "--set", "train.eval_every=0.2")
@@ -75,6 +76,7 @@ def test_report_writes_tables_and_curves(tmp_path, capsys):
     assert pngs and pngs[0].stat().st_size > 1000
 
 
+@pytest.mark.peers
 def test_bad_configs_fail_with_one_line(tmp_path, capsys):
     result = cli("run", str(SMOKE), "--set", "train.bogus=1")
     assert result.returncode == 2
@@ -134,6 +136,7 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one(capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == refused
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)  # not the suite's one thread (tests/conftest.py): a change that shows
         assert apply_threads(1) is None and torch.get_num_threads() == 1
         assert apply_threads(None) is None and torch.get_num_threads() == 1  # not given: left as it is
     finally:
@@ -143,6 +146,7 @@ def test_peers_take_a_thread_count_and_refuse_a_bad_one(capsys):
 def test_run_takes_the_thread_count_its_swarm_peers_take(tmp_path, capsys):
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)  # not the suite's one thread (tests/conftest.py): a change that shows
         done = cli_here(
             capsys, "run", str(SMOKE), "--steps", "1", "--threads", "1", "--results", str(tmp_path / "r.jsonl")
         )

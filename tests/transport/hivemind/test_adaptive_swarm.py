@@ -227,12 +227,15 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
     rows, _, _, adaptive, warnings, _ = shaped_run(
         swarm, cfg, 2, "1mbit", finish=resume, checkpoint=Checkpointing(str(directory), 2)
     )
-    saved = [r for r in rows if r["type"] == "step"][-1]["codecs"]  # what step 2 ran with, and the checkpoint keeps
-    assert saved["0"].startswith("quant:") and saved["0"] == "{} / {}".format(*adaptive.codecs[0])
+    ran = [r for r in rows if r["type"] == "step"][-1]["codecs"]  # what step 2 ran with
+    # what the checkpoint keeps: the codecs in force after step 2, those step 2 ran with unless the
+    # decision after it moved them (on this machine's load it may: the link is timed)
+    saved = "{} / {}".format(*adaptive.codecs[0])
+    assert ran["0"].startswith("quant:") and saved.startswith("quant:")
     after_rows, statuses, stage_links, restored = resumed
     steps = [r for r in after_rows if r["type"] == "step"]
     assert [r["step"] for r in steps] == [3] and steps[0]["loss"] == steps[0]["loss"]  # resumed at step 2, ran step 3
-    assert steps[0]["codecs"]["0"] == saved["0"]  # the loaded links ran the saved codecs, not the config's
+    assert steps[0]["codecs"]["0"] == saved  # the loaded links ran the saved codecs, not the config's
     # after step 3 the resumed controller decides afresh (on this machine's load: it may move), and
     # both ends of the link follow it together, as the trainer sees it
     assert [(link.forward, link.backward) for link in stage_links[:1]] == [restored.codecs[0]]  # stage 1's peer

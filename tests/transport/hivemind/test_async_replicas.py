@@ -20,6 +20,8 @@ from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.stage.host import HostedStage
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 6
 OVERRIDES = [
     "model.num_stages=3",

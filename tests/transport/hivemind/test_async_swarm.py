@@ -19,6 +19,8 @@ from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 OVERRIDES = [
     "model.num_stages=4",
     "optimizer.grad_clip=0.05",

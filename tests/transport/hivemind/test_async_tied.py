@@ -20,6 +20,8 @@ from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter, read_results
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 6
 DC = "dc:1000"  # strong enough that tying before the correction instead of after it shows
 

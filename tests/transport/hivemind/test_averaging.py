@@ -17,6 +17,8 @@ from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.stage.averaging import AveragingError, ReplicaAverager
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 TIMEOUT_S = 5.0
 HANG_S = 30.0
 NAMESPACE = "test-averaging.stage1"

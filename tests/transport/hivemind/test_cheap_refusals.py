@@ -31,6 +31,8 @@ from swarm.transport.hivemind.net.settings import Settings
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 INFO_S = 1.0  # the bound: a peer answers a status call within a second throughout
 
 

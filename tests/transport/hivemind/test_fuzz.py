@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 from _swarm_env import SETTINGS, assert_same_run, local_rows, smoke
 
 from swarm.bench.fuzz import max_rss_mib
@@ -18,6 +19,8 @@ from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.net.node import SwarmNode
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 STEPS = 6
 COUNT = 10_000

@@ -18,6 +18,8 @@ import pytest
 from _browser import chromium_page, ensure_chromium, expect
 from _util import REPO, SMOKE
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 CONFIG = [
     "--config",
     str(SMOKE),

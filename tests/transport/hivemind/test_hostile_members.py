@@ -26,6 +26,8 @@ from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batc
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 5
 
 

@@ -24,6 +24,8 @@ from _joining_run import (
 
 from swarm.transport.hivemind.dht.survey import format_table, survey
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 
 def _held_back(source, release: threading.Event) -> None:
     """`source` takes its state when asked but sends it only once `release` is set (a slow link)."""

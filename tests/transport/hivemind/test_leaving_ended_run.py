@@ -7,12 +7,15 @@ import asyncio
 import time
 import uuid
 
+import pytest
 from _swarm_env import smoke, split_batches
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.training.experiment import build_data
 from swarm.transport.hivemind.dht.runstatus import RunStatus, fetch_status, publish_status
 from swarm.transport.hivemind.net.node import SwarmNode
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 WAITS = "no other peer serves this stage"
 

@@ -8,6 +8,7 @@ import time
 import urllib.request
 import uuid
 
+import pytest
 from _swarm_env import STEPS, smoke
 from hivemind.utils.crypto import RSAPrivateKey
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +25,8 @@ from swarm.transport.hivemind.monitor.stage_metrics import StageCollector
 from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.schemas import owned
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 
 def scrape(server: MetricsServer) -> dict[tuple[str, tuple], float]:

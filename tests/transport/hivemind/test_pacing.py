@@ -115,6 +115,7 @@ def test_pieces_last_about_ten_milliseconds_within_bounds():
     assert piece_bytes(1e6) == MIN_PIECE_BYTES
 
 
+@pytest.mark.peers
 def test_the_peers_link_rates_are_checked():
     with pytest.raises(RuntimeError, match="--uplink: .*fast"):
         asyncio.run(SwarmNode.create(NodeOptions(uplink="fast")))

@@ -81,6 +81,7 @@ def _token_cli(*args: str, home) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.peers
 def test_the_token_command_prints_a_peer_id_and_a_token_the_owner_signed(tmp_path, monkeypatch, capsys):
     joiner = tmp_path / "joiner.key"
     out = _token_cli("--peer_of", str(joiner), home=tmp_path)

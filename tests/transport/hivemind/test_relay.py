@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hivemind.p2p import P2P, PeerID
 
 from protocols import reach_pb2 as rpb
@@ -13,6 +14,8 @@ from swarm.transport.hivemind.net.node import NodeOptions, SwarmNode
 from swarm.transport.hivemind.net.reach import BEHIND_NAT, PUBLIC, Reachability, ask
 from swarm.transport.hivemind.net.relay import REACH, RELAY, RELAYED, REQUEST_BYTES
 from swarm.transport.hivemind.net.streams import read_one
+
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
 
 WHO = "test.who/1"  # a handler of the held peer's, reached directly or through the relay
 

@@ -19,6 +19,8 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 8
 
 
@@ -30,9 +32,14 @@ def _same_losses(ours, theirs) -> None:
         assert a["loss"] == b["loss"], a["step"]  # bit for bit, however the replicas split a step
 
 
-def _train(swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS, every: int = 0) -> SwarmPipeline:
+def _train(
+    swarm, cfg, run_id: str, results: ResultsWriter, steps: int = STEPS, every: int = 0, made: list | None = None
+) -> SwarmPipeline:
+    """`made` gets the pipeline before it trains (for a test's thread to watch it)."""
     data = build_data(cfg)
     pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id, snapshot_every=every)
+    if made is not None:
+        made.append(pipeline)
     pipeline.setup(Schedule.of(cfg, len(data[0]), steps).lr_horizon, len(data[0]), wait_s=20)
     train(cfg, pipeline, data, results, steps, progress=False)
     return pipeline
@@ -143,12 +150,18 @@ def test_a_lost_stage_with_replicas_and_tied_weights_elsewhere_goes_back_and_rep
     server.host(HostedStage(node, run_id, cfg, 1))
     swarm.loop.run(server.announcer.announce_now())
 
+    made: list[SwarmPipeline] = []
+
     def kill_and_replace() -> None:
         swarm.loop.run(server.stop())
         swarm.loop.run(node.shutdown())
 
         def replace() -> None:
-            time.sleep(1.0)
+            # once the trainer has found stage 1 empty and paused: a replacement there sooner could
+            # be routed to without a pause (the deadline only bounds a failure)
+            deadline = time.monotonic() + 60
+            while made[0].recovery.paused is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             swarm.host(cfg, run_id, [(1, 1)])
 
         threading.Thread(target=replace, daemon=True).start()
@@ -162,7 +175,7 @@ def test_a_lost_stage_with_replicas_and_tied_weights_elsewhere_goes_back_and_rep
 
     try:
         results = Hooked(None)
-        pipeline = _train(swarm, cfg, run_id, results, steps=8, every=2)
+        pipeline = _train(swarm, cfg, run_id, results, steps=8, every=2, made=made)
         assert [(p["from_step"], p["to_step"]) for p in pipeline.recovery.history.pauses] == [(5, 4)]
         _same_losses(results.rows, local_rows(cfg, tmp_path, 8))
     finally:

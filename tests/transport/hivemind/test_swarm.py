@@ -176,6 +176,7 @@ def test_discovery_sees_several_peers_per_stage_and_status_lists_them(swarm):
 # ---- integrity, versions, unknown calls --------------------------------------------------------
 
 
+@pytest.mark.peers
 def test_peers_run_on_uvloop():
     """The peers' loops (peers._common.run_until_stopped, LoopThread) are uvloop's where it is installed."""
 

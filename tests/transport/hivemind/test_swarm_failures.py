@@ -16,6 +16,8 @@ from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter, read_results
 from swarm.transport.hivemind.stage.host import HostedStage
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 
 def test_a_killed_peer_is_banned_and_the_micro_batch_retried_on_another(swarm):
     """Stage 1 has two peers; the one serving dies mid-run; stage 0 retries on the other."""

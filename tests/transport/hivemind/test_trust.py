@@ -37,6 +37,8 @@ from swarm.transport.hivemind.stage.server import StageServer
 from swarm.transport.hivemind.trust.owner import Owner
 from swarm.transport.hivemind.trust.signatures import sign_call
 
+pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
+
 STEPS = 4
 
 
