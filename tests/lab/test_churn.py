@@ -176,7 +176,8 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
-    out, daemons_left = _lab(command, timeout=500)
+    finished = run_tagged(command, timeout=500, cwd=REPO)
+    out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
     assert out.returncode == 0, log
     assert "kill stage1\n" in out.stdout, log

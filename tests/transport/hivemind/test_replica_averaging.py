@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 
+import pytest
 import torch
 from _swarm_env import local_rows, smoke, tiny_gpt2
 
