@@ -64,25 +64,20 @@ def oracle_gap(ours: list[float], theirs: list[float]) -> float:
     return max((abs(a - b) / abs(b) if b else abs(a) for a, b in zip(ours, theirs, strict=False)), default=0.0)
 
 
+def lab_rows(setup: LabSetup, variant: Variant, link: Link, sets: list[str], steps: int, log=print):
+    """`steps` steps of `variant` with `sets` in the lab on `link`: (its results rows, the lab)."""
+    with tempfile.TemporaryDirectory(prefix="hivepipe-time-to-target-") as tmp:
+        results = Path(tmp) / "lab.jsonl"
+        shaping = {"bandwidth": link.bandwidth, "delay": link.delay, "shaping": link.shaping}
+        lab = run_point(variant.codec, setup.config, setup.stages, results, steps, sets, log, **shaping)
+        return read_results(results), lab
+
+
 def step_time(setup: LabSetup, variant: Variant, link: Link, one_process: list[float], log=print) -> StepTime:
     sets = [*setup.overrides, *variant.overrides(), f"model.num_stages={setup.stages}"]
     load_config(setup.config, sets)  # one line for a bad variant before a lab starts
-    with tempfile.TemporaryDirectory(prefix="hivepipe-step-time-") as tmp:
-        results = Path(tmp) / "lab.jsonl"
-        log(f"== {variant.label} at {link.bandwidth}, delay {link.delay or 'none'}: {setup.steps} steps in the lab")
-        lab = run_point(
-            variant.codec,
-            setup.config,
-            setup.stages,
-            results,
-            setup.steps,
-            sets,
-            log,
-            bandwidth=link.bandwidth,
-            delay=link.delay,
-            shaping=link.shaping,
-        )
-        rows = read_results(results)
+    log(f"== {variant.label} at {link.bandwidth}, delay {link.delay or 'none'}: {setup.steps} steps in the lab")
+    rows, lab = lab_rows(setup, variant, link, sets, setup.steps, log)
     trained = [r for r in training_seconds(rows) if r["type"] != "meter"]
     figures = measure_run(
         trained,

@@ -9,17 +9,15 @@ for real, its measured training seconds beside its T (`run_real`).
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from swarm.bench.lab_seconds import reaching
-from swarm.bench.step_time import LabSetup, Link, step_time
+from swarm.bench.step_time import LabSetup, Link, lab_rows, step_time
 from swarm.bench.target_steps import StepRuns, Steps, Variant
-from swarm.bench.throughput import codec_overrides, run_point
+from swarm.bench.throughput import codec_overrides
 from swarm.config.target import Target
 from swarm.rates import parse_rate
-from swarm.training.results import read_results
 
 
 @dataclass
@@ -119,22 +117,9 @@ def run_real(row: TimeRow, setup: LabSetup, link: Link, log=print) -> TimeRow:
     measured training seconds (evaluations left out) beside the estimate."""
     variant = row.variant
     sets = [*setup.overrides, *variant.overrides(), f"train.target={row.target}"]
-    with tempfile.TemporaryDirectory(prefix="hivepipe-time-to-target-") as tmp:
-        results = Path(tmp) / "real.jsonl"
-        log(f"== {variant.label} at {link.bandwidth}, delay {link.delay or 'none'}: to {row.target} in the lab")
-        run_point(
-            variant.codec,
-            setup.config,
-            setup.stages,
-            results,
-            row.steps,
-            sets,
-            log,
-            bandwidth=link.bandwidth,
-            delay=link.delay,
-            shaping=link.shaping,
-        )
-        _, first = reaching(read_results(results), Target.parse(row.target))
+    log(f"== {variant.label} at {link.bandwidth}, delay {link.delay or 'none'}: to {row.target} in the lab")
+    rows, _ = lab_rows(setup, variant, link, sets, row.steps, log)
+    _, first = reaching(rows, Target.parse(row.target))
     measured = first["time_s"] if first else None
     log(
         f"   measured {measured if measured is None else round(measured, 1)} s against T = {row.T if row.T is None else round(row.T, 1)} s"

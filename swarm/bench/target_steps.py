@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.bench.gloo.launch import GLOO
+from swarm.bench.lab_seconds import reaching
 from swarm.bench.throughput import codec_overrides
 from swarm.config import load_config
 from swarm.config.target import Target
@@ -71,17 +72,13 @@ class Steps:
 
 
 def steps_against(rows: list[dict], target: Target) -> Steps:
-    curve, first = [], None
-    for row in rows:
-        if row.get("type") != "eval":
-            continue
-        metrics = row.get("uncompressed", {})
-        target.require_reported(metrics)
-        curve.append([row["step"], metrics[target.metric]])
-        if first is None and target.reached(metrics):
-            first = row["step"]
+    evaluations, first = reaching(rows, target)
+    curve = [[step, metric] for _, step, metric in evaluations]
     losses = [r["loss"] for r in rows if r.get("type") == "step"]
-    return Steps(first is not None, first, len(losses), curve[-1][1] if curve else None, curve, losses)
+    reached = first is not None
+    return Steps(
+        reached, first["step"] if reached else None, len(losses), curve[-1][1] if curve else None, curve, losses
+    )
 
 
 def _config_of(path: Path) -> dict | None:
