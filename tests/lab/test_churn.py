@@ -160,6 +160,7 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
     assert daemons_left == 0
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("schedule", ["sync", "async"])
 def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_bit_for_bit(tmp_path, schedule):
     """Stage 1 gets a second and a third peer once training runs, and stage 2 a second; then stage

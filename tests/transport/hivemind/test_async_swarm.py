@@ -68,7 +68,8 @@ def test_delay_corrections_run_in_a_swarm_with_the_floats_of_one_process(swarm, 
     own on every stage) and dc (step t's gradients compensated at its apply, their norms for
     clipping a step late: swarm.engine.versions) give one process's run of the same correction,
     evaluation and drain included, and not the uncorrected run's."""
-    plain = [r["loss"] for r in local_rows(smoke(*OVERRIDES), tmp_path, steps=6) if r["type"] == "step"]
+    uncorrected = smoke(*OVERRIDES, "train.delay_correction=none")
+    plain = [r["loss"] for r in local_rows(uncorrected, tmp_path, steps=6) if r["type"] == "step"]
     # dc's strength is one whose effect on these steps' losses (6e-5 to 2e-3) is past the oracle's 1e-5
     for correction, first in (("lookahead", 2), ("dc:100000", 3)):  # the first step whose loss it changes
         cfg = smoke(*OVERRIDES, f"train.delay_correction={correction}")
