@@ -34,6 +34,7 @@ def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
         ("stop:trainer@step5", "the trainer can only be killed"),
         ("kill:trainers@3", "is not ACTION:STAGE@SECONDS"),
         (",", "no events given"),
+        ("random:1,random:2", "one random:SEED item at most"),
     ]:
         with pytest.raises(ChurnError, match=message) as caught:
             Churn.parse(spec, stages=3)
@@ -56,6 +57,23 @@ def test_random_churn_is_seeded_and_never_takes_a_stages_last_peer():
         counts[event.stage] += 1 if event.action == "join" else -1
         assert counts[event.stage] >= 1
     assert {e.action for e in events} == {"join", "kill", "stop"}
+
+
+def test_a_schedule_and_random_churn_happen_together_and_the_draws_see_the_schedule():
+    churn = Churn.parse("random:7@10,join:1@0,kill:trainer@step40", stages=3)
+    assert churn.seed == 7 and churn.joiners() is None  # random joiners are named as they start
+    live = {0: 1, 1: 1, 2: 1}
+    first = churn.due(0, live)
+    assert first == [ChurnEvent(0, "join", 1)] and live == {0: 1, 1: 2, 2: 1}
+    later = churn.due(1000, live, step=40)
+    assert ChurnEvent(float("inf"), "kill", "trainer", 40) in later
+    drawn = [e for e in later if e.stage != "trainer"]
+    assert drawn == Churn.parse("random:7@10", stages=3).due(1000, {0: 1, 1: 2, 2: 1})  # the same draws
+    counts = {0: 1, 1: 2, 2: 1}
+    for event in drawn:
+        counts[event.stage] += 1 if event.action == "join" else -1
+        assert counts[event.stage] >= 1
+    assert counts == live
 
 
 class _Peer:
