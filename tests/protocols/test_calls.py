@@ -4,7 +4,7 @@ uses derived from it."""
 from __future__ import annotations
 
 from protocols import stage_pb2 as pb
-from protocols.calls import CALLS, OWNER_CALLS, Trust, request
+from protocols.calls import CALLS, OWNER_CALLS, Trust
 from swarm.bench.fuzz_cases import CONTROL_HEADS
 from swarm.transport.hivemind.stage.server import StageServer
 
@@ -20,7 +20,7 @@ def test_every_request_kind_of_stage_proto_is_registered_exactly_once():
     for kind, call in CALLS.items():
         assert call.kind == kind and call.what
         assert call.request.DESCRIPTOR.full_name.startswith("hivepipe.stage")
-        assert isinstance(request(kind), call.request) and call.reply().DESCRIPTOR is call.reply.DESCRIPTOR
+        assert isinstance(call.request(), call.request) and call.reply().DESCRIPTOR is call.reply.DESCRIPTOR
 
 
 def test_every_call_has_one_handler_and_a_trust_class():

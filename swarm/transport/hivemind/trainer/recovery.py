@@ -25,10 +25,11 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.net.calls import call
+from protocols.stubs import STUBS
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.copies import (
     Held,
     History,
@@ -122,7 +123,7 @@ class Recovery:
 
         async def one(stage: int, peer: str, hold: list[pb.HoldOrder]):
             fields = {"step": step, "lineage": self.lineage, "hold": hold}
-            return await rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
+            return await rounds.call(stage, peer, STUBS.snapshot, buffer.getvalue(), **fields)
 
         # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
         started = time.monotonic()
@@ -179,7 +180,7 @@ class Recovery:
         manifest = manifests.make(place.owner.key, place.run_id, self.lineage, step, named)
         await asyncio.gather(
             *(
-                self.rounds.call(s, peer, "snapshot", step=step, lineage=self.lineage, manifest=manifest)
+                self.rounds.call(s, peer, STUBS.snapshot, step=step, lineage=self.lineage, manifest=manifest)
                 for s, peer in peers
             ),
             return_exceptions=True,
@@ -214,8 +215,8 @@ class Recovery:
         timeout = place.settings.calls.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
 
         async def one(stage: int, peer: str):
-            request = pb.SnapshotRequest(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
-            return await call(place.node.streams, peer, "snapshot", request, b"", timeout, place.owner.key)
+            request = STUBS.snapshot(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
+            return await ask(place.node.streams, peer, request, timeout, owner=place.owner.key)
 
         await asyncio.gather(*(one(s, peer) for s, peer in self.membership.peers()), return_exceptions=True)
 
@@ -329,7 +330,7 @@ class Recovery:
             return await self.rounds.call(
                 stage,
                 peer,
-                "restore",
+                STUBS.restore,
                 timeout=timeout,
                 step=step,
                 lineage=self.lineage,
