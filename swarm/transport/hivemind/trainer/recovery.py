@@ -20,6 +20,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -47,9 +48,17 @@ HOLDERS = 2  # peers of the next stage that fetch a stage's copy
 REMIND_S = 60.0  # a paused run says again what it waits for this often
 
 
+@dataclass(frozen=True)
+class RecoveryHooks:
+    """What recovery asks of the trainer: `set_up(stage, peer)` sets a peer up for the session (a new
+    one, or one that left it); `went_back(step)`: every stage is at `step`."""
+
+    set_up: Callable[[int, str], Awaitable[object]]
+    went_back: Callable[[int], Awaitable[None]]
+
+
 class Recovery:
-    """Snapshot rounds and restores; `every` 0 keeps no copies. `set_up(stage, peer)` sets a peer up
-    for the session (a new one, or one that left it); `went_back(step)`: every stage is at `step`."""
+    """Snapshot rounds and restores; `every` 0 keeps no copies."""
 
     def __init__(
         self,
@@ -58,8 +67,7 @@ class Recovery:
         position: Position,
         rounds: SwarmRounds,
         adaptive: AdaptiveCodecs | None,
-        set_up: Callable[[int, str], Awaitable[object]],
-        went_back: Callable[[int], Awaitable[None]],
+        hooks: RecoveryHooks,
         every: int,
     ) -> None:
         self.place, self.membership, self.position, self.rounds, self.adaptive = (
@@ -69,7 +77,7 @@ class Recovery:
             rounds,
             adaptive,
         )
-        self.set_up, self.went_back = set_up, went_back
+        self.set_up, self.went_back = hooks.set_up, hooks.went_back
         self.every = every
         self.paused: str | None = None  # why the run waits, while it does (its progress record says it)
         self.lineage = place.session
