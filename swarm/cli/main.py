@@ -196,7 +196,7 @@ def study_command(args: argparse.Namespace) -> int:
     from swarm.study.entries import discover
     from swarm.study.order import plan
     from swarm.study.progress import format_status
-    from swarm.study.runner import StudyLocked, run_study
+    from swarm.study.runner import StudyLocked, StudyOutput, run_study
 
     try:
         if args.status:
@@ -210,9 +210,9 @@ def study_command(args: argparse.Namespace) -> int:
             args.configs,
             args.results_dir,
             args.only,
-            heartbeat=args.heartbeat,
             seeds=args.seeds,
             every_row=args.every_row,
+            output=StudyOutput(heartbeat=args.heartbeat),
         )
     except (ValueError, StudyLocked) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ from _util import REPO
 from swarm.lab.probe import probe_in_process
 from swarm.lab.probe_namespaces import probe_netlab
 from swarm.netlab.counters import GroupCpu, proc_stats
-from swarm.netlab.namespaces import NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
+from swarm.netlab.namespaces import LabOptions, NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
 from swarm.netlab.shaper import TokenBucket, shaped
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
@@ -187,11 +187,11 @@ def test_no_leftovers_after_an_exception_and_a_killed_child(caps):
 
 def test_required_delay_without_netem_is_a_clear_error(caps):
     if caps.netem:
-        with NetLab(["a"], delays="5ms", require_delay=True) as net:
+        with NetLab(["a"], delays="5ms", options=LabOptions(require_delay=True)) as net:
             assert net.links["a"].delay_applied
         return
     with pytest.raises(NetlabError, match="netem") as info:
-        NetLab(["a"], delays="5ms", require_delay=True).start()
+        NetLab(["a"], delays="5ms", options=LabOptions(require_delay=True)).start()
     assert "\n" not in str(info.value)
 
 
@@ -241,17 +241,17 @@ def _group_has(pgid: int, name: str) -> bool:
 _OWNER = textwrap.dedent(
     """
     import signal, sys, time
-    from swarm.netlab.namespaces import NetLab
+    from swarm.netlab.namespaces import LabOptions, NetLab
     mode, prefix, sigint = sys.argv[1:]
     # SIGINT as asked, whatever was inherited: a test run started in the background of a
     # non-interactive shell ignores SIGINT, and so would every process it starts
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
     if mode == "with":
-        with NetLab(["x", "y"], rates="10mbit", prefix=prefix) as net:
+        with NetLab(["x", "y"], rates="10mbit", options=LabOptions(prefix=prefix)) as net:
             print(net.topology.tag, flush=True)  # the lab is up and its signal handlers are in place
             time.sleep(600)
     else:
-        net = NetLab(["x", "y"], rates="10mbit", prefix=prefix).start()
+        net = NetLab(["x", "y"], rates="10mbit", options=LabOptions(prefix=prefix)).start()
         print(net.topology.tag, flush=True)
         time.sleep(600)
     """
@@ -328,7 +328,7 @@ def test_a_killed_lab_leaves_nothing_behind_after_the_next_start(caps):
         process.kill()
         process.wait(LOADED_S)
         assert len(_ns_leftovers(tag)) == 3
-        with NetLab(["y"], prefix=prefix) as net:
+        with NetLab(["y"], options=LabOptions(prefix=prefix)) as net:
             assert _ns_leftovers(tag) == []
         assert _ns_leftovers(net.topology.tag) == []
 
@@ -379,4 +379,4 @@ def test_bad_netlab_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="bad process name"):
         NetLab(["a b"])
     with pytest.raises(ValueError, match="too small"):
-        NetLab([f"p{i}" for i in range(10)], subnet="10.1.0.0/29")
+        NetLab([f"p{i}" for i in range(10)], options=LabOptions(subnet="10.1.0.0/29"))

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -31,20 +32,27 @@ from swarm.transport.hivemind.trainer.membership import Membership, Position, Tr
 from swarm.transport.hivemind.trainer.verify import Verification
 
 
+@dataclass(frozen=True)
+class Entry:
+    """The way into the pipeline: the handoff to a stage-0 peer and the numbering of each link to one."""
+
+    handoff: Handoff
+    numbering: Numbering
+
+
 class Dispatch:
     def __init__(
         self,
         place: TrainerPlace,
         membership: Membership,
         position: Position,
-        handoff: Handoff,
-        numbering: Numbering,
+        entry: Entry,
         closing: StepClosing,
         in_flight: int,
         cfg: ExperimentConfig,
     ) -> None:
         self.place, self.membership, self.position = place, membership, position
-        self.handoff, self.numbering, self.closing, self.in_flight = handoff, numbering, closing, in_flight
+        self.handoff, self.numbering, self.closing, self.in_flight = entry.handoff, entry.numbering, closing, in_flight
         self.window: asyncio.Semaphore | None = None  # micro-batches in flight, of every call
         self.order: asyncio.Lock | None = None  # numbers taken in the order given, across calls
         self.ahead: tuple[list[tuple], asyncio.Task] | None = None  # the next step's, started early: keys, task
