@@ -143,8 +143,9 @@ def test_a_member_the_owner_dropped_downloads_no_state_of_its_stage(swarm, tmp_p
     """The issue's attacker, after the run above: the stage-1 member the open run admitted and the
     trainer then dropped (its averaging group failed on it) still holds its admission, the owner's
     signature. It asks the honest stage-1 peer for the stage's state (a joiner's download, weights
-    and optimizer, and a copy's): refused in one line, because the owner's roster that peer holds
-    no longer lists it, and not one byte of state is served to it."""
+    and optimizer, and a copy's), bare and showing the last roster it was sent (which lists it):
+    refused in one line, because the newer roster that peer holds no longer lists it, and not one
+    byte of state is served to it."""
     cfg = smoke("model.num_stages=3")
     run_id = uuid.uuid4().hex[:8]
     honest = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])[1]
@@ -157,9 +158,11 @@ def test_a_member_the_owner_dropped_downloads_no_state_of_its_stage(swarm, tmp_p
         assert node.peer_id not in pipeline.members[1]
         session = honest.state.session_id  # the micro-batches since the drop brought the owner's word
         assert honest.gate.listed(1, honest.node.peer_id, session) and not honest.gate.listed(1, node.peer_id, session)
+        assert hostile.gate.listed(1, node.peer_id, session)  # the older roster it shows lists it
         served = (honest.source.served, honest.source.bytes_out)
-        for snapshot in (False, True):
-            request = pb.StateRequest(to=address(run_id, 1), snapshot=snapshot, stage=1, admission=hostile.gate.shown())
+        bare = pb.StateRequest(to=address(run_id, 1), admission=hostile.gate.shown())
+        shown = [hostile.gate.state_request(to=address(run_id, 1), snapshot=copy, stage=1) for copy in (False, True)]
+        for request in [bare, *shown]:
             with pytest.raises(RemoteError, match="the owner's roster no longer has it serving stage 1") as refused:
                 swarm.loop.run(call(node.streams, honest.node.peer_id, "state", request, b"", 30))
             assert "\n" not in str(refused.value)
