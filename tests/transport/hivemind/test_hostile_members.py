@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import local_rows, smoke
+from _swarm_env import AfterStep, local_rows, smoke
 
 from protocols import stage_pb2 as pb
 from protocols import wire
@@ -329,19 +329,6 @@ def test_a_member_that_stalls_its_micro_batches_costs_retries_not_the_run(swarm,
         _close(swarm, run_id, node, server)
 
 
-class _AfterStep(ResultsWriter):
-    """Results that call `hook()` right after step `after`'s row."""
-
-    def __init__(self, after: int, hook) -> None:
-        super().__init__(None)
-        self.after, self.hook = after, hook
-
-    def write(self, row) -> None:
-        super().write(row)
-        if row.get("type") == "step" and row["step"] == self.after:
-            self.hook()
-
-
 @pytest.mark.parametrize(
     "schedule", [(), ("train.schedule=async", "train.delay_correction=dc:10")], ids=["sync", "async-dc"]
 )
@@ -377,7 +364,7 @@ def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        results = _AfterStep(1, join)
+        results = AfterStep(1, join)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert wrong, "the hostile member never computed"
         assert node.peer_id not in pipeline.members[1] and node.peer_id in pipeline.membership.convicted
