@@ -117,8 +117,8 @@ class Verification:
                         await self._check_one(pick, (batch, inputs), route, metrics, again)
             redone.update(again)
             # those run again went through other peers: a new one's results there are checked too
-            pending = [(item, again[item[0].index]) for item in items if item[0].index in again and self.probation]
-            picks = frozenset()
+            pending = [(item, again[item[0].index]) for item in items if item[0].index in again]
+            pending, picks = (pending if self.probation else []), frozenset()
         return redone
 
     async def _check_one(self, pick, item: Item, route: list[str], metrics: dict, redone: dict[int, dict]) -> None:
