@@ -21,7 +21,7 @@ class Trust(StrEnum):
 
     OWNER = "the run's owner"  # a control call, signed by the owner's key
     NEIGHBOUR = "a neighbour"  # a micro-batch: a member admitted to the stage before (stage 0: the trainer)
-    MEMBER = "a member"  # a state download: a member of the session
+    MEMBER = "a member"  # a state download: a member of the session the owner's newest roster lists
     OPEN = "anyone"  # read-only status
 
 

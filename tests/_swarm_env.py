@@ -163,6 +163,19 @@ compression: {{forward: none, backward: none}}
     return load_config(path, list(overrides))
 
 
+class AfterStep(ResultsWriter):
+    """Results that call `hook()` right after step `after`'s row (between two steps of the loop)."""
+
+    def __init__(self, after: int, hook) -> None:
+        super().__init__(None)
+        self.after, self.hook = after, hook
+
+    def write(self, row) -> None:
+        super().write(row)
+        if row.get("type") == "step" and row["step"] == self.after:
+            self.hook()
+
+
 def step_losses(rows) -> list[float]:
     """A results file's per-step losses, in order."""
     return [r["loss"] for r in rows if r["type"] == "step"]

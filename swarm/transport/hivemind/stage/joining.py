@@ -158,7 +158,7 @@ class Joining:
                         place.node.streams,
                         source,
                         "state",
-                        pb.StateRequest(to=address(place.run_id, place.stage), admission=self.gate.shown()),
+                        self.gate.state_request(to=address(place.run_id, place.stage)),
                         b"",
                         settings.calls.state_timeout_s,
                     )

@@ -178,12 +178,8 @@ class Snapshots:
         has it (one the owner's manifest names: `_named`)."""
         place, errors = self.place, []
         for peer, hosted_stage in sources:
-            request = pb.StateRequest(
-                to=address(place.run_id, hosted_stage),
-                snapshot=True,
-                stage=stage,
-                step=step,
-                admission=self.gate.shown(),
+            request = self.gate.state_request(
+                to=address(place.run_id, hosted_stage), snapshot=True, stage=stage, step=step
             )
             try:
                 frame = await call(

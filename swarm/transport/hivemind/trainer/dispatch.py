@@ -110,7 +110,7 @@ class Dispatch:
         step = items[0][0].step
         self.checking = {s: e for s, e in self.checking.items() if s >= step - 1}
         picks = self.verification.draw(items)
-        if picks:
+        if picks or self.verification.on_probation():
             self.checking[step] = asyncio.Event()
         return picks
 

@@ -117,6 +117,13 @@ class Membership:
             self.following.add(peer)
         self.epoch += 1
 
+    def withdraw(self, stage: int, peer: str) -> None:
+        """`peer`'s setup as a joiner failed: out again, under a newer epoch (the roster its setup
+        carried, which lists it, is outdated by every roster signed from now on)."""
+        self.members[stage].remove(peer)
+        self.following.discard(peer)
+        self.epoch += 1
+
     def served(self, peer: str) -> None:
         """`peer` finished a micro-batch or an apply as a replica: it is in service."""
         self.following.discard(peer)

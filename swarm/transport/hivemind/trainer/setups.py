@@ -52,6 +52,8 @@ class Setups:
             sources=sources,
             admission=place.owner.admit(place.session, peer_id, stage),
         )
+        if peer_id in self.membership.members.get(stage, []):  # its sources check the roster lists it
+            request.roster.CopyFrom(self.membership.roster())
         timeout = place.settings.calls.call_timeout_s  # setups are idempotent (one session builds once)
         frame = await place.retry.same_peer(
             lambda: ask(place.node.streams, peer_id, request, timeout, owner=place.owner.key),
@@ -141,13 +143,14 @@ class Setups:
             for peer in candidates[:room]:
                 if settle is not None:
                     await settle()
+                membership.add(stage, peer, following=True)  # first: the roster its setup carries lists it
                 try:
                     await self.set_up(stage, peer, sources)
                 except (TransportError, RemoteError) as e:
+                    membership.withdraw(stage, peer)
                     place.router.failed(peer)
                     log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
                     continue
-                membership.add(stage, peer, following=True)
                 admitted.append((stage, peer))
                 step = self.position.step_index
                 place.events.add("join", f"stage {stage}: peer {peer[-8:]} joins at step {step}", logger=log)
