@@ -53,7 +53,7 @@ class Setups:
             admission=place.owner.admit(place.session, peer_id, stage),
         )
         if peer_id in self.membership.members.get(stage, []):  # its sources check the roster lists it
-            request.roster.CopyFrom(self.membership.roster())
+            request.head.roster.CopyFrom(self.membership.roster())
         timeout = place.settings.calls.call_timeout_s  # setups are idempotent (one session builds once)
         frame = await place.retry.same_peer(
             lambda: ask(place.node.streams, peer_id, request, timeout, owner=place.owner.key),
