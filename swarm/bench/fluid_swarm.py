@@ -5,12 +5,13 @@ A micro-batch goes trainer -> a replica of stage 0 -> a replica of stage 1 ... a
 come back the same way (a sender awaits its receiver's reply: swarm.transport.hivemind.routing
 .handoff). Each sender chooses the next stage's replica as the trainer's routing policy does
 (`RoutingPolicy` in swarm.transport.hivemind.routing.router): a replica's score is its throughput
-over one plus the micro-batches this sender awaits of it, the best wins, ties broken at random.
-The throughput a replica announces is its micro-batches' samples/s through its own compute, here
-1 / (forward + backward seconds) of a micro-batch; on a link whose codecs keep state (error
-feedback) the sender weighs the replica's queue instead of its own awaited count and keeps its
-replica unless another scores `keep_factor` times higher. The model reads queues as they are
-now; the real records are up to `announce_every_s` old.
+over one plus its queue (the micro-batches inside it) and the micro-batches this sender awaits of
+it; the best wins, ties broken at random. The throughput a replica announces is a moving average
+of its micro-batches' rates through its own compute (forward and backward seconds, waiting for its
+computing thread included, not for links). On a link whose codecs keep state (error feedback) the
+sender counts the queue only and keeps its replica unless another scores `keep_factor` times
+higher. The model reads throughputs and queues as they are; the real ones come from DHT records
+up to `announce_every_s` old.
 
 Links: a transfer from A to B crosses A's up link and B's down link, which share their rates among
 the transfers crossing them max-min fairly in proportion to the transfers' sizes (as the peers'
@@ -77,6 +78,7 @@ class Schedule:
 class Routing:
     stateful: bool = False  # the links' codecs keep state: a sender keeps to one replica (see module doc)
     keep_factor: float = 2.0  # settings.routing.route_keep_factor
+    smoothing: float = 0.1  # settings.routing.throughput_smoothing
     seed: int = 0  # ties between equal scores are broken at random
 
 
@@ -143,25 +145,42 @@ def max_min_rates(
 ) -> list[float]:
     """Weighted max-min fair rates of flows, each given as the links it crosses (each of `capacity`,
     or of its own in a mapping): on a link, unsaturated flows get rates in proportion to their
-    weights (default: equal). Every flow must cross at least one link."""
+    weights (default: equal). Every flow must cross at least one link.
+
+    The bottleneck form of progressive filling: the link whose capacity left per unit of weight is
+    the lowest fixes its flows at that level; their rates leave the other links they cross (whose
+    levels can only rise), and so on: one heap of links, stale entries pushed again."""
     weights = weights or [1.0] * len(flows)
     cap = (lambda link: capacity[link]) if isinstance(capacity, Mapping) else (lambda link: capacity)
-    rates = [0.0] * len(flows)
-    active = set(range(len(flows)))
-    left: dict[str, float] = {link: cap(link) for f in flows for link in f}
-    while active:
-        users: dict[str, list[int]] = defaultdict(list)
-        for i in active:
-            for link in flows[i]:
-                users[link].append(i)
-        share = min(left[link] / sum(weights[i] for i in ix) for link, ix in users.items())
-        for i in active:
-            rates[i] += share * weights[i]
-        for link, ix in users.items():
-            left[link] -= share * sum(weights[i] for i in ix)
-        saturated = {i for link, ix in users.items() if left[link] <= _EPS * cap(link) for i in ix}
-        active -= saturated
-    return rates
+    left: dict[str, float] = {}
+    users: dict[str, list[int]] = defaultdict(list)
+    for i, links in enumerate(flows):
+        for link in links:
+            left[link] = cap(link)
+            users[link].append(i)
+    rates: list[float | None] = [None] * len(flows)
+
+    def level(link: str) -> float | None:
+        """Capacity left per unit of the weight still to fix on `link` (None: nothing left to fix)."""
+        weight = sum(weights[i] for i in users[link] if rates[i] is None)
+        return max(left[link], 0.0) / weight if weight > 0 else None
+
+    heap = [(level(link), link) for link in users]
+    heapq.heapify(heap)
+    while heap:
+        before, link = heapq.heappop(heap)
+        now = level(link)
+        if now is None:
+            continue
+        if now > before:  # flows fixed elsewhere left it more than it had then: its turn comes later
+            heapq.heappush(heap, (now, link))
+            continue
+        for i in users[link]:
+            if rates[i] is None:
+                rates[i] = now * weights[i]
+                for other in flows[i]:
+                    left[other] -= rates[i]
+    return [rate or 0.0 for rate in rates]
 
 
 class _Step:
@@ -178,15 +197,18 @@ class _Step:
         self.transfers: list[list] = []  # [bytes left, sender, receiver, callback, size]
         self.waiting: dict[tuple[str, str], deque] = defaultdict(deque)
         self.in_transfer: dict[tuple[str, str], int] = defaultdict(int)
+        self.queued: set[tuple[str, str]] = set()  # pairs with payloads waiting to go
+        self.changed = True  # the transfers changed since their rates were shared out
         self.events: list = []
         self.order = itertools.count()
         self.free_at: dict[str, float] = defaultdict(float)
         self.tickets: dict[str, int] = defaultdict(int)  # forward order per replica: its backward order
-        self.back_ready: dict[str, dict[int, Callable]] = defaultdict(dict)
+        self.back_ready: dict[str, dict[int, tuple[float, Callable]]] = defaultdict(dict)
         self.back_next: dict[str, int] = defaultdict(int)
         self.awaited: dict[tuple[str, str], int] = defaultdict(int)  # (sender, receiver): replies awaited
         self.inside: dict[str, int] = defaultdict(int)  # micro-batches in a replica (its queue)
         self.sticky: dict[str, str] = {}
+        self.throughput: dict[str, float] = defaultdict(float)  # what each replica announces (0: not measured)
         self.routed: dict[str, int] = dict.fromkeys(self.compute_s, 0)
         self.rng = random.Random(m.routing.seed)
         self.admitted = self.done = 0
@@ -212,27 +234,32 @@ class _Step:
                 callback()
 
         self.waiting[(sender, receiver)].append((nbytes, out))
+        self.queued.add((sender, receiver))
         self.start_waiting()
 
     def start_waiting(self) -> None:
-        for pair, queue in self.waiting.items():
+        for pair in sorted(self.queued):  # in a fixed order: the model is deterministic
+            queue = self.waiting[pair]
             while queue and self.in_transfer[pair] < self.m.schedule.sending:
                 nbytes, callback = queue.popleft()
                 self.in_transfer[pair] += 1
                 self.transfers.append([nbytes, *pair, callback, nbytes])
+                self.changed = True
+            if not queue:
+                self.queued.discard(pair)
 
     def choose(self, sender: str, stage: int) -> str:
         """The replica of `stage` that `sender` hands its next micro-batch to (module doc)."""
         names = [self.m.name(stage, r) for r in range(len(self.m.stages[stage]))]
         if len(names) == 1:
             return names[0]
-        measured = sorted(1 / (2 * self.compute_s[n]) for n in names if self.compute_s[n] > 0)
+        measured = sorted(self.throughput[n] for n in names if self.throughput[n] > 0)
         typical = measured[len(measured) // 2] if measured else 1.0
         stateful = self.m.routing.stateful
 
         def score(n: str) -> float:
-            rate = 1 / (2 * self.compute_s[n]) if self.compute_s[n] > 0 else typical
-            return rate / (1 + (self.inside[n] if stateful else self.awaited[(sender, n)]))
+            rate = self.throughput[n] or typical
+            return rate / (1 + self.inside[n] + (0 if stateful else self.awaited[(sender, n)]))
 
         best = max(names, key=lambda n: (score(n), self.rng.random()))
         kept = self.sticky.get(sender)
@@ -254,13 +281,15 @@ class _Step:
             returned()
 
         def arrived() -> None:
-            ticket = self.tickets[receiver]
+            ticket, at = self.tickets[receiver], self.t
             self.tickets[receiver] += 1
-            self.compute(receiver, lambda: self.forward_done(stage, receiver, sender, (ticket, back)))
+            self.compute(receiver, lambda: self.forward_done(stage, receiver, sender, (ticket, back, self.t - at)))
 
         self.send(sender, receiver, nbytes, arrived)
 
-    def forward_done(self, stage: int, peer: str, sender: str, mb: tuple[int, Callable]) -> None:
+    def forward_done(self, stage: int, peer: str, sender: str, mb: tuple[int, Callable, float]) -> None:
+        """`mb`: the micro-batch's place in `peer`'s forward order, what to call when its gradients
+        are back at `sender`, and the seconds its forward took there (waiting for the thread included)."""
         if stage == len(self.m.stages) - 1:
             self.backward_arrived(peer, sender, stage, mb)  # the loss's gradient is here
             return
@@ -271,16 +300,31 @@ class _Step:
             lambda: self.backward_arrived(peer, sender, stage, mb),
         )
 
-    def backward_arrived(self, peer: str, sender: str, stage: int, mb: tuple[int, Callable]) -> None:
-        """A gradient reached `peer`: backward there in its forward order, then the gradient goes back."""
-        ticket, back = mb
+    def backward_arrived(self, peer: str, sender: str, stage: int, mb: tuple[int, Callable, float]) -> None:
+        """A gradient reached `peer`: backward there in its forward order, then the gradient goes back
+        and the peer's throughput is measured as the real one is (its forward and backward seconds)."""
+        ticket, back, forward_s = mb
         nbytes = self.m.payloads.backward_bytes[stage - 1] if stage else 0.0  # stage 0's reply is empty
-        self.back_ready[peer][ticket] = lambda: self.send(peer, sender, nbytes, back)
+        self.back_ready[peer][ticket] = (forward_s, lambda: self.send(peer, sender, nbytes, back))
         while self.back_next[peer] in self.back_ready[peer]:
-            then = self.back_ready[peer].pop(self.back_next[peer])
+            forward_s, then = self.back_ready[peer].pop(self.back_next[peer])
             self.back_next[peer] += 1
             self.inside[peer] -= 1
-            self.compute(peer, then)
+            self.compute(peer, self.measured(peer, forward_s, self.t, then))
+
+    def measured(self, peer: str, forward_s: float, started: float, then: Callable) -> Callable:
+        """`then`, after `peer`'s throughput takes in a micro-batch whose backward started at `started`
+        (RoutingPolicy.throughput: a moving average, in micro-batches/s here)."""
+
+        def done() -> None:
+            seconds = forward_s + self.t - started
+            if seconds > 0:
+                rate, old = 1 / seconds, self.throughput[peer]
+                smoothing = self.m.routing.smoothing
+                self.throughput[peer] = rate if old == 0 else (1 - smoothing) * old + smoothing * rate
+            then()
+
+        return done
 
     def finished(self) -> None:
         self.done += 1
@@ -308,8 +352,10 @@ class _Step:
     def run(self) -> FluidResult:
         for _ in range(min(self.m.schedule.in_flight, self.m.schedule.micro_batches)):
             self.admit()
+        rates: list[float] = []
         while self.done < self.m.schedule.micro_batches:
-            rates = self.rates()
+            if self.changed:
+                rates, self.changed = self.rates(), False
             until_transfer = min(
                 (t[0] / r for t, r in zip(self.transfers, rates, strict=True) if r > 0), default=math.inf
             )
@@ -321,7 +367,10 @@ class _Step:
                 transfer[0] = 0.0 if rate == math.inf else transfer[0] - rate * dt
             self.t += dt
             arrived = [t for t in self.transfers if t[0] <= _EPS * max(t[4], 1.0)]
-            self.transfers = [t for t in self.transfers if t[0] > _EPS * max(t[4], 1.0)]
+            if arrived:
+                kept = [(t, r) for t, r in zip(self.transfers, rates, strict=True) if t[0] > _EPS * max(t[4], 1.0)]
+                self.transfers, rates = [t for t, _ in kept], [r for _, r in kept]
+                self.changed = True
             for _, sender, receiver, callback, _ in arrived:
                 self.in_transfer[(sender, receiver)] -= 1  # the bytes are out: the next payload may go
                 callback()
