@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from swarm.bench.fluid_swarm import Link, Payloads, Replica, Schedule, SwarmStep, simulate_swarm
 from swarm.bench.scale_dht import DhtLoad, dht_load
@@ -73,7 +73,7 @@ class ScalePoint:
     spread: Spread = Spread()
     churn: Churn = Churn()
     trainer: Link = Link(1e9, 1e9, 0.01)  # a cloud machine
-    micro_batches: int | None = None  # per step (None: 4 x in flight, at most the exact sum's MAX_TERMS)
+    micro_batches: int = 256  # per step: 1,024 samples of 128 tokens, whatever the swarm's size
     # what one DHT node takes: stores of one key a second (docs/bench/scale.md: measured 30-85 here)
     dht_stores_per_s: float = 100.0
 
@@ -142,16 +142,18 @@ def present_replicas(replicas: int, churn: Churn) -> float:
 
 
 def churn_s(point: ScalePoint, step_s: float, routed_mean: float, present: float) -> float:
-    """Seconds a step loses to departures on average: each costs the detection, and the
-    micro-batches its replica ran this step (half its share, on average) run again at the
-    pipeline's pace; a stage left without a replica goes back to the copies (half the copy interval
-    replayed, after a join)."""
+    """Seconds a step loses to departures on average. A departed replica is on the path of about
+    half its share of the in-flight micro-batches (those past it await their replies through it):
+    they stall until its failure is seen (`detect_s`), then go again from the stage before; the
+    micro-batches it ran this step (half its share, on average) run again at the pipeline's pace.
+    A stage left without a replica goes back to the copies (a join, then half the copy interval
+    replayed)."""
     rate = point.churn.leave_per_hour / 3600
     if rate == 0:
         return 0.0
     departures = rate * point.stages * present * step_s
-    micro_batches = point.micro_batches or 1
-    redo = departures * (point.churn.detect_s + routed_mean / 2 * step_s / micro_batches)
+    stalled = point.churn.detect_s / (2 * present)  # the window's share stalled, times how long
+    redo = departures * (stalled + routed_mean / 2 * step_s / point.micro_batches)
     # a stage empties when its last replica leaves while the others are still being replaced
     empty = point.stages * rate * step_s * present * (rate * point.churn.join_s) ** max(round(present) - 1, 0)
     rewind = empty * (point.churn.join_s + point.churn.copy_every / 2 * step_s)
@@ -217,8 +219,7 @@ def predict(point: ScalePoint, settings: Settings | None = None) -> Prediction:
         raise ValueError(f"the model needs at least 2 stages and 1 replica, got {point.stages} x {point.replicas}")
     drawn = draw(point)
     window = in_flight(point.stages, point.replicas, settings)
-    micro_batches = point.micro_batches or min(4 * window, MAX_TERMS)
-    point = replace(point, micro_batches=micro_batches)
+    micro_batches = point.micro_batches
     present = present_replicas(point.replicas, point.churn)
     stages = with_present(drawn, present)
     result = simulate_swarm(step_for(point, stages, window, settings))
@@ -276,6 +277,6 @@ def step_for(point: ScalePoint, stages: list[list[Replica]], window: int, settin
             [per_mb] * (point.stages - 1), [per_mb] * (point.stages - 1), w.input_bytes * w.samples_per_micro_batch
         ),
         # the step's rounds: gather (where replicas average), set_grads (clipping's norm), apply
-        schedule=Schedule(point.micro_batches or 4 * window, window, settings.streams.sending_per_neighbour, 3),
+        schedule=Schedule(point.micro_batches, window, settings.streams.sending_per_neighbour, 3),
         trainer=point.trainer,
     )
