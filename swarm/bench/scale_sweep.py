@@ -105,18 +105,23 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for stages in sorted({r["stages"] for r in rows}):
-        mine = sorted((r for r in rows if r["stages"] == stages), key=lambda r: r["replicas"])
-        xs = [r["replicas"] for r in mine]
-        left.plot(xs, [r["samples_per_s"] for r in mine], marker="o", label=f"{stages} stages")
-        right.plot(xs, [r["averaging_s"] for r in mine], marker="o", label=f"{stages} stages")
+    rates = sorted({r["leave_per_hour"] for r in rows})
+    for i, stages in enumerate(sorted({r["stages"] for r in rows})):
+        for rate, style in zip(rates, ("-", "--", ":"), strict=False):
+            mine = [r for r in rows if r["stages"] == stages and r["leave_per_hour"] == rate]
+            mine.sort(key=lambda r: r["replicas"])
+            xs, label = [r["replicas"] for r in mine], f"{stages} stages, {rate:g} leave/peer/h"
+            left.plot(xs, [r["samples_per_s"] for r in mine], style, marker="o", color=f"C{i}", label=label)
+            if rate == rates[0]:
+                right.plot(xs, [r["averaging_s"] for r in mine], marker="o", color=f"C{i}", label=f"{stages} stages")
+    left.set_yscale("log")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("replicas per stage")
         ax.grid(alpha=0.3)
     left.set_ylabel("samples/s (model)")
     right.set_ylabel("averaging s per step (slowest stage)")
-    left.legend(fontsize=8)
+    left.legend(fontsize=6, ncol=2)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

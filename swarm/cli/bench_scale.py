@@ -21,7 +21,9 @@ def add_parser(which, positive_int, non_negative_float) -> None:
     scale.add_argument(
         "--compute", default="5-40", help="ms per sample and stage (forward and backward), drawn: LOW-HIGH"
     )
-    scale.add_argument("--leave_per_hour", type=non_negative_float, default=0.0, help="departures per peer and hour")
+    scale.add_argument(
+        "--leave_per_hour", default="0,1", help="comma-separated departures per peer and hour: a sweep for each"
+    )
     scale.add_argument("--join_s", type=non_negative_float, default=60.0, help="a replacement's seconds to serve")
     scale.add_argument(
         "--boundary_kib", type=non_negative_float, help="KiB per sample on every boundary (default: a GPT-2 block's)"
@@ -57,12 +59,23 @@ def _counts(text: str, name: str, least: int) -> list[int]:
     return counts
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--leave_per_hour: expected comma-separated numbers, got {text!r}") from None
+    if not rates or min(rates) < 0:
+        raise ValueError(f"--leave_per_hour: expected numbers >= 0, got {text!r}")
+    return rates
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm.bench import scale_sweep
     from swarm.bench.scale_model import Churn, ScalePoint, Spread, Workload
 
     try:
         stages, replicas = _counts(args.stages, "stages", 2), _counts(args.replicas, "replicas", 1)
+        leaving = _rates(args.leave_per_hour)
         spread = Spread(
             _span(args.bandwidth, "bandwidth"), _span(args.delay, "delay"), _span(args.compute, "compute"), args.seed
         )
@@ -74,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
         workload = replace(workload, boundary_bytes=args.boundary_kib * 1024)
     if args.params_mib is not None:
         workload = replace(workload, param_bytes=args.params_mib * 2**20)
-    base = ScalePoint(2, 1, workload, spread, Churn(args.leave_per_hour, args.join_s))
-    rows = scale_sweep.sweep(base, stages, replicas, lambda line: print(line, flush=True))
+    rows = []
+    for rate in leaving:
+        print(f"== {rate:g} departures per peer and hour")
+        base = ScalePoint(2, 1, workload, spread, Churn(rate, args.join_s))
+        rows += scale_sweep.sweep(base, stages, replicas, lambda line: print(line, flush=True))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = {"commit": commit, "date": time.strftime("%Y-%m-%d")}
     rows = [{**row, **stamp} for row in rows]
@@ -86,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         title = (
             f"scale model: links {args.bandwidth} Mbit/s, {args.delay} ms, compute {args.compute} ms/sample, "
-            f"{args.leave_per_hour:g} departures/peer/h (seed {args.seed}; commit {commit}, {stamp['date']})"
+            f"{args.leave_per_hour} departures/peer/h (seed {args.seed}; commit {commit}, {stamp['date']})"
         )
         scale_sweep.plot(rows, args.plot, title)
         print(f"plot in {args.plot}")
