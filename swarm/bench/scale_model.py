@@ -230,7 +230,7 @@ def predict(point: ScalePoint, settings: Settings | None = None) -> Prediction:
     samples = micro_batches * point.workload.samples_per_micro_batch
     allowed = bounds(point, stages, window, (averaging, micro_batches))
     limits = hard_limits(point, settings, micro_batches)
-    joins = point.churn.leave_per_hour / 3600 * present * (step_s + lost)
+    joins = point.churn.leave_per_hour / 3600 * present * step_s
     if joins > settings.limits.joins_per_step:
         limits.append(f"joins_per_step {settings.limits.joins_per_step}: {joins:.1f} replicas a stage leave a step")
     dht = dht_load(point.stages, point.replicas, step_s)
@@ -245,7 +245,7 @@ def predict(point: ScalePoint, settings: Settings | None = None) -> Prediction:
         lost,
         present,
         allowed,
-        saturation(limits, allowed, fraction, (averaging, result.step_s)),
+        saturation(limits, allowed, fraction, (averaging, result.step_s, lost)),
         limits,
         (routed[0], routed[-1]),
         dht,
@@ -253,14 +253,18 @@ def predict(point: ScalePoint, settings: Settings | None = None) -> Prediction:
     )
 
 
-def saturation(limits: list[str], allowed: dict[str, float], fraction: float, seconds: tuple[float, float]) -> str:
-    """What limits a point first: a hard limit it passes; else the averaging when it takes longer
-    than the pipeline (`seconds`: averaging, pipeline); else the pipeline's lowest bound, or the
-    stragglers when the pipeline reaches less than half of it (its slowest replicas and paths: a
-    replica's backward waits for its forward order, routing follows compute, not links)."""
+def saturation(limits: list[str], allowed: dict[str, float], fraction: float, seconds: tuple[float, ...]) -> str:
+    """What limits a point first: a hard limit it passes; else churn when departures cost more than
+    the step itself; else the averaging when it takes longer than the pipeline (`seconds`:
+    averaging, pipeline, churn); else the pipeline's lowest bound, or the stragglers when the
+    pipeline reaches less than half of it (its slowest replicas and paths: a replica's backward
+    waits for its forward order, routing follows compute, not links)."""
+    averaging, pipeline, lost = seconds
     if limits:
         return limits[0].split(":")[0]
-    if seconds[0] >= seconds[1]:
+    if lost > averaging + pipeline:
+        return "churn"
+    if averaging >= pipeline:
         return "averaging"
     if fraction < 0.5:
         return "stragglers"
