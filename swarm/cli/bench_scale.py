@@ -87,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
         workload = replace(workload, boundary_bytes=args.boundary_kib * 1024)
     if args.params_mib is not None:
         workload = replace(workload, param_bytes=args.params_mib * 2**20)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for rate in leaving:
         print(f"== {rate:g} departures per peer and hour")
         base = ScalePoint(2, 1, workload, spread, Churn(rate, args.join_s))
         rows += scale_sweep.sweep(base, stages, replicas, lambda line: print(line, flush=True))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = {"commit": commit, "date": time.strftime("%Y-%m-%d")}
     rows = [{**row, **stamp} for row in rows]
     print(scale_sweep.table(rows))
