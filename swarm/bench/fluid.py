@@ -18,6 +18,8 @@ points at the transport, not the schedule.
                       forward_bytes=[2**20] * 3, backward_bytes=[2**20] * 3,
                       compute_s=[0.01] * 4, rate_bits=100e6)
     simulate(model).step_s       # seconds of one step
+
+It runs on the model of a swarm with replicas (swarm.bench.fluid_swarm), one replica per stage.
 """
 
 from __future__ import annotations
