@@ -95,8 +95,9 @@ class Prediction:
 
 
 def in_flight(stages: int, replicas: int, settings: Settings) -> int:
-    """Micro-batches in flight: two per stage peer, at most what one stage peer takes from one
-    sender (max_requests_per_sender: swarm.transport.hivemind.trainer.dispatch)."""
+    """Micro-batches in flight: two per stage peer (the trainer's default is two per stage: a run
+    with replicas sets train.in_flight higher), at most what one stage peer takes from one sender
+    (max_requests_per_sender, the trainer's cap: swarm.transport.hivemind.trainer.dispatch)."""
     return min(2 * stages * replicas, settings.limits.max_requests_per_sender)
 
 
