@@ -12,7 +12,7 @@ from swarm.bench.scale_dht import dht_load
 from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s
 from swarm.bench.scale_model import Churn, ScalePoint, Spread, Workload, allreduce_s, predict
 from swarm.bench.scale_sweep import merge, model_row, write
-from swarm.bench.throughput_figures import schedule_bound
+from swarm.bench.throughput_figures import PerSample, RunLinks, schedule_bound
 from swarm.cli.main import main
 
 MB = 1e6  # bytes
@@ -116,9 +116,8 @@ def test_a_lab_row_of_one_replica_per_stage_is_the_throughput_benchmark_s_schedu
         train=LabTrain(batch_size=128, micro_batches=32, in_flight=8, round_trips=3),
     )
     train = {"batch_size": 128, "micro_batches": 32, "in_flight": 8}
-    bound = schedule_bound(
-        train, 4, 50e6, [40_000] * 3, [30_000] * 3, [0.002, 0.003, 0.003, 0.002], 3_000, True, 0.02, 3
-    )
+    measured = PerSample([40_000] * 3, [30_000] * 3, [0.002, 0.003, 0.003, 0.002], 3_000)
+    bound = schedule_bound(train, 4, RunLinks(50e6, 0.02, True), measured, 3)
     assert lab_samples_per_s(setup) == pytest.approx(bound)
     # replicas add an all-reduce of the stage's parameters to the step
     averaged = LabSetup(
