@@ -215,7 +215,7 @@ class Joining:
         state.caught_up(step, self.bytes_in, 0.0)  # the rounds below run as a replica's
         for kind, head, kept_payload in self.kept:
             if head.step >= step:
-                getattr(self.rounds, kind)(head, kept_payload)
+                self.rounds.run(kind, head, kept_payload)
         self.kept.clear()
         return True
 

@@ -67,16 +67,21 @@ class StageRounds:
         self.state.ready()
         self.last_s = time.monotonic()
         with TRACER.span(kind, "step", step=int(head.step) if hasattr(head, "step") else -1):
-            if kind == "gather":  # computing, and the exchange with the groups in between
+            if kind == GATHER:  # computing, and the exchange with the groups in between
                 return await self.combining.gather(head)
-            return await self.work.run(self._kept_or_timed, getattr(self, kind), head, payload)
+            return await self.work.run(self._kept_or_timed, kind, head, payload)
 
-    def _kept_or_timed(self, handler, head, payload: bytes):
+    def _kept_or_timed(self, kind: str, head, payload: bytes):
         joining = self.state.joining
-        if joining is not None and handler.__name__ in ("set_grads", "apply"):
-            joining.keep(handler.__name__, head, payload)
-            return (pb.SetGradsReply() if handler.__name__ == "set_grads" else pb.ApplyReply(following=True)), b""
-        return self.work.timed(handler, head, payload)
+        if joining is not None and kind in KEPT:
+            joining.keep(kind, head, payload)
+            return KEPT[kind](), b""
+        return self.work.timed(ON_THREAD[kind], self, head, payload)  # traced under the round's name
+
+    def run(self, kind: str, head, payload: bytes) -> tuple[object, bytes]:
+        """On the computing thread: the round `kind` (one of `ON_THREAD`: a joiner replays its kept
+        rounds through it too)."""
+        return ON_THREAD[kind](self, head, payload)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -170,3 +175,16 @@ class StageRounds:
         state.restored(cfg, step)
         self.applied = None
         return pb.LoadReply(step=step), b""
+
+
+GATHER = "gather"  # on the loop: its sums wait for the replicas' (stage.combine)
+# call kind -> its round on the computing thread (a renamed method fails here, at import)
+ON_THREAD = {
+    "set_grads": StageRounds.set_grads,
+    "apply": StageRounds.apply,
+    "save": StageRounds.save,
+    "load": StageRounds.load,
+}
+# the rounds a joiner keeps until its state is installed (stage.joining), and its reply meanwhile
+KEPT = {"set_grads": pb.SetGradsReply, "apply": lambda: pb.ApplyReply(following=True)}
+ROUNDS = frozenset({GATHER, *ON_THREAD})  # the kinds `StageRounds.handle` serves

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -40,6 +41,7 @@ from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, Replic
 from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.refusals import Refusals
+from swarm.transport.hivemind.stage.rounds import ROUNDS
 from swarm.transport.hivemind.stage.state import PeerServices
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,16 @@ def _code(e: BaseException) -> int:
     if isinstance(e, StateMismatchError | StaleStateError):  # our link state and the sender's differ
         return pb.LINK_RESET
     return pb.ERROR_UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Request:
+    """A framed request as its handler takes it."""
+
+    frame: Frame
+    sender: str  # the connected peer (through a relay too: the caller it names)
+    started: float  # when its first byte arrived (monotonic)
+    arrived: float  # when all of it had
 
 
 @dataclass
@@ -252,50 +264,44 @@ class StageServer:
             del self.held[sender]
 
     async def _dispatch(self, frame: Frame, requests: Requests, sender: str):
-        """The handler's answer to `frame` (`rpc_<kind>`, one per kind of protocols.calls), as a
+        """The handler's answer to `frame` (`HANDLERS`: one per kind of protocols.calls), as a
         coroutine function that writes it."""
-        if frame.kind == "micro_batch":
-            return await self.rpc_micro_batch(frame, requests.started, time.monotonic(), sender)
-        if frame.kind == "info":
-            _check_version(frame.head.to)
-            return self.rpc_info(frame.head)
+        return await HANDLERS[frame.kind](self, Request(frame, sender, requests.started, time.monotonic()))
+
+    def _addressed(self, request: Request) -> HostedStage:
+        """The hosted stage a call names; an owner's call's payload checked against its signature."""
+        frame = request.frame
         hosted = self._find(frame.head.to)
         if CALLS[frame.kind].signed:
             hosted.gate.calls.payload(frame.kind, frame.first.auth, frame.payload)
-        return await getattr(self, f"rpc_{frame.kind}")(hosted, frame.head, frame.payload)
+        return hosted
 
-    # ---- the handlers: one per kind of call (protocols.calls) ----------------------------------
+    # ---- the handlers: one per kind of call (protocols.calls), in `HANDLERS` -------------------
 
-    def rpc_info(self, head: pb.InfoRequest):
-        return self._writer("info", self._info(head), b"")
+    async def _serve_info(self, request: Request):
+        _check_version(request.frame.head.to)
+        return self._writer("info", self._info(request.frame.head), b"")
 
-    async def rpc_setup(self, hosted: HostedStage, head: pb.SetupRequest, payload: bytes):
-        reply = await hosted.setup(head)
+    async def _serve_setup(self, request: Request):
+        reply = await self._addressed(request).setup(request.frame.head)
         await self.announcer.announce_now()  # others see it ready now, not at the next refresh
         return self._writer("setup", reply, b"")
 
-    async def rpc_gather(self, hosted: HostedStage, head: pb.GatherRequest, payload: bytes):
-        return self._writer("gather", *await hosted.rounds.handle("gather", head, payload))
+    async def _serve_round(self, request: Request):
+        """A step round or a checkpoint (stage.rounds)."""
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer(frame.kind, *await hosted.rounds.handle(frame.kind, frame.head, frame.payload))
 
-    async def rpc_set_grads(self, hosted: HostedStage, head: pb.SetGradsRequest, payload: bytes):
-        return self._writer("set_grads", *await hosted.rounds.handle("set_grads", head, payload))
+    async def _serve_snapshot(self, request: Request):
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer("snapshot", *await hosted.snapshots.snapshot(frame.head, frame.payload))
 
-    async def rpc_apply(self, hosted: HostedStage, head: pb.ApplyRequest, payload: bytes):
-        return self._writer("apply", *await hosted.rounds.handle("apply", head, payload))
+    async def _serve_restore(self, request: Request):
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer("restore", *await hosted.snapshots.restore(frame.head, frame.payload))
 
-    async def rpc_save(self, hosted: HostedStage, head: pb.SaveRequest, payload: bytes):
-        return self._writer("save", *await hosted.rounds.handle("save", head, payload))
-
-    async def rpc_load(self, hosted: HostedStage, head: pb.LoadRequest, payload: bytes):
-        return self._writer("load", *await hosted.rounds.handle("load", head, payload))
-
-    async def rpc_snapshot(self, hosted: HostedStage, head: pb.SnapshotRequest, payload: bytes):
-        return self._writer("snapshot", *await hosted.snapshots.snapshot(head, payload))
-
-    async def rpc_restore(self, hosted: HostedStage, head: pb.RestoreRequest, payload: bytes):
-        return self._writer("restore", *await hosted.snapshots.restore(head, payload))
-
-    async def rpc_state(self, hosted: HostedStage, head: pb.StateRequest, payload: bytes):
+    async def _serve_state(self, request: Request):
+        hosted, head = self._addressed(request), request.frame.head
         if head.snapshot:  # a copy the swarm keeps
             return self._writer("state", *hosted.snapshots.serve(head))
         head, payload = await hosted.source.serve()
@@ -316,7 +322,8 @@ class StageServer:
 
         return write
 
-    async def rpc_micro_batch(self, frame: Frame, started: float, arrived: float, sender: str):
+    async def _serve_micro_batch(self, request: Request):
+        frame, started, arrived, sender = request.frame, request.started, request.arrived, request.sender
         head = frame.head
         if head.sender and head.sender != sender:
             raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
@@ -362,3 +369,39 @@ class StageServer:
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())
         return reply
+
+
+Handler = Callable[[StageServer, Request], Awaitable[Callable]]
+
+
+def checked(handlers: dict[str, Handler], rounds: frozenset[str]) -> dict[str, Handler]:
+    """`handlers` when it has one handler for every kind of protocols.calls and none for another,
+    and the step rounds' handler takes exactly the kinds `StageRounds` serves (`rounds`); else
+    raises, at import: a kind that lost its handler fails before any peer serves it."""
+    missing, unknown = sorted(CALLS.keys() - handlers.keys()), sorted(handlers.keys() - CALLS.keys())
+    routed = {kind for kind, handler in handlers.items() if handler is StageServer._serve_round}
+    if missing or unknown or routed != rounds:
+        raise ImportError(
+            f"the stage server's handlers do not match protocols.calls: no handler of {missing}, a handler of "
+            f"no call {unknown}, rounds routed {sorted(routed)} but served {sorted(rounds)}"
+        )
+    return handlers
+
+
+# call kind -> its handler: the server's only dispatch (a renamed or missing handler fails at import)
+HANDLERS: dict[str, Handler] = checked(
+    {
+        "micro_batch": StageServer._serve_micro_batch,
+        "setup": StageServer._serve_setup,
+        "info": StageServer._serve_info,
+        "gather": StageServer._serve_round,
+        "set_grads": StageServer._serve_round,
+        "apply": StageServer._serve_round,
+        "save": StageServer._serve_round,
+        "load": StageServer._serve_round,
+        "state": StageServer._serve_state,
+        "snapshot": StageServer._serve_snapshot,
+        "restore": StageServer._serve_restore,
+    },
+    ROUNDS,
+)
