@@ -26,6 +26,7 @@ import torch
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault, TransportError, one_line
+from protocols.wire_names import DIGEST
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import activation_dtypes
@@ -49,9 +50,6 @@ class Outcome:
     payload: bytes = b""
     metrics: dict[str, float] = field(default_factory=dict)
     route: list[str] = field(default_factory=list)
-
-
-DIGEST = "grad_digest:"  # + the stage: a reply's metric of the squared norm of its gradients of the micro-batch
 
 
 class Chain:

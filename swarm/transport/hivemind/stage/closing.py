@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import LATE, LR, RERUN, SQUARE
 from swarm.config.schedule import DelayCorrection
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.stage import step_keys
@@ -49,14 +50,6 @@ from swarm.transport.hivemind.stage.work import StageWork
 from swarm.transport.hivemind.trust.gate import Gate
 from swarm.transport.hivemind.trust.sealed import DECISION
 from swarm.transport.hivemind.trust.signatures import Refused
-
-SQUARE = "grad_sq:"  # + the stage: a reply's metric of that stage's squared gradient norm
-RERUN = "step_rerun"  # a reply's metric: a micro-batch of the step finished twice somewhere
-LR = "step_lr"  # a reply's metric: the learning rate the step will be applied with
-# the refusal of an asynchronous step's micro-batch sent again once the next step's moved the
-# weights on (stage.host): the trainer goes back to the swarm's copies on it (trainer.recovery)
-OUTRUN = "so a micro-batch of an earlier step cannot run again"
-LATE = "grad_sq_before:"  # + the stage: dc's squared norm of the step before the reply's
 
 
 class Closing:

@@ -18,6 +18,7 @@ import threading
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
 from protocols.version import PROTOCOL_VERSION
+from protocols.wire_names import OUTRUN
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
@@ -29,7 +30,7 @@ from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
-from swarm.transport.hivemind.stage.closing import OUTRUN, Closing
+from swarm.transport.hivemind.stage.closing import Closing
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.stage.links import NeighbourLinks

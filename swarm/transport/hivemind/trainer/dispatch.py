@@ -20,12 +20,12 @@ from collections import Counter
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import DIGEST
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.ordering import Numbering
 from swarm.transport.hivemind.routing.handoff import Handoff
-from swarm.transport.hivemind.stage.chain import DIGEST
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.verify import Verification
