@@ -34,12 +34,10 @@ from swarm.tracing import TRACER, wall
 from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstile
 from swarm.transport.hivemind.flow.pacing import FlowPacer
 from swarm.transport.hivemind.net.meta import meta_to_batch, raw_to_tensor
-from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.routing.router import RoutingPolicy
 from swarm.transport.hivemind.stage.closing import Closing
-from swarm.transport.hivemind.stage.links import NeighbourLinks
-from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.stage.parts import StageParts
+from swarm.transport.hivemind.stage.state import StagePlace
 
 
 @dataclass
@@ -57,19 +55,11 @@ class Chain:
     takes one now (raises if not); `handoff` (None on the last stage) hands them on downstream."""
 
     def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        meters: StageMeters,
-        work: StageWork,
-        links: NeighbourLinks,
-        handoff: Handoff | None,
-        pacer: FlowPacer,
-        serving: Callable[[MicroBatch, pb.StepProof], None],
-        closing: Closing,
+        self, parts: StageParts, pacer: FlowPacer, serving: Callable[[MicroBatch, pb.StepProof], None], closing: Closing
     ) -> None:
-        self.place, self.state, self.meters, self.work = place, state, meters, work
-        self.links, self.handoff, self.pacer, self.serving = links, handoff, pacer, serving
+        self.place, self.state, self.meters, self.work = parts.place, parts.state, parts.meters, parts.work
+        self.links, self.handoff, self.pacer, self.serving = parts.links, parts.handoff, pacer, serving
+        place = self.place
         self.closing = closing  # steps closed on the way: norms reported, decisions applied
         self.link_grace = place.settings.streams.link_grace_s  # a new link epoch waits this long for its first message
         self.policy = RoutingPolicy.of(place.settings)  # the throughput this peer announces

@@ -44,17 +44,17 @@ from protocols.wire_names import LATE, LR, RERUN, SQUARE
 from swarm.config.schedule import DelayCorrection
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.stage import step_keys
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
-from swarm.transport.hivemind.stage.state import StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
-from swarm.transport.hivemind.trust.gate import Gate
 from swarm.transport.hivemind.trust.sealed import DECISION
 from swarm.transport.hivemind.trust.signatures import Refused
 
 
 class Closing:
-    def __init__(self, place: StagePlace, state: StageState, work: StageWork, rounds: StageRounds, gate: Gate) -> None:
-        self.place, self.state, self.work, self.rounds, self.gate = place, state, work, rounds, gate
+    def __init__(self, parts: StageParts, rounds: StageRounds) -> None:
+        self.place, self.state, self.work, self.gate = parts.place, parts.state, parts.work, parts.gate
+        self.rounds = rounds
+        state = self.state
         # (the state's generation, step) -> its micro-batches whose backward finished here; a new
         # session or a restored state is a new generation: a replayed step counts afresh
         self.done: dict[tuple[int, int], set[int]] = {}

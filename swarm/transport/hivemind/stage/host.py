@@ -34,6 +34,7 @@ from swarm.transport.hivemind.stage.closing import Closing
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.snapshots import Snapshots
 from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState, leave_session
@@ -77,13 +78,11 @@ class HostedStage:
         self.handoff = None if place.last else self._handoff()
         if self.handoff is not None:
             self.links.on_restart = self.handoff.restart
-        self.rounds = StageRounds(place, state, self.work, self.links, self.handoff, self.peer)
-        closing = Closing(place, state, self.work, self.rounds, self.gate)
-        self.chain = Chain(
-            place, state, self.meters, self.work, self.links, self.handoff, self.pacer, self.serving, closing
-        )
+        self.parts = StageParts(state, self.meters, self.work, self.links, self.handoff, self.gate, self.peer)
+        self.rounds = StageRounds(self.parts)
+        self.chain = Chain(self.parts, self.pacer, self.serving, Closing(self.parts, self.rounds))
         self.source = StateSource(place, state, self.work)  # its state for joiners
-        self.snapshots = Snapshots(place, state, self.work, self.links, self.handoff, self.gate, self.peer, self.rounds)
+        self.snapshots = Snapshots(self.parts, self.rounds)
         self._setup_lock = asyncio.Lock()
 
     def _handoff(self) -> Handoff:
@@ -168,7 +167,7 @@ class HostedStage:
             how = f" to join from {len(request.sources)} peer(s) in service" if request.sources else ""
             self.peer.events.add("setup", f"stage {self.stage}: set up by trainer session {request.session[:8]}{how}")
             if request.sources:  # mid-run: the state comes from a peer in service
-                joining = Joining(place, state, self.work, self.links, self.gate, self.peer, self.rounds)
+                joining = Joining(self.parts, self.rounds)
                 state.follow(joining)
                 joining.start(list(request.sources))
         self.gate.set_up(request)
@@ -273,7 +272,7 @@ class HostedStage:
 
     async def drain(self, say) -> None:
         """Returns once it can leave without its run noticing (stage.leaving)."""
-        await drain(self.place, self.state, self.meters, self.router, self.rounds, self.peer, say, self.gate.owner)
+        await drain(self.parts, self.router, self.rounds, say)
 
     def close(self) -> None:
         self.work.close()

@@ -24,40 +24,25 @@ from swarm.engine.checkpoint import apply_stage_state, read_stage
 from swarm.engine.stage import step_keys
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import payload_to_tensors
-from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.combine import Combining
-from swarm.transport.hivemind.stage.links import NeighbourLinks
-from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.stage.parts import StageParts
 
 
 class StageRounds:
     """The step's rounds and checkpoints of one hosted stage."""
 
-    def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        work: StageWork,
-        links: NeighbourLinks,
-        handoff: Handoff | None,
-        peer: PeerServices,
-    ) -> None:
-        self.place, self.state, self.work, self.links, self.handoff, self.peer = (
-            place,
-            state,
-            work,
-            links,
-            handoff,
-            peer,
-        )
+    def __init__(self, parts: StageParts) -> None:
+        self.place, self.state, self.work, self.links = parts.place, parts.state, parts.work, parts.links
+        self.handoff, self.peer = parts.handoff, parts.peer
         # the last apply: ((the state's generation, step), its reply); a state restored to an earlier
         # step is a new generation, whose apply of the same step is a new one
         self.applied: tuple[tuple[int, int], pb.ApplyReply] | None = None
         self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
         self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
-        self.combining = Combining(place, state, work, peer)  # the gather round: with the peers that share gradients
+        self.combining = Combining(
+            self.place, self.state, self.work, self.peer
+        )  # the gather round: with the peers that share gradients
 
     def restart(self) -> None:
         self.applied = None
