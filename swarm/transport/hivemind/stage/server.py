@@ -2,9 +2,11 @@
 
 A caller opens a stream of the protocol `streams.PROTOCOL` and sends one request after another on
 it (`streams.Requests`); each is framed and checked (`protocols.framing`: typed head, payload in
-verified chunks, a size cap before anything is collected), dispatched on its head to the hosted
-stage it names, and answered with a reply of the same kind: micro-batch replies written in paced
-pieces (swarm.transport.hivemind.flow.pacing), the others shaped by the node's in-process egress only.
+verified chunks, a size cap before anything is collected), dispatched on its head by one table
+(`HANDLERS`: call kind -> handler) to the hosted stage it names, and answered with a reply of the
+same kind. The server only frames and dispatches: a micro-batch's trip, from its arrival metered to
+its reply written in paced pieces, is its stage's chain's (stage.chain); the other replies are
+shaped by the node's in-process egress only.
 Every failure becomes a one-line `ErrorReply`: a bad payload, a version mismatch, a stage this peer
 does not host or an unknown request never stops it serving. After an error the stream is closed
 (what is left of a refused request on it is unknown); the caller opens a new one.
@@ -29,23 +31,19 @@ from protocols.framing import Frame, frame_parts, read_frame
 from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
-from swarm.engine.microbatch import Kind
-from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import Announcer
-from swarm.transport.hivemind.flow.pacing import carrying, send_paced
+from swarm.transport.hivemind.flow.pacing import send_paced
 from swarm.transport.hivemind.net.cpu import RequestCpu
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests, linger
+from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Request, Requests, linger
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
-from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.refusals import Refusals
 from swarm.transport.hivemind.stage.rounds import ROUNDS
 from swarm.transport.hivemind.stage.state import PeerServices
 
 log = logging.getLogger(__name__)
-_KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
 # ... and what a message may hold besides its chunk's data, checked before protobuf parses any of
 # it: the head and signature, their tags and lengths, and the chunk's own fields
@@ -65,16 +63,6 @@ def _code(e: BaseException) -> int:
     if isinstance(e, StateMismatchError | StaleStateError):  # our link state and the sender's differ
         return pb.LINK_RESET
     return pb.ERROR_UNSPECIFIED
-
-
-@dataclass(frozen=True)
-class Request:
-    """A framed request as its handler takes it."""
-
-    frame: Frame
-    sender: str  # the connected peer (through a relay too: the caller it names)
-    started: float  # when its first byte arrived (monotonic)
-    arrived: float  # when all of it had
 
 
 @dataclass
@@ -323,36 +311,13 @@ class StageServer:
         return write
 
     async def _serve_micro_batch(self, request: Request):
-        frame, started, arrived, sender = request.frame, request.started, request.arrived, request.sender
-        head = frame.head
-        if head.sender and head.sender != sender:
-            raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
-        hosted = self._find(head.to)
-        hosted.links.arrivals[sender].add(started, arrived, len(frame.payload))
-        outcome = await hosted.chain.run(head, frame.payload, sender)
-        pacer = hosted.pacer
-        pacer.heard(sender, head.reply_share_bits)
-        pacer.arrived(sender, len(frame.payload))
-
-        async def write(writer: asyncio.StreamWriter) -> None:
-            waited = time.time()
-            async with hosted.sending.to(sender):
-                began = time.time()
-                result = pb.ResultHead(
-                    kind=_KINDS[outcome.kind],
-                    metrics=outcome.metrics,
-                    route=outcome.route,
-                    share_bits=pacer.offer(sender, hosted.awaiting > 0),
-                )
-                flow = pacer.flow(sender)
-                with carrying(flow, len(outcome.payload)):
-                    for parts in frame_parts(pb.StageReply, "micro_batch", result, outcome.payload):
-                        await send_paced(parts, writer, flow, self.node.egress)
-            if TRACER.enabled:
-                times = (started, arrived, waited, began)
-                trace_exchange(hosted.place, head, sender, times, len(frame.payload), len(outcome.payload))
-
-        return write
+        """Its trip through the stage, reply included, is the chain's (stage.chain)."""
+        head = request.frame.head
+        if head.sender and head.sender != request.sender:
+            raise ProtocolError(
+                f"sender {head.sender[-8:]} in the head is not the connected peer {request.sender[-8:]}"
+            )
+        return await self._find(head.to).chain.serve(request)
 
     def status(self) -> pb.InfoReply:
         """The status of this peer and every stage it hosts (what peers.status and its metrics read)."""
