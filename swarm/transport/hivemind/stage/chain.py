@@ -32,6 +32,7 @@ from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstil
 from swarm.transport.hivemind.flow.pacing import FlowPacer, carrying, send_paced
 from swarm.transport.hivemind.net.calls import Sending
 from swarm.transport.hivemind.net.streams import Request
+from swarm.transport.hivemind.routing.handoff import Terms
 from swarm.transport.hivemind.routing.router import RoutingPolicy
 from swarm.transport.hivemind.stage.admission import Admission
 from swarm.transport.hivemind.stage.closing import Closing
@@ -230,17 +231,8 @@ class Chain:
         last = self.state.cfg.train.micro_batches - 1
         more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
         try:
-            frame, target, sent = await self.handoff.send(
-                batch,
-                record,
-                sent,
-                message.payload,
-                self.state.session_id,
-                again,
-                deadline=deadline,
-                offer=lambda peer: self.pacer.offer(peer, more),
-                carry=trip.head,
-            )
+            terms = Terms(self.state.session_id, deadline, lambda peer: self.pacer.offer(peer, more), trip.head)
+            frame, target, sent = await self.handoff.send(batch, record, sent, message.payload, again, terms)
         except TransportError as e:  # its peer is banned here now: our caller may simply try us again
             raise RemoteError(f"stage {place.stage + 1}: {one_line(e)}", pb.DOWNSTREAM) from None
         result, reply = frame.head, frame.payload

@@ -25,7 +25,7 @@ from swarm.transport.hivemind.dht.announce import StageRecord
 from swarm.transport.hivemind.flow.pacing import FlowPacer, stage_flows
 from swarm.transport.hivemind.net.calls import Sending
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.handoff import Handoff, LinkHooks
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
 from swarm.transport.hivemind.stage.closing import Closing
@@ -83,18 +83,8 @@ class HostedStage:
         self._setup_lock = asyncio.Lock()
 
     def _handoff(self) -> Handoff:
-        return Handoff(
-            self.place.node,
-            self.router,
-            self.place.run_id,
-            self.place.stage + 1,
-            self.pacer,
-            self.sending,
-            self.links.drop_out,
-            self.links.replies,
-            self._feedback_out,
-            lambda: self.gate.admission,
-        )
+        hooks = LinkHooks(self.links.drop_out, self.links.replies, self._feedback_out, lambda: self.gate.admission)
+        return Handoff(self.router, self.place.stage + 1, self.pacer, self.sending, hooks)
 
     def attach(self, peer: PeerServices) -> None:
         """Hosted by a server: its events, averager and announcements are the server's."""
