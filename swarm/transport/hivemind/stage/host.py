@@ -4,7 +4,8 @@ The runtime is the same one the in-process transport drives. The host is where a
 are made and wired, nothing more: its typed state (`stage.state`: where it is, what the run has of
 it now, what it measured), its computing thread (`stage.work`), one link end per neighbour peer
 (`links`), the checks of who may call it (`gate`), and the collaborators that serve its calls,
-each given the pieces it uses: micro-batches (`chain`), the step's rounds and checkpoints
+each given the pieces it uses (`parts`): micro-batches (`chain`: each one's whole trip, from its
+admission to its paced reply), the step's rounds and checkpoints
 (`rounds`), state for joiners (`source`), the swarm's copies (`snapshots`). It hands micro-batches
 on to the next stage (`handoff`) and measures its throughput for the DHT record others route by.
 """
