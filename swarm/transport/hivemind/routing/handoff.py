@@ -49,7 +49,7 @@ class LinkHooks:
     admission: Callable[[], pb.Admission | None] = lambda: None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per micro-batch: slots, not frozen, construct fastest
 class Terms:
     """How one micro-batch is handed on: to the peers of trainer session `session`; with a
     `deadline` (monotonic) every try gets what is left of it, without, each gets the call timeout

@@ -30,7 +30,7 @@ class Outcome:
     route: list[str] = field(default_factory=list)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Trip:
     """One micro-batch on its way through this stage (by reference: nothing of its payload is
     copied). The trip is also its attempt's identity: a newer attempt of the same micro-batch takes
