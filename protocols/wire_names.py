@@ -11,5 +11,5 @@ LATE = "grad_sq_before:"  # + the stage: dc's squared norm of the step before th
 RERUN = "step_rerun"  # a reply's metric: a micro-batch of the step finished twice somewhere
 LR = "step_lr"  # a reply's metric: the learning rate the step will be applied with
 # the refusal of an asynchronous step's micro-batch sent again once the next step's moved the
-# weights on (stage.host): the trainer goes back to the swarm's copies on it (trainer.recovery)
+# weights on (stage.admission): the trainer goes back to the swarm's copies on it (trainer.recovery)
 OUTRUN = "so a micro-batch of an earlier step cannot run again"
