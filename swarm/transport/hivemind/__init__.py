@@ -4,7 +4,7 @@ imports only those before it):
 
 - `flow/`: one link's flow: pacing what is sent, metering what arrives, busy time, link order.
 - `trust/`: the run's owner: keys, signed calls, admissions, tokens, the gate every call passes.
-- `net/`: a peer on hivemind: settings, node and event loops, framed calls on pooled streams,
+- `net/`: a peer on hivemind: settings, node and event loops, framed calls on pooled streams, bans,
   retries, what travels with a request, its event log.
 - `dht/`: the swarm on the DHT: stage records, the run's published config and status, surveys.
 - `routing/`: choosing the next stage's peer (one policy) and handing a micro-batch to it.

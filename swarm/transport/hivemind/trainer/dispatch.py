@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import DIGEST
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.ordering import Numbering
-from swarm.transport.hivemind.routing.handoff import Handoff
-from swarm.transport.hivemind.stage.chain import DIGEST
+from swarm.transport.hivemind.routing.handoff import Handoff, Terms
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.verify import Verification
@@ -194,7 +194,7 @@ class Dispatch:
             self.overlapped.add(batch.step)
         self.out[batch.step] += training
         try:
-            frame, _, _ = await handoff.send(batch, record, sent, b"", place.session, again, inputs=inputs, carry=carry)
+            frame, _, _ = await handoff.send(batch, record, sent, b"", again, Terms(place.session, carry=carry), inputs)
         finally:
             self.out[batch.step] -= training
             if not self.out[batch.step]:

@@ -36,7 +36,7 @@ from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.retry import Retry
-from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.handoff import Handoff, LinkHooks
 from swarm.transport.hivemind.routing.router import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
@@ -93,7 +93,7 @@ class SwarmPipeline:
         pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         admission = lambda: owner.admit(session, node.peer_id, trainer=True)  # noqa: E731
         sending = Sending(node.settings.streams.sending_per_neighbour)
-        self.handoff = Handoff(node, router, run_id, 0, pacer, sending, numbering.restart, admission=admission)
+        self.handoff = Handoff(router, 0, pacer, sending, LinkHooks(numbering.restart, admission=admission))
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)

@@ -27,8 +27,8 @@ import torch
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.stubs import STUBS
+from protocols.wire_names import OUTRUN
 from swarm.transport.hivemind.net.meta import address
-from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.copies import (

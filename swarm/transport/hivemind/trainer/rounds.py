@@ -28,11 +28,11 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.framing import Frame
 from protocols.stubs import STUBS, Stub
+from protocols.wire_names import OUTRUN
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
-from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.blame import blamed_members
 from swarm.transport.hivemind.trainer.client import ask

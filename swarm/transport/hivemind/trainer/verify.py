@@ -36,10 +36,10 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from protocols.wire_names import DIGEST
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.stage.chain import DIGEST
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
