@@ -15,15 +15,6 @@ NOT_YET = {  # (path, function): left to the work on their modules (issue 55)
     ("swarm/lab/launch.py", "run_lab"),
     ("swarm/lab/launch.py", "__init__"),
     ("swarm/lab/plan.py", "of"),
-    ("swarm/transport/hivemind/net/calls.py", "__init__"),
-    ("swarm/transport/hivemind/net/node.py", "__init__"),
-    ("swarm/transport/hivemind/routing/handoff.py", "__init__"),
-    ("swarm/transport/hivemind/routing/handoff.py", "send"),
-    ("swarm/transport/hivemind/stage/chain.py", "__init__"),
-    ("swarm/transport/hivemind/stage/chain.py", "_chain"),
-    ("swarm/transport/hivemind/stage/chain.py", "_downstream"),
-    ("swarm/transport/hivemind/stage/leaving.py", "drain"),
-    ("swarm/transport/hivemind/stage/snapshots.py", "__init__"),
     ("tests/engine/test_engine.py", "run_one"),
     ("tests/transport/hivemind/test_adaptive_swarm.py", "shaped_run"),
     ("tests/transport/hivemind/test_trust.py", "_refused"),
@@ -38,13 +29,15 @@ def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
 
 
 def test_no_new_function_takes_more_than_seven_parameters():
-    over = []
+    over, listed = [], set()
     for file in sorted(f for package in PACKAGES for f in (REPO / package).rglob("*.py")):
         path = file.relative_to(REPO).as_posix()
         if path.endswith("_pb2.py"):
             continue
         for node in ast.walk(ast.parse(file.read_text(), path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and len(parameters(node)) > MAX_PARAMETERS:
+                listed.add((path, node.name))
                 if (path, node.name) not in NOT_YET:
                     over.append(f"{path}:{node.lineno} {node.name} ({len(parameters(node))} parameters)")
     assert over == [], "more than 7 parameters (a dataclass of what travels together): " + "; ".join(over)
+    assert NOT_YET <= listed, f"fixed, so no longer to be listed in NOT_YET: {sorted(NOT_YET - listed)}"
