@@ -66,30 +66,36 @@ def _qdiscs(ns: str, dev: str) -> str:
 
 def test_token_bucket_never_outruns_its_rate_and_keeps_close_to_it():
     """What a bucket lets through never exceeds its burst plus its rate times the time taken, however
-    the sender is scheduled; two senders on one bucket share that rate."""
+    the sender is scheduled; two senders on one bucket share that rate. Close to it: the bucket never
+    asks a sender to wait longer than the bytes booked ahead of it take at its rate (its own chunk,
+    and the other sender's on a shared bucket), whatever the clock did meanwhile: a loaded machine
+    wakes a sender late, which only shortens the next wait."""
+    rate_bytes = 40e6 / 8
 
-    async def send(bucket: TokenBucket, total: int, chunk: int) -> int:
+    async def send(bucket: TokenBucket, total: int, chunk: int, waits: list[float]) -> int:
         sent = 0
         while sent < total:
-            await bucket.consume(chunk)
+            waits.append(await bucket.consume(chunk))
             sent += chunk
         return sent
 
     async def main():
         start = time.monotonic()  # before the bucket exists: its tokens accrue from its creation
         bucket = TokenBucket("40mbit")
-        sent = await send(bucket, 4_000_000, 65536)
+        waits: list[float] = []
+        sent = await send(bucket, 4_000_000, 65536, waits)
         elapsed = time.monotonic() - start
         assert bucket.stats().bytes == sent and bucket.stats().calls == -(-4_000_000 // 65536)
-        assert sent <= bucket.burst_bytes + 40e6 / 8 * elapsed  # exact: the bucket cannot run ahead
-        # a late wake-up only slows the sender (a loaded machine); a bucket that waited twice too long fails
-        assert sent * 8 / elapsed > 0.7 * 40e6, f"{sent * 8 / elapsed / 1e6:.2f} Mbit/s for 40mbit"
+        assert sent <= bucket.burst_bytes + rate_bytes * elapsed  # exact: the bucket cannot run ahead
+        assert sum(w > 0 for w in waits) > len(waits) // 2  # past its burst the bucket does pace
+        assert max(waits) <= 65536 / rate_bytes + 1e-9, f"waited {max(waits):.4f} s for one chunk"
         start = time.monotonic()
         shared = TokenBucket("40mbit")
-        both = await asyncio.gather(send(shared, 1_500_000, 50_000), send(shared, 1_500_000, 30_000))
+        first, second = [], []
+        both = await asyncio.gather(send(shared, 1_500_000, 50_000, first), send(shared, 1_500_000, 30_000, second))
         elapsed = time.monotonic() - start
-        assert sum(both) == shared.stats().bytes <= shared.burst_bytes + 40e6 / 8 * elapsed  # together, one rate
-        assert sum(both) * 8 / elapsed > 0.7 * 40e6, f"two senders got {sum(both) * 8 / elapsed / 1e6:.2f} Mbit/s"
+        assert sum(both) == shared.stats().bytes <= shared.burst_bytes + rate_bytes * elapsed  # together, one rate
+        assert max(first + second) <= (50_000 + 30_000) / rate_bytes + 1e-9  # at most both senders' chunks ahead
 
     asyncio.run(main())
 
