@@ -8,6 +8,7 @@ throughput_table      the rows as a table, speed-ups, target lines, a plot and J
 bounds, fluid         the link and compute bounds; what the schedule allows on ideal links
 time_to_target        `bench time-to-target`: training seconds until the evaluation reaches a target
 time_to_target_table  its rows as a table, against the targets, a plot and JSON
+tiny_decoder          a plain-torch decoder, one block per stage: many peers' lab runs without transformers
 peer_memory           what each peer of a running swarm holds in memory (RSS, PSS, private), its p2pd apart
 gloo/                 the torch.distributed baseline (`--codecs torch:gloo`): the same stages over gloo
 """
