@@ -222,15 +222,18 @@ def local_rows(cfg, tmp_path, steps: int = STEPS):
     return read_results(path)
 
 
-def assert_losses_of_one_process(results, config, overrides: list[str], tmp_path, steps: int) -> None:
+def assert_losses_of_one_process(
+    results, config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None = None
+) -> None:
     """A lab's results file holds steps 1..`steps` once each, with the losses and evaluations of
     one process on `config` with `overrides`, bit for bit, however replicas split the steps
     (swarm.engine.exactsum). The process computes with the lab peers' torch threads: a kernel's
-    floats may depend on how many threads split it."""
+    floats may depend on how many threads split it (the lab shares the cores among its
+    `stage_peers`, one per stage unless the run started replicas, and the trainer)."""
     rows = read_results(results)
     cfg = load_config(config, overrides)
     threads = torch.get_num_threads()
-    torch.set_num_threads(peer_threads(cfg.model.num_stages + 1))
+    torch.set_num_threads(peer_threads((stage_peers or cfg.model.num_stages) + 1))
     try:
         theirs = local_rows(cfg, tmp_path, steps=steps)
     finally:

@@ -13,5 +13,7 @@ scale_model, scale_dht, scale_lab, scale_sweep
 dht_stores            stores of one key a pair of hivemind DHT nodes takes a second
 time_to_target        `bench time-to-target`: training seconds until the evaluation reaches a target
 time_to_target_table  its rows as a table, against the targets, a plot and JSON
+tiny_decoder          a plain-torch decoder, one block per stage: many peers' lab runs without transformers
+peer_memory           what each peer of a running swarm holds in memory (RSS, PSS, private), its p2pd apart
 gloo/                 the torch.distributed baseline (`--codecs torch:gloo`): the same stages over gloo
 """

@@ -27,7 +27,7 @@ from swarm.config import load_config
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch
 from swarm.lab.launch import Lab
-from swarm.lab.plan import available_cores
+from swarm.lab.plan import LinkOptions, RunOptions, available_cores
 from swarm.models.registry import MODELS, build_model
 from swarm.rates import parse_delay, parse_rate
 from swarm.training.experiment import build_data
@@ -72,17 +72,8 @@ def run_point(
     """Runs one point in the lab, hivepipe's swarm or for torch:gloo the same stages over
     torch.distributed; the lab it ran (RuntimeError if the run failed). A whole step can take
     minutes on a slow link, every micro-batch of it in flight."""
-    lab = (GlooLab if codec == GLOO else Lab)(
-        config,
-        stages,
-        str(results),
-        steps,
-        sets,
-        probe=False,
-        out=LabLines(log),
-        trainer_args=["--timeout", "900"],
-        **shaping,
-    )
+    run = RunOptions(str(results), steps, sets, trainer_args=["--timeout", "900"])
+    lab = (GlooLab if codec == GLOO else Lab)(config, stages, run, LinkOptions(probe=False, **shaping), LabLines(log))
     if (code := lab.run()) != 0:
         raise RuntimeError(f"the run of {codec} at {shaping.get('bandwidth')} failed (exit code {code})")
     return lab

@@ -94,12 +94,12 @@ class Churn:
             return ChurnEvent(float("inf"), match.group(1), stage, int(match.group(4)))
         return ChurnEvent(float(match.group(3)), match.group(1), stage)
 
-    def joiners(self) -> list[str] | None:
-        """The names of the stage peers its joins will start, in order (stage1.2, ...); None when
-        they are drawn as the run goes (random)."""
+    def joiners(self, replicas: dict[int, int] | None = None) -> list[str] | None:
+        """The names of the stage peers its joins will start, in order (stage1.2, ...: numbered on
+        after the `replicas` each stage starts with); None when they are drawn as the run goes (random)."""
         if self.seed is not None:
             return None
-        count: dict[int, int] = {}
+        count = dict(replicas or {})
         names = []
         for event in self.events:
             if event.action == "join":
@@ -139,10 +139,14 @@ class ChurnRunner:
 
     def __init__(self, lab, churn: Churn, join_args: list[str]) -> None:
         self.lab, self.churn, self.join_args = lab, churn, join_args
-        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(lab.run_plan.stages)}
+        plan = lab.run_plan
+        replicas = {s: plan.replicas.get(s, 1) for s in range(plan.stages)}  # the peers each stage starts with
+        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(plan.stages)}
+        for stage, name in plan.replica_names():
+            self.live[stage].append(name)
         self.gone: set[str] = set()  # peers the churn killed or stopped: their exit is expected
         self.counts = {action: 0 for action in ACTIONS}
-        self.peers_started = {s: 1 for s in range(lab.run_plan.stages)}
+        self.peers_started = replicas
         self.started: float | None = None  # when the trainer had set the stages up
         self.restart_at: float | None = None  # the killed trainer starts again then
         self.held: list[tuple[ChurnEvent, float]] = []  # kills and stops waiting for a joiner, since when

@@ -12,6 +12,7 @@ from _swarm_env import assert_losses_of_one_process, run_tagged
 from _util import REPO, SMOKE
 
 from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
+from swarm.lab.plan import RunOptions, RunPlan
 
 
 def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
@@ -90,7 +91,7 @@ class _Lab:
     """What a ChurnRunner reads and calls of a Lab (no processes: its waiting is what is tested)."""
 
     def __init__(self) -> None:
-        self.run_plan = type("Plan", (), {"stages": 2})()
+        self.run_plan = RunPlan.of(str(SMOKE), 2, RunOptions())
         self.trainer = type("Trainer", (), {"ready": type("Ready", (), {"is_set": lambda self: True})()})()
         self.processes, self.joined_peers, self.lines = [("stage1", _Peer())], set(), []
         self.output = type("Out", (), {"say": lambda _, name, line: self.lines.append(line)})()

@@ -12,3 +12,7 @@ imports only those before it):
 - `trainer/`: the trainer's `SwarmPipeline` and its step rounds, setups, recovery and accounts.
 - `monitor/`: Prometheus metrics and the health page.
 """
+
+from swarm.transport.hivemind.lean import defer
+
+defer()  # before any hivemind import of ours: a peer skips the parts of hivemind it never uses (lean.py)
