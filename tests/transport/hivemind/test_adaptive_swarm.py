@@ -16,6 +16,7 @@ from _util import frame
 
 from protocols import stage_pb2 as pb
 from protocols.framing import ProtocolError, parse_message
+from protocols.stubs import STUBS
 from swarm.config import ConfigError, load_config
 from swarm.training.checkpoints import Checkpointing
 from swarm.training.experiment import build_data, run_experiment
@@ -166,14 +167,14 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
     import swarm.transport.hivemind.trainer.membership as membership_module
 
     asked = []  # status calls, as the trainer makes them
-    real_call = membership_module.call
+    real_ask = membership_module.ask
 
-    async def counted_call(streams, peer_id, kind, *args, **kwargs):
-        if kind == "info":
+    async def counted_ask(streams, peer_id, request, *args, **kwargs):
+        if request.stub is STUBS.info:
             asked.append(peer_id)
-        return await real_call(streams, peer_id, kind, *args, **kwargs)
+        return await real_ask(streams, peer_id, request, *args, **kwargs)
 
-    monkeypatch.setattr(membership_module, "call", counted_call)
+    monkeypatch.setattr(membership_module, "ask", counted_ask)
     asked_by_step = []
 
     def drop(step: int, egress) -> None:
