@@ -36,6 +36,7 @@ from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
 from swarm.lab.plan import LinkPlan, RunPlan, available_cores, base_name, nat_names, peer_threads
+from swarm.lab.spawn import Spawner
 from swarm.models.registry import stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
@@ -126,6 +127,7 @@ class Lab:
         self._boot_lines: queue.Queue[str] = queue.Queue()  # the bootstrap's output, for its address
         self.joined: tuple[str, str] = ("", "")  # the bootstrap's address and the run id, once started
         self.joined_peers: set[str] = set()  # the churn's joiners that have their state (a kill waits)
+        self.spawner: Spawner | None = None  # forks the peers from imports done once (swarm.lab.spawn)
 
     def _host(self, name: str) -> str:
         return self.net.maddr(name) if self.net is not None else LOOPBACK
@@ -142,10 +144,9 @@ class Lab:
             *self.link_plan.shape_args(name, self.net),
             *self.link_plan.link_args(name),
         ]
-        if self.net is not None:
-            command = self.net.wrap(name, command)
-        process = subprocess.Popen(
+        process = self.spawner.popen(
             command,
+            self.net.namespace(name) if self.net is not None else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -198,6 +199,7 @@ class Lab:
         except (ConfigError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        self.spawner = Spawner()  # its imports run while the lab sets the links up and probes them
         links = self.link_plan
         if not (links.in_namespaces or self.nat):
             if links.shaped:
@@ -362,6 +364,9 @@ class Lab:
             if not running:
                 break
         self.processes.clear()
+        if self.spawner is not None:
+            self.spawner.close()
+            self.spawner = None
 
 
 def _group_alive(pgid: int) -> bool:
