@@ -272,12 +272,17 @@ class Lab:
         says how each peer behind NAT was reached (swarm.transport.hivemind.net.reach)."""
         initial, run_id = self.joined
         command = [sys.executable, "-m", "peers.status", "--initial_peers", initial, "--run_id", run_id]
+        status = self.spawner.popen(
+            command, self.net.namespace("bootstrap"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
-            out = subprocess.run(self.net.wrap("bootstrap", command), capture_output=True, text=True, timeout=120)
+            out, _ = status.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            status.kill()
+            status.wait()
             self.output.say("lab", "peers.status did not answer within 120 s")
             return
-        for line in (out.stdout + out.stderr).splitlines():
+        for line in out.splitlines():
             if line.strip() and not any(noise in line for noise in _NOISE):
                 self.output.say("status", line)
 

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 
 PRELOAD = ("peers.stage", "peers.trainer", "peers.bootstrap")  # their imports: torch, hivemind, swarm
 _CLONE_NEWNET = 0x40000000
@@ -71,12 +72,12 @@ class Spawner:
                     self._ended[message["ended"]] = message["code"]
                 self._changed.notify_all()
 
-    def spawn(self, module: str, args: list[str], env: dict, out_fd: int, namespace: str | None) -> int:
-        """The pid of a new child running `python -m module *args`, its output (stdout and stderr) to `out_fd`."""
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd(), "netns": namespace})
+    def spawn(self, module: str, args: list[str], env: dict, cwd: str, fds: list[int], namespace: str | None) -> int:
+        """The pid of a new child running `python -m module *args`, `fds` its stdin, stdout and stderr."""
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd, "netns": namespace})
         with self._lock:
             try:
-                socket.send_fds(self.sock, [request.encode()], [out_fd])
+                socket.send_fds(self.sock, [request.encode()], fds)
             except OSError as e:
                 raise SpawnError(f"the lab's spawning process is gone ({e})") from None
             with self._changed:
@@ -105,7 +106,8 @@ class Spawner:
             self.server.wait()
 
     def popen(self, command: list[str], namespace: str | None = None, **options) -> SpawnedProcess:
-        """`command` is `[python, '-m', module, *args]`; `options` as subprocess.Popen's."""
+        """`command` is `[python, '-m', module, *args]`, run in network namespace `namespace` if given;
+        `options` as subprocess.Popen's (stdin, stdout and stderr: a pipe, DEVNULL, STDOUT or this process's)."""
         return SpawnedProcess(self, namespace, command, **options)
 
 
@@ -114,20 +116,38 @@ class SpawnedProcess(subprocess.Popen):
 
     def __init__(self, spawner: Spawner, namespace: str | None, command: list[str], **options) -> None:
         if command[1:2] != ["-m"] or len(command) < 3:
-            raise ValueError(f"a spawned peer runs `python -m MODULE ...`, not {command[:3]}")
-        if options.get("stdout") is not subprocess.PIPE or options.get("stderr") is not subprocess.STDOUT:
-            raise ValueError("a spawned peer's output goes to one pipe (stdout=PIPE, stderr=STDOUT)")
+            raise ValueError(f"a spawned process runs `python -m MODULE ...`, not {command[:3]}")
         self._spawner, self._namespace = spawner, namespace
         super().__init__(command, **options)
 
-    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest) -> None:
-        c2pwrite = rest[6]  # after startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread
+    def _execute_child(
+        self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell, *fds
+    ) -> None:
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = fds[:6]
+        # where Popen made no pipe the child writes to this process's stream, as a new interpreter
+        # would; it reads nothing it was not given (this process's stdin may be closed)
+        null = os.open(os.devnull, os.O_RDONLY)
+        streams = [
+            p2cread if p2cread != -1 else null,
+            c2pwrite if c2pwrite != -1 else 1,
+            errwrite if errwrite != -1 else 2,
+        ]
         try:
             self.pid = self._spawner.spawn(
-                args[2], list(args[3:]), dict(env if env is not None else os.environ), c2pwrite, self._namespace
+                args[2],
+                list(args[3:]),
+                dict(env if env is not None else os.environ),
+                os.fspath(cwd) if cwd is not None else os.getcwd(),
+                streams,
+                self._namespace,
             )
-        finally:
-            os.close(c2pwrite)
+        finally:  # the child's ends of the pipes, as Popen closes them once a child has its own
+            for end, ours in ((p2cread, p2cwrite), (c2pwrite, c2pread), (errwrite, errread)):
+                if end != -1 and ours != -1:
+                    os.close(end)
+            os.close(null)
+            if hasattr(self, "_devnull"):
+                os.close(self._devnull)
         self._child_created = True
 
     def _internal_poll(self, _deadstate=None, **_) -> int | None:
@@ -166,7 +186,7 @@ def _serve(sock: socket.socket) -> dict | None:
             sock.send(json.dumps({"ended": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
         if sock not in readable:
             continue
-        data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 1)
+        data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 3)
         if not data:
             return None
         pid = os.fork()
@@ -175,25 +195,26 @@ def _serve(sock: socket.socket) -> dict | None:
             for fd in (wake_read, wake_write):
                 os.close(fd)
             sock.close()
-            return dict(json.loads(data), out_fd=fds[0])
-        os.close(fds[0])
+            return dict(json.loads(data), fds=fds)
+        for fd in fds:
+            os.close(fd)
         sock.send(json.dumps({"started": pid}).encode())
 
 
 def _become(request: dict) -> None:
-    """In the child: a new session, the output pipe, the lab's environment and namespace, then the module."""
+    """In the child: a new session, its streams, the lab's environment and namespace, then the module."""
     os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(request["out_fd"], 1)
-    os.dup2(request["out_fd"], 2)
-    for fd in (null, request["out_fd"]):
+    for target, fd in enumerate(request["fds"]):
+        os.dup2(fd, target)
+    for fd in set(request["fds"]) - {0, 1, 2}:
         os.close(fd)
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
+    for option in filter(None, os.environ.get("PYTHONWARNINGS", "").split(",")):
+        warnings._setoption(option)  # what a new interpreter reads from it at its start
     os.chdir(request["cwd"])
     if request["netns"]:
         namespace = os.open(f"/var/run/netns/{request['netns']}", os.O_RDONLY)
