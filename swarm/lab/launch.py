@@ -36,7 +36,7 @@ from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
 from swarm.lab.plan import LinkPlan, RunPlan, available_cores, base_name, nat_names, peer_threads
-from swarm.lab.spawn import Spawner
+from swarm.lab.spawn import Spawner, shared_spawner
 from swarm.models.registry import stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
@@ -199,7 +199,7 @@ class Lab:
         except (ConfigError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        self.spawner = Spawner()  # its imports run while the lab sets the links up and probes them
+        self.spawner = shared_spawner()  # its imports run while the lab sets the links up and probes them
         links = self.link_plan
         if not (links.in_namespaces or self.nat):
             if links.shaped:
@@ -369,9 +369,6 @@ class Lab:
             if not running:
                 break
         self.processes.clear()
-        if self.spawner is not None:
-            self.spawner.close()
-            self.spawner = None
 
 
 def _group_alive(pgid: int) -> bool:

@@ -30,6 +30,18 @@ _CLONE_NEWNET = 0x40000000
 _MESSAGE = 1 << 20
 
 
+_shared: Spawner | None = None
+
+
+def shared_spawner() -> Spawner:
+    """This process's spawner, started at the first call: a benchmark's lab runs one after another
+    share it (its imports are paid once); it ends when this process does (its socket closes)."""
+    global _shared
+    if _shared is None or not _shared.alive():
+        _shared = Spawner()
+    return _shared
+
+
 class SpawnError(RuntimeError):
     """The spawning process is gone (it exits with the lab, or failed to start)."""
 
@@ -92,6 +104,9 @@ class Spawner:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._ended or self.sock.fileno() < 0, timeout)
             return self._ended.get(pid)
+
+    def alive(self) -> bool:
+        return self.server.poll() is None and self.sock.fileno() >= 0
 
     def close(self) -> None:
         """Ends the spawning process (its children go on: the lab stops them)."""
