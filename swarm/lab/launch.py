@@ -37,7 +37,7 @@ from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
 from swarm.lab.plan import LinkPlan, RunPlan, available_cores, base_name, nat_names, peer_threads
 from swarm.lab.spawn import Spawner, shared_spawner
-from swarm.models.registry import stage_count_problem
+from swarm.models.registry import model_libraries, stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
 from swarm.transport.hivemind.net.settings import Settings
@@ -230,6 +230,7 @@ class Lab:
         """The bootstrap, the stage peers and the trainer (and the churn that will come and go)."""
         plan, run_id = self.run_plan, f"{cfg.name}-{secrets.token_hex(3)}"
         boot = self._start("bootstrap", "peers.bootstrap")
+        self.spawner.preload(*model_libraries(cfg.model.name))  # while the bootstrap starts: the others need them
         initial = self._bootstrap_address(boot)
         self.joined = (initial, run_id)
         joining = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(plan.threads)]

@@ -14,6 +14,7 @@ reads, so the lab follows, signals and waits for them as for any other.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import io
 import json
 import os
@@ -104,6 +105,13 @@ class Spawner:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._ended or self.sock.fileno() < 0, timeout)
             return self._ended.get(pid)
+
+    def preload(self, *modules: str) -> None:
+        """Imports `modules` in the spawning process, for every child it starts afterwards (one that
+        cannot be imported is left to the child to fail on, as it would without this)."""
+        if modules:
+            with self._lock:
+                self.sock.send(json.dumps({"preload": list(modules)}).encode())
 
     def alive(self) -> bool:
         return self.server.poll() is None and self.sock.fileno() >= 0
@@ -204,16 +212,27 @@ def _serve(sock: socket.socket) -> dict | None:
         data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 3)
         if not data:
             return None
+        if "preload" in (request := json.loads(data)):
+            _import(request["preload"])
+            continue
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
             for fd in (wake_read, wake_write):
                 os.close(fd)
             sock.close()
-            return dict(json.loads(data), fds=fds)
+            return dict(request, fds=fds)
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"started": pid}).encode())
+
+
+def _import(modules) -> None:
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the child that needs it fails with the error itself
+            pass
 
 
 def _become(request: dict) -> None:
@@ -293,8 +312,7 @@ def _exit_code(code) -> int:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
-    for module in PRELOAD:
-        __import__(module)
+    _import(PRELOAD)
     request = _serve(sock)
     if request is None:  # the lab is done: nothing here to flush or close, and tearing torch down takes seconds
         os._exit(0)
