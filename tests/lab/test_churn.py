@@ -8,7 +8,7 @@ import re
 import sys
 
 import pytest
-from _swarm_env import assert_losses_of_one_process, run_tagged
+from _swarm_env import assert_losses_of_one_process, one_process_meanwhile, run_tagged
 from _util import REPO, SMOKE
 
 from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
@@ -133,6 +133,7 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
     command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--snapshot_every", "5", "--churn"]
     command += ["join:1@0,join:2@0,kill:1@step28,stop:2@step30,kill:0@step42,join:0@step42,kill:trainer@step56"]
+    reference = one_process_meanwhile(SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     finished = run_tagged(command, timeout=500, cwd=REPO)
     out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
@@ -157,7 +158,7 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
         r"\[trainer\] .* the swarm kept copies of every stage at step 5[05]; resuming there",  # the new trainer
     ):
         assert re.search(line, out.stdout), (line, log)
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference)
     assert daemons_left == 0
 
 
@@ -178,6 +179,7 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
+    reference = one_process_meanwhile(SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     finished = run_tagged(command, timeout=500, cwd=REPO)
     out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
@@ -185,5 +187,5 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     assert "kill stage1\n" in out.stdout, log
     served = [re.findall(rf"\[stage1\.{n}\] stage 1: (\d+) micro-batches", out.stdout) for n in (2, 3)]
     assert all(counts and int(counts[-1]) > 0 for counts in served), log  # both joiners took work
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference)
     assert daemons_left == 0
