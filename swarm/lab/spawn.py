@@ -143,10 +143,12 @@ class SpawnedProcess(subprocess.Popen):
         self._spawner, self._namespace = spawner, namespace
         super().__init__(command, **options)
 
-    def _execute_child(
-        self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell, *fds
-    ) -> None:
-        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = fds[:6]
+    def _execute_child(self, *given) -> None:
+        """Popen's hook that starts the child, given Popen's positional arguments (args, executable,
+        preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell, then the pipes'
+        ends): here the spawning process forks it."""
+        args, cwd, env = given[0], given[5], given[6]
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = given[10:16]
         # where Popen made no pipe the child writes to this process's stream, as a new interpreter
         # would; it reads nothing it was not given (this process's stdin may be closed)
         null = os.open(os.devnull, os.O_RDONLY)
