@@ -6,7 +6,8 @@ joiners and restarts one after another). The lab starts this module once (`Spawn
 what every peer imports and then forks a child per peer: the child is a separate process in its
 own session (its p2p daemon in its group), in its namespace if the lab has them, with the lab's
 environment and a pipe for its output, and runs the peer's module as `python -m` would
-(`runpy`, as `__main__`, the interpreter exiting as usual afterwards). Children are not the lab's
+(`runpy`, as `__main__`; at its end, what the interpreter does but tearing the modules down).
+Children are not the lab's
 own: this process reaps them and says how each ended, which `SpawnedProcess` (a `subprocess.Popen`)
 reads, so the lab follows, signals and waits for them as for any other.
 """
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 PRELOAD = ("peers.stage", "peers.trainer", "peers.bootstrap")  # their imports: torch, hivemind, swarm
@@ -102,9 +104,18 @@ class Spawner:
 
     def wait_ended(self, pid: int, timeout: float | None) -> int | None:
         """The child's exit code (negative: the signal that ended it), or None if it runs past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             self._changed.wait_for(lambda: pid in self._ended or self.sock.fileno() < 0, timeout)
-            return self._ended.get(pid)
+            if pid in self._ended or self.sock.fileno() >= 0:
+                return self._ended.get(pid)
+        # the spawning process is gone (killed): its children went to init, which keeps their
+        # status; one that no longer exists is taken to have been killed
+        while _exists(pid):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+        return -signal.SIGKILL
 
     def preload(self, *modules: str) -> None:
         """Imports `modules` in the spawning process, for every child it starts afterwards (one that
@@ -132,6 +143,16 @@ class Spawner:
         """`command` is `[python, '-m', module, *args]`, run in network namespace `namespace` if given;
         `options` as subprocess.Popen's (stdin, stdout and stderr: a pipe, DEVNULL, STDOUT or this process's)."""
         return SpawnedProcess(self, namespace, command, **options)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SpawnedProcess(subprocess.Popen):
