@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.transport.hivemind.monitor.trainer_metrics import TrainerCollector, run_status
     from swarm.transport.hivemind.net.loop import LoopThread
     from swarm.transport.hivemind.net.node import SwarmNode
-    from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+    from swarm.transport.hivemind.trainer.pipeline import RunAccess, SwarmPipeline
     from swarm.transport.hivemind.trust.keys import IdentityError, default_owner_path, is_peer_id, load_identity
 
     try:
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             run_id,
             snapshot_every=args.snapshot_every,
             fresh=args.fresh,
-            owner_key=owner_key,
-            allow=args.allow,
-            private=args.private,
+            access=RunAccess(owner_key, args.allow, args.private),
         )
         say(f"owner of run {run_id!r}: {pipeline.owner.peer_id} (stage peers may pin it with --owner)")
         progress = RunProgress(schedule.total_steps)  # for the progress lines, status record and metrics

@@ -3,9 +3,9 @@
 A kind is a field of the `head` oneof of `StageRequest` (stage.proto); its request and reply heads
 are that field's message types in `StageRequest` and `StageReply`. Everything that treats calls by
 kind derives from this table: the stage server's dispatch (a handler `rpc_<kind>` per kind) and its
-trust gate, the signing of the owner's calls, the clients' request heads and the fuzzer's cases;
+trust gate, the signing of the owner's calls, the clients' typed stubs (protocols.stubs) and the fuzzer's cases;
 a test checks it against stage.proto (every kind exactly once). Adding a call: its messages in
-stage.proto, its line here, its handler, its client call, its test and its line in docs/security.md.
+stage.proto, its line here, its stub (protocols.stubs), its handler, its client call, its test and its line in docs/security.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class Trust(StrEnum):
 
     OWNER = "the run's owner"  # a control call, signed by the owner's key
     NEIGHBOUR = "a neighbour"  # a micro-batch: a member admitted to the stage before (stage 0: the trainer)
-    MEMBER = "a member"  # a state download: a member of the session
+    MEMBER = "a member"  # a state download: a member of the session the owner's newest roster lists
     OPEN = "anyone"  # read-only status
 
 
@@ -69,8 +69,3 @@ CALLS: dict[str, Call] = {
 }
 
 OWNER_CALLS = frozenset(kind for kind, call in CALLS.items() if call.trust is Trust.OWNER)
-
-
-def request(kind: str, **fields):
-    """The request head of `kind` with `fields`."""
-    return CALLS[kind].request(**fields)

@@ -164,6 +164,19 @@ compression: {{forward: none, backward: none}}
     return load_config(path, list(overrides))
 
 
+class AfterStep(ResultsWriter):
+    """Results that call `hook()` right after step `after`'s row (between two steps of the loop)."""
+
+    def __init__(self, after: int, hook) -> None:
+        super().__init__(None)
+        self.after, self.hook = after, hook
+
+    def write(self, row) -> None:
+        super().write(row)
+        if row.get("type") == "step" and row["step"] == self.after:
+            self.hook()
+
+
 def step_losses(rows) -> list[float]:
     """A results file's per-step losses, in order."""
     return [r["loss"] for r in rows if r["type"] == "step"]
@@ -210,22 +223,23 @@ def local_rows(cfg, tmp_path, steps: int = STEPS):
     return read_results(path)
 
 
-def one_process_meanwhile(config, overrides: list[str], tmp_path, steps: int) -> Future:
+def one_process_meanwhile(config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None = None) -> Future:
     """The one-process run `assert_losses_of_one_process` compares a lab's with, started now on a
     thread: it computes while the lab runs (whose peers mostly wait on their delayed links), not
     after it. Pass the future to the assertion as `reference`."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-process")
-    future = pool.submit(_one_process_rows, config, overrides, tmp_path, steps)
+    future = pool.submit(_one_process_rows, config, overrides, tmp_path, steps, stage_peers)
     pool.shutdown(wait=False)
     return future
 
 
-def _one_process_rows(config, overrides: list[str], tmp_path, steps: int) -> list[dict]:
+def _one_process_rows(config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None) -> list[dict]:
     """The process computes with the lab peers' torch threads: a kernel's floats may depend on how
-    many threads split it."""
+    many threads split it (the lab shares the cores among its `stage_peers`, one per stage unless
+    the run started replicas, and the trainer)."""
     cfg = load_config(config, overrides)
     threads = torch.get_num_threads()
-    torch.set_num_threads(peer_threads(cfg.model.num_stages + 1))
+    torch.set_num_threads(peer_threads((stage_peers or cfg.model.num_stages) + 1))
     try:
         return local_rows(cfg, tmp_path, steps=steps)
     finally:
@@ -233,7 +247,13 @@ def _one_process_rows(config, overrides: list[str], tmp_path, steps: int) -> lis
 
 
 def assert_losses_of_one_process(
-    results, config, overrides: list[str], tmp_path, steps: int, reference: Future | None = None
+    results,
+    config,
+    overrides: list[str],
+    tmp_path,
+    steps: int,
+    stage_peers: int | None = None,
+    reference: Future | None = None,
 ) -> None:
     """A lab's results file holds steps 1..`steps` once each, with the losses and evaluations of
     one process on `config` with `overrides`, bit for bit, however replicas split the steps
@@ -243,7 +263,7 @@ def assert_losses_of_one_process(
     if reference is not None:
         theirs = reference.result()
     else:
-        theirs = _one_process_rows(config, overrides, tmp_path, steps)
+        theirs = _one_process_rows(config, overrides, tmp_path, steps, stage_peers)
     ours, reference = ([r for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
     for a, b in zip(ours, reference, strict=True):

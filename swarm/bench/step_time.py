@@ -17,7 +17,7 @@ from swarm.bench.lab_seconds import training_seconds
 from swarm.bench.points import Achieved, from_flat_json
 from swarm.bench.target_steps import Variant
 from swarm.bench.throughput import input_bytes_per_sample, run_point
-from swarm.bench.throughput_figures import measure_run
+from swarm.bench.throughput_figures import RunLinks, measure_run
 from swarm.config import load_config
 from swarm.lab.plan import available_cores
 from swarm.rates import parse_delay, parse_rate
@@ -79,16 +79,11 @@ def step_time(setup: LabSetup, variant: Variant, link: Link, one_process: list[f
     log(f"== {variant.label} at {link.bandwidth}, delay {link.delay or 'none'}: {setup.steps} steps in the lab")
     rows, lab = lab_rows(setup, variant, link, sets, setup.steps, log)
     trained = [r for r in training_seconds(rows) if r["type"] != "meter"]
-    figures = measure_run(
-        trained,
-        setup.stages,
-        parse_rate(link.bandwidth),
-        input_bytes_per_sample(setup.config, sets),
-        warmup=WARMUP,
-        download_limited=lab.link_plan.shaping == "netns",
-        cores=available_cores(),
-        delay_s=link.delay_ms / 1000,
+    links = RunLinks(
+        parse_rate(link.bandwidth), link.delay_ms / 1000, download_limited=lab.link_plan.shaping == "netns"
     )
+    input_bytes = input_bytes_per_sample(setup.config, sets)
+    figures = measure_run(trained, setup.stages, links, input_bytes, warmup=WARMUP, cores=available_cores())
     achieved = from_flat_json(Achieved, figures)
     batch = load_config(setup.config, sets).train.batch_size
     losses = [r["loss"] for r in trained if r["type"] == "step"]

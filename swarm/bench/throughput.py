@@ -13,21 +13,21 @@ import functools
 import math
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from swarm.bench.gloo.launch import GLOO, GlooLab
 from swarm.bench.points import Point
-from swarm.bench.throughput_figures import WARMUP_STEPS, ThroughputRow, measure_run
+from swarm.bench.throughput_figures import WARMUP_STEPS, RunLinks, ThroughputRow, measure_run
 from swarm.bench.throughput_table import cpu_breakdown
 from swarm.compression import parse
 from swarm.config import load_config
 from swarm.data import collate
 from swarm.engine.microbatch import MicroBatch
 from swarm.lab.launch import Lab
-from swarm.lab.plan import available_cores
+from swarm.lab.plan import LinkOptions, RunOptions, available_cores
 from swarm.models.registry import MODELS, build_model
 from swarm.rates import parse_delay, parse_rate
 from swarm.training.experiment import build_data
@@ -72,17 +72,8 @@ def run_point(
     """Runs one point in the lab, hivepipe's swarm or for torch:gloo the same stages over
     torch.distributed; the lab it ran (RuntimeError if the run failed). A whole step can take
     minutes on a slow link, every micro-batch of it in flight."""
-    lab = (GlooLab if codec == GLOO else Lab)(
-        config,
-        stages,
-        str(results),
-        steps,
-        sets,
-        probe=False,
-        out=LabLines(log),
-        trainer_args=["--timeout", "900"],
-        **shaping,
-    )
+    run = RunOptions(str(results), steps, sets, trainer_args=["--timeout", "900"])
+    lab = (GlooLab if codec == GLOO else Lab)(config, stages, run, LinkOptions(probe=False, **shaping), LabLines(log))
     if (code := lab.run()) != 0:
         raise RuntimeError(f"the run of {codec} at {shaping.get('bandwidth')} failed (exit code {code})")
     return lab
@@ -158,29 +149,37 @@ def expected_samples_per_s(earlier: list[ThroughputRow], bandwidth_mbit: float) 
     return min(scaled, nearest.achieved.compute_bound)
 
 
-def run_throughput(
-    config: str,
-    bandwidths: list[str],
-    codecs: list[str],
-    stages: int = 4,
-    steps: int = 4,
-    shaping: str | None = None,
-    overrides: list[str] | None = None,
-    log=print,
-    pacing: bool = True,
-    seconds: float = 0.0,
-    delay: str | None = None,
-) -> list[ThroughputRow]:
-    """`seconds` > 0: a codec's faster bandwidths run more steps (see `steps_for`), so that a point
-    whose steps take a second or two is not measured over a few noisy seconds; bandwidths run slowest first."""
-    overrides = list(overrides or [])
+@dataclass(frozen=True)
+class ThroughputPlan:
+    """What `bench throughput` runs: every (codec, bandwidth) of `config` (with `overrides`) over
+    `stages` stages, `steps` steps each; `seconds` > 0: a codec's faster bandwidths run more steps
+    (see `steps_for`), so that a point whose steps take a second or two is not measured over a few
+    noisy seconds. Every link has the one-way `delay`, is shaped the lab's `shaping` way (None: its
+    choice), and its peers pace their sends unless `pacing` is off."""
+
+    config: str
+    bandwidths: list[str]
+    codecs: list[str]
+    stages: int = 4
+    steps: int = 4
+    overrides: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    delay: str | None = None
+    shaping: str | None = None
+    pacing: bool = True
+
+
+def run_throughput(plan: ThroughputPlan, log=print) -> list[ThroughputRow]:
+    """The rows of `plan`'s points, bandwidths slowest first."""
+    config, stages, steps, seconds, delay = plan.config, plan.stages, plan.steps, plan.seconds, plan.delay
+    overrides = list(plan.overrides)
     setup = [*overrides, f"model.num_stages={stages}"]
     input_bytes = input_bytes_per_sample(config, setup)
     log(describe_setup(config, setup, available_cores()))
-    bandwidths = sorted(bandwidths, key=parse_rate)
+    bandwidths = sorted(plan.bandwidths, key=parse_rate)
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-throughput-") as tmp:
-        for codec in codecs:
+        for codec in plan.codecs:
             forward, backward, codec_sets = codec_overrides(codec)
             sets = [*overrides, *codec_sets]
             batch_size = load_config(config, sets).train.batch_size
@@ -202,19 +201,12 @@ def run_throughput(
                     log,
                     bandwidth=bandwidth,
                     delay=delay,
-                    shaping=shaping,
-                    pacing=pacing,
+                    shaping=plan.shaping,
+                    pacing=plan.pacing,
                 )
                 delay_s = parse_delay(delay) if delay else 0.0
-                figures = measure_run(
-                    read_results(results),
-                    stages,
-                    parse_rate(bandwidth),
-                    input_bytes,
-                    download_limited=lab.link_plan.shaping == "netns",
-                    cores=available_cores(),
-                    delay_s=delay_s,
-                )
+                links = RunLinks(parse_rate(bandwidth), delay_s, download_limited=lab.link_plan.shaping == "netns")
+                figures = measure_run(read_results(results), stages, links, input_bytes, cores=available_cores())
                 point = Point(forward, backward, parse_rate(bandwidth) / 1e6, lab.link_plan.shaping, 1000 * delay_s)
                 row = ThroughputRow.from_json({**asdict(point), **figures})
                 got, cpu = row.achieved, row.cpu

@@ -105,22 +105,33 @@ def step_round_trips(config: dict, summary: dict | None = None) -> int:
     return 2 + (config.get("optimizer", {}).get("grad_clip") is not None)
 
 
-def schedule_bound(
-    train: dict,
-    stages: int,
-    bandwidth_bits: float,
-    forward: list[float],
-    backward: list[float],
-    stage_s: list[float] | None,
-    input_bytes: float,
-    download_limited: bool = True,
-    delay_s: float = 0.0,
-    round_trips: int = 0,
-) -> float:
+@dataclass(frozen=True)
+class RunLinks:
+    """Every process's access link as a run had it: its rate in bits/s, its one-way delay, and
+    whether downloads were shaped too (namespaces) or only uploads."""
+
+    bandwidth_bits: float
+    delay_s: float = 0.0
+    download_limited: bool = True
+
+
+@dataclass(frozen=True)
+class PerSample:
+    """What a run carried and computed per sample: bytes over each boundary forward and backward,
+    each stage's compute seconds (None: not measured), and the input's bytes to stage 0."""
+
+    forward: list[float]
+    backward: list[float]
+    stage_s: list[float] | None
+    input_bytes: float
+
+
+def schedule_bound(train: dict, stages: int, links: RunLinks, measured: PerSample, round_trips: int = 0) -> float:
     """samples/s of one step of this schedule in the fluid model, with the measured bytes and
-    compute, the links' one-way `delay_s` and the step's `round_trips`."""
+    compute, the links and the step's `round_trips`."""
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
+    stage_s = measured.stage_s
     # forward and backward each
     compute = [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
     model = StepModel(
@@ -128,13 +139,13 @@ def schedule_bound(
         train["micro_batches"],
         in_flight,
         Settings().streams.sending_per_neighbour,
-        [b * size for b in forward],
-        [b * size for b in backward],
+        [b * size for b in measured.forward],
+        [b * size for b in measured.backward],
         compute,
-        bandwidth_bits,
-        input_bytes * size,
-        download_limited,
-        delay_s,
+        links.bandwidth_bits,
+        measured.input_bytes * size,
+        links.download_limited,
+        links.delay_s,
         round_trips,
     )
     return train["batch_size"] / simulate(model).step_s
@@ -143,15 +154,14 @@ def schedule_bound(
 def measure_run(
     rows: list[dict],
     stages: int,
-    bandwidth_bits: float,
+    links: RunLinks,
     input_bytes: float,
     warmup: int = WARMUP_STEPS,
-    download_limited: bool = True,
     cores: float | None = None,
-    delay_s: float = 0.0,
 ) -> dict:
     """The figures of one finished run's results rows (see module doc); `cores`: the stages share
-    that many cores (None: each has its own hardware); `delay_s`: the links' one-way delay."""
+    that many cores (None: each has its own hardware)."""
+    bandwidth_bits = links.bandwidth_bits
     steps = [r for r in rows if r["type"] == "step"]
     if len(steps) <= warmup:
         raise ValueError(
@@ -198,13 +208,8 @@ def measure_run(
     scheduled = schedule_bound(
         config["train"],
         stages,
-        bandwidth_bits,
-        forward,
-        backward,
-        stage_s,
-        input_bytes,
-        download_limited,
-        delay_s,
+        links,
+        PerSample(forward, backward, stage_s, input_bytes),
         step_round_trips(config, next((r for r in rows if r["type"] == "summary"), None)),
     )
     return {

@@ -65,19 +65,19 @@ def run(args: argparse.Namespace) -> int:
         if args.delay is not None:
             parse_delay(args.delay)
         throughput.check_codecs(codecs)
-        rows = throughput.run_throughput(
+        plan = throughput.ThroughputPlan(
             args.config,
             bandwidths,
             codecs,
             args.stages,
             args.steps,
+            list(args.overrides or []),
+            args.seconds,
+            args.delay,
             args.shaping,
-            args.overrides,
-            log,
             pacing=not args.no_pacing,
-            seconds=args.seconds,
-            delay=args.delay,
         )
+        rows = throughput.run_throughput(plan, log)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,11 @@ def add_parser(commands, positive_int, non_negative_steps) -> None:
         required=True,
         help="number of stage peers (the model is split into this many stages)",
     )
+    lab.add_argument(
+        "--replicas",
+        metavar="N|STAGE=N,...",
+        help="peers of each stage from the start, each its own process and link: N for every stage, or per stage (1=3,2=2; the others one)",
+    )
     lab.add_argument("--results", help="write JSON-lines results here")
     lab.add_argument("--steps", type=positive_int, help="stop after this many optimizer steps")
     lab.add_argument(
@@ -74,6 +79,7 @@ def add_parser(commands, positive_int, non_negative_steps) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.lab.launch import run_lab
+    from swarm.lab.plan import LinkOptions, RunOptions
 
     if args.checkpoint_every and not args.checkpoint_dir:
         print("error: --checkpoint_every needs --checkpoint_dir", file=sys.stderr)
@@ -89,20 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     trainer_args += run_outputs.forwarded(args)
-    return run_lab(
-        args.config,
-        args.stages,
-        args.results,
-        args.steps,
-        args.overrides,
-        args.device,
-        trainer_args,
-        bandwidth=args.bandwidth,
-        delay=args.delay,
-        shaping=args.shaping,
-        probe=not args.no_probe,
-        pacing=not args.no_pacing,
-        churn=args.churn,
-        trace=args.trace,
-        nat=args.nat,
+    run_options = RunOptions(
+        args.results, args.steps, args.overrides, args.device, trainer_args, args.churn, args.trace, args.replicas
     )
+    links = LinkOptions(args.bandwidth, args.delay, args.shaping, not args.no_probe, not args.no_pacing, args.nat)
+    return run_lab(args.config, args.stages, run_options, links)

@@ -15,6 +15,7 @@ from swarm.cli import (
     bench_exact_sum,
     bench_fuzz,
     bench_oracle,
+    bench_scale,
     bench_target,
     bench_throughput,
     export_command,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_exact_sum.add_parser(which, _positive_int)
     bench_fuzz.add_parser(which, _positive_int)
     bench_oracle.add_parser(which, _positive_int)
+    bench_scale.add_parser(which, _positive_int, _non_negative_float)
     bench_target.add_parser(which, _positive_int)
     bench_throughput.add_parser(which, _positive_int, _non_negative_float)
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
@@ -196,7 +198,7 @@ def study_command(args: argparse.Namespace) -> int:
     from swarm.study.entries import discover
     from swarm.study.order import plan
     from swarm.study.progress import format_status
-    from swarm.study.runner import StudyLocked, run_study
+    from swarm.study.runner import StudyLocked, StudyOutput, run_study
 
     try:
         if args.status:
@@ -210,9 +212,9 @@ def study_command(args: argparse.Namespace) -> int:
             args.configs,
             args.results_dir,
             args.only,
-            heartbeat=args.heartbeat,
             seeds=args.seeds,
             every_row=args.every_row,
+            output=StudyOutput(heartbeat=args.heartbeat),
         )
     except (ValueError, StudyLocked) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -290,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_fuzz.run(args)
     if args.command == "bench" and args.bench == "oracle":
         return bench_oracle.run(args)
+    if args.command == "bench" and args.bench == "scale":
+        return bench_scale.run(args)
     if args.command == "bench" and args.bench == "time-to-target":
         return bench_target.run(args)
     if args.command == "run":

@@ -181,6 +181,10 @@ class TrainConfig(_Strict):
     # their squared norms within this relative tolerance (a model whose kernels are not deterministic)
     verify: float = Field(0, ge=0, le=1)
     verify_tolerance: float = Field(0, ge=0)
+    # a peer admitted mid-run has every micro-batch it serves checked (against a trusted peer) until
+    # this many of its results matched; only then its work counts unchecked (0: checked at `verify`'s
+    # fraction, trusted after its first match). A new identity costs a key, this costs compute.
+    verify_probation: int = Field(0, ge=0)
     # a language model's sample through the pipeline at every Nth evaluation (0: none), printed
     # beside the loss and written to the results (swarm.training.sampling)
     sample_every: int = Field(0, ge=0)
@@ -213,6 +217,12 @@ class TrainConfig(_Strict):
     def _micro_batches_fit(self) -> TrainConfig:
         if self.micro_batches > self.batch_size:
             raise ValueError(f"micro_batches ({self.micro_batches}) cannot exceed batch_size ({self.batch_size})")
+        return self
+
+    @model_validator(mode="after")
+    def _probation_is_verified(self) -> TrainConfig:
+        if self.verify_probation and not self.verify:
+            raise ValueError("verify_probation checks new peers' results: it needs verify > 0 (the stages' digests)")
         return self
 
 

@@ -8,6 +8,7 @@ names (the standard CIFAR-10 label order for the usual class names).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,15 +75,22 @@ def _torchvision(root: str, train: bool) -> tuple[np.ndarray, list[int], list[st
     return data.data, list(data.targets), list(data.classes)
 
 
+@dataclass(frozen=True)
+class CifarOptions:
+    """CIFAR-10's options (a config's `data.options`)."""
+
+    root: str = "./data"
+    augment: bool = True
+    subset: int | None = None
+    test_subset: int | None = None
+    subset_seed: int = 0
+    preload: bool = False
+
+
 def build_cifar10(
     data_dir: str | None = None,
     seed: int = 0,
-    root: str = "./data",
-    augment: bool = True,
-    subset: int | None = None,
-    test_subset: int | None = None,
-    subset_seed: int = 0,
-    preload: bool = False,
+    options: CifarOptions = CifarOptions(),
 ) -> tuple[CifarDataset, CifarDataset]:
     """(train, test). `subset`/`test_subset`: seeded class-balanced parts; `preload`: decode files once into memory.
 
@@ -98,14 +106,16 @@ def build_cifar10(
         if test_classes != classes:
             raise ValueError(f"cifar10: train classes {classes} differ from test classes {test_classes}")
     else:
-        train_images, train_labels, classes = _torchvision(root, True)
-        test_images, test_labels, _ = _torchvision(root, False)
+        train_images, train_labels, classes = _torchvision(options.root, True)
+        test_images, test_labels, _ = _torchvision(options.root, False)
 
     def make(images, labels, offset: int, size: int | None, train: bool) -> CifarDataset:
-        keep = np.arange(len(labels)) if size is None else balanced_subset(labels, size, subset_seed, "cifar10")
+        keep = np.arange(len(labels)) if size is None else balanced_subset(labels, size, options.subset_seed, "cifar10")
         picked = [images[i] for i in keep] if isinstance(images, list) else images[keep]
-        dataset = CifarDataset(keep + offset, picked, [labels[i] for i in keep], classes, augment and train, seed)
-        if preload and isinstance(picked, list):
+        dataset = CifarDataset(
+            keep + offset, picked, [labels[i] for i in keep], classes, options.augment and train, seed
+        )
+        if options.preload and isinstance(picked, list):
             dataset.images = (
                 np.stack([dataset.image(i) for i in range(len(dataset))])
                 if len(dataset)
@@ -113,6 +123,6 @@ def build_cifar10(
             )
         return dataset
 
-    train = make(train_images, train_labels, 0, subset, True)
-    test = make(test_images, test_labels, len(train_labels), test_subset, False)
+    train = make(train_images, train_labels, 0, options.subset, True)
+    test = make(test_images, test_labels, len(train_labels), options.test_subset, False)
     return train, test

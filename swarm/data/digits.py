@@ -9,6 +9,8 @@ load_digits(), unique across both splits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -27,14 +29,21 @@ class DigitsDataset(SampleDataset):
         return self.images[index], int(self.labels[index])
 
 
+@dataclass(frozen=True)
+class DigitsOptions:
+    """The digits' options (a config's `data.options`)."""
+
+    split_seed: int = 0
+    train_size: int = 1500
+    upscale: bool = False
+    subset: int | None = None
+    test_subset: int | None = None
+
+
 def build_digits(
     data_dir: str | None = None,
     seed: int = 0,
-    split_seed: int = 0,
-    train_size: int = 1500,
-    upscale: bool = False,
-    subset: int | None = None,
-    test_subset: int | None = None,
+    options: DigitsOptions = DigitsOptions(),
 ) -> tuple[DigitsDataset, DigitsDataset]:
     """(train, test); `subset` and `test_subset` keep seeded class-balanced parts of the splits."""
     # scikit-learn is a large import that only this dataset needs: loaded when the digits are built.
@@ -44,24 +53,24 @@ def build_digits(
         raise ValueError("digits: data_dir is not used (the data ships with scikit-learn); leave it unset")
     bunch = load_digits()
     total = len(bunch.target)
-    if not isinstance(train_size, int) or not 0 < train_size < total:
-        raise ValueError(f"digits: train_size must be an integer in 1..{total - 1}, got {train_size!r}")
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(int(split_seed)))
-    train_ids, test_ids = order[:train_size].sort().values, order[train_size:].sort().values
+    if not isinstance(options.train_size, int) or not 0 < options.train_size < total:
+        raise ValueError(f"digits: train_size must be an integer in 1..{total - 1}, got {options.train_size!r}")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(int(options.split_seed)))
+    train_ids, test_ids = order[: options.train_size].sort().values, order[options.train_size :].sort().values
 
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N, 1, 8, 8] in [0, 1]
     mean, std = images[train_ids].mean(), images[train_ids].std()
     images = (images - mean) / std
-    if upscale:
+    if options.upscale:
         images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
     labels = torch.tensor(bunch.target, dtype=torch.long)
 
     def part(ids: torch.Tensor, size: int | None, name: str) -> torch.Tensor:
         if size is None:
             return ids
-        return ids[torch.from_numpy(balanced_subset(labels[ids].numpy(), size, split_seed, name))]
+        return ids[torch.from_numpy(balanced_subset(labels[ids].numpy(), size, options.split_seed, name))]
 
-    train_ids, test_ids = part(train_ids, subset, "digits"), part(test_ids, test_subset, "digits test")
+    train_ids, test_ids = part(train_ids, options.subset, "digits"), part(test_ids, options.test_subset, "digits test")
 
     def make(ids: torch.Tensor) -> DigitsDataset:
         return DigitsDataset(ids, images[ids].contiguous(), labels[ids], seed)

@@ -18,6 +18,7 @@ padding, horizontal flip) drawn per (seed, epoch, sample id); every item is norm
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +33,21 @@ NAME = "images"
 PADDING = 4  # cifar10's crop padding (swarm.data.augment.cifar_train_transform's default)
 
 
+@dataclass(frozen=True)
+class ImageForm:
+    """What every image of a folder becomes: `size` x `size` pixels, normalized with `mean`/`std`."""
+
+    size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
 class ImageFolderDataset(CifarDataset):
     """CifarDataset over image files resized to one size, normalized with the given statistics."""
 
-    def __init__(self, ids, paths, labels, classes, augment: bool, seed: int, image_size: int, mean, std) -> None:
-        super().__init__(ids, paths, labels, classes, augment, seed, crop_size=image_size)
-        self.mean, self.std = tuple(mean), tuple(std)
+    def __init__(self, ids, paths, labels, classes, augment: bool, seed: int, form: ImageForm) -> None:
+        super().__init__(ids, paths, labels, classes, augment, seed, crop_size=form.size)
+        self.mean, self.std = form.mean, form.std
 
     def image(self, index: int) -> np.ndarray:
         try:
@@ -121,29 +131,36 @@ def _split_per_class(labels: list[int], fraction: float) -> tuple[list[int], lis
     return train, test
 
 
+@dataclass(frozen=True)
+class ImagesOptions:
+    """An image folder's options (a config's `data.options`)."""
+
+    dir: str | None = None
+    image_size: int = 32
+    test_fraction: float | None = None
+    augment: bool = True
+    mean: Sequence[float] = CIFAR10_MEAN
+    std: Sequence[float] = CIFAR10_STD
+
+
 def build_images(
     data_dir: str | None = None,
     seed: int = 0,
-    dir: str | None = None,
-    image_size: int = 32,
-    test_fraction: float | None = None,
-    augment: bool = True,
-    mean: Sequence[float] = CIFAR10_MEAN,
-    std: Sequence[float] = CIFAR10_STD,
+    options: ImagesOptions = ImagesOptions(),
 ) -> tuple[ImageFolderDataset, ImageFolderDataset]:
     """(train, test) of an image folder; `dir` is relative to `data_dir` when that is set."""
-    if not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 1:
-        raise ValueError(f"{NAME}: image_size must be a positive integer, got {image_size!r}")
-    if not isinstance(augment, bool):
-        raise ValueError(f"{NAME}: augment must be true or false, got {augment!r}")
-    mean, std = _stats("mean", mean), _stats("std", std)
-    if dir is None and data_dir is None:
+    if not isinstance(options.image_size, int) or isinstance(options.image_size, bool) or options.image_size < 1:
+        raise ValueError(f"{NAME}: image_size must be a positive integer, got {options.image_size!r}")
+    if not isinstance(options.augment, bool):
+        raise ValueError(f"{NAME}: augment must be true or false, got {options.augment!r}")
+    form = ImageForm(options.image_size, _stats("mean", options.mean), _stats("std", options.std))
+    if options.dir is None and data_dir is None:
         raise ValueError(f"{NAME}: dir is required (a folder of <class>/ or train/<class>/ and test/<class>/)")
     base = Path(data_dir).expanduser() if data_dir is not None else Path.cwd()
-    root = require_dir(NAME, base / Path(dir).expanduser() if dir is not None else base, "dir")
+    root = require_dir(NAME, base / Path(options.dir).expanduser() if options.dir is not None else base, "dir")
 
     if (root / "train").is_dir():
-        if test_fraction is not None:
+        if options.test_fraction is not None:
             raise ValueError(
                 f"{NAME}: {str(root)!r} has train/ and test/ folders; test_fraction is for <class>/ folders"
             )
@@ -153,17 +170,15 @@ def build_images(
         if test_classes != classes:
             raise ValueError(f"{NAME}: train classes {classes} differ from test classes {test_classes}")
     else:
-        fraction = 0.1 if test_fraction is None else test_fraction
+        fraction = 0.1 if options.test_fraction is None else options.test_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-            raise ValueError(f"{NAME}: test_fraction must be a number in [0, 1), got {test_fraction!r}")
+            raise ValueError(f"{NAME}: test_fraction must be a number in [0, 1), got {options.test_fraction!r}")
         all_paths, all_labels, classes = _folder(root)
         keep, held = _split_per_class(all_labels, float(fraction))
         paths, labels = [all_paths[i] for i in keep], [all_labels[i] for i in keep]
         test_paths, test_labels = [all_paths[i] for i in held], [all_labels[i] for i in held]
 
     n = len(paths)
-    train = ImageFolderDataset(np.arange(n), paths, labels, classes, augment, seed, image_size, mean, std)
-    test = ImageFolderDataset(
-        np.arange(n, n + len(test_paths)), test_paths, test_labels, classes, False, seed, image_size, mean, std
-    )
+    train = ImageFolderDataset(np.arange(n), paths, labels, classes, options.augment, seed, form)
+    test = ImageFolderDataset(np.arange(n, n + len(test_paths)), test_paths, test_labels, classes, False, seed, form)
     return train, test

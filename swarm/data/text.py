@@ -21,6 +21,7 @@ import glob
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -155,8 +156,10 @@ def load_auto_tokenizer(tokenizer):
         ) from None
 
 
-def _check(block_size, group_rows, test_fraction, test_files, format, field) -> float:
+def _check(options: TextOptions) -> float:
     """The options' errors before any file is read; returns the test fraction in use."""
+    block_size, group_rows, test_fraction = options.block_size, options.group_rows, options.test_fraction
+    test_files, format, field = options.test_files, options.format, options.field
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
         raise ValueError(f"{NAME}: block_size must be an integer >= 2, got {block_size!r}")
     if group_rows is not None and (not isinstance(group_rows, int) or isinstance(group_rows, bool) or group_rows < 1):
@@ -175,42 +178,49 @@ def _check(block_size, group_rows, test_fraction, test_files, format, field) -> 
     return float(fraction)
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """Local text files' options (a config's `data.options`)."""
+
+    files: str | list[str] | None = None
+    tokenizer: str | None = None  # a tokenizer directory or hub name
+    field: str = "text"
+    block_size: int = 1024
+    group_rows: int | None = 1000
+    test_files: str | list[str] | None = None
+    test_fraction: float | None = None
+    format: str | None = None
+
+
 def build_text(
     data_dir: str | None = None,
     seed: int = 0,
-    files=None,
-    tokenizer=None,
-    field: str = "text",
-    block_size: int = 1024,
-    group_rows: int | None = 1000,
-    test_files=None,
-    test_fraction: float | None = None,
-    format: str | None = None,
+    options: TextOptions = TextOptions(),
 ) -> tuple[TokenBlocks, TokenBlocks]:
     """(train, test) token blocks of local files; `files`/`test_files` are names or globs."""
-    fraction = _check(block_size, group_rows, test_fraction, test_files, format, field)
-    if files is None:
+    fraction = _check(options)
+    if options.files is None:
         raise ValueError(f"{NAME}: files is required (a file, a glob or a list of them)")
-    if tokenizer is None:
+    if options.tokenizer is None:
         raise ValueError(f"{NAME}: tokenizer is required (a tokenizer directory or hub name)")
-    train_rows = read_files(resolve_files(files, data_dir, "files"), format, field)
-    if test_files is not None:
-        test_rows = read_files(resolve_files(test_files, data_dir, "test_files"), format, field)
+    train_rows = read_files(resolve_files(options.files, data_dir, "files"), options.format, options.field)
+    if options.test_files is not None:
+        test_rows = read_files(resolve_files(options.test_files, data_dir, "test_files"), options.format, options.field)
     else:
         # the tail, not a random sample: the same files and fraction always give the same split
         cut = len(train_rows) - int(len(train_rows) * fraction)
         train_rows, test_rows = train_rows[:cut], train_rows[cut:]
-    tok = load_auto_tokenizer(tokenizer)
+    tok = load_auto_tokenizer(options.tokenizer)
 
     (train_blocks, count), (test_blocks, _) = (
-        token_blocks(tok, rows, block_size, group_rows) for rows in (train_rows, test_rows)
+        token_blocks(tok, rows, options.block_size, options.group_rows) for rows in (train_rows, test_rows)
     )
     if count == 0:
         raise ValueError(f"{NAME}: the train files hold no text ({len(train_rows)} rows, 0 tokens)")
     if len(train_blocks) == 0:
         raise ValueError(
-            f"{NAME}: the train text has {count} tokens, not one block of block_size={block_size}"
-            f" in any group of group_rows={group_rows} rows; lower block_size or add text"
+            f"{NAME}: the train text has {count} tokens, not one block of block_size={options.block_size}"
+            f" in any group of group_rows={options.group_rows} rows; lower block_size or add text"
         )
     n = len(train_blocks)
     vocab_size = len(tok)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -156,34 +157,41 @@ def _local_rows(data_dir: str, train_file: str, test_file: str, train_fraction: 
     return read_raw(paths["train_file"]), read_raw(paths["test_file"])
 
 
+@dataclass(frozen=True)
+class WikitextOptions:
+    """WikiText-2's options (a config's `data.options`)."""
+
+    tokenizer: object = "gpt2"
+    block_size: int = 1024
+    group_rows: int | None = 1000
+    train_file: str = "wiki.train.raw"
+    test_file: str = "wiki.valid.raw"
+    train_fraction: float = 0.9
+    test_split: str = "validation"
+
+
 def build_wikitext2(
     data_dir: str | None = None,
     seed: int = 0,
-    tokenizer="gpt2",
-    block_size: int = 1024,
-    group_rows: int | None = 1000,
-    train_file: str = "wiki.train.raw",
-    test_file: str = "wiki.valid.raw",
-    train_fraction: float = 0.9,
-    test_split: str = "validation",
+    options: WikitextOptions = WikitextOptions(),
 ) -> tuple[TokenBlocks, TokenBlocks]:
     """(train, test) token blocks; `tokenizer` is a hub name, a local directory or a tokenizer object."""
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 2:
-        raise ValueError(f"wikitext2: block_size must be an integer >= 2, got {block_size!r}")
-    if group_rows is not None and (not isinstance(group_rows, int) or group_rows < 1):
-        raise ValueError(f"wikitext2: group_rows must be a positive integer or null, got {group_rows!r}")
+    if not isinstance(options.block_size, int) or isinstance(options.block_size, bool) or options.block_size < 2:
+        raise ValueError(f"wikitext2: block_size must be an integer >= 2, got {options.block_size!r}")
+    if options.group_rows is not None and (not isinstance(options.group_rows, int) or options.group_rows < 1):
+        raise ValueError(f"wikitext2: group_rows must be a positive integer or null, got {options.group_rows!r}")
     if data_dir is not None:
-        train_rows, test_rows = _local_rows(data_dir, train_file, test_file, train_fraction)
+        train_rows, test_rows = _local_rows(data_dir, options.train_file, options.test_file, options.train_fraction)
     else:
-        train_rows, test_rows = _hub_rows(test_split)
-    tok = load_tokenizer(tokenizer)
+        train_rows, test_rows = _hub_rows(options.test_split)
+    tok = load_tokenizer(options.tokenizer)
     vocab_size = len(tok) if hasattr(tok, "__len__") else None
 
     (train_blocks, _), (test_blocks, _) = (
-        token_blocks(tok, rows, block_size, group_rows) for rows in (train_rows, test_rows)
+        token_blocks(tok, rows, options.block_size, options.group_rows) for rows in (train_rows, test_rows)
     )
     if len(train_blocks) == 0:
-        raise ValueError(f"wikitext2: the train text has fewer than block_size={block_size} tokens per group")
+        raise ValueError(f"wikitext2: the train text has fewer than block_size={options.block_size} tokens per group")
     n = len(train_blocks)
     train = TokenBlocks(torch.arange(n), train_blocks, vocab_size, seed)
     test = TokenBlocks(torch.arange(n, n + len(test_blocks)), test_blocks, vocab_size, seed)

@@ -14,6 +14,7 @@ from swarm.engine.linkend import LinkEnd, LinkEnds
 from swarm.engine.optim import make_optimizer, make_scheduler
 from swarm.engine.precision import Forward
 from swarm.engine.stage import StageRuntime
+from swarm.engine.stageparts import Objective, TrainedModule
 from swarm.engine.versions import StepVersions
 from swarm.models import StagedModel, build_model
 from swarm.models.matrices import hidden_matrices
@@ -75,11 +76,8 @@ def build_runtime(
     runtime = StageRuntime(
         index,
         cfg.model.num_stages,
-        module,
-        optimizer,
-        scheduler,
-        staged.loss if last else None,
-        staged.metrics if last else None,
+        TrainedModule(module, optimizer, scheduler),
+        Objective(staged.loss, staged.metrics) if last else None,
         device,
         hold_grads,
         Forward(cfg.train.precision, cfg.train.checkpoint_activations, device, cfg.seed),

@@ -37,6 +37,7 @@ from swarm.engine.exactsum import exact_sum, grid_exponents, integer_sums, term_
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
+from swarm.engine.stageparts import Objective, TrainedModule
 from swarm.engine.stash import WeightStash
 from swarm.engine.versions import StepVersions
 
@@ -46,22 +47,18 @@ class StageRuntime:
         self,
         index: int,
         num_stages: int,
-        module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-        metrics_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, float]] | None,
+        trained: TrainedModule,
+        objective: Objective | None = None,
         device: torch.device | str = "cpu",
         hold_grads: bool = False,
         run_forward: Forward | None = None,
     ) -> None:
+        """`objective`: the last stage's loss and metrics (the other stages have none)."""
         self.index = index
         self.num_stages = num_stages
-        self.module = module
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.loss_fn = loss_fn
-        self.metrics_fn = metrics_fn
+        self.module, self.optimizer, self.scheduler = trained.module, trained.optimizer, trained.scheduler
+        self.loss_fn = objective.loss if objective is not None else None
+        self.metrics_fn = objective.metrics if objective is not None else None
         self.device = torch.device(device)
         # micro-batch key -> (input, output, the (name, parameter) pairs its forward ran with)
         self._saved: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}

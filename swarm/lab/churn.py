@@ -6,7 +6,9 @@ moment the trainer has set the stages up, or `stepN`: once the trainer has finis
     join:1@0,kill:1@20,stop:2@step300,join:2@45,kill:trainer@step400
 or `random:SEED[@EVERY]`: an event about every EVERY seconds (default 30), drawn with SEED: a
 join, a kill or a stop of a random stage's peer. Random events never take a stage's last peer;
-scheduled ones do what they say (a stop of a stage's last peer waits for another to join).
+scheduled ones do what they say (a stop of a stage's last peer waits for another to join). A
+schedule may hold one `random:` item too: both happen (`random:7@20,join:1@0,kill:trainer@step900`
+gives stage 1 a replica from the start and kills the trainer once, amid random churn).
 
 - join: a new stage peer process, started as a volunteer would (`--stage`, `--initial_peers`,
   `--run_id`; its config comes from the swarm);
@@ -62,38 +64,42 @@ class Churn:
 
     @classmethod
     def parse(cls, spec: str, stages: int) -> Churn:
-        spec = spec.strip()
-        if match := _RANDOM.match(spec):
-            every = float(match.group(2)) if match.group(2) else DEFAULT_EVERY_S
-            if every <= 0:
-                raise ChurnError(f"--churn {spec}: the interval must be positive")
-            return cls([], seed=int(match.group(1)), every_s=every)
-        events = []
+        events, seed, every = [], None, DEFAULT_EVERY_S
         for item in filter(None, (part.strip() for part in spec.split(","))):
-            match = _EVENT.match(item)
-            if match is None:
-                raise ChurnError(
-                    f"--churn: {item!r} is not ACTION:STAGE@SECONDS or ACTION:STAGE@stepN (ACTION one of {', '.join(ACTIONS)}; STAGE a number, or trainer for kill), or random:SEED[@EVERY]"
-                )
-            stage = match.group(2) if match.group(2) == TRAINER else int(match.group(2))
-            if stage == TRAINER and match.group(1) != "kill":
-                raise ChurnError(f"--churn: {item!r}: the trainer can only be killed (kill:trainer@WHEN)")
-            if stage != TRAINER and stage >= stages:
-                raise ChurnError(f"--churn: {item!r} names stage {stage}, the run has stages 0..{stages - 1}")
-            if match.group(4) is not None:
-                events.append(ChurnEvent(float("inf"), match.group(1), stage, int(match.group(4))))
+            if match := _RANDOM.match(item):
+                if seed is not None:
+                    raise ChurnError(f"--churn: {item!r}: one random:SEED item at most")
+                seed, every = int(match.group(1)), float(match.group(2)) if match.group(2) else DEFAULT_EVERY_S
+                if every <= 0:
+                    raise ChurnError(f"--churn {item}: the interval must be positive")
             else:
-                events.append(ChurnEvent(float(match.group(3)), match.group(1), stage))
-        if not events:
+                events.append(cls._event(item, stages))
+        if not events and seed is None:
             raise ChurnError("--churn: no events given")
-        return cls(sorted(events, key=lambda e: (e.at_s, e.at_step or 0)))
+        return cls(sorted(events, key=lambda e: (e.at_s, e.at_step or 0)), seed=seed, every_s=every)
 
-    def joiners(self) -> list[str] | None:
-        """The names of the stage peers its joins will start, in order (stage1.2, ...); None when
-        they are drawn as the run goes (random)."""
+    @staticmethod
+    def _event(item: str, stages: int) -> ChurnEvent:
+        match = _EVENT.match(item)
+        if match is None:
+            raise ChurnError(
+                f"--churn: {item!r} is not ACTION:STAGE@SECONDS or ACTION:STAGE@stepN (ACTION one of {', '.join(ACTIONS)}; STAGE a number, or trainer for kill), or random:SEED[@EVERY]"
+            )
+        stage = match.group(2) if match.group(2) == TRAINER else int(match.group(2))
+        if stage == TRAINER and match.group(1) != "kill":
+            raise ChurnError(f"--churn: {item!r}: the trainer can only be killed (kill:trainer@WHEN)")
+        if stage != TRAINER and stage >= stages:
+            raise ChurnError(f"--churn: {item!r} names stage {stage}, the run has stages 0..{stages - 1}")
+        if match.group(4) is not None:
+            return ChurnEvent(float("inf"), match.group(1), stage, int(match.group(4)))
+        return ChurnEvent(float(match.group(3)), match.group(1), stage)
+
+    def joiners(self, replicas: dict[int, int] | None = None) -> list[str] | None:
+        """The names of the stage peers its joins will start, in order (stage1.2, ...: numbered on
+        after the `replicas` each stage starts with); None when they are drawn as the run goes (random)."""
         if self.seed is not None:
             return None
-        count: dict[int, int] = {}
+        count = dict(replicas or {})
         names = []
         for event in self.events:
             if event.action == "join":
@@ -111,11 +117,11 @@ class Churn:
     def due(self, elapsed_s: float, live: dict[int, int], step: int = 0) -> list[ChurnEvent]:
         """The events due by `elapsed_s` and the trainer's `step`; `live`: stage -> its live peers
         (random events keep one)."""
-        if self.seed is None:
-            due = [e for e in self.events if e.due(elapsed_s, step)]
-            self.events = [e for e in self.events if not e.due(elapsed_s, step)]
-            return due
-        due = []
+        due = [e for e in self.events if e.due(elapsed_s, step)]
+        self.events = [e for e in self.events if not e.due(elapsed_s, step)]
+        for event in due:  # the random draws below see the scheduled joins, kills and stops
+            if event.stage != TRAINER and self.seed is not None:
+                live[event.stage] += 1 if event.action == "join" else -1
         while self._next_random is not None and self._next_random <= elapsed_s:
             stage = self._random.randrange(len(live))
             action = self._random.choice(ACTIONS)
@@ -133,10 +139,14 @@ class ChurnRunner:
 
     def __init__(self, lab, churn: Churn, join_args: list[str]) -> None:
         self.lab, self.churn, self.join_args = lab, churn, join_args
-        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(lab.run_plan.stages)}
+        plan = lab.run_plan
+        replicas = {s: plan.replicas.get(s, 1) for s in range(plan.stages)}  # the peers each stage starts with
+        self.live: dict[int, list[str]] = {s: [f"stage{s}"] for s in range(plan.stages)}
+        for stage, name in plan.replica_names():
+            self.live[stage].append(name)
         self.gone: set[str] = set()  # peers the churn killed or stopped: their exit is expected
         self.counts = {action: 0 for action in ACTIONS}
-        self.peers_started = {s: 1 for s in range(lab.run_plan.stages)}
+        self.peers_started = replicas
         self.started: float | None = None  # when the trainer had set the stages up
         self.restart_at: float | None = None  # the killed trainer starts again then
         self.held: list[tuple[ChurnEvent, float]] = []  # kills and stops waiting for a joiner, since when

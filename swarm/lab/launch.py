@@ -1,7 +1,7 @@
 """`python -m swarm lab CONFIG --stages S`: a whole swarm on this machine, as separate processes.
 
-It starts a bootstrap peer, S stage peers and a trainer (each its own process with its own p2p
-daemon), prefixes and streams their output, and stops every one of them, daemons included, when
+It starts a bootstrap peer, S stage peers (with `--replicas`, several of a stage) and a trainer
+(each its own process with its own p2p daemon), prefixes and streams their output, and stops every one of them, daemons included, when
 the trainer ends, on error and on Ctrl-C.
 
 With `--bandwidth` / `--delay` the links are shaped. `netns` (the default as root): every process
@@ -35,7 +35,15 @@ from pathlib import Path
 from swarm.config import ConfigError, load_config
 from swarm.lab.churn import ChurnRunner
 from swarm.lab.lab_probe import probe_inprocess, probe_namespaces
-from swarm.lab.plan import LinkPlan, RunPlan, available_cores, base_name, nat_names, peer_threads
+from swarm.lab.plan import (
+    LinkOptions,
+    LinkPlan,
+    RunOptions,
+    RunPlan,
+    available_cores,
+    base_name,
+    nat_names,
+)
 from swarm.lab.spawn import Spawner, shared_spawner
 from swarm.models.registry import model_libraries, stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
@@ -84,35 +92,22 @@ class Lab:
         self,
         config: str,
         stages: int,
-        results: str | None = None,
-        steps: int | None = None,
-        overrides: list[str] | None = None,
-        device: str | None = None,
+        run: RunOptions | None = None,
+        links: LinkOptions | None = None,
         out=None,
         startup_timeout: float = 90.0,
-        trainer_args: list[str] | None = None,
-        bandwidth: str | None = None,
-        delay: str | None = None,
-        shaping: str | None = None,
-        probe: bool = True,
-        pacing: bool = True,
-        churn: str | None = None,
-        trace: str | None = None,
-        nat: str | None = None,
     ) -> None:
         """ValueError or ChurnError (one line) for an option that does not parse or does not fit."""
-        threads = peer_threads(stages + 1)
-        self.run_plan = RunPlan.of(
-            config, stages, threads, results, steps, overrides, device, trainer_args, churn, trace
-        )
-        self.link_plan = LinkPlan.of(self.run_plan.names, bandwidth, delay, shaping, probe, pacing)
-        nat_stages = nat_names(nat, stages)
+        links = links or LinkOptions()
+        self.run_plan = RunPlan.of(config, stages, run or RunOptions())
+        self.link_plan = LinkPlan.of(self.run_plan.names, links)
+        nat_stages = nat_names(links.nat, stages)
         if nat_stages and self.link_plan.shaping != "netns":
             raise ValueError("--nat needs namespaces (as root, without --shaping inprocess)")
-        # every process that will run gets its namespace before the run: a churn's joiners too
-        self.names = list(self.run_plan.names)
+        # every process that will run gets its namespace before the run: replicas and a churn's joiners too
+        self.names = list(self.run_plan.names) + [name for _, name in self.run_plan.replica_names()]
         if self.run_plan.churn is not None and (self.link_plan.in_namespaces or nat_stages):
-            joiners = self.run_plan.churn.joiners()
+            joiners = self.run_plan.churn.joiners(self.run_plan.replicas)
             if joiners is None:
                 raise ValueError(
                     "random --churn needs --shaping inprocess and no --nat (its joiners are not known before)"
@@ -235,19 +230,25 @@ class Lab:
         self.joined = (initial, run_id)
         joining = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(plan.threads)]
         common = ["--config", plan.config, *joining, *plan.set_args()]
+        computing = sum(plan.replicas.values()) + 1
         self.output.say(
             "lab",
-            f"torch threads per peer: {plan.threads} ({plan.stages + 1} peers computing, {available_cores()} cores)",
+            f"torch threads per peer: {plan.threads} ({computing} peers computing, {available_cores()} cores)",
         )
         for stage in range(plan.stages):
             self._start(
                 f"stage{stage}", "peers.stage", "--stage", str(stage), *common, *self._trace_args(f"stage{stage}")
             )
+        # a stage's other peers start as a volunteer's would (as the churn's joiners): the run's
+        # config from the swarm; the trainer sets up those it finds, and admits the later ones
+        join_args = joining + (["--device", plan.device] if plan.device else [])
+        for stage, name in plan.replica_names():
+            self._start(name, "peers.stage", "--stage", str(stage), *join_args, *self._trace_args(name))
         self.trainer.command = [*common, *plan.results_args(), *plan.trainer_args, *self._trace_args("trainer")]
         self._start("trainer", "peers.trainer", *self.trainer.command)
         if plan.churn is None:
             return None
-        return ChurnRunner(self, plan.churn, joining + (["--device", plan.device] if plan.device else []))
+        return ChurnRunner(self, plan.churn, join_args)
 
     def _trace_args(self, name: str) -> list[str]:
         """Where a peer writes its timeline when the lab writes the run's (merged at the end)."""
@@ -380,19 +381,10 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_lab(
-    config: str,
-    stages: int,
-    results: str | None = None,
-    steps: int | None = None,
-    overrides: list[str] | None = None,
-    device: str | None = None,
-    trainer_args: list[str] | None = None,
-    **shaping,
-) -> int:
-    """`shaping`: bandwidth, delay, shaping ('netns' or 'inprocess'), probe, pacing, churn, trace, nat (see `Lab`)."""
+def run_lab(config: str, stages: int, run: RunOptions, links: LinkOptions) -> int:
+    """The lab's exit code: 2 for an option that does not parse or does not fit (one line)."""
     try:
-        lab = Lab(config, stages, results, steps, overrides, device, trainer_args=trainer_args, **shaping)
+        lab = Lab(config, stages, run, links)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

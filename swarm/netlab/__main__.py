@@ -19,7 +19,14 @@ import argparse
 import json
 import sys
 
-from swarm.netlab.container import bootstrap_maddr, clear_interface, ensure_identity, port_open, shape_interface
+from swarm.netlab.container import (
+    Shell,
+    bootstrap_maddr,
+    clear_interface,
+    ensure_identity,
+    port_open,
+    shape_interface,
+)
 from swarm.netlab.kernel import cleanup_stale, detect, require
 
 
@@ -70,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "shape":
             if args.clear:
-                clear_interface(args.dev, args.ingress, args.dry_run)
+                clear_interface(args.dev, args.ingress, Shell(args.dry_run))
                 return 0
-            result = shape_interface(args.dev, args.rate, args.delay, args.ingress, args.netem, args.dry_run)
+            result = shape_interface(args.dev, args.rate, args.delay, args.ingress, args.netem, Shell(args.dry_run))
             print(("would shape " if args.dry_run else "shaped ") + result.describe(), flush=True)
             if args.delay_left:
                 with open(args.delay_left, "w") as f:

@@ -1,8 +1,8 @@
 """Helpers for one peer per container (docker/entrypoint.sh): shape my own interface, find the
 bootstrap peer, answer health checks. Shaping uses the same tc commands as NetLab (swarm.netlab.tc).
 
-    shape_interface(dev, rate=None, delay=None, ingress=False, netem="auto", dry_run=False, out=print) -> ShapeResult
-    clear_interface(dev, ingress=False, dry_run=False, out=print)
+    shape_interface(dev, rate=None, delay=None, ingress=False, netem="auto", shell=Shell()) -> ShapeResult
+    clear_interface(dev, ingress=False, shell=Shell())      Shell(dry_run=False, out=print)
     ensure_identity(path) -> peer id (base58)          creates a libp2p RSA key file if missing
     bootstrap_maddr(identity_path, host, port, wait=120.0) -> "/ip4/<host's address>/tcp/<port>/p2p/<id>"
     port_open(port, host="127.0.0.1", timeout=2.0) -> bool
@@ -61,10 +61,18 @@ class ShapeResult:
         return text
 
 
-def _runner(dry_run: bool, out: Callable[[str], None]) -> Callable[[list[str], bool], bool]:
+@dataclass(frozen=True)
+class Shell:
+    """How the tc and ip commands run: each printed to `out` first, none run when `dry_run`."""
+
+    dry_run: bool = False
+    out: Callable[[str], None] = print
+
+
+def _runner(shell: Shell) -> Callable[[list[str], bool], bool]:
     def run(argv: list[str], check: bool = True) -> bool:
-        out("+ " + shlex.join(argv))
-        if dry_run:
+        shell.out("+ " + shlex.join(argv))
+        if shell.dry_run:
             return True
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0 and check:
@@ -81,8 +89,7 @@ def shape_interface(
     delay: str | float | None = None,
     ingress: bool = False,
     netem: str = "auto",
-    dry_run: bool = False,
-    out: Callable[[str], None] = print,
+    shell: Shell = Shell(),
     ifb: str = "ifb0",
 ) -> ShapeResult:
     """Shapes `dev`'s egress (and ingress). netem: "auto" tries netem when a delay is asked, "yes", "no"."""
@@ -92,12 +99,12 @@ def shape_interface(
     delay_s = parse_delay(delay) if delay not in (None, "") else 0.0
     if ingress and rate_bits is None:
         raise ValueError("ingress shaping needs a rate")
-    run = _runner(dry_run, out)
+    run, out = _runner(shell), shell.out
     use_netem = delay_s > 0 and netem != "no"
     commands = tc.egress_commands(dev, rate_bits, delay_s, netem=use_netem)
     applied_netem = False
     if use_netem:
-        if dry_run and netem == "auto":
+        if shell.dry_run and netem == "auto":
             fallback = tc.egress_commands(dev, rate_bits, 0.0, netem=False)
             out(
                 "# netem is tried first; if this kernel lacks it: "
@@ -120,10 +127,8 @@ def shape_interface(
     return ShapeResult(dev, kind, rate_bits, delay_s, applied_netem, ingress)
 
 
-def clear_interface(
-    dev: str, ingress: bool = False, dry_run: bool = False, out: Callable[[str], None] = print, ifb: str = "ifb0"
-) -> None:
-    run = _runner(dry_run, out)
+def clear_interface(dev: str, ingress: bool = False, shell: Shell = Shell(), ifb: str = "ifb0") -> None:
+    run = _runner(shell)
     for argv in tc.clear_commands(dev):
         run(argv, check=False)
     if ingress:

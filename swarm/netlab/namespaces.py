@@ -31,8 +31,8 @@ importable from here too)
     detect(refresh=False) -> Capabilities       root/ip/tc/netns/veth/bridge/tbf/netem/ifb, probed
                                                   once per process in a throwaway namespace
     require() -> Capabilities                   or NetlabError (one line) when namespaces can't work
-    NetLab(names, rates=None, delays=None, *, subnet="10.77.0.0/24", prefix="hp",
-           require_delay=False, handle_signals=True, mtu=1500, nat=())
+    NetLab(names, rates=None, delays=None, *, nat=(), options=LabOptions())
+    LabOptions(subnet="10.77.0.0/24", prefix="hp", require_delay=False, handle_signals=True, mtu=1500, grace=2.0)
         nat: names put each behind its own NAT router (swarm.netlab.nat): they dial out, nobody dials in
         rates/delays: None (unshaped), one value for every link, or {name: value}
         (rates: '100mbit', 5e6, ... see swarm.rates; delays: '20ms', 0.02, ...)
@@ -67,6 +67,7 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from swarm.netlab.counters import link_bytes
@@ -150,6 +151,20 @@ class Topology:
             raise KeyError(f"no process {name!r} in this lab; known: {', '.join(self.names)}")
 
 
+@dataclass(frozen=True)
+class LabOptions:
+    """How a lab is built and run: its bridge's subnet, the prefix of its namespaces' names, whether
+    a delay the kernel cannot apply is an error, whether SIGTERM and SIGHUP end it cleanly, its links'
+    MTU, and the seconds its processes get between SIGTERM and SIGKILL at teardown."""
+
+    subnet: str = "10.77.0.0/24"
+    prefix: str = PREFIX
+    require_delay: bool = False
+    handle_signals: bool = True
+    mtu: int = 1500
+    grace: float = 2.0
+
+
 class NetLab:
     """Namespaces, veths, a bridge and tc shaping for a set of named processes (see module doc)."""
 
@@ -159,15 +174,10 @@ class NetLab:
         rates: str | int | float | Mapping[str, Any] | None = None,
         delays: str | int | float | Mapping[str, Any] | None = None,
         *,
-        subnet: str = "10.77.0.0/24",
-        prefix: str = PREFIX,
-        require_delay: bool = False,
-        handle_signals: bool = True,
-        mtu: int = 1500,
-        grace: float = 2.0,
         nat: Sequence[str] = (),
+        options: LabOptions = LabOptions(),
     ) -> None:
-        self.topology = Topology(names, subnet, prefix)
+        self.topology = Topology(names, options.subnet, options.prefix)
         names = self.topology.names
         unknown = sorted(set(nat) - set(names))
         if unknown:
@@ -175,8 +185,8 @@ class NetLab:
         self.nat = [name for name in names if name in set(nat)]  # each behind its own router (swarm.netlab.nat)
         self.rates: dict[str, int | None] = _per_name("rate", rates, names, parse_rate)
         self.delays: dict[str, float] = {n: d or 0.0 for n, d in _per_name("delay", delays, names, parse_delay).items()}
-        self.require_delay, self.handle_signals = require_delay, handle_signals
-        self.mtu, self.grace = mtu, grace
+        self.require_delay, self.handle_signals = options.require_delay, options.handle_signals
+        self.mtu, self.grace = options.mtu, options.grace
         self.links: dict[str, Link] = {}
         self.capabilities: Capabilities | None = None
         self._owner = os.getpid()

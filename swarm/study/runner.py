@@ -21,7 +21,9 @@ import shutil
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from swarm.study.entries import CONFIG_FILE, Entry, checkpoint_config, config_json, discover, same_config, status
 from swarm.study.order import plan
@@ -61,28 +63,36 @@ def _lock(results_dir: Path):
     return handle
 
 
+@dataclass(frozen=True)
+class StudyOutput:
+    """How a study tells its progress: `out` (default stdout) takes its lines; `progress` shows tqdm
+    bars (default: when stderr is a terminal); `heartbeat` prints a status line every so many
+    seconds otherwise."""
+
+    heartbeat: float = 60.0
+    progress: bool | None = None
+    out: TextIO | None = None
+
+
 def run_study(
     config_dir: str | Path,
     results_dir: str | Path,
     only: list[str] | None = None,
-    heartbeat: float = 60.0,
-    progress: bool | None = None,
-    out=None,
     seeds: int = 1,
     every_row: bool = False,
+    output: StudyOutput = StudyOutput(),
 ) -> int:
     """Run every unfinished run of the study's plan in order; returns the number of runs that failed.
 
-    `progress` shows tqdm bars (default: when stderr is a terminal); `heartbeat` prints a status
-    line every so many seconds otherwise. Runs are never capped: a summary row means finished.
+    Runs are never capped: a summary row means finished.
     """
     # Imported here, not at the top: `study --status` and `report` import this module and never
     # train, so they need not load the models, datasets and engine that running an experiment does.
     from swarm.training.experiment import run_experiment
 
-    out = out or sys.stdout
+    out, heartbeat = output.out or sys.stdout, output.heartbeat
     results_dir = Path(results_dir)
-    progress = sys.stderr.isatty() if progress is None else progress
+    progress = sys.stderr.isatty() if output.progress is None else output.progress
     entries = plan(discover(config_dir, results_dir, only, seeds), every_row)
     if not entries:
         raise ValueError(f"no configs in {config_dir}" + (f" match {only}" if only else ""))

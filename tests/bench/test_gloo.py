@@ -17,6 +17,7 @@ from swarm.bench.gloo.stage import StageRank
 from swarm.bench.gloo.trainer import own_storage
 from swarm.config import load_config
 from swarm.engine.microbatch import MicroBatch, Mode
+from swarm.lab.plan import LinkOptions, RunOptions
 from swarm.training.experiment import build_data
 from swarm.training.results import read_results
 
@@ -25,9 +26,11 @@ SETS = ["train.eval_every=0.5", "model.num_stages=3"]
 
 def test_the_gloo_baseline_refuses_what_it_cannot_do(capsys):
     with pytest.raises(ValueError, match="namespaces"):
-        GlooLab("configs/smoke.yaml", 2, bandwidth="10mbit", shaping="inprocess")
+        GlooLab("configs/smoke.yaml", 2, links=LinkOptions(bandwidth="10mbit", shaping="inprocess"))
     with pytest.raises(ValueError, match="churn"):
-        GlooLab("configs/smoke.yaml", 2, churn="kill stage1 at 5s")
+        GlooLab("configs/smoke.yaml", 2, RunOptions(churn="kill stage1 at 5s"))
+    with pytest.raises(ValueError, match="no replicas"):
+        GlooLab("configs/smoke.yaml", 2, RunOptions(replicas="1=2"))
     assert gloo_main(["--rank", "3", "--world", "2", "--master", "127.0.0.1:1", "--config", "configs/smoke.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --rank must be in 0..1") and err.count("\n") == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.bench.throughput_figures import ThroughputRow, measure_run
+from swarm.bench.throughput_figures import RunLinks, ThroughputRow, measure_run
 from swarm.bench.throughput_table import (
     cpu_breakdown,
 )
@@ -53,7 +53,7 @@ def _rows(samples_per_step=64, seconds_per_step=2.0, fw=1000, bw=500, steps=4):
 
 
 def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
-    figures = measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)
+    figures = measure_run(_rows(), stages=3, links=RunLinks(8_000_000), input_bytes=0.0)
     assert figures["samples_per_s"] == pytest.approx(32.0)  # steps 2..4 after the warm-up step
     assert figures["forward_bytes"] == pytest.approx([1000, 1000]) and figures["backward_bytes"] == pytest.approx(
         [500, 500]
@@ -70,7 +70,7 @@ def test_measure_run_uses_steady_steps_wire_bytes_and_the_slowest_stage():
     rows = _rows()
     for row in rows[2:4]:
         row["bytes"]["boundary0.forward.eval"] = 10**6
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)["forward_bytes"] == pytest.approx(
+    assert measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0)["forward_bytes"] == pytest.approx(
         [1000, 1000]
     )
 
@@ -79,14 +79,14 @@ def test_stages_sharing_cores_are_bound_by_their_summed_cpu_time():
     rows = _rows()
     for peer in rows[-1]["stages"]:
         peer["compute_cpu_s"] = peer["compute_s"] * 0.9
-    figures = measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)
+    figures = measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0, cores=1)
     # per sample: 9 + 18 + 4.5 ms of CPU on one core -> 1 / 31.5 ms, below the slowest stage's 50/s
     assert figures["cores_bound"] == pytest.approx(1 / 0.0315) and figures["compute_bound"] == figures["cores_bound"]
     assert figures["binding"] == "cores (1 shared)" and figures["fraction_of_bound"] == pytest.approx(32.0 * 0.0315)
     # 127/s on 4 cores
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=4)["binding"] == "compute"
+    assert measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0, cores=4)["binding"] == "compute"
     # peers that did not report CPU time
-    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=1)["cores_bound"] is None
+    assert measure_run(_rows(), stages=3, links=RunLinks(8_000_000), input_bytes=0.0, cores=1)["cores_bound"] is None
 
 
 def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry_it():
@@ -105,31 +105,31 @@ def test_stage_compute_is_taken_over_the_measured_steps_when_the_step_rows_carry
                 }
                 for stage, ms in enumerate((1, 4, 2))
             ]
-    figures = measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0, cores=2)
+    figures = measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0, cores=2)
     assert figures["stage_ms_per_sample"] == pytest.approx([1.0, 4.0, 2.0])  # steps 2..4 only
     assert figures["compute_bound"] == pytest.approx(250.0) and figures["compute_cpu_ms_per_sample"] == pytest.approx(
         3.5
     )
-    assert measure_run(_rows(), stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+    assert measure_run(_rows(), stages=3, links=RunLinks(8_000_000), input_bytes=0.0)[
         "stage_ms_per_sample"
     ] == pytest.approx([10.0, 20.0, 5.0])
     rows[-2]["stages"] = rows[-2]["stages"][:2]  # the stage-2 peer left before the last step: its totals went with it
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+    assert measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0)[
         "stage_ms_per_sample"
     ] == pytest.approx([10.0, 20.0, 5.0])
     rows[-2]["stages"] = [{**peer, "compute_s": 0.0} for peer in rows[3]["stages"]]  # totals that went backwards
-    assert measure_run(rows, stages=3, bandwidth_bits=8_000_000, input_bytes=0.0)[
+    assert measure_run(rows, stages=3, links=RunLinks(8_000_000), input_bytes=0.0)[
         "stage_ms_per_sample"
     ] == pytest.approx([10.0, 20.0, 5.0])
 
 
 def test_measure_run_is_link_bound_on_a_slow_link_and_refuses_too_few_steps():
-    figures = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+    figures = measure_run(_rows(), stages=3, links=RunLinks(80_000), input_bytes=0.0)
     assert figures["binding"].startswith("link stage1") and figures["link_bound"] == pytest.approx(10_000 / 1500)
     # fill and drain cost, not more
     assert 0.5 * figures["link_bound"] < figures["schedule_bound"] < figures["link_bound"]
     with pytest.raises(ValueError, match="at least 2"):
-        measure_run(_rows(steps=1), stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+        measure_run(_rows(steps=1), stages=3, links=RunLinks(80_000), input_bytes=0.0)
 
 
 def _meter(
@@ -224,7 +224,7 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
             until=20,
         )
     )
-    figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0)
+    figures = measure_run(rows, stages=3, links=RunLinks(80_000), input_bytes=0.0)
     # peers that reported no CPU, a meter without it
     assert figures["cpu_ms_per_sample"] is None and figures["compute_share"] is None
     assert figures["wire_bytes_per_sample"]["stage1"] == pytest.approx([1875.0, 1562.5])
@@ -234,7 +234,7 @@ def test_counted_link_bytes_bound_the_link_and_name_the_busiest():
     )
     assert figures["fraction_of_bound"] == pytest.approx(32.0 / (10_000 / 1875))
     assert figures["machine_busy"] == pytest.approx(0.75)
-    plain = measure_run(_rows(), stages=3, bandwidth_bits=80_000, input_bytes=0.0)  # no meter: the payload bound
+    plain = measure_run(_rows(), stages=3, links=RunLinks(80_000), input_bytes=0.0)  # no meter: the payload bound
     assert plain["wire_bytes_per_sample"] is None and plain["link_bound"] == plain[
         "payload_link_bound"
     ] == pytest.approx(10_000 / 1500)
@@ -263,7 +263,7 @@ def test_cpu_per_sample_and_the_share_of_it_the_stages_computed():
             },
         )
     )
-    figures = measure_run(rows, stages=3, bandwidth_bits=80_000, input_bytes=0.0, cores=2)
+    figures = measure_run(rows, stages=3, links=RunLinks(80_000), input_bytes=0.0, cores=2)
     assert figures["wire_bytes_per_sample"] is None and figures["link_bound"] == figures["payload_link_bound"]
     assert figures["machine_busy"] == pytest.approx(0.32) and figures["machine_cpu_ms_per_sample"] == pytest.approx(
         20.0

@@ -79,3 +79,10 @@ def test_a_device_this_machine_lacks_fails_in_one_line(capsys):
     missing = f"cuda:{torch.cuda.device_count()}"  # one past this machine's devices, GPU or not
     for device, message in ((missing, f"device {missing}: this machine has "), ("cuda:x", "not a device torch knows")):
         assert message in refusal(capsys, "run", str(SMOKE), "--steps", "1", "--device", device)
+
+
+def test_a_probation_without_verification_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="verify_probation checks new peers' results: it needs verify > 0") as refused:
+        load_config(None, ["train.verify_probation=4"])
+    assert "\n" not in str(refused.value)
+    assert load_config(None, ["train.verify=0.1", "train.verify_probation=4"]).train.verify_probation == 4

@@ -12,6 +12,7 @@ from _swarm_env import assert_losses_of_one_process, one_process_meanwhile, run_
 from _util import REPO, SMOKE
 
 from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
+from swarm.lab.plan import RunOptions, RunPlan
 
 
 def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
@@ -34,6 +35,7 @@ def test_a_schedule_parses_in_time_order_and_bad_specs_are_one_line():
         ("stop:trainer@step5", "the trainer can only be killed"),
         ("kill:trainers@3", "is not ACTION:STAGE@SECONDS"),
         (",", "no events given"),
+        ("random:1,random:2", "one random:SEED item at most"),
     ]:
         with pytest.raises(ChurnError, match=message) as caught:
             Churn.parse(spec, stages=3)
@@ -58,6 +60,23 @@ def test_random_churn_is_seeded_and_never_takes_a_stages_last_peer():
     assert {e.action for e in events} == {"join", "kill", "stop"}
 
 
+def test_a_schedule_and_random_churn_happen_together_and_the_draws_see_the_schedule():
+    churn = Churn.parse("random:7@10,join:1@0,kill:trainer@step40", stages=3)
+    assert churn.seed == 7 and churn.joiners() is None  # random joiners are named as they start
+    live = {0: 1, 1: 1, 2: 1}
+    first = churn.due(0, live)
+    assert first == [ChurnEvent(0, "join", 1)] and live == {0: 1, 1: 2, 2: 1}
+    later = churn.due(1000, live, step=40)
+    assert ChurnEvent(float("inf"), "kill", "trainer", 40) in later
+    drawn = [e for e in later if e.stage != "trainer"]
+    assert drawn == Churn.parse("random:7@10", stages=3).due(1000, {0: 1, 1: 2, 2: 1})  # the same draws
+    counts = {0: 1, 1: 2, 2: 1}
+    for event in drawn:
+        counts[event.stage] += 1 if event.action == "join" else -1
+        assert counts[event.stage] >= 1
+    assert counts == live
+
+
 class _Peer:
     """A stand-in for a peer's process as the runner sees it: alive until signalled."""
 
@@ -72,7 +91,7 @@ class _Lab:
     """What a ChurnRunner reads and calls of a Lab (no processes: its waiting is what is tested)."""
 
     def __init__(self) -> None:
-        self.run_plan = type("Plan", (), {"stages": 2})()
+        self.run_plan = RunPlan.of(str(SMOKE), 2, RunOptions())
         self.trainer = type("Trainer", (), {"ready": type("Ready", (), {"is_set": lambda self: True})()})()
         self.processes, self.joined_peers, self.lines = [("stage1", _Peer())], set(), []
         self.output = type("Out", (), {"say": lambda _, name, line: self.lines.append(line)})()
@@ -158,7 +177,9 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
         r"\[trainer\] .* the swarm kept copies of every stage at step 5[05]; resuming there",  # the new trainer
     ):
         assert re.search(line, out.stdout), (line, log)
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference)
+    assert_losses_of_one_process(
+        results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference=reference
+    )
     assert daemons_left == 0
 
 
@@ -187,5 +208,7 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     assert "kill stage1\n" in out.stdout, log
     served = [re.findall(rf"\[stage1\.{n}\] stage 1: (\d+) micro-batches", out.stdout) for n in (2, 3)]
     assert all(counts and int(counts[-1]) > 0 for counts in served), log  # both joiners took work
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference)
+    assert_losses_of_one_process(
+        results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference=reference
+    )
     assert daemons_left == 0

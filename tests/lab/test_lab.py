@@ -8,10 +8,11 @@ import re
 import sys
 
 import pytest
-from _swarm_env import Finished, assert_same_run, local_rows, run_tagged
+from _swarm_env import Finished, assert_losses_of_one_process, assert_same_run, local_rows, run_tagged
 from _util import REPO, SMOKE, cli_here
 
 from swarm.config import load_config
+from swarm.lab.plan import RunOptions, RunPlan, parse_replicas
 from swarm.netlab.namespaces import list_namespaces
 from swarm.training.results import read_results
 
@@ -147,6 +148,25 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
     assert "share of the time each peer spent" in out.stdout and "[lab]   stage1" in out.stdout
 
 
+@pytest.mark.peers
+def test_lab_with_two_replicas_of_a_stage_from_the_start_keeps_one_process_bit_for_bit(tmp_path):
+    """`--replicas 1=2`: stage 1's second peer starts with the others, as a volunteer would (the
+    run's config from the swarm), in its own process; the trainer sets both up, the micro-batches
+    spread over them, and their exact sums (swarm.engine.exactsum) keep every loss one process's."""
+    results = tmp_path / "replicas.jsonl"
+    overrides = ["train.eval_every=100"]
+    finished = _lab("--replicas", "1=2", "--results", str(results), "--set", overrides[0], timeout=150)
+    out = finished.done
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[trainer] run '" in out.stdout and "stage 0: 1 peer(s), stage 1: 2 peer(s)" in out.stdout, out.stdout
+    (stages,) = [r for r in read_results(results) if r["type"] == "stages"]
+    ran = sorted((s["stage"], s["samples"] > 0) for s in stages["stages"])
+    assert ran == [(0, True), (1, True), (1, True)], stages  # both replicas of stage 1 ran micro-batches
+    assert sum(s["samples"] for s in stages["stages"] if s["stage"] == 1) == 2 * 40  # two steps of 40
+    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=2"], tmp_path, 2, stage_peers=3)
+    assert finished.daemons_left == 0
+
+
 @pytest.mark.parametrize(
     "args, error",
     [
@@ -158,6 +178,21 @@ def test_lab_in_namespaces_reports_its_links_and_keeps_the_numerics(tmp_path):
             ["--set", "train.in_flight=65"],
             "takes at most 64 micro-batches of one sender at once (max_requests_per_sender)",
         ),
+        (["--replicas", "0"], "error: --replicas: a stage needs at least one peer, got '0'"),
+        (["--replicas", "1=0"], "error: --replicas: a stage needs at least one peer, got '1=0'"),
+        (["--replicas", "2=3"], "error: --replicas names stage 2, the run has stages 0..1"),
+        (
+            ["--replicas", "1=two"],
+            "error: --replicas takes a count for every stage (3) or STAGE=COUNT pairs (1=3,2=2), got '1=two'",
+        ),
+        (
+            ["--replicas", "1=2,"],
+            "error: --replicas takes a count for every stage (3) or STAGE=COUNT pairs (1=3,2=2), got ''",
+        ),
+        (
+            ["--replicas", "x=2"],
+            "error: --replicas takes a count for every stage (3) or STAGE=COUNT pairs (1=3,2=2), got 'x=2'",
+        ),
         # found on the meta device, before the peers start (each used to build the model to find it)
         (["--stages", "9"], "error: digits_cnn: 4 blocks can be split into 1..4 stages, not 9"),
     ],
@@ -166,3 +201,15 @@ def test_the_lab_refuses_bad_options_before_any_peer_starts(capsys, args, error)
     done = cli_here(capsys, "lab", str(SMOKE), "--stages", "2", *args)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(error), done.stderr
     assert done.stdout == "" and "[bootstrap]" not in done.stderr  # no process started
+
+
+def test_replicas_name_every_stage_peer_and_share_the_cores():
+    """`--replicas 3` gives every stage three peers, `1=3,0=2` those stages (the others one), each
+    its own process named after its stage, as the churn's joiners are (stage1.2, stage1.3)."""
+    assert parse_replicas(None, 3) == {0: 1, 1: 1, 2: 1}
+    assert parse_replicas("3", 2) == {0: 3, 1: 3}
+    assert parse_replicas(" 1=3, 0=2 ", 3) == {0: 2, 1: 3, 2: 1}
+    plan = RunPlan.of(str(SMOKE), 3, RunOptions(replicas="1=3,2=2", churn="join:1@0,join:0@5"))
+    assert plan.replica_names() == [(1, "stage1.2"), (1, "stage1.3"), (2, "stage2.2")]
+    assert plan.threads == max(1, len(os.sched_getaffinity(0)) // 7)  # six stage peers and the trainer
+    assert plan.churn.joiners(plan.replicas) == ["stage1.4", "stage0.2"]  # numbered on after the replicas

@@ -56,4 +56,6 @@ def test_stages_behind_nat_are_relayed_and_a_replica_behind_nat_killed_9_keeps_t
     assert re.search(r"\[status\] \S+\s+0/3 .* direct ", text), text[-3000:]
     relayed = re.search(r"\[bootstrap\] bootstrap reach: .*relayed ([0-9.]+) MiB for (\d) peer\(s\) behind NAT", text)
     assert relayed and float(relayed[1]) > 0 and int(relayed[2]) >= 2, text[-3000:]
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference)
+    assert_losses_of_one_process(
+        results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference=reference
+    )

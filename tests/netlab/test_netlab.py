@@ -26,7 +26,7 @@ from _util import REPO
 from swarm.lab.probe import probe_in_process
 from swarm.lab.probe_namespaces import probe_netlab
 from swarm.netlab.counters import GroupCpu, proc_stats
-from swarm.netlab.namespaces import NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
+from swarm.netlab.namespaces import LabOptions, NetLab, NetlabError, cleanup_stale, detect, list_namespaces, require
 from swarm.netlab.shaper import TokenBucket, shaped
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
@@ -66,30 +66,36 @@ def _qdiscs(ns: str, dev: str) -> str:
 
 def test_token_bucket_never_outruns_its_rate_and_keeps_close_to_it():
     """What a bucket lets through never exceeds its burst plus its rate times the time taken, however
-    the sender is scheduled; two senders on one bucket share that rate."""
+    the sender is scheduled; two senders on one bucket share that rate. Close to it: the bucket never
+    asks a sender to wait longer than the bytes booked ahead of it take at its rate (its own chunk,
+    and the other sender's on a shared bucket), whatever the clock did meanwhile: a loaded machine
+    wakes a sender late, which only shortens the next wait."""
+    rate_bytes = 40e6 / 8
 
-    async def send(bucket: TokenBucket, total: int, chunk: int) -> int:
+    async def send(bucket: TokenBucket, total: int, chunk: int, waits: list[float]) -> int:
         sent = 0
         while sent < total:
-            await bucket.consume(chunk)
+            waits.append(await bucket.consume(chunk))
             sent += chunk
         return sent
 
     async def main():
         start = time.monotonic()  # before the bucket exists: its tokens accrue from its creation
         bucket = TokenBucket("40mbit")
-        sent = await send(bucket, 4_000_000, 65536)
+        waits: list[float] = []
+        sent = await send(bucket, 4_000_000, 65536, waits)
         elapsed = time.monotonic() - start
         assert bucket.stats().bytes == sent and bucket.stats().calls == -(-4_000_000 // 65536)
-        assert sent <= bucket.burst_bytes + 40e6 / 8 * elapsed  # exact: the bucket cannot run ahead
-        # a late wake-up only slows the sender (a loaded machine); a bucket that waited twice too long fails
-        assert sent * 8 / elapsed > 0.7 * 40e6, f"{sent * 8 / elapsed / 1e6:.2f} Mbit/s for 40mbit"
+        assert sent <= bucket.burst_bytes + rate_bytes * elapsed  # exact: the bucket cannot run ahead
+        assert sum(w > 0 for w in waits) > len(waits) // 2  # past its burst the bucket does pace
+        assert max(waits) <= 65536 / rate_bytes + 1e-9, f"waited {max(waits):.4f} s for one chunk"
         start = time.monotonic()
         shared = TokenBucket("40mbit")
-        both = await asyncio.gather(send(shared, 1_500_000, 50_000), send(shared, 1_500_000, 30_000))
+        first, second = [], []
+        both = await asyncio.gather(send(shared, 1_500_000, 50_000, first), send(shared, 1_500_000, 30_000, second))
         elapsed = time.monotonic() - start
-        assert sum(both) == shared.stats().bytes <= shared.burst_bytes + 40e6 / 8 * elapsed  # together, one rate
-        assert sum(both) * 8 / elapsed > 0.7 * 40e6, f"two senders got {sum(both) * 8 / elapsed / 1e6:.2f} Mbit/s"
+        assert sum(both) == shared.stats().bytes <= shared.burst_bytes + rate_bytes * elapsed  # together, one rate
+        assert max(first + second) <= (50_000 + 30_000) / rate_bytes + 1e-9  # at most both senders' chunks ahead
 
     asyncio.run(main())
 
@@ -187,11 +193,11 @@ def test_no_leftovers_after_an_exception_and_a_killed_child(caps):
 
 def test_required_delay_without_netem_is_a_clear_error(caps):
     if caps.netem:
-        with NetLab(["a"], delays="5ms", require_delay=True) as net:
+        with NetLab(["a"], delays="5ms", options=LabOptions(require_delay=True)) as net:
             assert net.links["a"].delay_applied
         return
     with pytest.raises(NetlabError, match="netem") as info:
-        NetLab(["a"], delays="5ms", require_delay=True).start()
+        NetLab(["a"], delays="5ms", options=LabOptions(require_delay=True)).start()
     assert "\n" not in str(info.value)
 
 
@@ -241,17 +247,17 @@ def _group_has(pgid: int, name: str) -> bool:
 _OWNER = textwrap.dedent(
     """
     import signal, sys, time
-    from swarm.netlab.namespaces import NetLab
+    from swarm.netlab.namespaces import LabOptions, NetLab
     mode, prefix, sigint = sys.argv[1:]
     # SIGINT as asked, whatever was inherited: a test run started in the background of a
     # non-interactive shell ignores SIGINT, and so would every process it starts
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
     if mode == "with":
-        with NetLab(["x", "y"], rates="10mbit", prefix=prefix) as net:
+        with NetLab(["x", "y"], rates="10mbit", options=LabOptions(prefix=prefix)) as net:
             print(net.topology.tag, flush=True)  # the lab is up and its signal handlers are in place
             time.sleep(600)
     else:
-        net = NetLab(["x", "y"], rates="10mbit", prefix=prefix).start()
+        net = NetLab(["x", "y"], rates="10mbit", options=LabOptions(prefix=prefix)).start()
         print(net.topology.tag, flush=True)
         time.sleep(600)
     """
@@ -328,7 +334,7 @@ def test_a_killed_lab_leaves_nothing_behind_after_the_next_start(caps):
         process.kill()
         process.wait(LOADED_S)
         assert len(_ns_leftovers(tag)) == 3
-        with NetLab(["y"], prefix=prefix) as net:
+        with NetLab(["y"], options=LabOptions(prefix=prefix)) as net:
             assert _ns_leftovers(tag) == []
         assert _ns_leftovers(net.topology.tag) == []
 
@@ -379,4 +385,4 @@ def test_bad_netlab_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="bad process name"):
         NetLab(["a b"])
     with pytest.raises(ValueError, match="too small"):
-        NetLab([f"p{i}" for i in range(10)], subnet="10.1.0.0/29")
+        NetLab([f"p{i}" for i in range(10)], options=LabOptions(subnet="10.1.0.0/29"))

@@ -18,7 +18,7 @@ from swarm.study.order import plan
 from swarm.study.plots import across_seeds, plot_table
 from swarm.study.progress import estimate, heartbeat_line
 from swarm.study.report import study_runs, write_study_report
-from swarm.study.runner import run_study
+from swarm.study.runner import StudyOutput, run_study
 from swarm.study.stamps import MixedCommits
 from swarm.training.results import read_results
 
@@ -32,7 +32,9 @@ def write_configs(directory: Path, rows=ROWS) -> Path:
 def run_rows(configs: Path, results: Path, only: str, seeds: int) -> str:
     """The study's log of running one config at `seeds` seeds."""
     log = io.StringIO()
-    done = run_study(configs, results, [only], heartbeat=0, progress=False, out=log, seeds=seeds, every_row=True)
+    done = run_study(
+        configs, results, [only], output=StudyOutput(heartbeat=0, progress=False, out=log), seeds=seeds, every_row=True
+    )
     assert done == 0, log.getvalue()
     return log.getvalue()
 

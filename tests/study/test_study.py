@@ -19,7 +19,7 @@ from swarm.study.entries import discover, same_config, status
 from swarm.study.findings import Row, Study, check_all, gradients_more_sensitive, independent_topk_diverges
 from swarm.study.report import write_study_report
 from swarm.study.rerun import compare
-from swarm.study.runner import StudyLocked, _lock, run_study
+from swarm.study.runner import StudyLocked, StudyOutput, _lock, run_study
 from swarm.study.runs import load_run
 from swarm.training.experiment import build_data, run_experiment
 from swarm.training.loop import train
@@ -46,7 +46,7 @@ def study(tmp_path_factory):
     configs = write_configs(base / "configs")
     results = base / "runs"
     log = io.StringIO()
-    assert run_study(configs, results, only=["a-base"], heartbeat=0, progress=False, out=log) == 0
+    assert run_study(configs, results, only=["a-base"], output=StudyOutput(heartbeat=0, progress=False, out=log)) == 0
     first_a = (results / "a-base.jsonl").read_text()
 
     # b-top20: killed while logging step 6 (checkpoints come with every evaluation, every 4 steps)
@@ -63,7 +63,9 @@ def study(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ResultsWriter, "write", dying_write)
         log = io.StringIO()
-        assert run_study(configs, results, only=["b-top20"], heartbeat=0, progress=False, out=log) == 1
+        assert (
+            run_study(configs, results, only=["b-top20"], output=StudyOutput(heartbeat=0, progress=False, out=log)) == 1
+        )
     assert "b-top20: FAILED (Killed: killed at step 6); its checkpoints are kept" in log.getvalue()
     entry = next(e for e in discover(configs, results) if e.name == "b-top20")
     partial_state = status(entry)
@@ -73,7 +75,12 @@ def study(tmp_path_factory):
     run_experiment(load_config(configs / "b-top20.yaml"), reference, progress=False)
 
     log = io.StringIO()
-    assert run_study(configs, results, only=["a-base", "b-top20"], heartbeat=0, progress=False, out=log) == 0
+    assert (
+        run_study(
+            configs, results, only=["a-base", "b-top20"], output=StudyOutput(heartbeat=0, progress=False, out=log)
+        )
+        == 0
+    )
     return {
         "configs": configs,
         "results": results,
@@ -111,7 +118,7 @@ def test_a_changed_config_is_stale_and_a_second_study_is_refused(study, tmp_path
     held = _lock(tmp_path / "runs")
     try:
         with pytest.raises(StudyLocked, match="in use by a running study"):
-            run_study(configs, tmp_path / "runs", heartbeat=0, progress=False, out=io.StringIO())
+            run_study(configs, tmp_path / "runs", output=StudyOutput(heartbeat=0, progress=False, out=io.StringIO()))
     finally:
         held.close()
 

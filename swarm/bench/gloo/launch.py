@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import socket
 import subprocess
+from dataclasses import replace
 
 from swarm.lab.launch import Lab
-from swarm.lab.plan import available_cores
+from swarm.lab.plan import LinkOptions, RunOptions, available_cores
 
 GLOO = "torch:gloo"  # its name among the benchmarks' --codecs
 PORT = 29500  # where rank 0 listens inside its own namespace
@@ -22,12 +23,15 @@ PORT = 29500  # where rank 0 listens inside its own namespace
 class GlooLab(Lab):
     stage_peers_limit_in_flight = False  # its ranks have no such limit (swarm.bench.gloo.run)
 
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs["pacing"] = False
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, config: str, stages: int, run: RunOptions | None = None, links: LinkOptions | None = None, out=None
+    ) -> None:
+        super().__init__(config, stages, run, replace(links or LinkOptions(), pacing=False), out)
         plan, links = self.run_plan, self.link_plan
         if plan.churn is not None:
             raise ValueError("the gloo baseline has a fixed set of ranks: no churn")
+        if any(count > 1 for count in plan.replicas.values()):
+            raise ValueError("the gloo baseline has one rank per stage: no replicas")
         if links.shaped and not links.in_namespaces:
             raise ValueError("the gloo baseline runs on shaped links only in namespaces (--shaping netns, as root)")
         plan.names = [name for name in plan.names if name != "bootstrap"]

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import torch
-from _swarm_env import local_rows, smoke
+from _swarm_env import AfterStep, local_rows, smoke
 
 from protocols import stage_pb2 as pb
 from protocols import wire
@@ -97,14 +97,10 @@ def test_an_asynchronous_step_with_a_check_holds_the_next_back_and_one_without_k
         swarm.unhost(run_id)
 
 
-def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_out(swarm, tmp_path):
-    """A stage-1 member answers every round with success but has no averaging handler and never
-    joins its group's all-reduce (the issue's fake member): its replica names it in GROUP_FAILED,
-    the trainer leaves it out on that word (not on its info reply, which says it serves), its
-    micro-batches run again on the replica, and the step completes."""
-    cfg = smoke("model.num_stages=3")
-    run_id = uuid.uuid4().hex[:8]
-    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+def _a_stage_1_member_that_never_sums(swarm, cfg, run_id: str):
+    """The issue's fake member: a stage-1 peer of its own host that answers every round with success
+    but has no averaging handler and never joins its group's all-reduce; (node, server, its hosted
+    stage, the groups it skipped)."""
     node, server = swarm.mortal_host()
     hostile = server.host(HostedStage(node, run_id, cfg, 1))
     swarm.loop.run(server.averager.stop())  # "protocols not supported" for anyone summing with it
@@ -116,6 +112,18 @@ def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_
 
     hostile.rounds.combining._sum = never_sums
     swarm.loop.run(server.announcer.announce_now())
+    return node, server, hostile, skipped
+
+
+def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_out(swarm, tmp_path):
+    """A stage-1 member answers every round with success but has no averaging handler and never
+    joins its group's all-reduce (the issue's fake member): its replica names it in GROUP_FAILED,
+    the trainer leaves it out on that word (not on its info reply, which says it serves), its
+    micro-batches run again on the replica, and the step completes."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])
+    node, server, _, skipped = _a_stage_1_member_that_never_sums(swarm, cfg, run_id)
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
@@ -127,6 +135,38 @@ def test_a_member_that_answers_its_gather_but_never_sums_with_its_group_is_left_
         why = [e.text for e in pipeline.events.last() if e.kind == "leave" and node.peer_id[-8:] in e.text]
         assert why and "averaging group failed on it" in why[0] and "answered the gather round with success" in why[0]
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
+    finally:
+        _close(swarm, run_id, node, server)
+
+
+def test_a_member_the_owner_dropped_downloads_no_state_of_its_stage(swarm, tmp_path):
+    """The issue's attacker, after the run above: the stage-1 member the open run admitted and the
+    trainer then dropped (its averaging group failed on it) still holds its admission, the owner's
+    signature. It asks the honest stage-1 peer for the stage's state (a joiner's download, weights
+    and optimizer, and a copy's), bare and showing the last roster it was sent (which lists it):
+    refused in one line, because the newer roster that peer holds no longer lists it, and not one
+    byte of state is served to it."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    honest = swarm.host(cfg, run_id, [(0, 0), (1, 1), (2, 2)])[1]
+    node, server, hostile, _ = _a_stage_1_member_that_never_sums(swarm, cfg, run_id)
+    try:
+        data = build_data(cfg)
+        pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
+        assert node.peer_id in pipeline.members[1]
+        train(cfg, pipeline, data, ResultsWriter(None), STEPS, progress=False)
+        assert node.peer_id not in pipeline.members[1]
+        session = honest.state.session_id  # the micro-batches since the drop brought the owner's word
+        assert honest.gate.listed(1, honest.node.peer_id, session) and not honest.gate.listed(1, node.peer_id, session)
+        assert hostile.gate.listed(1, node.peer_id, session)  # the older roster it shows lists it
+        served = (honest.source.served, honest.source.bytes_out)
+        bare = pb.StateRequest(to=address(run_id, 1), admission=hostile.gate.shown())
+        shown = [hostile.gate.state_request(to=address(run_id, 1), snapshot=copy, stage=1) for copy in (False, True)]
+        for request in [bare, *shown]:
+            with pytest.raises(RemoteError, match="the owner's roster no longer has it serving stage 1") as refused:
+                swarm.loop.run(call(node.streams, honest.node.peer_id, "state", request, b"", 30))
+            assert "\n" not in str(refused.value)
+        assert (honest.source.served, honest.source.bytes_out) == served
     finally:
         _close(swarm, run_id, node, server)
 
@@ -289,19 +329,6 @@ def test_a_member_that_stalls_its_micro_batches_costs_retries_not_the_run(swarm,
         _close(swarm, run_id, node, server)
 
 
-class _AfterStep(ResultsWriter):
-    """Results that call `hook()` right after step `after`'s row."""
-
-    def __init__(self, after: int, hook) -> None:
-        super().__init__(None)
-        self.after, self.hook = after, hook
-
-    def write(self, row) -> None:
-        super().write(row)
-        if row.get("type") == "step" and row["step"] == self.after:
-            self.hook()
-
-
 @pytest.mark.parametrize(
     "schedule", [(), ("train.schedule=async", "train.delay_correction=dc:10")], ids=["sync", "async-dc"]
 )
@@ -337,7 +364,7 @@ def test_a_member_computing_wrong_results_is_caught_by_verification_and_its_work
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, STEPS, data)
-        results = _AfterStep(1, join)
+        results = AfterStep(1, join)
         train(cfg, pipeline, data, results, STEPS, progress=False)
         assert wrong, "the hostile member never computed"
         assert node.peer_id not in pipeline.members[1] and node.peer_id in pipeline.membership.convicted

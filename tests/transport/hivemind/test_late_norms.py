@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from swarm.transport.hivemind.stage.closing import LATE, LR
+from protocols.wire_names import LATE, LR
 from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 
 

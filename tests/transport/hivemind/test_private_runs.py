@@ -17,7 +17,7 @@ from peers.token import main as token_main
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
-from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
+from swarm.transport.hivemind.trainer.pipeline import RunAccess, SwarmPipeline
 from swarm.transport.hivemind.trust import tokens
 from swarm.transport.hivemind.trust.keys import load_identity, own_peer_id
 
@@ -34,7 +34,7 @@ def test_only_allowed_peers_and_token_holders_join(swarm):
     allowed = [h.node.peer_id for h in hosted[:-1]]
     try:
         data = build_data(cfg)
-        pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id, owner_key=key, allow=allowed)
+        pipeline = SwarmPipeline(swarm.trainer, swarm.loop, cfg, run_id, access=RunAccess(key, allowed))
         members = pipeline.setup(Schedule.of(cfg, len(data[0]), STEPS).lr_horizon, len(data[0]), wait_s=20)
         assert outsider.node.peer_id not in members[1] and outsider.runtime is None
         # a token of another owner, or one that expired, lets nobody in

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS
@@ -51,36 +52,40 @@ class Sending:
                 yield
 
 
-class Exchange:
-    """One request to `peer_id` and its reply, on a stream from `streams`; `finish` returns that
-    stream to the pool once the reply has been read (a failed exchange closes it).
+@dataclass(slots=True)  # one per micro-batch: slots, not frozen, construct fastest
+class Carriage:
+    """How an exchange carries its request and takes its reply.
 
     `sending`: the send slot per neighbour to take for the payload; `flow`: its pacing;
-    `meter`: times the reply's arrival (the link's backward direction); `max_reply_bytes`: the
-    largest reply payload taken (refused from its first chunk when declared larger); `traced`:
-    (what the timeline calls it, e.g. a micro-batch's label; the exchange's unique key) to record its
-    spans and its times as the caller (swarm.tracing)."""
+    `meter`: times the reply's arrival (the link's backward direction); `auth`: a control call's
+    signature (swarm.transport.hivemind.trust.signatures); `max_reply_bytes`: the largest reply
+    payload taken (refused from its first chunk when declared larger); `traced`: (what the
+    timeline calls it, e.g. a micro-batch's label; the exchange's unique key) to record its spans
+    and its times as the caller (swarm.tracing)."""
+
+    sending: Sending | None = None
+    flow: object = None
+    meter: LinkMeter | None = None
+    auth: pb.Auth | None = None
+    max_reply_bytes: int = MAX_PAYLOAD_BYTES
+    traced: tuple[str, str] | None = None
+
+
+PLAIN = Carriage()  # unpaced, unsigned, unmetered, untraced
+
+
+class Exchange:
+    """One request to `peer_id` and its reply, on a stream from `streams`, carried as `how` says;
+    `finish` returns that stream to the pool once the reply has been read (a failed exchange
+    closes it)."""
 
     def __init__(
-        self,
-        streams: StreamPool,
-        peer_id: str,
-        kind: str,
-        head,
-        payload: bytes = b"",
-        sending: Sending | None = None,
-        flow=None,
-        meter: LinkMeter | None = None,
-        auth: pb.Auth | None = None,
-        max_reply_bytes: int = MAX_PAYLOAD_BYTES,
-        traced: tuple[str, str] | None = None,
+        self, streams: StreamPool, peer_id: str, kind: str, head, payload: bytes = b"", how: Carriage = PLAIN
     ) -> None:
         self.streams, self.peer_id = streams, str(peer_id)
-        self.auth = auth  # a control call's signature (swarm.transport.hivemind.trust.signatures)
         self.kind, self.head, self.payload = kind, head, payload
-        self.sending, self.flow, self.meter = sending, flow, meter
-        self.max_reply_bytes = max_reply_bytes
-        self.traced = traced
+        self.auth, self.max_reply_bytes, self.traced = how.auth, how.max_reply_bytes, how.traced
+        self.sending, self.flow, self.meter = how.sending, how.flow, how.meter
         self._stream: PeerStream | None = None
         self._replies = None
         self._complete = False  # the whole reply was read: the stream may carry another exchange
@@ -161,7 +166,7 @@ async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: byte
     download, a status) and its verified reply; a call only the run's owner makes
     (protocols.calls) is signed with `owner`'s key."""
     auth = sign_call(owner, kind, head, payload, str(peer_id)) if owner is not None and CALLS[kind].signed else None
-    exchange = Exchange(streams, peer_id, kind, head, payload, auth=auth)
+    exchange = Exchange(streams, peer_id, kind, head, payload, Carriage(auth=auth))
     frame = await exchange.reply(timeout)
     exchange.finish()
     return frame

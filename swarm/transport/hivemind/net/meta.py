@@ -21,6 +21,7 @@ from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.errors import ProtocolError
 from protocols.version import PROTOCOL_VERSION
+from swarm.engine.diverged import is_finite
 from swarm.engine.microbatch import MicroBatch, Mode
 
 _DTYPES = {
@@ -96,7 +97,7 @@ def raw_to_tensor(raw: pb.RawTensor, what: str = "tensor") -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(raw.data, dtype=stored).astype(raw.dtype)).reshape(shape)
     flat = torch.from_numpy(np.frombuffer(bytearray(raw.data), dtype=np.uint8))
     tensor = flat.view(dtype).reshape(shape)
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if not is_finite(tensor):
         raise ProtocolError(f"{what}: values are not finite")
     return tensor
 

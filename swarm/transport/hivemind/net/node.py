@@ -108,29 +108,39 @@ class NodeOptions:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PeerLink:
+    """This peer's own link: `egress`, a swarm.netlab.shaper.TokenBucket paced by every payload it
+    sends (in-process shaping), or None; its declared rates in bits/s, or None."""
+
+    egress: TokenBucket | None = None
+    uplink_bits: int | None = None
+    downlink_bits: int | None = None
+
+
 class SwarmNode:
+    """`reach`: how this peer is reached and reaches the others (directly, or through a relay),
+    made on `p2p` (from then on, it opens the node's streams)."""
+
     def __init__(
         self,
         p2p: P2P,
         dht: DHTNode,
-        egress=None,
-        uplink_bits: int | None = None,
-        downlink_bits: int | None = None,
+        reach: Reach,
+        link: PeerLink | None = None,
         settings: Settings | None = None,
         owned_by: bytes = b"",
-        reachability: Reachability | None = None,
-        initial_peers: Sequence[str] = (),
     ) -> None:
         self.p2p = p2p
         self.dht = dht
         # a DHT key or subkey holding `owned_by` can only be written with this peer's key (hivemind's
         # RSASignatureValidator; every node checks the records it stores and the ones it reads)
         self.owned_by = owned_by
-        self.egress = egress  # a swarm.netlab.shaper.TokenBucket paced by every payload we send, or None
-        self.uplink_bits, self.downlink_bits = uplink_bits, downlink_bits  # declared, or None
+        link = link or PeerLink()
+        self.egress = egress = link.egress  # paced by every payload we send, or None
+        self.uplink_bits, self.downlink_bits = link.uplink_bits, link.downlink_bits  # declared, or None
         self.settings = settings or Settings()
-        # how this peer is reached and reaches the others (directly, or through a relay)
-        self.reach = Reach(p2p, reachability or Reachability(), initial_peers)  # from here on, it opens our streams
+        self.reach = reach
         self.relay: Relay | None = None  # what it does for peers behind NAT, when it can be dialed itself
         # streams to the peers we call, kept for reuse
         streams = self.settings.streams
@@ -205,9 +215,9 @@ class SwarmNode:
             where = ", ".join(initial) or "no initial peers"
             raise RuntimeError(f"could not join the DHT via {where}: {e}") from e
         owned_by = RSASignatureValidator(signing_key).local_public_key
-        node = cls(
-            p2p, dht, egress, links["uplink"], links["downlink"], options.settings, owned_by, reachability, initial
-        )
+        reach = Reach(p2p, reachability, initial)
+        link = PeerLink(egress, links["uplink"], links["downlink"])
+        node = cls(p2p, dht, reach, link, options.settings, owned_by)
         await node._serve_reach(options)
         return node
 

@@ -1,7 +1,7 @@
 """The transport's one retry policy: which failures are worth another try, how often, how soon.
 
 - A micro-batch whose peer died or timed out (`TransportError`) is tried again on another peer of
-  the same stage, the failed one banned for a while (`routing.Bans`); one whose link lost its order
+  the same stage, the failed one banned for a while (`net.bans.Bans`); one whose link lost its order
   or state (`RemoteError` with LINK_RESET) is tried again on the same peer, on a new link epoch;
   one whose peer does not serve it now (NOT_READY, UNAVAILABLE: joining, leaving, at another step)
   on another peer, like a dead one; one whose chain lost a later stage's peer past its budget

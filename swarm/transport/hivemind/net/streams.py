@@ -16,13 +16,14 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from protocols import stage_pb2 as pb
 from protocols.errors import MalformedMessage, ProtocolError, RemoteError, short
-from protocols.framing import CHUNK_BYTES, Received, parse_message
+from protocols.framing import CHUNK_BYTES, Frame, Received, parse_message
 from protocols.version import STREAM
 from swarm.netlab.delayline import DelayLine
 from swarm.transport.hivemind.flow.pacing import send_paced
@@ -224,6 +225,16 @@ class Requests:
                             return
                         length -= len(chunk)
                     await asyncio.sleep(0)
+
+
+@dataclass(slots=True)  # one per request: slots, not frozen, construct fastest
+class Request:
+    """One request of a stream, framed, as its handler takes it."""
+
+    frame: Frame
+    sender: str  # the connected peer (through a relay too: the caller it names)
+    started: float  # when its first byte arrived (monotonic)
+    arrived: float  # when all of it had
 
 
 LINGER_BYTES = 4 << 20  # what a turned-away caller may still send before the stream closes anyway

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from protocols import carried as envelope
 from protocols import stage_pb2 as pb
@@ -23,19 +24,18 @@ from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import StageRecord
 from swarm.transport.hivemind.flow.meter import LinkMeter
 from swarm.transport.hivemind.flow.pacing import FlowPacer
-from swarm.transport.hivemind.net.calls import Exchange, Sending
+from swarm.transport.hivemind.net.calls import Carriage, Exchange, Sending
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, carried_of
-from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.retry import Retry
 from swarm.transport.hivemind.routing.router import NoPeerError, Router
 
 log = logging.getLogger(__name__)
 
 
-class Handoff:
-    """Micro-batches from this peer to the peers of `stage`.
+@dataclass(frozen=True)
+class LinkHooks:
+    """What the handoff's caller keeps of its links to the next stage.
 
-    `pacer` and `sending` are the peer's own (they also pace and order what it sends elsewhere);
     `lost(peer)` is called when the link to a peer lost its order or state (the caller restarts
     its numbering, and drops its link end if it has one); `replies` meters how fast each peer's
     replies arrive (None: not metered); `stateful()`: whether the link's codecs keep state across
@@ -43,25 +43,39 @@ class Handoff:
     slower, for load they would split across replicas and change the numbers; `admission()`: this
     peer's admission to the session, shown with every micro-batch."""
 
-    def __init__(
-        self,
-        node: SwarmNode,
-        router: Router,
-        run_id: str,
-        stage: int,
-        pacer: FlowPacer,
-        sending: Sending,
-        lost: Callable[[str], None],
-        replies: dict[str, LinkMeter] | None = None,
-        stateful: Callable[[], bool] = lambda: False,
-        admission: Callable[[], pb.Admission | None] = lambda: None,
-    ) -> None:
-        self.node, self.router, self.run_id, self.stage = node, router, run_id, stage
-        self.pacer, self.sending, self.lost, self.replies = pacer, sending, lost, replies
-        self.stateful = stateful
-        self.admission = admission  # ours in the current session: the receiver checks it before the payload
-        self.settings = node.settings
-        self.retry = Retry(node.settings)
+    lost: Callable[[str], None]
+    replies: dict[str, LinkMeter] | None = None
+    stateful: Callable[[], bool] = lambda: False
+    admission: Callable[[], pb.Admission | None] = lambda: None
+
+
+@dataclass(slots=True)  # one per micro-batch: slots, not frozen, construct fastest
+class Terms:
+    """How one micro-batch is handed on: to the peers of trainer session `session`; with a
+    `deadline` (monotonic) every try gets what is left of it, without, each gets the call timeout
+    (plus a grace, so a stage's own timeout error arrives first); `offer(peer)`: what this peer can
+    take back from it (pacing); `carry`: a head whose words of the run are handed on: the owner's
+    step proof and roster, and a step closed on the way (`closing`, `decision`:
+    swarm.transport.hivemind.stage.closing)."""
+
+    session: str
+    deadline: float | None = None
+    offer: Callable[[str], float] | None = None
+    carry: pb.MicroBatchHead | None = None
+
+
+class Handoff:
+    """Micro-batches from this peer to the peers of `stage`, of the run `router` routes (on its
+    node). `pacer` and `sending` are the peer's own (they also pace and order what it sends
+    elsewhere)."""
+
+    def __init__(self, router: Router, stage: int, pacer: FlowPacer, sending: Sending, hooks: LinkHooks) -> None:
+        self.node, self.router, self.run_id, self.stage = router.node, router, router.run_id, stage
+        self.pacer, self.sending, self.lost, self.replies = pacer, sending, hooks.lost, hooks.replies
+        self.stateful = hooks.stateful
+        self.admission = hooks.admission  # ours in the current session: the receiver checks it before the payload
+        self.settings = router.node.settings
+        self.retry = Retry(self.settings)
         self.sticky: str | None = None  # the peer the micro-batches follow (its link state)
         self.retries = 0  # micro-batches sent again after a failure (metrics)
         self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers) ...
@@ -97,24 +111,16 @@ class Handoff:
         record: StageRecord,
         sent: tuple[int, int],
         body: bytes,
-        session: str,
         again: Callable[[str], Awaitable[tuple[tuple[int, int], bytes]]],
-        deadline: float | None = None,
-        offer: Callable[[str], float] | None = None,
+        terms: Terms,
         inputs=None,
-        carry: pb.MicroBatchHead | None = None,
     ) -> tuple[Frame, str, tuple[int, int]]:
         """The reply to `batch` with its activations `body` (numbered `sent` on the link to
-        `record`'s peer), the peer that gave it and the number the payload had on that link.
-        Before each retry `again(peer)` numbers and encodes the activations for that peer's link.
-        The payload carries the micro-batch's sample ids and targets ahead of `body`, and stage 0's
-        `inputs` when given (the trainer's).
-
-        With a `deadline` every try gets what is left of it; without, each gets the call timeout
-        (plus a grace, so a stage's own timeout error arrives first). `offer(peer)`: what this peer
-        can take back from it (pacing); `carry`: a head whose words of the run are handed on: the
-        owner's step proof and roster, and a step closed on the way (`closing`, `decision`:
-        swarm.transport.hivemind.stage.closing)."""
+        `record`'s peer), on `terms`; the peer that gave it and the number the payload had on that
+        link. Before each retry `again(peer)` numbers and encodes the activations for that peer's
+        link. The payload carries the micro-batch's sample ids and targets ahead of `body`, and
+        stage 0's `inputs` when given (the trainer's)."""
+        session, deadline, offer, carry = terms.session, terms.deadline, terms.offer, terms.carry
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
         tried: set[str] = set(carry.avoid) if carry is not None else set()  # (the owner's verification)
@@ -143,18 +149,15 @@ class Handoff:
                 _hand_on(carry, head)
             self.pacer.heard(target, record.download_share, fallback=True)
             meter = self.replies[target] if self.replies is not None else None
-            exchange = Exchange(
-                self.node.streams,
-                target,
-                "micro_batch",
-                head,
-                envelope.pack(carried, body),
+            how = Carriage(
                 self.sending,
                 self.pacer.flow(target),
                 meter,
                 max_reply_bytes=self.settings.limits.max_micro_batch_bytes,
                 traced=(batch.label, f"{batch.label}/{sent[0]}/{sent[1]}") if TRACER.enabled else None,
             )
+            payload = envelope.pack(carried, body)
+            exchange = Exchange(self.node.streams, target, "micro_batch", head, payload, how)
             try:
                 frame = await self._reply(exchange, timeout)
                 break

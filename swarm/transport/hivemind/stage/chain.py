@@ -1,6 +1,8 @@
-"""One micro-batch through a stage peer: forward here, the downstream call (whose reply is the
-gradient), backward here, and the result back to the caller. Forward and backward of a micro-batch
-thus use the same pair of peers on every boundary, and their link state stays on that pair.
+"""One micro-batch through a stage peer, owned by one object from its arrival to its reply (the
+server only frames and dispatches it): the arrival metered, its admission (stage.admission),
+forward here, the downstream call (whose reply is the gradient), backward here, and the result
+back to the caller, paced. Forward and backward of a micro-batch thus use the same pair of peers on
+every boundary, and their link state stays on that pair.
 
 Several micro-batches are in flight at once: while one waits for its downstream reply, the next
 one's forward runs. Order is kept where mirrored compression state needs it
@@ -16,111 +18,132 @@ sender start a new epoch, so both ends restart that link's state together instea
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
-
-from protocols import carried as envelope
 from protocols import stage_pb2 as pb
 from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault, TransportError, one_line
+from protocols.framing import frame_parts
+from protocols.wire_names import DIGEST
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
-from swarm.engine.precision import activation_dtypes
-from swarm.tracing import TRACER, wall
+from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.ordering import LinkReset, Ordinals, Turnstile
-from swarm.transport.hivemind.flow.pacing import FlowPacer
-from swarm.transport.hivemind.net.meta import meta_to_batch, raw_to_tensor
-from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.flow.pacing import FlowPacer, carrying, send_paced
+from swarm.transport.hivemind.net.calls import Sending
+from swarm.transport.hivemind.net.streams import Request
+from swarm.transport.hivemind.routing.handoff import Terms
 from swarm.transport.hivemind.routing.router import RoutingPolicy
+from swarm.transport.hivemind.stage.admission import Admission
 from swarm.transport.hivemind.stage.closing import Closing
-from swarm.transport.hivemind.stage.links import NeighbourLinks
-from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.stage.parts import StageParts
+from swarm.transport.hivemind.stage.trip import (
+    Outcome,
+    Trip,
+    budget,
+    check_dtype,
+    stage_inputs,
+    trace_exchange,
+    unpack,
+)
 
-
-@dataclass
-class Outcome:
-    """A processed micro-batch: the reply for the caller."""
-
-    kind: Kind
-    payload: bytes = b""
-    metrics: dict[str, float] = field(default_factory=dict)
-    route: list[str] = field(default_factory=list)
-
-
-DIGEST = "grad_digest:"  # + the stage: a reply's metric of the squared norm of its gradients of the micro-batch
+_KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 
 
 class Chain:
-    """The micro-batches of one hosted stage: `serving(batch, head, sender)` says whether the stage
-    takes one now (raises if not); `handoff` (None on the last stage) hands them on downstream."""
+    """The micro-batches of one hosted stage: `handoff` (None on the last stage) hands them on
+    downstream; `pacer` and `sending` pace and order the replies as they do what the peer sends
+    downstream."""
 
-    def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        meters: StageMeters,
-        work: StageWork,
-        links: NeighbourLinks,
-        handoff: Handoff | None,
-        pacer: FlowPacer,
-        serving: Callable[[MicroBatch, pb.StepProof], None],
-        closing: Closing,
-    ) -> None:
-        self.place, self.state, self.meters, self.work = place, state, meters, work
-        self.links, self.handoff, self.pacer, self.serving = links, handoff, pacer, serving
+    def __init__(self, parts: StageParts, closing: Closing, pacer: FlowPacer, sending: Sending) -> None:
+        self.place, self.state, self.meters, self.work = parts.place, parts.state, parts.meters, parts.work
+        self.links, self.handoff, self.pacer, self.sending = parts.links, parts.handoff, pacer, sending
+        self.admission = Admission(parts)  # whether the stage takes a micro-batch now
+        self.egress = parts.place.node.egress  # the node's in-process shaping, or None
+        place = self.place
         self.closing = closing  # steps closed on the way: norms reported, decisions applied
         self.link_grace = place.settings.streams.link_grace_s  # a new link epoch waits this long for its first message
         self.policy = RoutingPolicy.of(place.settings)  # the throughput this peer announces
         self.ordinals = Ordinals()
-        self.attempts: dict[tuple, object] = {}  # micro-batch key -> the attempt that owns its runtime state
+        self.attempts: dict[tuple, Trip] = {}  # micro-batch key -> the attempt that owns its runtime state
 
     def restart(self) -> None:
         """A new session: no micro-batch of the last one counts."""
         self.ordinals = Ordinals()
         self.attempts = {}
 
+    async def serve(self, request: Request):
+        """A micro-batch from its arrival to its reply: the reply as a coroutine function that
+        writes it (in paced pieces, holding a send slot to the caller)."""
+        frame, sender = request.frame, request.sender
+        head, size = frame.head, len(frame.payload)
+        self.links.arrivals[sender].add(request.started, request.arrived, size)
+        outcome = await self.run(head, frame.payload, sender)
+        pacer = self.pacer
+        pacer.heard(sender, head.reply_share_bits)
+        pacer.arrived(sender, size)
+
+        async def write(writer: asyncio.StreamWriter) -> None:
+            waited = time.time()
+            async with self.sending.to(sender):
+                began = time.time()
+                result = pb.ResultHead(
+                    kind=_KINDS[outcome.kind],
+                    metrics=outcome.metrics,
+                    route=outcome.route,
+                    share_bits=pacer.offer(sender, self._awaiting()),
+                )
+                flow = pacer.flow(sender)
+                with carrying(flow, len(outcome.payload)):
+                    for parts in frame_parts(pb.StageReply, "micro_batch", result, outcome.payload):
+                        await send_paced(parts, writer, flow, self.egress)
+            if TRACER.enabled:
+                times = (request.started, request.arrived, waited, began)
+                trace_exchange(self.place, head, sender, times, size, len(outcome.payload))
+
+        return write
+
+    def _awaiting(self) -> bool:
+        """Whether we wait for gradients from downstream (pacing offers)."""
+        return self.handoff is not None and self.handoff.awaiting > 0
+
     async def run(self, head: pb.MicroBatchHead, payload: bytes, sender: str) -> Outcome:
-        """Forward here, then downstream and backward here; the reply for `sender`."""
+        """Admitted, forward here, then downstream and backward here; the reply for `sender`."""
         runtime = self.state.runtime
         if runtime is None:
             raise RemoteError(
                 f"stage {self.place.stage} of run {self.place.run_id!r} is not set up yet (the trainer sets stages up when it starts)",
                 pb.NOT_READY,
             )
-        batch, carried, body = _unpack(head, payload, runtime.targets)
+        batch, carried, body = unpack(head, payload, runtime.targets)
         if self.closing.depth == 1:  # else in link order (`_chain`)
             await self._admit(head, batch, sender)
         # from arrival: the sender's clock runs meanwhile
         settings = self.place.settings
         deadline = (
-            time.monotonic() + _budget(head.budget_s, settings.calls.call_timeout_s) - settings.calls.budget_margin_s
+            time.monotonic() + budget(head.budget_s, settings.calls.call_timeout_s) - settings.calls.budget_margin_s
         )
-        used = [None, None]  # the link ends this micro-batch computed with (inbound, outbound)
-        attempt = self.attempts[batch.key] = object()
+        trip = self.attempts[batch.key] = Trip(head, sender, batch, carried, body, deadline)
         self.state.attempts.started(batch, sender)
         self.meters.entered()
         done = False
         try:
-            outcome = await self._chain(head, batch, carried, body, sender, deadline, used, attempt)
+            outcome = await self._chain(trip)
             done = True
-            if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
+            if runtime is self.state.runtime and self.attempts.get(batch.key) is trip:
                 self.state.attempts.finished(batch, sender)  # its gradients are the ones held here now
                 if batch.mode is Mode.TRAIN and self.state.cfg.train.verify:  # every one: none stands out
                     exact = not self.state.cfg.train.verify_tolerance  # bits, else a norm to compare within it
                     digest = await self.work.run(runtime.held_digest, batch.key, exact)
                     outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest
         except BaseException:
-            if runtime is self.state.runtime and self.attempts.get(batch.key) is attempt:
+            if runtime is self.state.runtime and self.attempts.get(batch.key) is trip:
                 self.state.attempts.ended(batch)
-                await self.work.run(runtime.drop, batch, LinkEnds(*used))
+                await self.work.run(runtime.drop, batch, LinkEnds(*trip.used))
             raise
         finally:
             self.meters.left(done)
-            if self.attempts.get(batch.key) is attempt:
+            if self.attempts.get(batch.key) is trip:
                 del self.attempts[batch.key]
         outcome.metrics = await self.closing.finished(batch, head.closing, outcome.metrics)
         return outcome
@@ -131,52 +154,45 @@ class Chain:
         this one, must have run their forward at the weights the decision replaces."""
         if head.HasField("decision"):
             await self.closing.decided(head.decision)
-        self.serving(batch, head, sender)
+        self.admission.check(batch, head, sender)
         self.closing.entered(batch)
 
-    async def _chain(
-        self,
-        head: pb.MicroBatchHead,
-        batch: MicroBatch,
-        carried: pb.Carried,
-        body: memoryview,
-        sender: str,
-        deadline: float,
-        used: list,
-        attempt: object,
-    ) -> Outcome:
+    async def _chain(self, trip: Trip) -> Outcome:
         place, links, handoff, settings = self.place, self.links, self.handoff, self.place.settings
-        started = time.perf_counter()
-        ticket = None
+        head, batch, sender, used = trip.head, trip.batch, trip.sender, trip.used
+        trip.started = time.perf_counter()
         try:
             gate = links.turnstiles.setdefault(sender, Turnstile())
             waited = time.time()
             async with gate.admit(
-                head.epoch, head.seq, max(deadline - time.monotonic(), settings.calls.min_budget_s), self.link_grace
+                head.epoch,
+                head.seq,
+                max(trip.deadline - time.monotonic(), settings.calls.min_budget_s),
+                self.link_grace,
             ) as fresh:
                 TRACER.add("wait: link order", "wait", waited, time.time(), mb=batch.label)
                 if self.closing.depth > 1:
                     await self._admit(head, batch, sender)
                 if place.first:
-                    data = _inputs(carried, body)
+                    data = stage_inputs(trip.carried, trip.body)
                 else:
                     # checked before a number on our next link is taken: a malformed payload costs
                     # its sender's link only, never ours to the next stage (the other senders' too)
-                    if carried.HasField("inputs"):
+                    if trip.carried.HasField("inputs"):
                         raise SenderFault(f"stage 0's input sent to stage {place.stage}")
                     try:
-                        data = await self.work.run(self.work.decode, body, batch)
+                        data = await self.work.run(self.work.decode, trip.body, batch)
                         batch.check_input(data.shape)  # the engine's check, before our next link is touched
-                        _check_dtype(data.dtype, self.state.cfg.train.precision)
+                        check_dtype(data.dtype, self.state.cfg.train.precision)
                     except PayloadError as e:
                         raise SenderFault(str(e)) from None
                     used[0] = links.end_in(sender, fresh)
-                    links.received[(sender, "forward", batch.mode.value)] += len(body)
+                    links.received[(sender, "forward", batch.mode.value)] += len(trip.body)
                 record = None if handoff is None else await handoff.choose(self.state.session_id, head.avoid)
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
                     if batch.mode is Mode.TRAIN:
-                        ticket = self.ordinals.issue()
+                        trip.ticket = self.ordinals.issue()
                     sent = links.numbering.take(record.peer_id)  # in encoding order: no await until submitted
                 try:
                     message: Message = await self.work.run(self.work.forward, batch, data, LinkEnds(*used))
@@ -185,35 +201,24 @@ class Chain:
                         self._drop_out(record.peer_id)  # the number we took was never sent
                     raise
             if record is None:  # the last stage: gradient (training) or metrics (eval)
-                self._measure(batch, time.perf_counter() - started)
+                self._measure(batch, time.perf_counter() - trip.started)
                 return Outcome(message.kind, message.payload, dict(message.metrics), [place.peer_id])
-            return await self._downstream(batch, message, record, sent, ticket, started, deadline, used, attempt, head)
+            return await self._downstream(trip, message, record, sent)
         finally:
-            if ticket is not None:
-                await self.ordinals.finish(ticket)
+            if trip.ticket is not None:
+                await self.ordinals.finish(trip.ticket)
 
-    async def _downstream(
-        self,
-        batch: MicroBatch,
-        message: Message,
-        record,
-        sent,
-        ticket,
-        started: float,
-        deadline: float,
-        used: list,
-        attempt: object,
-        head: pb.MicroBatchHead,
-    ) -> Outcome:
+    async def _downstream(self, trip: Trip, message: Message, record, sent: tuple[int, int]) -> Outcome:
         """Sends our activations on (the handoff retries on a new link epoch or another peer) and
         runs our backward. What the head says of the run (the owner's step proof and roster, a step
         closed on the way) goes on with them."""
         place, links, work = self.place, self.links, self.work
-        elapsed = time.perf_counter() - started
+        batch, used, deadline = trip.batch, trip.used, trip.deadline
+        elapsed = time.perf_counter() - trip.started
 
         async def again(target: str) -> tuple[tuple[int, int], bytes]:
             """The same activations for a new link: re-encoded against its fresh state."""
-            self._owns(batch, attempt)
+            self._owns(trip)
             used[1] = links.end_out(target)
             number = links.numbering.take(target)  # in encoding order: no await until submitted
             try:
@@ -226,17 +231,8 @@ class Chain:
         last = self.state.cfg.train.micro_batches - 1
         more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
         try:
-            frame, target, sent = await self.handoff.send(
-                batch,
-                record,
-                sent,
-                message.payload,
-                self.state.session_id,
-                again,
-                deadline=deadline,
-                offer=lambda peer: self.pacer.offer(peer, more),
-                carry=head,
-            )
+            terms = Terms(self.state.session_id, deadline, lambda peer: self.pacer.offer(peer, more), trip.head)
+            frame, target, sent = await self.handoff.send(batch, record, sent, message.payload, again, terms)
         except TransportError as e:  # its peer is banned here now: our caller may simply try us again
             raise RemoteError(f"stage {place.stage + 1}: {one_line(e)}", pb.DOWNSTREAM) from None
         result, reply = frame.head, frame.payload
@@ -244,13 +240,13 @@ class Chain:
         if result.kind == pb.DONE:
             self._measure(batch, elapsed)
             return Outcome(Kind.DONE, b"", dict(result.metrics), route)
-        if result.kind != pb.BACKWARD or ticket is None:
+        if result.kind != pb.BACKWARD or trip.ticket is None:
             raise ProtocolError(
                 f"stage {place.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
         waited = time.time()
-        async with self.ordinals.turn(ticket, max(deadline - time.monotonic(), place.settings.calls.min_budget_s)):
+        async with self.ordinals.turn(trip.ticket, max(deadline - time.monotonic(), place.settings.calls.min_budget_s)):
             TRACER.add("wait: backward order", "wait", waited, time.time(), mb=batch.label)
             outbound = links.ends_out.get(target)
             if outbound is None or links.numbering.epoch(target) != sent[0]:
@@ -259,7 +255,7 @@ class Chain:
                 )
             used[1] = outbound
             try:
-                self._owns(batch, attempt)  # checked with no await before the backward is submitted
+                self._owns(trip)  # checked with no await before the backward is submitted
             except RemoteError:
                 self._drop_out(target)  # the reply on that link goes undecoded
                 raise
@@ -281,70 +277,10 @@ class Chain:
     def _measure(self, batch: MicroBatch, seconds: float) -> None:
         self.meters.measure(batch, seconds, self.policy)
 
-    def _owns(self, batch: MicroBatch, attempt: object) -> None:
-        """Raises if a newer attempt of `batch` took over its runtime state here."""
-        if self.attempts.get(batch.key) is not attempt:
+    def _owns(self, trip: Trip) -> None:
+        """Raises if a newer attempt of its micro-batch took over its runtime state here."""
+        if self.attempts.get(trip.batch.key) is not trip:
             raise RemoteError(
-                f"micro-batch {batch.key} reached stage {self.place.stage} again through another peer: this attempt is void",
+                f"micro-batch {trip.batch.key} reached stage {self.place.stage} again through another peer: this attempt is void",
                 pb.UNAVAILABLE,
             )
-
-
-def _check_dtype(dtype: torch.dtype, precision: str) -> None:
-    """A payload declaring activations of a dtype no stage of this run gives is its sender's fault
-    (an fp16 payload in an fp32 run would pass as exact values and fail stages further on)."""
-    allowed = activation_dtypes(precision)
-    if dtype not in allowed:
-        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise PayloadError(f"activations in {str(dtype).removeprefix('torch.')}: this run's stages send {names}")
-
-
-def _budget(declared: float, most: float) -> float:
-    """The seconds a micro-batch may take here: what its sender says it waits, never more than any
-    caller of ours waits (a member's 1e308 would park its payload for good), the most when unsaid
-    or not a number."""
-    if not (math.isfinite(declared) and declared > 0):
-        return most
-    return min(declared, most)
-
-
-def _unpack(head: pb.MicroBatchHead, payload: bytes, targets) -> tuple[MicroBatch, pb.Carried, memoryview]:
-    """The micro-batch of `head` and its payload, what it carries and a view of its activations;
-    a malformed payload, or targets its loss does not take (`targets`: swarm.models.base.Targets,
-    None: not known), are its sender's fault."""
-    try:
-        carried, body = envelope.unpack(payload)
-        batch = meta_to_batch(head.batch, carried)
-    except (PayloadError, ProtocolError) as e:
-        raise SenderFault(str(e)) from None
-    if targets is not None and (problem := targets.problem(batch.targets, batch.mode is Mode.EVAL)) is not None:
-        raise SenderFault(f"targets: {problem}")
-    return batch, carried, body
-
-
-def _inputs(carried: pb.Carried, body: memoryview):
-    """Stage 0's input: carried, with no activations after it."""
-    if not carried.HasField("inputs") or len(body):
-        raise SenderFault("a micro-batch for stage 0 carries its input and nothing after it")
-    try:
-        return raw_to_tensor(carried.inputs, "stage 0 input")
-    except ProtocolError as e:
-        raise SenderFault(str(e)) from None
-
-
-_MODES = {pb.TRAIN: "train", pb.EVAL: "eval"}
-
-
-def trace_exchange(place: StagePlace, head: pb.MicroBatchHead, sender: str, times, size: int, reply: int) -> None:
-    """A micro-batch exchange as its callee saw it: the request arriving (`times`: its first byte and
-    its whole, monotonic), the wait for a send slot and the reply leaving (wall seconds), and when
-    the request began to arrive and the reply began to leave, which swarm.timeline pairs with the
-    caller's times to align the two clocks."""
-    started, arrived, waited, began = times
-    label = f"{_MODES.get(head.batch.mode, '?')}/{head.batch.step}/{head.batch.index}"
-    who = "trainer" if place.first else f"stage{place.stage - 1}"
-    TRACER.add("receive", f"receive from {who} {sender[-4:]}", wall(started), wall(arrived), mb=label, bytes=size)
-    TRACER.add("wait: send slot", "wait", waited, began, mb=label)
-    done = time.time()
-    TRACER.add("send reply", f"send to {who} {sender[-4:]}", began, done, mb=label, bytes=reply)
-    TRACER.exchange("callee", sender, f"{label}/{head.epoch}/{head.seq}", wall(started), began)

@@ -40,28 +40,21 @@ from __future__ import annotations
 import asyncio
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import LATE, LR, RERUN, SQUARE
 from swarm.config.schedule import DelayCorrection
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.engine.stage import step_keys
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
-from swarm.transport.hivemind.stage.state import StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
-from swarm.transport.hivemind.trust.gate import Gate
 from swarm.transport.hivemind.trust.sealed import DECISION
 from swarm.transport.hivemind.trust.signatures import Refused
 
-SQUARE = "grad_sq:"  # + the stage: a reply's metric of that stage's squared gradient norm
-RERUN = "step_rerun"  # a reply's metric: a micro-batch of the step finished twice somewhere
-LR = "step_lr"  # a reply's metric: the learning rate the step will be applied with
-# the refusal of an asynchronous step's micro-batch sent again once the next step's moved the
-# weights on (stage.host): the trainer goes back to the swarm's copies on it (trainer.recovery)
-OUTRUN = "so a micro-batch of an earlier step cannot run again"
-LATE = "grad_sq_before:"  # + the stage: dc's squared norm of the step before the reply's
-
 
 class Closing:
-    def __init__(self, place: StagePlace, state: StageState, work: StageWork, rounds: StageRounds, gate: Gate) -> None:
-        self.place, self.state, self.work, self.rounds, self.gate = place, state, work, rounds, gate
+    def __init__(self, parts: StageParts, rounds: StageRounds) -> None:
+        self.place, self.state, self.work, self.gate = parts.place, parts.state, parts.work, parts.gate
+        self.rounds = rounds
+        state = self.state
         # (the state's generation, step) -> its micro-batches whose backward finished here; a new
         # session or a restored state is a new generation: a replayed step counts afresh
         self.done: dict[tuple[int, int], set[int]] = {}

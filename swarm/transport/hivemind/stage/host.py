@@ -4,7 +4,8 @@ The runtime is the same one the in-process transport drives. The host is where a
 are made and wired, nothing more: its typed state (`stage.state`: where it is, what the run has of
 it now, what it measured), its computing thread (`stage.work`), one link end per neighbour peer
 (`links`), the checks of who may call it (`gate`), and the collaborators that serve its calls,
-each given the pieces it uses: micro-batches (`chain`), the step's rounds and checkpoints
+each given the pieces it uses (`parts`): micro-batches (`chain`: each one's whole trip, from its
+admission to its paced reply), the step's rounds and checkpoints
 (`rounds`), state for joiners (`source`), the swarm's copies (`snapshots`). It hands micro-batches
 on to the next stage (`handoff`) and measures its throughput for the DHT record others route by.
 """
@@ -21,25 +22,24 @@ from protocols.version import PROTOCOL_VERSION
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.build import build_runtime, build_staged_model, config_digest, link_ends
-from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.transport.hivemind.dht.announce import StageRecord
 from swarm.transport.hivemind.flow.pacing import FlowPacer, stage_flows
 from swarm.transport.hivemind.net.calls import Sending
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.handoff import Handoff, LinkHooks
 from swarm.transport.hivemind.routing.router import Router
 from swarm.transport.hivemind.stage.chain import Chain
-from swarm.transport.hivemind.stage.closing import OUTRUN, Closing
+from swarm.transport.hivemind.stage.closing import Closing
 from swarm.transport.hivemind.stage.joining import Joining, StateSource
 from swarm.transport.hivemind.stage.leaving import drain
 from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
 from swarm.transport.hivemind.stage.snapshots import Snapshots
-from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState, leave_session
+from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState
 from swarm.transport.hivemind.stage.status import stage_status
 from swarm.transport.hivemind.stage.work import StageWork
 from swarm.transport.hivemind.trust.gate import Gate
-from swarm.transport.hivemind.trust.signatures import Refused
 
 log = logging.getLogger(__name__)
 
@@ -76,28 +76,16 @@ class HostedStage:
         self.handoff = None if place.last else self._handoff()
         if self.handoff is not None:
             self.links.on_restart = self.handoff.restart
-        self.rounds = StageRounds(place, state, self.work, self.links, self.handoff, self.peer)
-        closing = Closing(place, state, self.work, self.rounds, self.gate)
-        self.chain = Chain(
-            place, state, self.meters, self.work, self.links, self.handoff, self.pacer, self.serving, closing
-        )
+        self.parts = StageParts(state, self.meters, self.work, self.links, self.handoff, self.gate, self.peer)
+        self.rounds = StageRounds(self.parts)
+        self.chain = Chain(self.parts, Closing(self.parts, self.rounds), self.pacer, self.sending)  # micro-batches
         self.source = StateSource(place, state, self.work)  # its state for joiners
-        self.snapshots = Snapshots(place, state, self.work, self.links, self.handoff, self.gate, self.peer, self.rounds)
+        self.snapshots = Snapshots(self.parts, self.rounds)
         self._setup_lock = asyncio.Lock()
 
     def _handoff(self) -> Handoff:
-        return Handoff(
-            self.place.node,
-            self.router,
-            self.place.run_id,
-            self.place.stage + 1,
-            self.pacer,
-            self.sending,
-            self.links.drop_out,
-            self.links.replies,
-            self._feedback_out,
-            lambda: self.gate.admission,
-        )
+        hooks = LinkHooks(self.links.drop_out, self.links.replies, self._feedback_out, lambda: self.gate.admission)
+        return Handoff(self.router, self.place.stage + 1, self.pacer, self.sending, hooks)
 
     def attach(self, peer: PeerServices) -> None:
         """Hosted by a server: its events, averager and announcements are the server's."""
@@ -167,7 +155,7 @@ class HostedStage:
             how = f" to join from {len(request.sources)} peer(s) in service" if request.sources else ""
             self.peer.events.add("setup", f"stage {self.stage}: set up by trainer session {request.session[:8]}{how}")
             if request.sources:  # mid-run: the state comes from a peer in service
-                joining = Joining(place, state, self.work, self.links, self.gate, self.peer, self.rounds)
+                joining = Joining(self.parts, self.rounds)
                 state.follow(joining)
                 joining.start(list(request.sources))
         self.gate.set_up(request)
@@ -216,51 +204,6 @@ class HostedStage:
         link = self.state.cfg.compression.link(self.stage)
         return keeps_state(link.forward, link.backward)
 
-    # ---- calls -----------------------------------------------------------------------------
-
-    def serving(self, batch: MicroBatch, head: pb.MicroBatchHead | None = None, sender: str | None = None) -> None:
-        """Whether this peer takes `batch`: in service (not joining, not leaving), its weights at
-        the micro-batch's step. A peer behind the run missed a step's rounds (its trainer left it out
-        after a failure): shown so by the owner's step proof in `head`, it goes idle, and the trainer
-        sets it up afresh as a joiner. The owner's roster in `head` is kept (routing follows it), and
-        a `sender` it no longer lists is refused (a member left out keeps its admission)."""
-        state = self.state
-        proof = head.step_proof if head is not None else None
-        if head is not None and head.HasField("roster"):
-            self.gate.show_roster(head.roster, state.session_id)
-        if sender is not None and self.stage > 0 and not self.gate.listed(self.stage - 1, sender, state.session_id):
-            raise Refused(
-                f"micro-batch from {sender[-8:]}: the owner's roster no longer has it serving stage {self.stage - 1}"
-            )
-        if state.joining is not None or state.leaving:
-            raise RemoteError(f"stage {self.stage} peer is {state.role}: it takes no micro-batch", pb.UNAVAILABLE)
-        low, high = state.serving()
-        if batch.mode is Mode.TRAIN and state.runtime.stash.serves(batch.step):
-            low = batch.step  # an asynchronous step's, after the next step's first moved the weights on
-        if batch.step < low:  # the sender's mistake (or replay), not this peer's: refused, and
-            # its upstream does not take this peer for unavailable (it may be the stage's only one)
-            at = f"is at step {state.steps}"  # an asynchronous step's micro-batch sent again after the next step's moved the weights on
-            if state.cfg.train.schedule == "async":
-                at = f"serves step {high} (train.schedule async: its weights moved on, {OUTRUN})"
-            raise RemoteError(
-                f"a micro-batch of a past step: stage {self.stage} peer {at}, micro-batch {batch.key}",
-                pb.REFUSED,
-            )
-        if batch.mode is Mode.TRAIN and batch.index >= state.cfg.train.micro_batches:
-            raise RemoteError(  # no step has it: it would count toward none, and cost compute here
-                f"micro-batch {batch.key} is not one of the step's {state.cfg.train.micro_batches}", pb.REFUSED
-            )
-        if not low <= batch.step <= high:
-            shown = proof is not None and self.gate.step_shown(proof, state.session_id, batch.step)
-            if batch.step > high and shown:
-                self.abandon_join(f"it is at step {state.steps}, the run at step {batch.step}")
-            state.serves(batch.step, f"micro-batch {batch.key}")
-        self.meters.first_batch(state.joined is not None, self.stage)
-
-    def abandon_join(self, reason: str) -> None:
-        """Out of the run until its trainer sets it up again (as a joiner)."""
-        leave_session(self.place, self.state, self.peer, reason)
-
     def status(self) -> pb.StageStatus:
         out = stage_status(self.place, self.state, self.meters, self.links)
         out.states_served, out.state_bytes_out = self.source.served, self.source.bytes_out
@@ -272,7 +215,7 @@ class HostedStage:
 
     async def drain(self, say) -> None:
         """Returns once it can leave without its run noticing (stage.leaving)."""
-        await drain(self.place, self.state, self.meters, self.router, self.rounds, self.peer, say, self.gate.owner)
+        await drain(self.parts, self.router, self.rounds, say)
 
     def close(self) -> None:
         self.work.close()

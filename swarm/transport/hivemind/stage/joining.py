@@ -39,10 +39,10 @@ from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
-from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState, leave_session
+from swarm.transport.hivemind.stage.state import StagePlace, StageState, leave_session
 from swarm.transport.hivemind.stage.work import StageWork
-from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
 NO_ENDS = LinkEnds(None, None)
@@ -107,18 +107,9 @@ class StateSource:
 class Joining:
     """A joiner's catching up: the rounds it keeps, the download, the install and the replay."""
 
-    def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        work: StageWork,
-        links: NeighbourLinks,
-        gate: Gate,
-        peer: PeerServices,
-        rounds: StageRounds,
-    ) -> None:
-        self.place, self.state, self.work, self.links = place, state, work, links
-        self.gate, self.peer, self.rounds = gate, peer, rounds
+    def __init__(self, parts: StageParts, rounds: StageRounds) -> None:
+        self.place, self.state, self.work, self.links = parts.place, parts.state, parts.work, parts.links
+        self.gate, self.peer, self.rounds = parts.gate, parts.peer, rounds
         self.sources: list[str] = []
         self.kept: list[tuple[str, object, bytes]] = []  # (kind, head, payload) in arrival order
         self.bytes_in = 0
@@ -158,7 +149,7 @@ class Joining:
                         place.node.streams,
                         source,
                         "state",
-                        pb.StateRequest(to=address(place.run_id, place.stage), admission=self.gate.shown()),
+                        self.gate.state_request(to=address(place.run_id, place.stage)),
                         b"",
                         settings.calls.state_timeout_s,
                     )
@@ -215,7 +206,7 @@ class Joining:
         state.caught_up(step, self.bytes_in, 0.0)  # the rounds below run as a replica's
         for kind, head, kept_payload in self.kept:
             if head.step >= step:
-                getattr(self.rounds, kind)(head, kept_payload)
+                self.rounds.run(kind, head, kept_payload)
         self.kept.clear()
         return True
 

@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 from swarm.transport.hivemind.dht.runstatus import fetch_status
 from swarm.transport.hivemind.routing.router import Router
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
-from swarm.transport.hivemind.stage.state import PeerServices, StageMeters, StagePlace, StageState
+from swarm.transport.hivemind.stage.state import StageMeters, StagePlace, StageState
 
 REPLY_GRACE_S = 1.0  # after its last apply reply, for the reply to reach the trainer
 POLL_S = 0.05
@@ -73,18 +74,10 @@ async def others_serving(place: StagePlace, state: StageState, router: Router) -
     ]
 
 
-async def drain(
-    place: StagePlace,
-    state: StageState,
-    meters: StageMeters,
-    router: Router,
-    rounds: StageRounds,
-    peer: PeerServices,
-    say: Callable[[str], None],
-    owner: str | None = None,
-) -> None:
-    """Returns once the stage can leave without its run noticing (`owner`: the run's, whose status
-    record says when the run is over)."""
+async def drain(parts: StageParts, router: Router, rounds: StageRounds, say: Callable[[str], None]) -> None:
+    """Returns once the stage can leave without its run noticing (the run's owner's status record
+    says when the run is over)."""
+    place, state, meters, peer, owner = parts.place, parts.state, parts.meters, parts.peer, parts.gate.owner
     if state.runtime is None or state.joining is not None:
         return
     told = False

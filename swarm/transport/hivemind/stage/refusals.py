@@ -15,9 +15,9 @@ from collections import Counter
 
 from protocols import stage_pb2 as pb
 from protocols.errors import MalformedMessage, ProtocolError, RemoteError, Replied, SenderFault, one_line
+from swarm.transport.hivemind.net.bans import Bans
 from swarm.transport.hivemind.net.cpu import RefusalBudget
 from swarm.transport.hivemind.net.events import EventLog
-from swarm.transport.hivemind.routing.router import Bans
 
 log = logging.getLogger(__name__)
 

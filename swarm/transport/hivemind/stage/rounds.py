@@ -24,40 +24,25 @@ from swarm.engine.checkpoint import apply_stage_state, read_stage
 from swarm.engine.stage import step_keys
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.net.meta import payload_to_tensors
-from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.combine import Combining
-from swarm.transport.hivemind.stage.links import NeighbourLinks
-from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
+from swarm.transport.hivemind.stage.parts import StageParts
 
 
 class StageRounds:
     """The step's rounds and checkpoints of one hosted stage."""
 
-    def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        work: StageWork,
-        links: NeighbourLinks,
-        handoff: Handoff | None,
-        peer: PeerServices,
-    ) -> None:
-        self.place, self.state, self.work, self.links, self.handoff, self.peer = (
-            place,
-            state,
-            work,
-            links,
-            handoff,
-            peer,
-        )
+    def __init__(self, parts: StageParts) -> None:
+        self.place, self.state, self.work, self.links = parts.place, parts.state, parts.work, parts.links
+        self.handoff, self.peer = parts.handoff, parts.peer
         # the last apply: ((the state's generation, step), its reply); a state restored to an earlier
         # step is a new generation, whose apply of the same step is a new one
         self.applied: tuple[tuple[int, int], pb.ApplyReply] | None = None
         self.last_s = time.monotonic()  # when the last round came (a run gone quiet has none)
         self.told_leaving = False  # an apply reply told the trainer this peer leaves (stage.leaving)
-        self.combining = Combining(place, state, work, peer)  # the gather round: with the peers that share gradients
+        self.combining = Combining(
+            self.place, self.state, self.work, self.peer
+        )  # the gather round: with the peers that share gradients
 
     def restart(self) -> None:
         self.applied = None
@@ -67,16 +52,21 @@ class StageRounds:
         self.state.ready()
         self.last_s = time.monotonic()
         with TRACER.span(kind, "step", step=int(head.step) if hasattr(head, "step") else -1):
-            if kind == "gather":  # computing, and the exchange with the groups in between
+            if kind == GATHER:  # computing, and the exchange with the groups in between
                 return await self.combining.gather(head)
-            return await self.work.run(self._kept_or_timed, getattr(self, kind), head, payload)
+            return await self.work.run(self._kept_or_timed, kind, head, payload)
 
-    def _kept_or_timed(self, handler, head, payload: bytes):
+    def _kept_or_timed(self, kind: str, head, payload: bytes):
         joining = self.state.joining
-        if joining is not None and handler.__name__ in ("set_grads", "apply"):
-            joining.keep(handler.__name__, head, payload)
-            return (pb.SetGradsReply() if handler.__name__ == "set_grads" else pb.ApplyReply(following=True)), b""
-        return self.work.timed(handler, head, payload)
+        if joining is not None and kind in KEPT:
+            joining.keep(kind, head, payload)
+            return KEPT[kind](), b""
+        return self.work.timed(ON_THREAD[kind], self, head, payload)  # traced under the round's name
+
+    def run(self, kind: str, head, payload: bytes) -> tuple[object, bytes]:
+        """On the computing thread: the round `kind` (one of `ON_THREAD`: a joiner replays its kept
+        rounds through it too)."""
+        return ON_THREAD[kind](self, head, payload)
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -170,3 +160,16 @@ class StageRounds:
         state.restored(cfg, step)
         self.applied = None
         return pb.LoadReply(step=step), b""
+
+
+GATHER = "gather"  # on the loop: its sums wait for the replicas' (stage.combine)
+# call kind -> its round on the computing thread (a renamed method fails here, at import)
+ON_THREAD = {
+    "set_grads": StageRounds.set_grads,
+    "apply": StageRounds.apply,
+    "save": StageRounds.save,
+    "load": StageRounds.load,
+}
+# the rounds a joiner keeps until its state is installed (stage.joining), and its reply meanwhile
+KEPT = {"set_grads": pb.SetGradsReply, "apply": lambda: pb.ApplyReply(following=True)}
+ROUNDS = frozenset({GATHER, *ON_THREAD})  # the kinds `StageRounds.handle` serves

@@ -2,9 +2,11 @@
 
 A caller opens a stream of the protocol `streams.PROTOCOL` and sends one request after another on
 it (`streams.Requests`); each is framed and checked (`protocols.framing`: typed head, payload in
-verified chunks, a size cap before anything is collected), dispatched on its head to the hosted
-stage it names, and answered with a reply of the same kind: micro-batch replies written in paced
-pieces (swarm.transport.hivemind.flow.pacing), the others shaped by the node's in-process egress only.
+verified chunks, a size cap before anything is collected), dispatched on its head by one table
+(`HANDLERS`: call kind -> handler) to the hosted stage it names, and answered with a reply of the
+same kind. The server only frames and dispatches: a micro-batch's trip, from its arrival metered to
+its reply written in paced pieces, is its stage's chain's (stage.chain); the other replies are
+shaped by the node's in-process egress only.
 Every failure becomes a one-line `ErrorReply`: a bad payload, a version mismatch, a stage this peer
 does not host or an unknown request never stops it serving. After an error the stream is closed
 (what is left of a refused request on it is unknown); the caller opens a new one.
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -28,22 +31,19 @@ from protocols.framing import Frame, frame_parts, read_frame
 from protocols.version import PROTOCOL_VERSION
 from swarm.compression.feedback import StateMismatchError
 from swarm.compression.state import StaleStateError
-from swarm.engine.microbatch import Kind
-from swarm.tracing import TRACER
 from swarm.transport.hivemind.dht.announce import Announcer
-from swarm.transport.hivemind.flow.pacing import carrying, send_paced
+from swarm.transport.hivemind.flow.pacing import send_paced
 from swarm.transport.hivemind.net.cpu import RequestCpu
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.node import SwarmNode
-from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Requests, linger
+from swarm.transport.hivemind.net.streams import MAX_MESSAGE_BYTES, PROTOCOL, Request, Requests, linger
 from swarm.transport.hivemind.stage.averaging import AVERAGING_NAMESPACE, ReplicaAverager
-from swarm.transport.hivemind.stage.chain import trace_exchange
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.refusals import Refusals
+from swarm.transport.hivemind.stage.rounds import ROUNDS
 from swarm.transport.hivemind.stage.state import PeerServices
 
 log = logging.getLogger(__name__)
-_KINDS = {Kind.FORWARD: pb.FORWARD, Kind.BACKWARD: pb.BACKWARD, Kind.DONE: pb.DONE}
 MAX_HEAD_BYTES = 64 << 10  # a request's head and signature (a chunk's data aside): far more than any needs
 # ... and what a message may hold besides its chunk's data, checked before protobuf parses any of
 # it: the head and signature, their tags and lengths, and the chunk's own fields
@@ -252,50 +252,44 @@ class StageServer:
             del self.held[sender]
 
     async def _dispatch(self, frame: Frame, requests: Requests, sender: str):
-        """The handler's answer to `frame` (`rpc_<kind>`, one per kind of protocols.calls), as a
+        """The handler's answer to `frame` (`HANDLERS`: one per kind of protocols.calls), as a
         coroutine function that writes it."""
-        if frame.kind == "micro_batch":
-            return await self.rpc_micro_batch(frame, requests.started, time.monotonic(), sender)
-        if frame.kind == "info":
-            _check_version(frame.head.to)
-            return self.rpc_info(frame.head)
+        return await HANDLERS[frame.kind](self, Request(frame, sender, requests.started, time.monotonic()))
+
+    def _addressed(self, request: Request) -> HostedStage:
+        """The hosted stage a call names; an owner's call's payload checked against its signature."""
+        frame = request.frame
         hosted = self._find(frame.head.to)
         if CALLS[frame.kind].signed:
             hosted.gate.calls.payload(frame.kind, frame.first.auth, frame.payload)
-        return await getattr(self, f"rpc_{frame.kind}")(hosted, frame.head, frame.payload)
+        return hosted
 
-    # ---- the handlers: one per kind of call (protocols.calls) ----------------------------------
+    # ---- the handlers: one per kind of call (protocols.calls), in `HANDLERS` -------------------
 
-    def rpc_info(self, head: pb.InfoRequest):
-        return self._writer("info", self._info(head), b"")
+    async def _serve_info(self, request: Request):
+        _check_version(request.frame.head.to)
+        return self._writer("info", self._info(request.frame.head), b"")
 
-    async def rpc_setup(self, hosted: HostedStage, head: pb.SetupRequest, payload: bytes):
-        reply = await hosted.setup(head)
+    async def _serve_setup(self, request: Request):
+        reply = await self._addressed(request).setup(request.frame.head)
         await self.announcer.announce_now()  # others see it ready now, not at the next refresh
         return self._writer("setup", reply, b"")
 
-    async def rpc_gather(self, hosted: HostedStage, head: pb.GatherRequest, payload: bytes):
-        return self._writer("gather", *await hosted.rounds.handle("gather", head, payload))
+    async def _serve_round(self, request: Request):
+        """A step round or a checkpoint (stage.rounds)."""
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer(frame.kind, *await hosted.rounds.handle(frame.kind, frame.head, frame.payload))
 
-    async def rpc_set_grads(self, hosted: HostedStage, head: pb.SetGradsRequest, payload: bytes):
-        return self._writer("set_grads", *await hosted.rounds.handle("set_grads", head, payload))
+    async def _serve_snapshot(self, request: Request):
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer("snapshot", *await hosted.snapshots.snapshot(frame.head, frame.payload))
 
-    async def rpc_apply(self, hosted: HostedStage, head: pb.ApplyRequest, payload: bytes):
-        return self._writer("apply", *await hosted.rounds.handle("apply", head, payload))
+    async def _serve_restore(self, request: Request):
+        hosted, frame = self._addressed(request), request.frame
+        return self._writer("restore", *await hosted.snapshots.restore(frame.head, frame.payload))
 
-    async def rpc_save(self, hosted: HostedStage, head: pb.SaveRequest, payload: bytes):
-        return self._writer("save", *await hosted.rounds.handle("save", head, payload))
-
-    async def rpc_load(self, hosted: HostedStage, head: pb.LoadRequest, payload: bytes):
-        return self._writer("load", *await hosted.rounds.handle("load", head, payload))
-
-    async def rpc_snapshot(self, hosted: HostedStage, head: pb.SnapshotRequest, payload: bytes):
-        return self._writer("snapshot", *await hosted.snapshots.snapshot(head, payload))
-
-    async def rpc_restore(self, hosted: HostedStage, head: pb.RestoreRequest, payload: bytes):
-        return self._writer("restore", *await hosted.snapshots.restore(head, payload))
-
-    async def rpc_state(self, hosted: HostedStage, head: pb.StateRequest, payload: bytes):
+    async def _serve_state(self, request: Request):
+        hosted, head = self._addressed(request), request.frame.head
         if head.snapshot:  # a copy the swarm keeps
             return self._writer("state", *hosted.snapshots.serve(head))
         head, payload = await hosted.source.serve()
@@ -316,36 +310,14 @@ class StageServer:
 
         return write
 
-    async def rpc_micro_batch(self, frame: Frame, started: float, arrived: float, sender: str):
-        head = frame.head
-        if head.sender and head.sender != sender:
-            raise ProtocolError(f"sender {head.sender[-8:]} in the head is not the connected peer {sender[-8:]}")
-        hosted = self._find(head.to)
-        hosted.links.arrivals[sender].add(started, arrived, len(frame.payload))
-        outcome = await hosted.chain.run(head, frame.payload, sender)
-        pacer = hosted.pacer
-        pacer.heard(sender, head.reply_share_bits)
-        pacer.arrived(sender, len(frame.payload))
-
-        async def write(writer: asyncio.StreamWriter) -> None:
-            waited = time.time()
-            async with hosted.sending.to(sender):
-                began = time.time()
-                result = pb.ResultHead(
-                    kind=_KINDS[outcome.kind],
-                    metrics=outcome.metrics,
-                    route=outcome.route,
-                    share_bits=pacer.offer(sender, hosted.awaiting > 0),
-                )
-                flow = pacer.flow(sender)
-                with carrying(flow, len(outcome.payload)):
-                    for parts in frame_parts(pb.StageReply, "micro_batch", result, outcome.payload):
-                        await send_paced(parts, writer, flow, self.node.egress)
-            if TRACER.enabled:
-                times = (started, arrived, waited, began)
-                trace_exchange(hosted.place, head, sender, times, len(frame.payload), len(outcome.payload))
-
-        return write
+    async def _serve_micro_batch(self, request: Request):
+        """Its trip through the stage, reply included, is the chain's (stage.chain)."""
+        head = request.frame.head
+        if head.sender and head.sender != request.sender:
+            raise ProtocolError(
+                f"sender {head.sender[-8:]} in the head is not the connected peer {request.sender[-8:]}"
+            )
+        return await self._find(head.to).chain.serve(request)
 
     def status(self) -> pb.InfoReply:
         """The status of this peer and every stage it hosts (what peers.status and its metrics read)."""
@@ -362,3 +334,39 @@ class StageServer:
             if not request.to.run_id or request.to.run_id == run_id:
                 reply.stages.append(hosted.status())
         return reply
+
+
+Handler = Callable[[StageServer, Request], Awaitable[Callable]]
+
+
+def checked(handlers: dict[str, Handler], rounds: frozenset[str]) -> dict[str, Handler]:
+    """`handlers` when it has one handler for every kind of protocols.calls and none for another,
+    and the step rounds' handler takes exactly the kinds `StageRounds` serves (`rounds`); else
+    raises, at import: a kind that lost its handler fails before any peer serves it."""
+    missing, unknown = sorted(CALLS.keys() - handlers.keys()), sorted(handlers.keys() - CALLS.keys())
+    routed = {kind for kind, handler in handlers.items() if handler is StageServer._serve_round}
+    if missing or unknown or routed != rounds:
+        raise ImportError(
+            f"the stage server's handlers do not match protocols.calls: no handler of {missing}, a handler of "
+            f"no call {unknown}, rounds routed {sorted(routed)} but served {sorted(rounds)}"
+        )
+    return handlers
+
+
+# call kind -> its handler: the server's only dispatch (a renamed or missing handler fails at import)
+HANDLERS: dict[str, Handler] = checked(
+    {
+        "micro_batch": StageServer._serve_micro_batch,
+        "setup": StageServer._serve_setup,
+        "info": StageServer._serve_info,
+        "gather": StageServer._serve_round,
+        "set_grads": StageServer._serve_round,
+        "apply": StageServer._serve_round,
+        "save": StageServer._serve_round,
+        "load": StageServer._serve_round,
+        "state": StageServer._serve_state,
+        "snapshot": StageServer._serve_snapshot,
+        "restore": StageServer._serve_restore,
+    },
+    ROUNDS,
+)

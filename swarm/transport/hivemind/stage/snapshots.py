@@ -29,14 +29,10 @@ from protocols.errors import RemoteError, TransportError, one_line
 from swarm.engine.checkpoint import read_stage
 from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address
-from swarm.transport.hivemind.routing.handoff import Handoff
 from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
-from swarm.transport.hivemind.stage.links import NeighbourLinks
+from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.rounds import StageRounds
-from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
-from swarm.transport.hivemind.stage.work import StageWork
 from swarm.transport.hivemind.trust import manifests
-from swarm.transport.hivemind.trust.gate import Gate
 
 log = logging.getLogger(__name__)
 KEEP = 2  # newest steps kept per stage: a restore needs one step every stage has, and a round may fail half-way
@@ -56,26 +52,16 @@ class Copy:
 class Snapshots:
     """The copies one hosted stage keeps, and its snapshot and restore rounds."""
 
-    def __init__(
-        self,
-        place: StagePlace,
-        state: StageState,
-        work: StageWork,
-        links: NeighbourLinks,
-        handoff: Handoff | None,
-        gate: Gate,
-        peer: PeerServices,
-        rounds: StageRounds,
-    ) -> None:
-        self.place, self.state, self.work, self.links, self.handoff = place, state, work, links, handoff
-        self.gate, self.peer, self.rounds = gate, peer, rounds
+    def __init__(self, parts: StageParts, rounds: StageRounds) -> None:
+        self.place, self.state, self.work, self.links = parts.place, parts.state, parts.work, parts.links
+        self.handoff, self.gate, self.peer, self.rounds = parts.handoff, parts.gate, parts.peer, rounds
         self.lineage = ""
         self.copies: dict[tuple[int, int], Copy] = {}  # (stage, step) -> copy
         self.restores = 0
         self.restored_step = 0
         self.paused_s = 0.0
         self._fetches: dict[tuple[int, int], asyncio.Task] = {}
-        self.manifests = manifests.Kept(place.run_id)  # the owner's word of which copies are the swarm's
+        self.manifests = manifests.Kept(self.place.run_id)  # the owner's word of which copies are the swarm's
 
     # ---- the snapshot round --------------------------------------------------------------------
 
@@ -178,12 +164,8 @@ class Snapshots:
         has it (one the owner's manifest names: `_named`)."""
         place, errors = self.place, []
         for peer, hosted_stage in sources:
-            request = pb.StateRequest(
-                to=address(place.run_id, hosted_stage),
-                snapshot=True,
-                stage=stage,
-                step=step,
-                admission=self.gate.shown(),
+            request = self.gate.state_request(
+                to=address(place.run_id, hosted_stage), snapshot=True, stage=stage, step=step
             )
             try:
                 frame = await call(

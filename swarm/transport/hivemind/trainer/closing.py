@@ -38,10 +38,10 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import LATE, LR, RERUN, SQUARE
 from swarm.config.experiment import TrainConfig
 from swarm.config.schedule import DelayCorrection
 from swarm.engine.step import clip_scale
-from swarm.transport.hivemind.stage.closing import LATE, LR, RERUN, SQUARE
 from swarm.transport.hivemind.trainer.late_norms import LateDecisions
 from swarm.transport.hivemind.trainer.membership import Membership, TrainerPlace
 from swarm.transport.hivemind.trainer.replicas import replicated, summed

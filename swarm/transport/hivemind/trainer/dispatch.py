@@ -16,19 +16,28 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from protocols import stage_pb2 as pb
+from protocols.wire_names import DIGEST
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.ordering import Numbering
-from swarm.transport.hivemind.routing.handoff import Handoff
-from swarm.transport.hivemind.stage.chain import DIGEST
+from swarm.transport.hivemind.routing.handoff import Handoff, Terms
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.verify import Verification
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The way into the pipeline: the handoff to a stage-0 peer and the numbering of each link to one."""
+
+    handoff: Handoff
+    numbering: Numbering
 
 
 class Dispatch:
@@ -37,14 +46,13 @@ class Dispatch:
         place: TrainerPlace,
         membership: Membership,
         position: Position,
-        handoff: Handoff,
-        numbering: Numbering,
+        entry: Entry,
         closing: StepClosing,
         in_flight: int,
         cfg: ExperimentConfig,
     ) -> None:
         self.place, self.membership, self.position = place, membership, position
-        self.handoff, self.numbering, self.closing, self.in_flight = handoff, numbering, closing, in_flight
+        self.handoff, self.numbering, self.closing, self.in_flight = entry.handoff, entry.numbering, closing, in_flight
         self.window: asyncio.Semaphore | None = None  # micro-batches in flight, of every call
         self.order: asyncio.Lock | None = None  # numbers taken in the order given, across calls
         self.ahead: tuple[list[tuple], asyncio.Task] | None = None  # the next step's, started early: keys, task
@@ -102,7 +110,7 @@ class Dispatch:
         step = items[0][0].step
         self.checking = {s: e for s, e in self.checking.items() if s >= step - 1}
         picks = self.verification.draw(items)
-        if picks:
+        if picks or self.verification.on_probation():
             self.checking[step] = asyncio.Event()
         return picks
 
@@ -186,7 +194,7 @@ class Dispatch:
             self.overlapped.add(batch.step)
         self.out[batch.step] += training
         try:
-            frame, _, _ = await handoff.send(batch, record, sent, b"", place.session, again, inputs=inputs, carry=carry)
+            frame, _, _ = await handoff.send(batch, record, sent, b"", again, Terms(place.session, carry=carry), inputs)
         finally:
             self.out[batch.step] -= training
             if not self.out[batch.step]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from swarm.transport.hivemind.stage.closing import LATE
+from protocols.wire_names import LATE
 
 
 class LateDecisions:

@@ -17,14 +17,15 @@ from hivemind.utils import get_dht_time
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, one_line
+from protocols.stubs import STUBS
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.retry import Retry
 from swarm.transport.hivemind.routing.router import Router
+from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ async def stage_statuses(
 ) -> dict[tuple[int, str], object]:
     """Each (stage, peer)'s status of the stage it hosts for `run_id`, or the exception it raised
     (it did not answer, or no longer hosts that stage). Anyone may ask (`info`)."""
-    request = pb.InfoRequest(to=address(run_id))
+    request = STUBS.info(to=address(run_id))
     replies = await asyncio.gather(
-        *(call(node.streams, peer, "info", request, b"", timeout) for _, peer in peers), return_exceptions=True
+        *(ask(node.streams, peer, request, timeout) for _, peer in peers), return_exceptions=True
     )
     statuses: dict[tuple[int, str], object] = {}
     for (stage, peer), reply in zip(peers, replies, strict=True):
@@ -114,6 +115,13 @@ class Membership:
         self.members.setdefault(stage, []).append(peer)
         if following:
             self.following.add(peer)
+        self.epoch += 1
+
+    def withdraw(self, stage: int, peer: str) -> None:
+        """`peer`'s setup as a joiner failed: out again, under a newer epoch (the roster its setup
+        carried, which lists it, is outdated by every roster signed from now on)."""
+        self.members[stage].remove(peer)
+        self.following.discard(peer)
         self.epoch += 1
 
     def served(self, peer: str) -> None:

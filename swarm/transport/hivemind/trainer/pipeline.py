@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind.utils.crypto import RSAPrivateKey
@@ -35,20 +36,30 @@ from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.retry import Retry
-from swarm.transport.hivemind.routing.handoff import Handoff
+from swarm.transport.hivemind.routing.handoff import Handoff, LinkHooks
 from swarm.transport.hivemind.routing.router import NoPeerError, Router
 from swarm.transport.hivemind.trainer.accounts import Accounts
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.closing import StepClosing
-from swarm.transport.hivemind.trainer.dispatch import Dispatch, micro_batches_in_flight
+from swarm.transport.hivemind.trainer.dispatch import Dispatch, Entry, micro_batches_in_flight
 from swarm.transport.hivemind.trainer.late import DEPTH
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
-from swarm.transport.hivemind.trainer.recovery import Recovery
+from swarm.transport.hivemind.trainer.recovery import Recovery, RecoveryHooks
 from swarm.transport.hivemind.trainer.rounds import StepHooks, SwarmRounds, codec_changes
 from swarm.transport.hivemind.trainer.setups import Setups
 from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunAccess:
+    """Who owns the run and who may serve it: the owner's key (None: this process's), the peers
+    allowed by name, and whether the run is private (only those, or holders of the owner's tokens)."""
+
+    owner_key: RSAPrivateKey | None = None
+    allow: tuple[str, ...] | list[str] = ()
+    private: bool = False
 
 
 class SwarmPipeline:
@@ -58,17 +69,14 @@ class SwarmPipeline:
         loop: LoopThread,
         cfg: ExperimentConfig,
         run_id: str,
-        in_flight: int | None = None,
         snapshot_every: int = 0,
         fresh: bool = False,
-        owner_key: RSAPrivateKey | None = None,
-        allow=(),
-        private: bool = False,
+        access: RunAccess = RunAccess(),
     ) -> None:
         self.cfg = cfg
         num_stages = cfg.model.num_stages
-        in_flight = micro_batches_in_flight(in_flight or cfg.train.in_flight, num_stages, node.settings)
-        owner = Owner(owner_key or RSAPrivateKey.process_wide(), run_id, allow, private)
+        in_flight = micro_batches_in_flight(cfg.train.in_flight, num_stages, node.settings)
+        owner = Owner(access.owner_key or RSAPrivateKey.process_wide(), run_id, access.allow, access.private)
         session = uuid.uuid4().hex
         router = Router(node, run_id, lambda r: self.membership.routable(r), owner.allows)
         events = EventLog()
@@ -85,17 +93,19 @@ class SwarmPipeline:
         pacer = FlowPacer(node.uplink_bits, None, flows=1)  # inputs to stage 0, with a declared --uplink
         admission = lambda: owner.admit(session, node.peer_id, trainer=True)  # noqa: E731
         sending = Sending(node.settings.streams.sending_per_neighbour)
-        self.handoff = Handoff(node, router, run_id, 0, pacer, sending, numbering.restart, admission=admission)
+        self.handoff = Handoff(router, 0, pacer, sending, LinkHooks(numbering.restart, admission=admission))
         self.adaptive = AdaptiveCodecs(cfg) if cfg.compression.adaptive is not None else None
         hooks = StepHooks(self.run_again, self.adapt, self.step_done)
         self.rounds = SwarmRounds(place, membership, position, self.adaptive, hooks)
         fixed_codecs = self.adaptive is None
         depth = DEPTH[cfg.train.schedule]
         self.closing = StepClosing(place, membership, self.rounds, cfg.train, fixed_codecs, depth)
-        self.dispatch = Dispatch(place, membership, position, self.handoff, numbering, self.closing, in_flight, cfg)
+        entry = Entry(self.handoff, numbering)
+        self.dispatch = Dispatch(place, membership, position, entry, self.closing, in_flight, cfg)
         # the swarm's copies of every stage, every few steps
+        recovery_hooks = RecoveryHooks(self.setups.set_up, self.went_back)
         self.recovery = Recovery(
-            place, membership, position, self.rounds, self.adaptive, self.setups.set_up, self.went_back, snapshot_every
+            place, membership, position, self.rounds, self.adaptive, recovery_hooks, snapshot_every
         )
         self.fresh = fresh  # start at step 0 even where the swarm kept copies of an earlier trainer's run
         self._resumed: dict | None = None  # the position of a run taken over from an earlier trainer

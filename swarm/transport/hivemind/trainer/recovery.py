@@ -20,15 +20,17 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.net.calls import call
+from protocols.stubs import STUBS
+from protocols.wire_names import OUTRUN
 from swarm.transport.hivemind.net.meta import address
-from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
+from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.copies import (
     Held,
     History,
@@ -46,9 +48,17 @@ HOLDERS = 2  # peers of the next stage that fetch a stage's copy
 REMIND_S = 60.0  # a paused run says again what it waits for this often
 
 
+@dataclass(frozen=True)
+class RecoveryHooks:
+    """What recovery asks of the trainer: `set_up(stage, peer)` sets a peer up for the session (a new
+    one, or one that left it); `went_back(step)`: every stage is at `step`."""
+
+    set_up: Callable[[int, str], Awaitable[object]]
+    went_back: Callable[[int], Awaitable[None]]
+
+
 class Recovery:
-    """Snapshot rounds and restores; `every` 0 keeps no copies. `set_up(stage, peer)` sets a peer up
-    for the session (a new one, or one that left it); `went_back(step)`: every stage is at `step`."""
+    """Snapshot rounds and restores; `every` 0 keeps no copies."""
 
     def __init__(
         self,
@@ -57,8 +67,7 @@ class Recovery:
         position: Position,
         rounds: SwarmRounds,
         adaptive: AdaptiveCodecs | None,
-        set_up: Callable[[int, str], Awaitable[object]],
-        went_back: Callable[[int], Awaitable[None]],
+        hooks: RecoveryHooks,
         every: int,
     ) -> None:
         self.place, self.membership, self.position, self.rounds, self.adaptive = (
@@ -68,7 +77,7 @@ class Recovery:
             rounds,
             adaptive,
         )
-        self.set_up, self.went_back = set_up, went_back
+        self.set_up, self.went_back = hooks.set_up, hooks.went_back
         self.every = every
         self.paused: str | None = None  # why the run waits, while it does (its progress record says it)
         self.lineage = place.session
@@ -122,7 +131,7 @@ class Recovery:
 
         async def one(stage: int, peer: str, hold: list[pb.HoldOrder]):
             fields = {"step": step, "lineage": self.lineage, "hold": hold}
-            return await rounds.call(stage, peer, "snapshot", buffer.getvalue(), **fields)
+            return await rounds.call(stage, peer, STUBS.snapshot, buffer.getvalue(), **fields)
 
         # every peer takes its copy, then the holders fetch theirs (a copy not yet taken cannot be fetched)
         started = time.monotonic()
@@ -179,7 +188,7 @@ class Recovery:
         manifest = manifests.make(place.owner.key, place.run_id, self.lineage, step, named)
         await asyncio.gather(
             *(
-                self.rounds.call(s, peer, "snapshot", step=step, lineage=self.lineage, manifest=manifest)
+                self.rounds.call(s, peer, STUBS.snapshot, step=step, lineage=self.lineage, manifest=manifest)
                 for s, peer in peers
             ),
             return_exceptions=True,
@@ -214,8 +223,8 @@ class Recovery:
         timeout = place.settings.calls.info_timeout_s  # once each, briefly: a peer gone keeps nothing anyway
 
         async def one(stage: int, peer: str):
-            request = pb.SnapshotRequest(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
-            return await call(place.node.streams, peer, "snapshot", request, b"", timeout, place.owner.key)
+            request = STUBS.snapshot(to=address(place.run_id, stage), discard=True, lineage=self.lineage)
+            return await ask(place.node.streams, peer, request, timeout, owner=place.owner.key)
 
         await asyncio.gather(*(one(s, peer) for s, peer in self.membership.peers()), return_exceptions=True)
 
@@ -329,7 +338,7 @@ class Recovery:
             return await self.rounds.call(
                 stage,
                 peer,
-                "restore",
+                STUBS.restore,
                 timeout=timeout,
                 step=step,
                 lineage=self.lineage,

@@ -23,7 +23,7 @@ import asyncio
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.stage.closing import OUTRUN
+from protocols.wire_names import OUTRUN
 from swarm.transport.hivemind.trainer.membership import Membership
 from swarm.transport.hivemind.trainer.rounds import SwarmRounds
 

@@ -25,17 +25,17 @@ from functools import partial
 from pathlib import Path
 
 from protocols import stage_pb2 as pb
-from protocols.calls import request
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.framing import Frame
+from protocols.stubs import STUBS, Stub
+from protocols.wire_names import OUTRUN
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
 from swarm.tracing import TRACER
-from swarm.transport.hivemind.net.calls import call
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
-from swarm.transport.hivemind.stage.closing import OUTRUN
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.blame import blamed_members
+from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
@@ -73,17 +73,17 @@ class SwarmRounds:
         self.calls: Counter = Counter()  # rounds' calls answered, by kind
 
     async def call(
-        self, stage: int, peer_id: str, kind: str, payload: bytes = b"", timeout: float | None = None, **fields
+        self, stage: int, peer_id: str, stub: Stub, payload: bytes = b"", timeout: float | None = None, **fields
     ) -> Frame:
-        """One round on one peer, retried there when its reply is lost."""
+        """One round on one peer (`fields`: its head's, but its address), retried there when its reply is lost."""
         place = self.place
-        head = request(kind, to=address(place.run_id, stage), **fields)
+        request = stub(to=address(place.run_id, stage), **fields)
         timeout = timeout or place.settings.calls.call_timeout_s
         frame = await place.retry.same_peer(
-            lambda: call(place.node.streams, peer_id, kind, head, payload, timeout, place.owner.key),
-            f"{kind} round on stage {stage} peer {peer_id[-8:]}",
+            lambda: ask(place.node.streams, peer_id, request, timeout, payload, place.owner.key),
+            f"{stub.kind} round on stage {stage} peer {peer_id[-8:]}",
         )
-        self._tally(kind, payload, frame)
+        self._tally(stub.kind, payload, frame)
         return frame
 
     def _tally(self, kind: str, sent: bytes, reply: Frame) -> None:
@@ -190,7 +190,7 @@ class SwarmRounds:
         place = self.place
         indices = sorted(indices)
         attempts = [self.position.attempt(i, peer) for i in indices] if earlier is None else []  # only these count
-        head = pb.GatherRequest(
+        request = STUBS.gather(
             to=address(place.run_id, stage),
             step=self.position.step_index if earlier is None else earlier,
             micro_batches=indices,
@@ -199,8 +199,8 @@ class SwarmRounds:
             held=held,
         )
         timeout = 1.5 * place.settings.calls.call_timeout_s + place.settings.calls.reply_grace_s
-        frame = await call(place.node.streams, peer, "gather", head, b"", timeout, place.owner.key)
-        self._tally("gather", b"", frame)
+        frame = await ask(place.node.streams, peer, request, timeout, owner=place.owner.key)
+        self._tally(request.kind, b"", frame)
         return frame
 
     async def _gather(self) -> None:
@@ -276,7 +276,7 @@ class SwarmRounds:
 
         async def one(stage: int, peer: str, with_norm: bool = False) -> Frame:
             slots, data = payloads.get(stage, ([], b""))
-            return await self.call(stage, peer, "set_grads", data, step=step, grads=slots, norm=with_norm)
+            return await self.call(stage, peer, STUBS.set_grads, data, step=step, grads=slots, norm=with_norm)
 
         async def run() -> float:
             # replicas hold the same sum: one norm per stage, from a peer in service
@@ -312,7 +312,7 @@ class SwarmRounds:
         membership = self.membership
         answered = await self.every(
             membership.peers(),
-            lambda s, peer: self.call(s, peer, "apply", step=step, scale=scale, codecs=list(codecs)),
+            lambda s, peer: self.call(s, peer, STUBS.apply, step=step, scale=scale, codecs=list(codecs)),
         )
         lr = None
         for (stage, peer), frame in answered.items():
@@ -334,7 +334,7 @@ class SwarmRounds:
         try:
             answered = await self.every(
                 self.membership.peers(),
-                lambda s, peer: self.call(s, peer, "gather", step=step, micro_batches=indices, held=True),
+                lambda s, peer: self.call(s, peer, STUBS.gather, step=step, micro_batches=indices, held=True),
             )
         except RemoteError as e:  # a stage lost a micro-batch's gradients (its peer that ran it left)
             if e.code != pb.STALE:
@@ -356,7 +356,7 @@ class SwarmRounds:
         async def one(stage: int):
             while True:
                 peer = self.membership.serving(stage)[0]
-                answered = await self.every([(stage, peer)], lambda s, peer: self.call(s, peer, "save", step=step))
+                answered = await self.every([(stage, peer)], lambda s, peer: self.call(s, peer, STUBS.save, step=step))
                 if answered:
                     frame = answered[(stage, peer)]
                     break
@@ -378,7 +378,7 @@ class SwarmRounds:
         saved = checkpoint_codecs(directory, adaptive=self.adaptive is not None)
         codecs = [] if saved is None else codec_changes(saved["codecs"])
         replies = await asyncio.gather(
-            *(self.call(s, peer, "load", blobs[s], codecs=codecs) for s, peer in self.membership.peers())
+            *(self.call(s, peer, STUBS.load, blobs[s], codecs=codecs) for s, peer in self.membership.peers())
         )
         steps = {int(frame.head.step) for frame in replies}
         if len(steps) != 1:

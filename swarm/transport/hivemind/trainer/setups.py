@@ -16,9 +16,10 @@ import time
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
-from swarm.transport.hivemind.net.calls import call
+from protocols.stubs import STUBS
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.routing.router import NoPeerError
+from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Setups:
     async def set_up(self, stage: int, peer_id: str, sources: list[str] = ()) -> pb.SetupReply:
         place = self.place
         lr_horizon, capacity = self.args
-        request = pb.SetupRequest(
+        request = STUBS.setup(
             to=address(place.run_id, stage),
             config_digest=self.digest,
             lr_horizon=lr_horizon,
@@ -51,9 +52,11 @@ class Setups:
             sources=sources,
             admission=place.owner.admit(place.session, peer_id, stage),
         )
+        if peer_id in self.membership.members.get(stage, []):  # its sources check the roster lists it
+            request.head.roster.CopyFrom(self.membership.roster())
         timeout = place.settings.calls.call_timeout_s  # setups are idempotent (one session builds once)
         frame = await place.retry.same_peer(
-            lambda: call(place.node.streams, peer_id, "setup", request, b"", timeout, place.owner.key),
+            lambda: ask(place.node.streams, peer_id, request, timeout, owner=place.owner.key),
             f"setup of stage {stage} peer {peer_id[-8:]}",
         )
         return frame.head
@@ -140,13 +143,14 @@ class Setups:
             for peer in candidates[:room]:
                 if settle is not None:
                     await settle()
+                membership.add(stage, peer, following=True)  # first: the roster its setup carries lists it
                 try:
                     await self.set_up(stage, peer, sources)
                 except (TransportError, RemoteError) as e:
+                    membership.withdraw(stage, peer)
                     place.router.failed(peer)
                     log.warning("stage %d peer %s could not join: %s", stage, peer[-8:], one_line(e))
                     continue
-                membership.add(stage, peer, following=True)
                 admitted.append((stage, peer))
                 step = self.position.step_index
                 place.events.add("join", f"stage {stage}: peer {peer[-8:]} joins at step {step}", logger=log)

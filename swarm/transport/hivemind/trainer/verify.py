@@ -15,7 +15,10 @@ asynchronous schedule the next step's micro-batches enter after the step's check
 so a peer a check leaves out ran nothing of the next step. Steps without a check keep the pipeline
 full. Members set up at the start of the session are incumbents; a peer that joined later is on
 probation until one of its results matched another peer's, and checks go to stages with peers on
-probation first.
+probation first. With `train.verify_probation` N a peer on probation has every micro-batch it served
+checked, against a trusted peer of its stage (two new identities never vouch for each other), until
+N of its results matched: only then does its work count unchecked. Identities cost a key; this makes
+each cost N micro-batches of honest work, and no wrong result of a new one reaches a step.
 
 When two peers disagree, the one on probation (else the later admitted) is left out of the run and
 never set up again in this session, and this step's micro-batches that went through it run again
@@ -28,14 +31,15 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import torch
 
+from protocols.wire_names import DIGEST
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch
-from swarm.transport.hivemind.stage.chain import DIGEST
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
@@ -78,11 +82,21 @@ class Verification:
         self.random = random.SystemRandom()  # the members cannot foresee the owner's picks
         self.incumbents: set[str] | None = None  # the members of the session's start
         self.trusted: set[str] = set()  # incumbents and peers whose results matched another's
+        self.probation = cfg.train.verify_probation  # every micro-batch of a new peer checked until this many matched
+        self.matched: Counter[str] = Counter()  # a peer on probation -> its results that matched a trusted peer's
         self.checks = self.mismatches = 0
 
     def draw(self, items: list[Item]) -> frozenset[int]:
         """The indices of the step's micro-batches to check: each with probability `fraction`."""
         return frozenset(batch.index for batch, _ in items if self.random.random() < self.fraction)
+
+    def on_probation(self) -> bool:
+        """Whether a member in service has all its micro-batches checked (`verify_probation`): its
+        step's checks are made whatever was drawn (an asynchronous next step waits for them)."""
+        return bool(self.probation and self.incumbents is not None and self._probationers())
+
+    def _probationers(self) -> set[str]:
+        return {peer for stage in self.membership.members for peer in self.membership.serving(stage)} - self.trusted
 
     async def check(self, items: list[Item], results: list[dict], picks: frozenset[int]) -> dict[int, dict]:
         """Checks the step's finished micro-batches of `picks` (`draw`; `results`: their metrics, with
@@ -91,37 +105,72 @@ class Verification:
             self.incumbents = {peer for _, peer in self.membership.peers()}
             self.trusted |= self.incumbents
         redone: dict[int, dict] = {}
-        for (batch, inputs), metrics in zip(items, results, strict=True):
-            if batch.index in redone or batch.index not in picks:
-                continue
-            route = self.position.routes.get(batch.index)
-            pick = self._pick(route) if route is not None else None
-            if pick is None:
-                continue
-            stage, target = pick
-            avoid = [peer for peer in self.membership.members.get(stage, []) if peer != target]
-            again, second_route = await self.run_one((batch, inputs), (stage, avoid))
-            first, second = route[stage], second_route[stage]
-            if second == first:  # the stage before did not avoid it: inconclusive
-                continue
-            self.checks += 1
-            if self._agree(metrics, again, stage):
-                self.trusted.update((first, second))
-                continue
-            self.mismatches += 1
-            suspect = self._suspect(stage, first, second)
-            other = second if suspect == first else first
-            theirs, ours = (metrics, again) if suspect == second else (again, metrics)
-            self._leave_out(stage, suspect, other, batch, ours, theirs)
-            # its micro-batches, and the checked one (peers on both runs hold the second run's gradients)
-            redo = [
-                (b, x)
-                for b, x in self.position.sent.values()
-                if suspect in self.position.routes[b.index] or b.index == batch.index
-            ]
-            for (b, _), result in zip(redo, await self.run_again(redo), strict=True):
-                redone[b.index] = result
+        pending = list(zip(items, results, strict=True))
+        while pending:
+            again: dict[int, dict] = {}
+            for (batch, inputs), metrics in pending:
+                route = self.position.routes.get(batch.index)
+                if route is None:
+                    continue
+                for pick in self._probation_picks(route) or ([self._pick(route)] if batch.index in picks else []):
+                    if pick is not None and batch.index not in again:
+                        await self._check_one(pick, (batch, inputs), route, metrics, again)
+            redone.update(again)
+            # those run again went through other peers: a new one's results there are checked too
+            pending = [(item, again[item[0].index]) for item in items if item[0].index in again]
+            pending, picks = (pending if self.probation else []), frozenset()
         return redone
+
+    async def _check_one(self, pick, item: Item, route: list[str], metrics: dict, redone: dict[int, dict]) -> None:
+        """Runs `item` again at `pick` = (stage, the peer to run it) and compares; on a mismatch the
+        suspect is left out and its micro-batches' metrics, run again, go into `redone`."""
+        (batch, inputs), (stage, target) = item, pick
+        avoid = [peer for peer in self.membership.members.get(stage, []) if peer != target]
+        again, second_route = await self.run_one((batch, inputs), (stage, avoid))
+        first, second = route[stage], second_route[stage]
+        if second == first:  # the stage before did not avoid it: inconclusive
+            return
+        self.checks += 1
+        if self._agree(metrics, again, stage):
+            self._matched(first, second)
+            return
+        self.mismatches += 1
+        suspect = self._suspect(stage, first, second)
+        other = second if suspect == first else first
+        theirs, ours = (metrics, again) if suspect == second else (again, metrics)
+        self._leave_out(stage, suspect, other, batch, ours, theirs)
+        # its micro-batches, and the checked one (peers on both runs hold the second run's gradients)
+        redo = [
+            (b, x)
+            for b, x in self.position.sent.values()
+            if suspect in self.position.routes[b.index] or b.index == batch.index
+        ]
+        for (b, _), result in zip(redo, await self.run_again(redo), strict=True):
+            redone[b.index] = result
+
+    def _matched(self, first: str, second: str) -> None:
+        """Two peers' results agreed: a peer on probation matched once more (trusted after
+        `verify_probation` matches with a trusted peer; without it, after one match with anyone)."""
+        if not self.probation:
+            self.trusted.update((first, second))
+            return
+        for peer, other in ((first, second), (second, first)):
+            if peer not in self.trusted and other in self.trusted:
+                self.matched[peer] += 1
+                if self.matched[peer] >= self.probation:
+                    self.trusted.add(peer)
+
+    def _probation_picks(self, route: list[str]) -> list[tuple[int, str]]:
+        """With `verify_probation`: a check at every stage of `route` served by a peer on probation,
+        run again on a trusted peer of that stage (none there: it cannot be checked)."""
+        if not self.probation:
+            return []
+        picks = []
+        for stage, peer in enumerate(route):
+            trusted = [p for p in self.membership.serving(stage) if p != peer and p in self.trusted]
+            if peer not in self.trusted and trusted:
+                picks.append((stage, self.random.choice(trusted)))
+        return picks
 
     def _pick(self, route: list[str]) -> tuple[int, str] | None:
         """The stage to check and the peer to run the micro-batch again on: a stage with a peer on

@@ -2,7 +2,8 @@
 
 - control calls (setup, the step's rounds, checkpoints, copies): signed by the run's owner;
 - micro-batches: from a member admitted to the stage before (stage 0: from the session's trainer);
-- state downloads: from a member of the session (a joiner of the stage, a holder of copies);
+- state downloads: from a member of the session (a joiner of the stage, a holder of copies) that
+  the owner's newest roster lists, as a micro-batch's sender must be;
 - status (`info`): anyone.
 
 The owner is the one given (`--owner`, or the signer of the run's published config), else the
@@ -62,6 +63,14 @@ class Gate:
         admission = self.admissions.check(head.admission, self.owner, None if head.snapshot else session, sender)
         if admission.trainer or (not head.snapshot and admission.stage != self.stage):
             raise Refused(f"state of stage {self.stage} asked by a member of stage {admission.stage}")
+        # a member the owner left out keeps its admission: the roster says who is one now, as it
+        # does for micro-batches (a joiner shows the roster of its setup, which lists it)
+        if head.HasField("roster") and head.roster.session == session:
+            self.show_roster(head.roster, session)
+        if not self.listed(admission.stage, sender, admission.session):
+            raise Refused(
+                f"state of stage {self.stage} asked by {sender[-8:]}: the owner's roster no longer has it serving stage {admission.stage}"
+            )
 
     def owners(self, message, kind: bytes, session: str) -> bool:
         """Whether `message` (a step proof or decision) is sealed by the run's owner for `session`."""
@@ -118,3 +127,12 @@ class Gate:
             )
         self.admission = pb.Admission()
         self.admission.CopyFrom(head.admission)
+        if head.HasField("roster"):  # it lists this peer: shown with its state downloads
+            self.show_roster(head.roster, head.session)
+
+    def state_request(self, **fields) -> pb.StateRequest:
+        """A state download's request, with our admission and the newest roster we hold."""
+        request = pb.StateRequest(admission=self.shown(), **fields)
+        if self.roster is not None:
+            request.roster.CopyFrom(self.roster)
+        return request

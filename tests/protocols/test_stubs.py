@@ -1,0 +1,63 @@
+"""The typed client stubs (protocols.stubs) against the call registry, and the trainer's call sites
+naming stubs, never kinds' strings."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import swarm.transport.hivemind.trainer as trainer
+from protocols import stage_pb2 as pb
+from protocols.calls import CALLS, Call, Trust
+from protocols.stubs import STUBS, derive
+
+
+def test_every_registered_kind_has_a_stub_with_the_registry_types():
+    assert sorted(f.name for f in dataclasses.fields(STUBS)) == sorted(CALLS)
+    for kind, call in CALLS.items():
+        stub = getattr(STUBS, kind)
+        assert (stub.kind, stub.request, stub.reply) == (kind, call.request, call.reply)
+        request = stub(to=pb.Address(run_id="run"))
+        assert request.kind == kind and isinstance(request.head, call.request) and request.head.to.run_id == "run"
+
+
+def test_a_stub_refuses_a_field_its_head_does_not_have():
+    with pytest.raises(ValueError, match="no_such_field"):
+        STUBS.save(no_such_field=1)
+
+
+def test_a_registry_kind_without_a_stub_or_a_stub_without_a_kind_fails_the_derivation():
+    grown = {**CALLS, "ping": Call("ping", Trust.OPEN, "a kind with no stub")}
+    with pytest.raises(TypeError, match=r"kinds without a stub \['ping'\]"):
+        derive(grown)
+    shrunk = {kind: call for kind, call in CALLS.items() if kind != "save"}
+    with pytest.raises(TypeError, match=r"stubs of no registered kind \['save'\]"):
+        derive(shrunk)
+
+
+def test_a_stub_whose_types_are_not_the_registry_fails_the_derivation():
+    class Swapped(Call):  # the registry's save call, answered by load's reply
+        @property
+        def reply(self) -> type:
+            return pb.LoadReply
+
+    with pytest.raises(TypeError, match="the save stub's types"):
+        derive({**CALLS, "save": Swapped("save", Trust.OWNER, "a save answered by load's reply")})
+
+
+def test_no_call_site_of_the_trainer_names_a_kind_by_its_string():
+    """The trainer's calls go through stubs: no call of `call`, `ask` or a rounds' `call` takes a
+    kind's string (a span or an event may share a kind's name: they are not calls)."""
+    named = []
+    for path in sorted(Path(trainer.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in ("call", "ask", "request"):
+                strings = [a.value for a in node.args if isinstance(a, ast.Constant) and a.value in CALLS]
+                named += [f"{path.name}:{node.lineno} {s}" for s in strings]
+    assert named == []
