@@ -193,13 +193,15 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     results = tmp_path / "replicas.jsonl"
     overrides = ["train.epochs=100", "train.eval_every=20", f"train.schedule={schedule}"]
     sets = [a for o in overrides for a in ("--set", o)]
-    steps = 90  # the joiners join at about step 26 on an idle machine (the churn test above)
+    # the joiners fork from the lab's spawner and join within about 15 steps under load (the churn
+    # test above), and the kill waits for its stage's joiners (an event)
+    steps = 50
     # the asynchronous schedule keeps the pipeline full: a longer delay keeps its steps as long as
     # the synchronous ones, so the joiners' processes start well before the kill
     delay = "20ms" if schedule == "sync" else "80ms"
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
-    command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
+    command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step30"]
     reference = one_process_meanwhile(SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     finished = run_tagged(command, timeout=500, cwd=REPO)
     out, daemons_left = finished.done, finished.daemons_left
