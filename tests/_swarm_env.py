@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,22 +223,47 @@ def local_rows(cfg, tmp_path, steps: int = STEPS):
     return read_results(path)
 
 
-def assert_losses_of_one_process(
-    results, config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None = None
-) -> None:
-    """A lab's results file holds steps 1..`steps` once each, with the losses and evaluations of
-    one process on `config` with `overrides`, bit for bit, however replicas split the steps
-    (swarm.engine.exactsum). The process computes with the lab peers' torch threads: a kernel's
-    floats may depend on how many threads split it (the lab shares the cores among its
-    `stage_peers`, one per stage unless the run started replicas, and the trainer)."""
-    rows = read_results(results)
+def one_process_meanwhile(config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None = None) -> Future:
+    """The one-process run `assert_losses_of_one_process` compares a lab's with, started now on a
+    thread: it computes while the lab runs (whose peers mostly wait on their delayed links), not
+    after it. Pass the future to the assertion as `reference`."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-process")
+    future = pool.submit(_one_process_rows, config, overrides, tmp_path, steps, stage_peers)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _one_process_rows(config, overrides: list[str], tmp_path, steps: int, stage_peers: int | None) -> list[dict]:
+    """The process computes with the lab peers' torch threads: a kernel's floats may depend on how
+    many threads split it (the lab shares the cores among its `stage_peers`, one per stage unless
+    the run started replicas, and the trainer)."""
     cfg = load_config(config, overrides)
     threads = torch.get_num_threads()
     torch.set_num_threads(peer_threads((stage_peers or cfg.model.num_stages) + 1))
     try:
-        theirs = local_rows(cfg, tmp_path, steps=steps)
+        return local_rows(cfg, tmp_path, steps=steps)
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_losses_of_one_process(
+    results,
+    config,
+    overrides: list[str],
+    tmp_path,
+    steps: int,
+    stage_peers: int | None = None,
+    reference: Future | None = None,
+) -> None:
+    """A lab's results file holds steps 1..`steps` once each, with the losses and evaluations of
+    one process on `config` with `overrides`, bit for bit, however replicas split the steps
+    (swarm.engine.exactsum). `reference`: that process's run from `one_process_meanwhile` (the
+    same arguments), else it runs now."""
+    rows = read_results(results)
+    if reference is not None:
+        theirs = reference.result()
+    else:
+        theirs = _one_process_rows(config, overrides, tmp_path, steps, stage_peers)
     ours, reference = ([r for r in run if r["type"] == "step"] for run in (rows, theirs))
     assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, steps + 1))
     for a, b in zip(ours, reference, strict=True):

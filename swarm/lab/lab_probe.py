@@ -28,7 +28,7 @@ def probe_namespaces(lab) -> None:
     between them, those paths cross every access link."""
     nbytes, others = _probe_bytes(lab), lab.run_plan.names[:-1]
     try:
-        results = probe_netlab(lab.net, "trainer", others, nbytes)
+        results = probe_netlab(lab.net, "trainer", others, nbytes, spawner=lab.spawner)
     except Exception as e:  # a diagnostic: the run goes on without it
         lab.output.say("netlab", f"probe failed: {type(e).__name__}: {e}")
         return

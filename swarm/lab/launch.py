@@ -44,7 +44,8 @@ from swarm.lab.plan import (
     base_name,
     nat_names,
 )
-from swarm.models.registry import stage_count_problem
+from swarm.lab.spawn import Spawner, shared_spawner
+from swarm.models.registry import model_libraries, stage_count_problem
 from swarm.netlab.counters import CounterSampler, GroupCpu
 from swarm.netlab.namespaces import NetLab, NetlabError
 from swarm.transport.hivemind.net.settings import Settings
@@ -121,6 +122,7 @@ class Lab:
         self._boot_lines: queue.Queue[str] = queue.Queue()  # the bootstrap's output, for its address
         self.joined: tuple[str, str] = ("", "")  # the bootstrap's address and the run id, once started
         self.joined_peers: set[str] = set()  # the churn's joiners that have their state (a kill waits)
+        self.spawner: Spawner | None = None  # forks the peers from imports done once (swarm.lab.spawn)
 
     def _host(self, name: str) -> str:
         return self.net.maddr(name) if self.net is not None else LOOPBACK
@@ -137,10 +139,9 @@ class Lab:
             *self.link_plan.shape_args(name, self.net),
             *self.link_plan.link_args(name),
         ]
-        if self.net is not None:
-            command = self.net.wrap(name, command)
-        process = subprocess.Popen(
+        process = self.spawner.popen(
             command,
+            self.net.namespace(name) if self.net is not None else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -193,6 +194,7 @@ class Lab:
         except (ConfigError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        self.spawner = shared_spawner()  # its imports run while the lab sets the links up and probes them
         links = self.link_plan
         if not (links.in_namespaces or self.nat):
             if links.shaped:
@@ -223,6 +225,7 @@ class Lab:
         """The bootstrap, the stage peers and the trainer (and the churn that will come and go)."""
         plan, run_id = self.run_plan, f"{cfg.name}-{secrets.token_hex(3)}"
         boot = self._start("bootstrap", "peers.bootstrap")
+        self.spawner.preload(*model_libraries(cfg.model.name))  # while the bootstrap starts: the others need them
         initial = self._bootstrap_address(boot)
         self.joined = (initial, run_id)
         joining = ["--run_id", run_id, "--initial_peers", initial, "--threads", str(plan.threads)]
@@ -271,12 +274,17 @@ class Lab:
         says how each peer behind NAT was reached (swarm.transport.hivemind.net.reach)."""
         initial, run_id = self.joined
         command = [sys.executable, "-m", "peers.status", "--initial_peers", initial, "--run_id", run_id]
+        status = self.spawner.popen(
+            command, self.net.namespace("bootstrap"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
-            out = subprocess.run(self.net.wrap("bootstrap", command), capture_output=True, text=True, timeout=120)
+            out, _ = status.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            status.kill()
+            status.wait()
             self.output.say("lab", "peers.status did not answer within 120 s")
             return
-        for line in (out.stdout + out.stderr).splitlines():
+        for line in out.splitlines():
             if line.strip() and not any(noise in line for noise in _NOISE):
                 self.output.say("status", line)
 

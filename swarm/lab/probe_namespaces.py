@@ -56,17 +56,32 @@ def _read_address(process: subprocess.Popen, deadline: float) -> str:
 
 
 def probe_netlab(
-    net, src: str, dsts: Sequence[str], nbytes: int, directions: Sequence[str] = ("up", "down"), timeout: float = 120.0
+    net,
+    src: str,
+    dsts: Sequence[str],
+    nbytes: int,
+    directions: Sequence[str] = ("up", "down"),
+    timeout: float = 120.0,
+    spawner=None,
 ) -> dict[str, list[ProbeResult]]:
     """A probe server in each of `dsts`' namespaces and one client in `src`'s, all started at once.
 
     "up" is src -> dst (src's up link and dst's down link), "down" is dst -> src. `net` is a started
-    swarm.netlab.namespaces.NetLab (anything with .wrap(name, argv) and .maddr(name) will do).
+    swarm.netlab.namespaces.NetLab (anything with .wrap(name, argv), .namespace(name) and
+    .maddr(name) will do). A lab passes its `spawner` (swarm.lab.spawn): the processes then start
+    without importing torch and hivemind again.
     """
     deadline = time.monotonic() + timeout
+
+    def start(name: str, argv: list[str], **options) -> subprocess.Popen:
+        if spawner is None:
+            return subprocess.Popen(net.wrap(name, argv), **options)
+        return spawner.popen(argv, net.namespace(name), **options)
+
     servers = {
-        dst: subprocess.Popen(
-            net.wrap(dst, _python("serve", "--host", net.maddr(dst))),
+        dst: start(
+            dst,
+            _python("serve", "--host", net.maddr(dst)),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -78,8 +93,9 @@ def probe_netlab(
     client_argv = _python(
         "client", "--peers_from_stdin", "--bytes", str(nbytes), "--host", net.maddr(src), "--direction", *directions
     )
-    client = subprocess.Popen(
-        net.wrap(src, client_argv),
+    client = start(
+        src,
+        client_argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

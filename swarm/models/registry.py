@@ -25,6 +25,18 @@ MODELS: dict[str, Callable[..., StagedModel]] = {
     "transformers": build_transformers,
 }
 
+# what building a model imports beyond torch, the first time (seconds of CPU: a lab's spawner,
+# swarm.lab.spawn, imports it once for every peer it starts)
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "gpt2": ("transformers.models.gpt2.modeling_gpt2",),
+    "transformers": ("transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "peft"),
+}
+
+
+def model_libraries(name: str) -> tuple[str, ...]:
+    """The modules building `name` imports (none known for a custom model)."""
+    return LIBRARIES.get(name, ())
+
 
 def model_options(name: str) -> list[str]:
     """The options a built-in model accepts."""

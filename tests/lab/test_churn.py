@@ -8,7 +8,7 @@ import re
 import sys
 
 import pytest
-from _swarm_env import assert_losses_of_one_process, run_tagged
+from _swarm_env import assert_losses_of_one_process, one_process_meanwhile, run_tagged
 from _util import REPO, SMOKE
 
 from swarm.lab.churn import JOIN_WAIT_S, Churn, ChurnError, ChurnEvent, ChurnRunner
@@ -144,13 +144,15 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
     results = tmp_path / "churn.jsonl"
     overrides = ["train.epochs=100", "train.eval_every=1000"]
     sets = [a for o in overrides for a in ("--set", o)]
-    # measured on an idle machine: the joiners join at step 26; the stopped peer's process ends
-    # about 12 steps after its SIGTERM
-    steps = 110
+    # the joiners join at step 13-14 with the load average at 18 (their processes forked from the
+    # lab's spawner: swarm.lab.spawn), and a kill or stop waits for its stage's joiner anyway; the
+    # stopped peer's process ends about 12 steps after its SIGTERM
+    steps = 70
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", "20ms", "--shaping", "inprocess", "--no_probe", "--results", str(results)]
     command += ["--snapshot_every", "5", "--churn"]
-    command += ["join:1@0,join:2@0,kill:1@step60,stop:2@step66,kill:0@step82,join:0@step82,kill:trainer@step96"]
+    command += ["join:1@0,join:2@0,kill:1@step28,stop:2@step30,kill:0@step42,join:0@step42,kill:trainer@step56"]
+    reference = one_process_meanwhile(SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     finished = run_tagged(command, timeout=500, cwd=REPO)
     out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
@@ -170,12 +172,14 @@ def test_lab_with_peers_joining_dying_and_leaving_and_a_lost_stage_and_trainer_k
         r"\[lab\] churn at [\d.]+s: kill stage0\n",
         r"\[lab\] churn at [\d.]+s: kill trainer\n",
         r"\[lab\] churn: trainer started again\n",
-        r"\[trainer\] .* run '[\w-]+' paused at step 8\d: stage 0 has no peer; start one to go on",
-        r"\[trainer\] .* run resumed after [\d.]+s: every stage went back to step [89][05], replaying \d+ step",
-        r"\[trainer\] .* the swarm kept copies of every stage at step 9[05]; resuming there",  # the new trainer
+        r"\[trainer\] .* run '[\w-]+' paused at step 4\d: stage 0 has no peer; start one to go on",
+        r"\[trainer\] .* run resumed after [\d.]+s: every stage went back to step [45][05], replaying \d+ step",
+        r"\[trainer\] .* the swarm kept copies of every stage at step 5[05]; resuming there",  # the new trainer
     ):
         assert re.search(line, out.stdout), (line, log)
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
+    assert_losses_of_one_process(
+        results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference=reference
+    )
     assert daemons_left == 0
 
 
@@ -189,13 +193,16 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     results = tmp_path / "replicas.jsonl"
     overrides = ["train.epochs=100", "train.eval_every=20", f"train.schedule={schedule}"]
     sets = [a for o in overrides for a in ("--set", o)]
-    steps = 90  # the joiners join at about step 26 on an idle machine (the churn test above)
+    # the joiners fork from the lab's spawner and join within about 15 steps under load (the churn
+    # test above), and the kill waits for its stage's joiners (an event)
+    steps = 50
     # the asynchronous schedule keeps the pipeline full: a longer delay keeps its steps as long as
     # the synchronous ones, so the joiners' processes start well before the kill
     delay = "20ms" if schedule == "sync" else "80ms"
     command = [sys.executable, "-m", "swarm", "lab", str(SMOKE), "--stages", "3", "--steps", str(steps), *sets]
     command += ["--delay", delay, "--shaping", "inprocess", "--no_probe", "--results", str(results)]
-    command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step55"]
+    command += ["--churn", "join:1@0,join:1@0,join:2@0,kill:1@step30"]
+    reference = one_process_meanwhile(SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
     finished = run_tagged(command, timeout=500, cwd=REPO)
     out, daemons_left = finished.done, finished.daemons_left
     log = out.stdout[-6000:] + out.stderr[-3000:]
@@ -203,5 +210,7 @@ def test_lab_with_two_then_three_replicas_a_kill_and_a_joiner_keeps_one_process_
     assert "kill stage1\n" in out.stdout, log
     served = [re.findall(rf"\[stage1\.{n}\] stage 1: (\d+) micro-batches", out.stdout) for n in (2, 3)]
     assert all(counts and int(counts[-1]) > 0 for counts in served), log  # both joiners took work
-    assert_losses_of_one_process(results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps)
+    assert_losses_of_one_process(
+        results, SMOKE, [*overrides, "model.num_stages=3"], tmp_path, steps, reference=reference
+    )
     assert daemons_left == 0

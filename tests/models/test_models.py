@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import textwrap
 import uuid
 
@@ -18,7 +19,7 @@ from swarm.models import (
     plan_cuts,
     summarize,
 )
-from swarm.models.registry import stage_count_problem
+from swarm.models.registry import LIBRARIES, MODELS, model_libraries, stage_count_problem
 from swarm.models.resnet import ResNet18
 
 
@@ -280,3 +281,12 @@ def test_a_stage_count_past_the_split_is_found_without_building_weights(tmp_path
         "relay: needs at least 2 stages (it exists to load the links between them), got 1"
     )
     assert stage_count_problem("tests_custom_module:build", 99, {}) is None
+
+
+def test_the_libraries_a_lab_preloads_for_a_model_import():
+    """A lab's spawner imports them once for all its peers and passes over one that fails (the
+    peer then fails on it itself): a renamed module would only cost time, so it is checked here."""
+    assert set(LIBRARIES) <= set(MODELS) and model_libraries("pkg.mod:build") == ()
+    for modules in LIBRARIES.values():
+        for module in modules:
+            importlib.import_module(module)

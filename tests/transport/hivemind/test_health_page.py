@@ -123,12 +123,13 @@ def test_the_health_page_shows_every_stage_and_keeps_up_and_every_peer_serves_me
             for s in (0, 1)
         ]
         peers += stages
-        ids = [stage.wait_line(r"serving as (\S+)").group(1) for stage in stages]
+        # started beside the stage peers, not after them: the trainer waits for the stages on the DHT
         trainer = Peer(
             "trainer", "peers.trainer", *CONFIG, "--initial_peers", maddr, "--threads", "1", "--metrics_port", "0"
         )
         status = Peer("status", "peers.status", "--initial_peers", maddr, "--serve", "0")
         peers += [trainer, status]
+        ids = [stage.wait_line(r"serving as (\S+)").group(1) for stage in stages]
         trainer.wait_line(r"^step 3/")
         url = status.wait_line(r"health page at (http://\S+/)").group(1)
         # --json: the page's data once (its main in this process: no interpreter to start)
