@@ -28,6 +28,8 @@ import threading
 import time
 import warnings
 
+from swarm.netlab.kernel import pid_alive
+
 PRELOAD = ("peers.stage", "peers.trainer", "peers.bootstrap")  # their imports: torch, hivemind, swarm
 _CLONE_NEWNET = 0x40000000
 _MESSAGE = 1 << 20
@@ -111,7 +113,7 @@ class Spawner:
                 return self._ended.get(pid)
         # the spawning process is gone (killed): its children went to init, which keeps their
         # status; one that no longer exists is taken to have been killed
-        while _exists(pid):
+        while pid_alive(pid):
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(0.1)
@@ -143,16 +145,6 @@ class Spawner:
         """`command` is `[python, '-m', module, *args]`, run in network namespace `namespace` if given;
         `options` as subprocess.Popen's (stdin, stdout and stderr: a pipe, DEVNULL, STDOUT or this process's)."""
         return SpawnedProcess(self, namespace, command, **options)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SpawnedProcess(subprocess.Popen):

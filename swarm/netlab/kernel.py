@@ -236,7 +236,8 @@ def destroy_namespaces(namespaces: Sequence[str], grace: float = 2.0) -> list[st
     return deleted
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -249,5 +250,5 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     """Deletes namespaces `<prefix>-<pid>-...` whose owner pid is dead (left by a crashed run)."""
     owner = re.compile(rf"{re.escape(prefix)}-(\d+)-[0-9a-f]+-")
-    stale = [ns for ns in list_namespaces(prefix + "-") if (m := owner.match(ns)) and not _pid_alive(int(m.group(1)))]
+    stale = [ns for ns in list_namespaces(prefix + "-") if (m := owner.match(ns)) and not pid_alive(int(m.group(1)))]
     return destroy_namespaces(stale, grace=0.5) if stale else []
