@@ -43,6 +43,12 @@ class Stub(Generic[Req, Rep]):
     def __call__(self, **head_fields) -> Request[Req, Rep]:
         return Request(self, self.request(**head_fields))
 
+    def of(self, head: Req) -> Request[Req, Rep]:
+        """A head built elsewhere (e.g. with an admission or a roster in it), sent as this kind."""
+        if not isinstance(head, self.request):
+            raise TypeError(f"the {self.kind} stub takes {self.request.__name__} heads, not {type(head).__name__}")
+        return Request(self, head)
+
 
 @dataclass(frozen=True)
 class Stubs:

@@ -16,11 +16,11 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from protocols import stage_pb2 as pb
+from protocols.stubs import STUBS
 from swarm.bench.fuzz import Tally, send
 from swarm.bench.fuzz_cases import ROUNDS, Case, Cases, Target
 from swarm.bench.fuzz_floods import FLOODS, Held, flood_messages, timed
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 
 
@@ -140,8 +140,7 @@ class Campaign:
         for i, target in enumerate(self.targets):
 
             def status(peer=target.peer_id, run_id=target.run_id):
-                request = pb.InfoRequest(to=address(run_id))
-                return call(self.senders.reader.streams, peer, "info", request, b"", plan.limit_s)
+                return ask(self.senders.reader.streams, peer, STUBS.info(to=address(run_id)), plan.limit_s)
 
             await timed(status)  # the reader's stream to it is open before the floods come
             messages = [m for kind in FLOODS for m in flood_messages(kind, plan.floods, plan.seed + i)]

@@ -19,14 +19,14 @@ import uuid
 
 from hivemind.utils.crypto import RSAPrivateKey
 
-from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
+from protocols.stubs import STUBS
 from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import read_stage
 from swarm.export.state import RunState
 from swarm.transport.hivemind.dht.announce import discover
 from swarm.transport.hivemind.dht.runconfig import resolve_run
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.trainer.copies import held_named, named_of, newest_complete, shown_manifests
@@ -81,11 +81,11 @@ class LiveRun:
         errors = []
         for peer, hosted in sources:
             admission = issue(self.owner_key, self.run_id, self.session, self.node.peer_id, hosted)
-            request = pb.StateRequest(
+            request = STUBS.state(
                 to=address(self.run_id, hosted), snapshot=True, stage=stage, step=step, admission=admission
             )
             try:
-                frame = await call(self.node.streams, peer, "state", request, b"", self.timeout)
+                frame = await ask(self.node.streams, peer, request, self.timeout)
                 saved = _checked(frame.payload, named)
             except (TransportError, RemoteError, ValueError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")

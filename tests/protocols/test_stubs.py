@@ -1,15 +1,14 @@
-"""The typed client stubs (protocols.stubs) against the call registry, and the trainer's call sites
+"""The typed client stubs (protocols.stubs) against the call registry, and every client call site
 naming stubs, never kinds' strings."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
+from _util import REPO
 
-import swarm.transport.hivemind.trainer as trainer
 from protocols import stage_pb2 as pb
 from protocols.calls import CALLS, Call, Trust
 from protocols.stubs import STUBS, derive
@@ -48,16 +47,26 @@ def test_a_stub_whose_types_are_not_the_registry_fails_the_derivation():
         derive({**CALLS, "save": Swapped("save", Trust.OWNER, "a save answered by load's reply")})
 
 
-def test_no_call_site_of_the_trainer_names_a_kind_by_its_string():
-    """The trainer's calls go through stubs: no call of `call`, `ask` or a rounds' `call` takes a
-    kind's string (a span or an event may share a kind's name: they are not calls)."""
+def test_a_stub_takes_a_head_built_elsewhere_only_of_its_own_type():
+    head = pb.StateRequest(to=pb.Address(run_id="run"), snapshot=True)
+    request = STUBS.state.of(head)
+    assert request.kind == "state" and request.head is head
+    with pytest.raises(TypeError, match="the info stub takes InfoRequest heads, not StateRequest"):
+        STUBS.info.of(head)
+
+
+def test_no_client_call_site_names_a_kind_by_its_string():
+    """Clients call through stubs (the trainer, joining, copies, the live export, the survey, the
+    fuzz campaign): no call of `call`, `ask` or a rounds' `call` takes a kind's string (a span or
+    an event may share a kind's name: they are not calls). net/calls.py's `ask` is the one place
+    that hands a stub's kind to `call`."""
     named = []
-    for path in sorted(Path(trainer.__file__).parent.glob("*.py")):
+    for path in sorted(p for package in ("swarm", "peers") for p in (REPO / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
             if name in ("call", "ask", "request"):
                 strings = [a.value for a in node.args if isinstance(a, ast.Constant) and a.value in CALLS]
-                named += [f"{path.name}:{node.lineno} {s}" for s in strings]
+                named += [f"{path.relative_to(REPO)}:{node.lineno} {s}" for s in strings]
     assert named == []

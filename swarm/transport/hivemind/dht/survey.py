@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from hivemind.utils import get_dht_time
 
 from protocols import stage_pb2 as pb
+from protocols.stubs import STUBS
 from swarm.rates import format_rate
 from swarm.transport.hivemind.dht.announce import discover, list_runs
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.events import KEEP, Event
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.net.node import SwarmNode
@@ -213,7 +214,7 @@ async def survey(node: SwarmNode, run_id: str | None = None, timeout: float | No
     async def detail(row: PeerRow) -> None:
         started = time.perf_counter()
         try:
-            frame = await call(node.streams, row.peer_id, "info", pb.InfoRequest(to=address(row.run_id)), b"", timeout)
+            frame = await ask(node.streams, row.peer_id, STUBS.info(to=address(row.run_id)), timeout)
             reply = frame.head
         except Exception as e:
             row.reach = Reach(error=str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -19,6 +19,7 @@ from protocols import stage_pb2 as pb
 from protocols.calls import CALLS
 from protocols.errors import RemoteError, Replied, TransportError, short
 from protocols.framing import MAX_PAYLOAD_BYTES, Frame, frame_parts, read_frame
+from protocols.stubs import Request
 from swarm.tracing import TRACER
 from swarm.transport.hivemind.flow.busy import Busy
 from swarm.transport.hivemind.flow.meter import LinkMeter, timed_chunks
@@ -170,6 +171,14 @@ async def call(streams: StreamPool, peer_id: str, kind: str, head, payload: byte
     frame = await exchange.reply(timeout)
     exchange.finish()
     return frame
+
+
+async def ask(
+    streams: StreamPool, peer_id: str, request: Request, timeout: float, payload: bytes = b"", owner=None
+) -> Frame:
+    """`request`, a typed stub's (protocols.stubs: the kind travels with its head, so no call site
+    names a kind by its string), and its `payload` to `peer_id`: its verified reply, within `timeout` s."""
+    return await call(streams, peer_id, request.kind, request.head, payload, timeout, owner)
 
 
 async def _first_noted(messages, noted: list[float]):

@@ -32,10 +32,11 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
+from protocols.stubs import STUBS
 from swarm.config import ExperimentConfig
 from swarm.engine.checkpoint import apply_stage_state, read_stage, stage_state
 from swarm.engine.linkend import LinkEnds
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.codecs import switched_config
 from swarm.transport.hivemind.stage.links import NeighbourLinks
@@ -145,12 +146,10 @@ class Joining:
             for source in self._candidates():
                 tried.add(source[-8:])
                 try:
-                    frame = await call(
+                    frame = await ask(
                         place.node.streams,
                         source,
-                        "state",
-                        self.gate.state_request(to=address(place.run_id, place.stage)),
-                        b"",
+                        STUBS.state.of(self.gate.state_request(to=address(place.run_id, place.stage))),
                         settings.calls.state_timeout_s,
                     )
                 except (TransportError, RemoteError) as e:

@@ -26,8 +26,9 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
+from protocols.stubs import STUBS
 from swarm.engine.checkpoint import read_stage
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
 from swarm.transport.hivemind.stage.parts import StageParts
@@ -168,8 +169,8 @@ class Snapshots:
                 to=address(place.run_id, hosted_stage), snapshot=True, stage=stage, step=step
             )
             try:
-                frame = await call(
-                    place.node.streams, peer, "state", request, b"", place.settings.calls.state_timeout_s
+                frame = await ask(
+                    place.node.streams, peer, STUBS.state.of(request), place.settings.calls.state_timeout_s
                 )
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")

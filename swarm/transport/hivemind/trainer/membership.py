@@ -19,13 +19,13 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, one_line
 from protocols.stubs import STUBS
 from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.events import EventLog
 from swarm.transport.hivemind.net.loop import LoopThread
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.retry import Retry
 from swarm.transport.hivemind.routing.router import Router
-from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trust.owner import Owner
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.stubs import STUBS
 from protocols.wire_names import OUTRUN
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
-from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.copies import (
     Held,
     History,

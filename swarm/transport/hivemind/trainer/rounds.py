@@ -32,10 +32,10 @@ from protocols.wire_names import OUTRUN
 from swarm.engine.checkpoint import CODECS_FILE, atomic_write, checkpoint_codecs, stage_file
 from swarm.engine.step import Grads
 from swarm.tracing import TRACER
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address, tensors_to_payload
 from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.blame import blamed_members
-from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ import time
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.stubs import STUBS
+from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.routing.router import NoPeerError
-from swarm.transport.hivemind.trainer.client import ask
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 
 log = logging.getLogger(__name__)
