@@ -12,9 +12,6 @@ MAX_PARAMETERS = 7
 PACKAGES = ("protocols", "swarm", "peers", "tests")
 NOT_YET = {  # (path, function): left to the work on their modules (issue 55)
     ("swarm/bench/throughput.py", "run_point"),  # its **shaping goes to swarm.lab.launch.Lab's
-    ("tests/engine/test_engine.py", "run_one"),
-    ("tests/transport/hivemind/test_adaptive_swarm.py", "shaped_run"),
-    ("tests/transport/hivemind/test_trust.py", "_refused"),
 }
 
 

@@ -28,7 +28,9 @@ def a_batch(cfg, size: int = 8):
     return collate([train[i] for i in range(size)])
 
 
-def run_one(pipeline, ids, x, y, mode=Mode.TRAIN, exact=False, step=0, index=0):
+def run_one(pipeline, batch, mode=Mode.TRAIN, exact=False, step=0, index=0):
+    """`batch`: (ids, inputs, targets), as a_batch gives them."""
+    ids, x, y = batch
     return pipeline.run_many([(MicroBatch(step, index, ids, y, mode, 1.0, exact), x)])[0]
 
 
@@ -43,7 +45,7 @@ def test_codec_none_equals_unsplit_model():
     cfg = cfg_with("compression.forward=none", "compression.backward=none")
     pipeline, staged = build_local_pipeline(cfg, total_steps=10)
     ids, x, y = a_batch(cfg)
-    metrics = run_one(pipeline, ids, x, y)
+    metrics = run_one(pipeline, (ids, x, y))
 
     reference, _ = build_local_pipeline(cfg_with("model.num_stages=1"), total_steps=10)
     ref_staged = reference.runtimes[0].module
@@ -60,7 +62,7 @@ def test_engine_compression_equals_codec_applied_directly():
     cfg = cfg_with("model.num_stages=2", "compression.forward=quant:3", "compression.backward=topk:0.3")
     pipeline, staged = build_local_pipeline(cfg, total_steps=10)
     ids, x, y = a_batch(cfg)
-    metrics = run_one(pipeline, ids, x, y)
+    metrics = run_one(pipeline, (ids, x, y))
 
     clone, _ = build_local_pipeline(cfg, total_steps=10)  # same seed, same weights
     first, second = (r.module for r in clone.runtimes)
@@ -84,7 +86,7 @@ def test_bytes_are_counted_per_link_and_direction():
     cfg = cfg_with("model.num_stages=3", "compression.forward=topk:0.2/fp16", "compression.backward=topk:reuse/fp16")
     pipeline, _ = build_local_pipeline(cfg, total_steps=10)
     ids, x, y = a_batch(cfg)
-    run_one(pipeline, ids, x, y)
+    run_one(pipeline, (ids, x, y))
     counted = pipeline.link_bytes()
     assert set(counted) == {f"boundary{b}.{d}.train" for b in (0, 1) for d in ("forward", "backward")}
     for b in (0, 1):  # reused indices: the gradient message is smaller than the activation message
@@ -95,8 +97,8 @@ def test_eval_paths_compressed_and_uncompressed():
     cfg = cfg_with("model.num_stages=2", "compression.forward=topk:0.05", "compression.backward=topk:reuse")
     pipeline, staged = build_local_pipeline(cfg, total_steps=10)
     ids, x, y = a_batch(cfg, 32)
-    exact = run_one(pipeline, ids, x, y, Mode.EVAL, exact=True)
-    compressed = run_one(pipeline, ids, x, y, Mode.EVAL, exact=False)
+    exact = run_one(pipeline, (ids, x, y), Mode.EVAL, exact=True)
+    compressed = run_one(pipeline, (ids, x, y), Mode.EVAL, exact=False)
     with torch.no_grad():
         staged.eval()
         h = staged.stages[0](x)
@@ -115,7 +117,7 @@ def test_warmup_sends_exact_values_and_fills_aqsgd_buffers():
     cfg = cfg_with("model.num_stages=2", "compression.forward=topk:0.1+aqsgd/fp32", "compression.backward=topk:0.1")
     pipeline, _ = build_local_pipeline(cfg, total_steps=10)
     ids, x, y = a_batch(cfg, 8)
-    run_one(pipeline, ids, x, y, exact=True)
+    run_one(pipeline, (ids, x, y), exact=True)
     warm = pipeline.link_bytes()["boundary0.forward.train"]
     sender = pipeline.ends[0].outbound.sender
     receiver = pipeline.ends[1].inbound.receiver
@@ -126,7 +128,7 @@ def test_warmup_sends_exact_values_and_fills_aqsgd_buffers():
     assert torch.allclose(state, h, atol=1e-6)  # exact activations fill the buffers
     mirrored, _ = receiver.table.load(tuple(state.shape), ids.tolist(), "cpu")
     assert torch.equal(state, mirrored)
-    run_one(pipeline, ids, x, y, exact=False, index=1)
+    run_one(pipeline, (ids, x, y), exact=False, index=1)
     compressed = pipeline.link_bytes()["boundary0.forward.train"] - warm
     assert compressed < warm / 3  # after warmup only the TopK delta travels
 
@@ -151,7 +153,7 @@ def test_the_in_process_transport_hands_the_runtimes_parsed_messages(monkeypatch
         for name in ("forward", "backward"):
             monkeypatch.setattr(runtime, name, spying(runtime, name))
     ids, x, y = a_batch(cfg)
-    run_one(pipeline, ids, x, y)
+    run_one(pipeline, (ids, x, y))
     assert seen == [
         (0, "forward", torch.Tensor),
         (1, "forward", Encoded),
@@ -277,7 +279,7 @@ def test_gpt2_tied_embedding_stays_tied_and_matches_one_stage(tiny_text, tmp_pat
     pipeline, staged = build_local_pipeline(cfg4, total_steps=10)
     assert staged.tied, "GPT-2 split over 4 stages must list the tied embedding"
     ids, x, y = a_batch(cfg4, 4)
-    run_one(pipeline, ids, x, y)
+    run_one(pipeline, (ids, x, y))
     pipeline.step()
     assert tied_weight_drift(staged.stages, staged.tied) == 0.0
 

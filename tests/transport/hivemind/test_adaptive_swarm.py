@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from _swarm_env import SMOKE
@@ -60,9 +62,17 @@ class Hook(ResultsWriter):
             self.after(row["step"])
 
 
-def shaped_run(
-    swarm, cfg, steps: int, rate: str, after=None, placement=((1, 1), (2, 2), (3, 3)), finish=None, checkpoint=None
-):
+@dataclass(frozen=True)
+class Hooks:
+    """What a shaped run calls: `after(step, egress)` after each step, `finish(run_id, data, hosted)`
+    before the stages go; its checkpointing."""
+
+    after: Callable | None = None
+    finish: Callable | None = None
+    checkpoint: Checkpointing | None = None
+
+
+def shaped_run(swarm, cfg, steps: int, rate: str, placement=((1, 1), (2, 2), (3, 3)), hooks: Hooks = Hooks()):
     """Trains `steps` steps with stage 0 on a host whose egress runs at `rate` and the other stages
     on `placement`; returns (rows, summary, statuses at the end, the trainer's adaptive
     controller, swarm warnings, the hosted stages of `placement`); `finish(run_id, data, hosted)`
@@ -79,11 +89,11 @@ def shaped_run(
     try:
         data = build_data(cfg)
         pipeline = swarm.pipeline(cfg, run_id, steps, data)
-        results = Hook(None if after is None else lambda step: after(step, node.egress))
-        summary = train(cfg, pipeline, data, results, steps, progress=False, checkpoint=checkpoint)
+        results = Hook(None if hooks.after is None else lambda step: hooks.after(step, node.egress))
+        summary = train(cfg, pipeline, data, results, steps, progress=False, checkpoint=hooks.checkpoint)
         statuses = pipeline.statuses()
-        if finish is not None:
-            finish(run_id, data, hosted)
+        if hooks.finish is not None:
+            hooks.finish(run_id, data, hosted)
     finally:
         logging.getLogger("swarm").removeHandler(catcher)
         swarm.unhost(run_id)
@@ -116,7 +126,7 @@ def test_a_slow_link_gets_a_stronger_setting_from_the_first_decision(swarm):
         restarted.extend([switched, [h.state.cfg.compression.link(0) for h in hosted[:2]]])  # stage 1's replicas
 
     rows, summary, statuses, adaptive, warnings, hosted = shaped_run(
-        swarm, cfg, 3, "1mbit", placement=replicated, finish=new_session
+        swarm, cfg, 3, "1mbit", placement=replicated, hooks=Hooks(finish=new_session)
     )
     steps = [r for r in rows if r["type"] == "step"]
     assert len(steps) == 3 and all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in steps)  # finished, finite
@@ -184,7 +194,7 @@ def test_a_bandwidth_drop_moves_a_boundary_to_stronger_compression_on_both_ends(
 
     cfg = adaptive_cfg(*schedule)
     drop_after = DECIDED - cfg.compression.adaptive.every
-    rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, cfg, 7, "10gbit", after=drop)
+    rows, summary, statuses, adaptive, warnings, _ = shaped_run(swarm, cfg, 7, "10gbit", hooks=Hooks(after=drop))
     # one status round per step (4 peers) serves both the decision and the step's byte counts
     assert [b - a for a, b in zip(asked_by_step, asked_by_step[1:], strict=False)] == [4] * 6
     steps = [r for r in rows if r["type"] == "step"]
@@ -226,7 +236,7 @@ def test_a_resumed_run_keeps_the_codecs_its_checkpoint_was_saved_with(swarm, tmp
         )
 
     rows, _, _, adaptive, warnings, _ = shaped_run(
-        swarm, cfg, 2, "1mbit", finish=resume, checkpoint=Checkpointing(str(directory), 2)
+        swarm, cfg, 2, "1mbit", hooks=Hooks(finish=resume, checkpoint=Checkpointing(str(directory), 2))
     )
     ran = [r for r in rows if r["type"] == "step"][-1]["codecs"]  # what step 2 ran with
     # what the checkpoint keeps: the codecs in force after step 2, those step 2 ran with unless the

@@ -20,6 +20,7 @@ from protocols import stage_pb2 as pb
 from protocols import wire
 from protocols.errors import RemoteError
 from protocols.message import Encoded, RawPart
+from protocols.stubs import STUBS
 from swarm.engine.microbatch import MicroBatch
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
@@ -27,7 +28,7 @@ from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.dht.announce import StageRecord, announce, discover, list_run
 from swarm.transport.hivemind.dht.runconfig import PublishedConfig, RunConfigError, config_key, publish, resolve_run
 from swarm.transport.hivemind.dht.survey import format_table, survey
-from swarm.transport.hivemind.net.calls import call
+from swarm.transport.hivemind.net.calls import ask, call
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, micro_batch_payload
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.net.schemas import RUNS_KEY
@@ -42,9 +43,10 @@ pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_
 STEPS = 4
 
 
-def _refused(swarm, node, peer, kind, head, payload=b"", key=None, match=""):
+def _refused(swarm, node, peer, request, payload=b"", key=None, match=""):
+    """`request`: a stub's (protocols.stubs), sent by `node` (signed with `key` if given)."""
     with pytest.raises(RemoteError, match=match) as caught:
-        swarm.loop.run(call(node.streams, peer, kind, head, payload, 10, key))
+        swarm.loop.run(ask(node.streams, peer, request, 10, payload, key))
     assert caught.value.code == pb.REFUSED and "\n" not in str(caught.value)
     return str(caught.value)
 
@@ -66,14 +68,14 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
         # control calls: unsigned, or signed by anyone but the owner
         setup = pb.SetupRequest(to=to, config_digest=second.place.digest, session="mine", lr_horizon=9)
         setup.admission.CopyFrom(Owner(stranger_key, run_id).admit("mine", peer, 1))
-        _refused(swarm, stranger, peer, "setup", setup, match="unsigned setup")
-        _refused(swarm, stranger, peer, "setup", setup, key=stranger_key, match="not by the run's owner")
+        _refused(swarm, stranger, peer, STUBS.setup.of(setup), match="unsigned setup")
+        _refused(swarm, stranger, peer, STUBS.setup.of(setup), key=stranger_key, match="not by the run's owner")
         apply = pb.ApplyRequest(to=to, step=0, scale=1.0)
-        _refused(swarm, stranger, peer, "apply", apply, key=stranger_key, match="not by the run's owner")
-        _refused(swarm, stranger, peer, "save", pb.SaveRequest(to=to), key=stranger_key)
-        _refused(swarm, stranger, peer, "load", pb.LoadRequest(to=to), b"weights of my choosing", stranger_key)
+        _refused(swarm, stranger, peer, STUBS.apply.of(apply), key=stranger_key, match="not by the run's owner")
+        _refused(swarm, stranger, peer, STUBS.save.of(pb.SaveRequest(to=to)), key=stranger_key)
+        _refused(swarm, stranger, peer, STUBS.load.of(pb.LoadRequest(to=to)), b"weights of my choosing", stranger_key)
         restore = pb.RestoreRequest(to=to, step=0, lineage="x")
-        _refused(swarm, stranger, peer, "restore", restore, key=stranger_key)
+        _refused(swarm, stranger, peer, STUBS.restore.of(restore), key=stranger_key)
         # the owner's own signature does not travel: not to another peer, not twice
         signed_for_first = pb.ApplyRequest(to=address(run_id, 0), step=99)
         auth = sign_call(owner.key, "apply", signed_for_first, b"", first.node.peer_id)
@@ -95,14 +97,14 @@ def test_a_stranger_is_refused_everywhere_and_the_run_keeps_its_losses(swarm, tm
             batch, wire.encode(Encoded((4, 8), torch.float32, RawPart(torch.full((4, 8), float("nan")))))
         )
         head = pb.MicroBatchHead(to=to, sender=stranger.peer_id, batch=batch_to_meta(batch), budget_s=5)
-        _refused(swarm, stranger, peer, "micro_batch", head, nan, match="showed no admission")
+        _refused(swarm, stranger, peer, STUBS.micro_batch.of(head), nan, match="showed no admission")
         head.admission.CopyFrom(pb.Admission.FromString(swarm.loop.run(discover(stranger, run_id, 0))[0].admission))
-        _refused(swarm, stranger, peer, "micro_batch", head, nan, match="shown by")
+        _refused(swarm, stranger, peer, STUBS.micro_batch.of(head), nan, match="shown by")
         # the weights stay with the members
         state = pb.StateRequest(to=to, admission=admission)
-        _refused(swarm, stranger, peer, "state", state, match="shown by")
+        _refused(swarm, stranger, peer, STUBS.state.of(state), match="shown by")
         snapshot = pb.StateRequest(to=to, snapshot=True, stage=1, step=0)
-        _refused(swarm, stranger, peer, "state", snapshot, match="showed no admission")
+        _refused(swarm, stranger, peer, STUBS.state.of(snapshot), match="showed no admission")
 
         # a record of its own, as fast as can be, with a member's admission: never routed to
         fake = StageRecord(stranger.peer_id, 1, cfg.model.num_stages, [], 1e9, 0, ready=True)
@@ -188,7 +190,7 @@ def test_a_member_sending_non_finite_values_is_refused_banned_and_costs_nobody_e
             swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", ahead, nan, 10))
         with pytest.raises(RemoteError, match="not finite"):
             swarm.loop.run(call(rogue.streams, middle.node.peer_id, "micro_batch", head, nan, 10))
-        message = _refused(swarm, rogue, middle.node.peer_id, "micro_batch", head, nan, match="banned")
+        message = _refused(swarm, rogue, middle.node.peer_id, STUBS.micro_batch.of(head), nan, match="banned")
         assert rogue.peer_id[-8:] in message
         assert middle.links.numbering.epoch(after) is None  # its link to stage 2 was not restarted
         (row,) = [r for r in swarm.loop.run(survey(swarm.trainer, run_id)) if r.peer_id == middle.node.peer_id]
@@ -252,7 +254,7 @@ def test_a_peer_trusts_the_first_setup_that_succeeds_and_nobody_else_after(swarm
         pipeline = swarm.pipeline(cfg, run_id, 2, build_data(cfg))
         assert hosted.gate.owner == pipeline.owner.peer_id
         setup.config_digest = hosted.place.digest
-        _refused(swarm, swarm.trainer, peer, "setup", setup, key=stranger.key, match="not by the run's owner")
+        _refused(swarm, swarm.trainer, peer, STUBS.setup.of(setup), key=stranger.key, match="not by the run's owner")
     finally:
         swarm.unhost(run_id)
 
