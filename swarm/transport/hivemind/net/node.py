@@ -142,6 +142,7 @@ class SwarmNode:
         self.settings = settings or Settings()
         self.reach = reach
         self.relay: Relay | None = None  # what it does for peers behind NAT, when it can be dialed itself
+        self.identity: RSAPrivateKey | None = None  # the key its peer id derives from (it signs its accounts)
         # streams to the peers we call, kept for reuse
         streams = self.settings.streams
         self.streams = StreamPool(p2p, streams.keep_idle_s, egress, streams.end_wait_s)
@@ -218,6 +219,7 @@ class SwarmNode:
         reach = Reach(p2p, reachability, initial)
         link = PeerLink(egress, links["uplink"], links["downlink"])
         node = cls(p2p, dht, reach, link, options.settings, owned_by)
+        node.identity = key
         await node._serve_reach(options)
         return node
 

@@ -36,6 +36,7 @@ from swarm.transport.hivemind.routing.handoff import Terms
 from swarm.transport.hivemind.routing.router import RoutingPolicy
 from swarm.transport.hivemind.stage.admission import Admission
 from swarm.transport.hivemind.stage.closing import Closing
+from swarm.transport.hivemind.stage.hop_evidence import HopEvidence
 from swarm.transport.hivemind.stage.parts import StageParts
 from swarm.transport.hivemind.stage.trip import (
     Outcome,
@@ -59,6 +60,7 @@ class Chain:
         self.place, self.state, self.meters, self.work = parts.place, parts.state, parts.meters, parts.work
         self.links, self.handoff, self.pacer, self.sending = parts.links, parts.handoff, pacer, sending
         self.admission = Admission(parts)  # whether the stage takes a micro-batch now
+        self.hop_evidence = HopEvidence(parts.state)  # train.verify: signed accounts of each attempt
         self.egress = parts.place.node.egress  # the node's in-process shaping, or None
         place = self.place
         self.closing = closing  # steps closed on the way: norms reported, decisions applied
@@ -92,6 +94,7 @@ class Chain:
                     metrics=outcome.metrics,
                     route=outcome.route,
                     share_bits=pacer.offer(sender, self._awaiting()),
+                    evidence=outcome.evidence,
                 )
                 flow = pacer.flow(sender)
                 with carrying(flow, len(outcome.payload)):
@@ -136,6 +139,8 @@ class Chain:
                     exact = not self.state.cfg.train.verify_tolerance  # bits, else a norm to compare within it
                     digest = await self.work.run(runtime.held_digest, batch.key, exact)
                     outcome.metrics[f"{DIGEST}{self.place.stage}"] = digest
+                    if self.hop_evidence.kept(batch):
+                        outcome.evidence = await self.work.run(self.hop_evidence.ours, trip, payload, outcome, digest)
         except BaseException:
             if runtime is self.state.runtime and self.attempts.get(batch.key) is trip:
                 self.state.attempts.ended(batch)
@@ -226,8 +231,10 @@ class Chain:
             except BaseException:
                 self._drop_out(target)  # the number we took was never sent
                 raise
+            trip.body_out = resent.payload
             return number, resent.payload
 
+        trip.body_out = message.payload
         last = self.state.cfg.train.micro_batches - 1
         more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
         try:
@@ -245,6 +252,12 @@ class Chain:
                 f"stage {place.stage + 1} replied with kind {result.kind} to a {batch.mode.value} micro-batch"
             )
         links.received[(target, "backward", batch.mode.value)] += len(reply)
+        if self.hop_evidence.kept(batch):
+            try:
+                await work.run(self.hop_evidence.downstream, trip, target, reply, result.evidence)
+            except RemoteError:
+                self._drop_out(target)  # the reply on that link goes undecoded
+                raise
         waited = time.time()
         async with self.ordinals.turn(trip.ticket, max(deadline - time.monotonic(), place.settings.calls.min_budget_s)):
             TRACER.add("wait: backward order", "wait", waited, time.time(), mb=batch.label)

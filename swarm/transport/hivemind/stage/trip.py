@@ -28,6 +28,7 @@ class Outcome:
     payload: bytes = b""
     metrics: dict[str, float] = field(default_factory=dict)
     route: list[str] = field(default_factory=list)
+    evidence: list = field(default_factory=list)  # signed accounts of the attempt (stage.hop_evidence)
 
 
 @dataclass(eq=False, slots=True)
@@ -45,6 +46,11 @@ class Trip:
     used: list = field(default_factory=lambda: [None, None])  # the link ends it computed with (in, out)
     started: float = 0.0  # perf_counter when it was first admitted in link order
     ticket: object = None  # its place in the backward order (`Ordinals`), a training one sent downstream
+    # train.verify (stage.hop_evidence): the activations sent on, the SHA-256s of the payloads exchanged
+    # with the next stage (sent, its reply), and its stage's and later stages' signed accounts
+    body_out: bytes = b""
+    hashes: tuple = (b"", b"")
+    downstream: list = field(default_factory=list)
 
 
 def check_dtype(dtype: torch.dtype, precision: str) -> None:

@@ -29,6 +29,7 @@ from swarm.transport.hivemind.flow.ordering import Numbering
 from swarm.transport.hivemind.routing.handoff import Handoff, Terms
 from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+from swarm.transport.hivemind.trainer.verdict import Accounted, RunAccounts
 from swarm.transport.hivemind.trainer.verify import Verification
 
 
@@ -194,7 +195,8 @@ class Dispatch:
             self.overlapped.add(batch.step)
         self.out[batch.step] += training
         try:
-            frame, _, _ = await handoff.send(batch, record, sent, b"", again, Terms(place.session, carry=carry), inputs)
+            terms = Terms(place.session, carry=carry)
+            frame, first_peer, _ = await handoff.send(batch, record, sent, b"", again, terms, inputs)
         finally:
             self.out[batch.step] -= training
             if not self.out[batch.step]:
@@ -207,6 +209,9 @@ class Dispatch:
                 f"micro-batch {batch.key} came back through {len(result.route)} stages, expected {place.num_stages}"
             )
         metrics = self.closing.heard(batch.step, dict(result.metrics), decision)
+        if training and self.verification is not None:  # what the stages' accounts say of this run
+            metrics = Accounted(metrics)
+            metrics.accounts, metrics.attempt = RunAccounts(first_peer, tuple(result.evidence)), batch.attempt
         if batch.mode is Mode.TRAIN:
             self.position.finished(batch, inputs, result.route, counted=avoid is None)
             for peer_id in result.route:

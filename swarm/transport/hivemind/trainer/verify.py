@@ -36,11 +36,15 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from protocols import carried as envelope
 from protocols.wire_names import DIGEST
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
 from swarm.engine.microbatch import MicroBatch
+from swarm.transport.hivemind.net.meta import carried_of
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
+from swarm.transport.hivemind.trainer.verdict import Expected, Finding, chain_fault, first_divergence
+from swarm.transport.hivemind.trust.evidence import sha256
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +132,28 @@ class Verification:
         avoid = [peer for peer in self.membership.members.get(stage, []) if peer != target]
         again, second_route = await self.run_one((batch, inputs), (stage, avoid))
         first, second = route[stage], second_route[stage]
-        if second == first:  # the stage before did not avoid it: inconclusive
-            return
-        self.checks += 1
-        if self._agree(metrics, again, stage):
-            self._matched(first, second)
-            return
+        accounted = getattr(metrics, "accounts", None) is not None and getattr(again, "accounts", None) is not None
+        if accounted:  # the stages' signed accounts say which peer differed, wherever it is
+            verdict = await self._verdict((batch, inputs), (metrics, again))
+            if verdict is None and second == first:
+                return  # the stage before did not avoid it: inconclusive
+            self.checks += 1
+            if verdict is None:
+                self._matched(first, second)
+                return
+            stage, suspect, why = verdict
+        else:  # a tolerance (kernels that are not deterministic): the checked stage's digests only
+            if second == first:
+                return
+            self.checks += 1
+            if self._agree(metrics, again, stage):
+                self._matched(first, second)
+                return
+            suspect = self._suspect(stage, first, second)
+            theirs, ours = (metrics, again) if suspect == second else (again, metrics)
+            why = self._differed(stage, second if suspect == first else first, ours, theirs)
         self.mismatches += 1
-        suspect = self._suspect(stage, first, second)
-        other = second if suspect == first else first
-        theirs, ours = (metrics, again) if suspect == second else (again, metrics)
-        self._leave_out(stage, suspect, other, batch, ours, theirs)
+        self._leave_out(stage, suspect, f"its result of micro-batch {batch.key}: {why}")
         # its micro-batches, and the checked one (peers on both runs hold the second run's gradients)
         redo = [
             (b, x)
@@ -212,16 +227,51 @@ class Verification:
         order = {peer: members.index(peer) if peer in members else len(members) for peer in (first, second)}
         return max((first, second), key=order.get)
 
-    def _leave_out(self, stage: int, suspect: str, other: str, batch: MicroBatch, ours: dict, theirs: dict) -> None:
-        """`suspect` (whose metrics are `ours`) is out of the session for good."""
-        digest = f"{DIGEST}{stage}"
+    async def _verdict(self, item: Item, runs: tuple) -> tuple[int, str, str] | None:
+        """Whom two runs' accounts convict, as (stage, peer, why), or None when they agree; a tie
+        between two peers of a stage goes to a third run there (else `_suspect`)."""
+        (batch, inputs), place = item, self.place
+        input_sha = sha256(envelope.pack(carried_of(batch, inputs), b""))
+        expected = Expected(place.run_id, batch.step, batch.index, place.num_stages, input_sha)
+        for run in runs:
+            if (fault := chain_fault(run.accounts, run.attempt, expected)) is not None:
+                return fault.stage, fault.peers[0], fault.why
+        finding = first_divergence(runs[0].accounts, runs[1].accounts)
+        if finding is None or len(finding.peers) == 1:
+            return None if finding is None else (finding.stage, finding.peers[0], finding.why)
+        return finding.stage, await self._settle(item, finding, runs, expected), finding.why
+
+    async def _settle(self, item: Item, finding: Finding, runs: tuple, expected: Expected) -> str:
+        """Of two peers of a stage whose runs differ there: the one whose run a trusted third peer's
+        run of the micro-batch does not reproduce (new identities never outvote an incumbent);
+        without one, `_suspect`'s choice."""
+        stage, (first, second) = finding.stage, finding.peers
+        serving = self.membership.serving(stage)
+        if (first in self.trusted) == (second in self.trusted) and (
+            judges := [p for p in serving if p in self.trusted and p not in finding.peers]
+        ):
+            avoid = [peer for peer in serving if peer not in judges]
+            third, route = await self.run_one(item, (stage, avoid))
+            if route[stage] in judges and chain_fault(third.accounts, third.attempt, expected) is None:
+                differ = [first_divergence(run.accounts, third.accounts) is not None for run in runs]
+                if differ == [True, False]:
+                    return first
+                if differ == [False, True]:
+                    return second
+        return self._suspect(stage, first, second)
+
+    @staticmethod
+    def _differed(stage: int, other: str, ours: dict, theirs: dict) -> str:
+        """How a peer's result (`ours`) differed from `other`'s (`theirs`), by digests."""
         shown = ", ".join(
             f"{name} {ours.get(key, float('nan')):.9g} vs {theirs.get(key, float('nan')):.9g}"
-            for name, key in (("gradient digest", digest), ("loss", "loss"))
+            for name, key in (("gradient digest", f"{DIGEST}{stage}"), ("loss", "loss"))
         )
-        why = (
-            f"its result of micro-batch {batch.key} differed from peer {other[-8:]}'s ({shown}); verified, not trusted"
-        )
+        return f"differed from peer {other[-8:]}'s ({shown})"
+
+    def _leave_out(self, stage: int, suspect: str, why: str) -> None:
+        """`suspect` is out of the session for good."""
+        why = f"{why}; verified, not trusted"
         self.place.router.failed(suspect)
         self.membership.convict(stage, suspect, why)
         log.warning("stage %d: peer %s left out: %s", stage, suspect[-8:], why)

@@ -1,4 +1,5 @@
-"""Messages the run's owner signs as a whole (admissions, tokens, step proofs): each carries the
+"""Messages signed as a whole: the run's owner's (admissions, tokens, step proofs), and a stage peer's
+accounts of its micro-batches (trust.evidence): each carries the
 signer's public key and a signature over the rest of it, behind a name of its kind (so a signature
 of one kind is never taken for another)."""
 
@@ -12,6 +13,7 @@ STEP = b"step"  # a step proof: the run is at a step
 DECISION = b"decision"  # a step decision: the owner's word that closes a step (stage.closing)
 ROSTER = b"roster"  # who serves the run, per stage (routing goes only to them)
 MANIFEST = b"manifest"  # the SHA-256s of a snapshot round's copies (a restore takes only those)
+EVIDENCE = b"evidence"  # a stage peer's account of one attempt of a micro-batch (train.verify)
 
 
 def _unsigned(message, kind: bytes) -> bytes:
