@@ -7,6 +7,7 @@ deep inside torch. `--set key.path=value` overrides are applied before validatio
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,8 @@ from swarm.compression.spec import SpecError, parse
 from swarm.config.messages import yaml_problem
 from swarm.config.schedule import DelayCorrection
 from swarm.config.target import Target
+
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # a libp2p peer id in base58 (46 for an RSA key)
 
 LANGUAGE_MODELS = ("transformers", "gpt2")  # the built-in models whose output is a causal LM's logits
 
@@ -185,6 +188,9 @@ class TrainConfig(_Strict):
     # this many of its results matched; only then its work counts unchecked (0: checked at `verify`'s
     # fraction, trusted after its first match). A new identity costs a key, this costs compute.
     verify_probation: int = Field(0, ge=0)
+    # peer ids of verifiers the owner trusts (`python -m peers.verifier`): each serves a stage like a
+    # replica but gets micro-batches only to check another peer's (a stage of one peer is checked too)
+    verifiers: list[str] = Field(default_factory=list, max_length=64)
     # a language model's sample through the pipeline at every Nth evaluation (0: none), printed
     # beside the loss and written to the results (swarm.training.sampling)
     sample_every: int = Field(0, ge=0)
@@ -223,6 +229,17 @@ class TrainConfig(_Strict):
     def _probation_is_verified(self) -> TrainConfig:
         if self.verify_probation and not self.verify:
             raise ValueError("verify_probation checks new peers' results: it needs verify > 0 (the stages' digests)")
+        if self.verifiers and not self.verify:
+            raise ValueError("verifiers check other peers' results: they need verify > 0")
+        if self.verifiers and self.verify_tolerance:
+            raise ValueError(
+                "verifiers compare the stages' signed accounts, which need exact results: verify_tolerance 0"
+            )
+        for peer in self.verifiers:
+            if not _PEER_ID.fullmatch(peer):
+                raise ValueError(
+                    f"verifiers: {peer[:70]!r} is not a peer id (python -m peers.verifier --print_id prints it)"
+                )
         return self
 
 

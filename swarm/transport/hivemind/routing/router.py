@@ -94,6 +94,8 @@ class Router:
         # can announce itself on the DHT, only admitted peers are handed micro-batches
         self.routable = routable or (lambda record: True)
         self.visible = visible or (lambda record: True)  # the peers it may know of at all (a private run's)
+        # the owner's verifiers (train.verifiers): chosen only when no other peer may be
+        self.standby: Callable[[StageRecord], bool] = lambda record: False
         self.refresh_s = settings.dht.lookup_every_s if refresh_s is None else refresh_s
         self.keep_s = settings.dht.lookup_keep_s if keep_s is None else keep_s
         self.policy = RoutingPolicy.of(settings)
@@ -142,6 +144,7 @@ class Router:
                 for r in records
                 if r.peer_id not in exclude and r.ready and session in (None, r.session) and self.routable(r)
             ]
+            usable = [r for r in usable if not self.standby(r)] or usable
             candidates = [r for r in usable if not self.bans.banned(r.peer_id)]
             if candidates:
                 break

@@ -73,6 +73,7 @@ class HostedStage:
         self.pacer = FlowPacer(node.uplink_bits, node.downlink_bits, stage_flows(stage, place.num_stages))
         self.gate = Gate(run_id, stage, node.peer_id, owner)  # who may call it (the run's owner, its members)
         self.router = Router(node, run_id, self._routable)
+        self.router.standby = lambda record: self.gate.verifier(record.peer_id)
         self.handoff = None if place.last else self._handoff()
         if self.handoff is not None:
             self.links.on_restart = self.handoff.restart

@@ -84,6 +84,7 @@ class Membership:
         self._dropped: dict[str, float] = {}  # peer -> DHT time it was left out
         self.convicted: set[str] = set()  # left out for wrong results (trainer.verify): never set up again
         self.epoch = 0  # bumped whenever a member comes or goes: the roster stage peers route by
+        self.verifiers: frozenset[str] = frozenset()  # train.verifiers: members that take checks only
 
     def routable(self, record) -> bool:
         """Whether the trainer hands micro-batches to a record's peer: admitted to this session
@@ -95,7 +96,7 @@ class Membership:
 
     def roster(self) -> pb.Roster:
         """The owner's signed word of who serves which stage now (micro-batches carry it)."""
-        return self.place.owner.roster(self.place.session, self.epoch, self.members)
+        return self.place.owner.roster(self.place.session, self.epoch, self.members, self.verifiers)
 
     def serving(self, stage: int) -> list[str]:
         """The stage's members in service (not still catching up)."""

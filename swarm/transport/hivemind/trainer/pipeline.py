@@ -85,6 +85,8 @@ class SwarmPipeline:
             node, loop, run_id, num_stages, owner, session, router, Retry(node.settings), events
         )
         self.membership = membership = Membership(place)
+        membership.verifiers = frozenset(cfg.train.verifiers)
+        router.standby = lambda record: record.peer_id in membership.verifiers
         self.position = position = Position()
         self.setups = Setups(place, membership, position, config_digest(cfg), cfg.train)
         self._state = "starting"  # training, finished (recovery says when it is paused, and why)

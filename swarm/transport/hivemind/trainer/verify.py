@@ -85,7 +85,7 @@ class Verification:
         self.run_one, self.run_again = run_one, run_again
         self.random = random.SystemRandom()  # the members cannot foresee the owner's picks
         self.incumbents: set[str] | None = None  # the members of the session's start
-        self.trusted: set[str] = set()  # incumbents and peers whose results matched another's
+        self.trusted: set[str] = set(cfg.train.verifiers)  # verifiers, incumbents, peers whose results matched
         self.probation = cfg.train.verify_probation  # every micro-batch of a new peer checked until this many matched
         self.matched: Counter[str] = Counter()  # a peer on probation -> its results that matched a trusted peer's
         self.checks = self.mismatches = 0
@@ -219,7 +219,11 @@ class Verification:
         return abs(x - y) <= self.tolerance * max(abs(x), abs(y), 1e-30)
 
     def _suspect(self, stage: int, first: str, second: str) -> str:
-        """Of two peers that disagree: the one on probation, else the later admitted."""
+        """Of two peers that disagree: the one that is not the owner's verifier, else the one on
+        probation, else the later admitted."""
+        verifiers = self.membership.verifiers
+        if (first in verifiers) != (second in verifiers):
+            return second if first in verifiers else first
         trusted = [peer for peer in (first, second) if peer in self.trusted]
         if len(trusted) == 1:
             return second if trusted[0] == first else first
@@ -247,9 +251,8 @@ class Verification:
         without one, `_suspect`'s choice."""
         stage, (first, second) = finding.stage, finding.peers
         serving = self.membership.serving(stage)
-        if (first in self.trusted) == (second in self.trusted) and (
-            judges := [p for p in serving if p in self.trusted and p not in finding.peers]
-        ):
+        alike = all((first in group) == (second in group) for group in (self.trusted, self.membership.verifiers))
+        if alike and (judges := [p for p in serving if p in self.trusted and p not in finding.peers]):
             avoid = [peer for peer in serving if peer not in judges]
             third, route = await self.run_one(item, (stage, avoid))
             if route[stage] in judges and chain_fault(third.accounts, third.attempt, expected) is None:

@@ -36,6 +36,7 @@ class Gate:
         self.admission: pb.Admission | None = None  # ours, from the setup of the current session
         self.roster: pb.Roster | None = None  # the newest the owner showed us (routing goes only to its peers)
         self._listed: dict[int, set[str]] = {}  # of `roster`: stage -> its peers
+        self._verifiers: set[str] = set()  # of `roster`: the peers that take checks only
 
     def control(self, kind: str, head, auth: pb.Auth, chunk: pb.Chunk) -> None:
         assert kind in OWNER_CALLS
@@ -96,6 +97,7 @@ class Gate:
         self.roster = pb.Roster()
         self.roster.CopyFrom(roster)
         self._listed = {entry.stage: set(entry.peers) for entry in roster.stages}
+        self._verifiers = {peer for entry in roster.stages for peer in entry.verifiers}
 
     def listed(self, stage: int, peer_id: str, session: str) -> bool:
         """Whether the owner's newest roster for `session` has `peer_id` serving `stage` (True
@@ -103,6 +105,10 @@ class Gate:
         if self.roster is None or self.roster.session != session:
             return True
         return peer_id in self._listed.get(stage, ())
+
+    def verifier(self, peer_id: str) -> bool:
+        """Whether the owner's newest roster names `peer_id` a verifier (it takes checks only)."""
+        return peer_id in self._verifiers
 
     def shown(self) -> pb.Admission:
         """Ours, to show with a call (empty before the first setup: the callee refuses it)."""

@@ -60,10 +60,14 @@ class Owner:
             self._proof = seal(self.key, pb.StepProof(run_id=self.run_id, session=session, step=step), STEP)
         return self._proof
 
-    def roster(self, session: str, epoch: int, members: dict[int, list[str]]) -> pb.Roster:
-        """The owner's word that `members` serve `session` as of `epoch` (signed once per epoch)."""
+    def roster(self, session: str, epoch: int, members: dict[int, list[str]], verifiers=()) -> pb.Roster:
+        """The owner's word that `members` serve `session` as of `epoch`, the `verifiers` among them
+        for checks only (signed once per epoch)."""
         if self._roster is None or (self._roster.session, self._roster.epoch) != (session, epoch):
-            stages = [pb.RosterStage(stage=stage, peers=peers) for stage, peers in sorted(members.items())]
+            stages = [
+                pb.RosterStage(stage=stage, peers=peers, verifiers=[p for p in peers if p in verifiers])
+                for stage, peers in sorted(members.items())
+            ]
             roster = pb.Roster(run_id=self.run_id, session=session, epoch=epoch, stages=stages)
             self._roster = seal(self.key, roster, ROSTER)
         return self._roster
