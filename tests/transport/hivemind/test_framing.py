@@ -23,21 +23,18 @@ STEPS = 5
 
 
 def _framer(swarm, cfg, run_id: str, lied: list):
-    """A stage-2 member on a host of its own that computes honestly, except when a micro-batch's
-    head shows it is a check's second run (the `avoid` list): then it computes it with weights
-    shifted a little (finite, well-formed, wrong). The attempts it lied on go into `lied`."""
+    """A stage-2 member on a host of its own that computes honestly, except when a micro-batch comes
+    a second time (a new attempt of a (step, index) it served: a check's second run, or a retry):
+    then it computes it with weights shifted a little (finite, well-formed, wrong). What it lied on
+    goes into `lied`."""
     node, server = swarm.mortal_host()
     hosted = server.host(HostedStage(node, run_id, cfg, 2))
-    checks: set[bytes] = set()
-    run, forward = hosted.chain.run, hosted.work.forward
-
-    async def reading(head, payload, sender):
-        if head.avoid:  # the owner's check, seen by every stage after stage 0
-            checks.add(bytes(head.batch.attempt))
-        return await run(head, payload, sender)
+    seen: set[tuple] = set()
+    forward = hosted.work.forward
 
     def lying(batch, data, ends):
-        if batch.attempt not in checks:
+        if batch.key not in seen:
+            seen.add(batch.key)
             return forward(batch, data, ends)
         lied.append(batch.key)
         weight = next(hosted.runtime.module.parameters())
@@ -50,7 +47,7 @@ def _framer(swarm, cfg, run_id: str, lied: list):
             with torch.no_grad():
                 weight.copy_(kept)  # its own weights back, bit for bit
 
-    hosted.chain.run, hosted.work.forward = reading, lying
+    hosted.work.forward = lying
     swarm.loop.run(server.announcer.announce_now())
     return node, server
 
@@ -59,12 +56,13 @@ def test_a_member_on_a_checked_route_that_answers_the_check_differently_is_left_
     swarm, tmp_path
 ):
     """Stage 1 has two honest incumbents and is the stage checked (every micro-batch, `train.verify`
-    1.0); stage 2 has an honest incumbent, and after step 1 a framer joins it. The stage-1 peers
-    route every check's second run to the framer, which answers it differently: compared by the
-    stage-1 gradient digests alone, the two honest stage-1 peers disagree and the later admitted one
-    was left out. The accounts name stage 2 instead: the framer (on its own, when it served both runs;
-    against the incumbent, as the one not yet trusted) is left out, every honest peer stays, and the
-    losses are one process's."""
+    1.0); stage 2 has an honest incumbent, and after step 1 a framer joins it. Once the stage-1
+    peers see the framer they route everything to it (while it serves), so it serves both runs of
+    every check and answers the second differently: compared by the stage-1 gradient digests alone
+    (as at 21b579e), the two honest stage-1 peers disagree and the later admitted one was left out.
+    The accounts name the first stage whose equal inputs gave other outputs, stage 2, where one peer
+    served both runs: the framer alone is left out, every honest peer stays, and the losses are one
+    process's."""
     cfg = smoke("model.num_stages=3", "train.verify=1.0")
     run_id = uuid.uuid4().hex[:8]
     hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 3), (2, 2)])
@@ -75,13 +73,12 @@ def test_a_member_on_a_checked_route_that_answers_the_check_differently_is_left_
     def join() -> None:
         framer.append(_framer(swarm, cfg, run_id, lied))
         swarm.loop.run(pipeline.router.peers(2, refresh=True))  # the trainer sees it at the next boundary
-        for stage_1 in hosted[1:3]:  # a check's second run goes to the framer once it serves
+        for stage_1 in hosted[1:3]:  # everything goes to the framer while it serves
             choose = stage_1.handoff.choose
 
             async def to_framer(session, exclude=(), choose=choose):
-                if exclude:  # (until this peer's router has seen the framer, to whoever it can)
-                    with contextlib.suppress(NoPeerError):
-                        return await choose(session, [*exclude, honest_stage_2])
+                with contextlib.suppress(NoPeerError):  # (else, to whoever can take it)
+                    return await choose(session, [*exclude, honest_stage_2])
                 return await choose(session, exclude)
 
             stage_1.handoff.choose = to_framer

@@ -28,6 +28,7 @@ from swarm.transport.hivemind.net.calls import Carriage, Exchange, Sending
 from swarm.transport.hivemind.net.meta import address, batch_to_meta, carried_of
 from swarm.transport.hivemind.net.retry import Retry
 from swarm.transport.hivemind.routing.router import NoPeerError, Router
+from swarm.transport.hivemind.trust.check_tokens import avoided
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ class Handoff:
         self.retries = 0  # micro-batches sent again after a failure (metrics)
         self.awaiting = 0  # micro-batches whose replies we wait for (pacing offers) ...
         self.waiting: Counter = Counter()  # ... per peer (routing)
+        self.check_key = b""  # the owner's key for its checks' avoid tokens (trust.check_tokens)
+
+    async def avoided(self, carry: pb.MicroBatchHead | None) -> set[str]:
+        """The next stage's peers the owner's check tokens in `carry` tell us to avoid."""
+        if carry is None or not carry.avoid_tokens or not self.check_key:
+            return set()
+        peers = [record.peer_id for record in await self.router.peers(self.stage)]
+        return avoided(self.check_key, carry.batch.attempt, carry.avoid_tokens, peers)
 
     async def choose(self, session: str, exclude=()) -> StageRecord:
         record = await self.router.choose(
@@ -123,7 +132,7 @@ class Handoff:
         session, deadline, offer, carry = terms.session, terms.deadline, terms.offer, terms.carry
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
-        tried: set[str] = set(carry.avoid) if carry is not None else set()  # (the owner's verification)
+        tried: set[str] = await self.avoided(carry)  # (the owner's verification)
         further: set[str] = set()  # peers that answered DOWNSTREAM once (a second time: another peer)
         target = record.peer_id
         attempt = 0
@@ -220,4 +229,4 @@ def _hand_on(carry: pb.MicroBatchHead, head: pb.MicroBatchHead) -> None:
         if carry.HasField(name):
             getattr(head, name).CopyFrom(getattr(carry, name))
     head.closing = carry.closing
-    head.avoid.extend(carry.avoid)
+    head.avoid_tokens.extend(carry.avoid_tokens)

@@ -193,7 +193,11 @@ class Chain:
                         raise SenderFault(str(e)) from None
                     used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(trip.body)
-                record = None if handoff is None else await handoff.choose(self.state.session_id, head.avoid)
+                record = (
+                    None
+                    if handoff is None
+                    else await handoff.choose(self.state.session_id, await handoff.avoided(head))
+                )
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
                     if batch.mode is Mode.TRAIN:

@@ -160,6 +160,8 @@ class HostedStage:
                 state.follow(joining)
                 joining.start(list(request.sources))
         self.gate.set_up(request)
+        if self.handoff is not None:  # the owner's checks name the peers we must avoid with it
+            self.handoff.check_key = bytes(request.check_key)
         tied = [
             pb.TiedParam(
                 first_stage=t.first[0], first_name=t.first[1], second_stage=t.second[0], second_name=t.second[1]

@@ -31,6 +31,7 @@ from swarm.transport.hivemind.trainer.closing import StepClosing
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.verdict import Accounted, RunAccounts
 from swarm.transport.hivemind.trainer.verify import Verification
+from swarm.transport.hivemind.trust.check_tokens import avoid_tokens
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,16 @@ class Dispatch:
         self.closing.rerun()  # peers that ran it twice hold the second run's gradients: the rounds count
         return await self._one(*item, asyncio.Lock(), 0, avoid)
 
+    def _avoid_tokens(self, batch: MicroBatch, avoid: tuple[int, list[str]] | None) -> list[bytes]:
+        """train.verify: tokens that tell the peers of the stage before the checked one which peers
+        to avoid (none for stage 0's: we choose those); every training micro-batch has some."""
+        if self.verification is None:
+            return []
+        stage, peers = avoid if avoid else (0, [])
+        place = self.place
+        keys = [place.owner.check_keys.of(place.session, q) for q in self.membership.members.get(stage - 1, [])]
+        return avoid_tokens(keys if stage else [], batch.attempt, peers)
+
     async def _run_again(self, items) -> list[dict]:
         return await self._run_many(items, again=True)
 
@@ -186,7 +197,7 @@ class Dispatch:
             step_proof=place.owner.step_proof(place.session, batch.step),
             roster=self.membership.roster(),
             closing=closing,
-            avoid=avoid[1] if avoid else [],
+            avoid_tokens=self._avoid_tokens(batch, avoid) if batch.mode is Mode.TRAIN else [],
         )
         if decision is not None and decision.ByteSize():
             carry.decision.CopyFrom(decision)

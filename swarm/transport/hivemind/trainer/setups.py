@@ -51,6 +51,7 @@ class Setups:
             session=place.session,
             sources=sources,
             admission=place.owner.admit(place.session, peer_id, stage),
+            check_key=place.owner.check_keys.of(place.session, peer_id),
         )
         if peer_id in self.membership.members.get(stage, []):  # its sources check the roster lists it
             request.head.roster.CopyFrom(self.membership.roster())

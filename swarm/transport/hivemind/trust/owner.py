@@ -9,6 +9,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from protocols import stage_pb2 as pb
 from swarm.transport.hivemind.trust import tokens
 from swarm.transport.hivemind.trust.admissions import Admissions, issue
+from swarm.transport.hivemind.trust.check_tokens import CheckKeys
 from swarm.transport.hivemind.trust.keys import own_peer_id
 from swarm.transport.hivemind.trust.sealed import DECISION, ROSTER, STEP, seal
 
@@ -27,6 +28,7 @@ class Owner:
         self._ignored: set[str] = set()  # peers refused (said once)
         self._proof: pb.StepProof | None = None
         self._roster: pb.Roster | None = None
+        self.check_keys = CheckKeys()  # each member's key for the avoid tokens of our checks
 
     def allows(self, record) -> bool:
         """Whether the run may take this announced peer: any (an open run), or one allowed by name or
