@@ -160,6 +160,7 @@ def test_lab_with_two_replicas_of_a_stage_from_the_start_keeps_one_process_bit_f
     out = finished.done
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[trainer] run '" in out.stdout and "stage 0: 1 peer(s), stage 1: 2 peer(s)" in out.stdout, out.stdout
+    assert "Ctrl-C again" not in out.stdout, out.stdout[-3000:]  # a replica, too, leaves an ended run at once
     (stages,) = [r for r in read_results(results) if r["type"] == "stages"]
     ran = sorted((s["stage"], s["samples"] > 0) for s in stages["stages"])
     assert ran == [(0, True), (1, True), (1, True)], stages  # both replicas of stage 1 ran micro-batches

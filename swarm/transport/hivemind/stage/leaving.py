@@ -81,10 +81,12 @@ async def drain(parts: StageParts, router: Router, rounds: StageRounds, say: Cal
     if state.runtime is None or state.joining is not None:
         return
     told = False
-    while not await others_serving(place, state, router):
-        if over := await run_over(place, rounds, meters, owner):
+    while True:
+        if over := await run_over(place, rounds, meters, owner):  # (a replica at a lab's end too)
             say(f"stage {place.stage}: {over}; leaving now")
             return  # nothing will call it again: no micro-batch or gradient of it is awaited
+        if await others_serving(place, state, router):
+            break
         if not told:
             say(
                 f"stage {place.stage}: no other peer serves this stage; leaving now would stop run {place.run_id!r}. "
