@@ -66,21 +66,24 @@ def test_honest_runs_through_other_peers_agree_and_convict_nobody(keys):
     assert first_divergence(a, b) is None
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_a_peer_elsewhere_on_the_second_route_that_answers_differently_is_found_not_the_checked_stage(keys, direction):
-    """The framing case: stage 1 is checked (peers 1 and 3); stage 2's peer answers the second run
-    differently. The first stage whose equal inputs gave other outputs is stage 2, and when one peer
-    served both runs there, it alone is named."""
+def test_a_framer_elsewhere_on_both_routes_is_found_alone_not_the_checked_stage(keys):
+    """Stage 1 is checked (peers 1 and 3); stage 2's peer, on both routes, sends other gradients in
+    the second run: the first stage whose equal inputs gave other outputs is stage 2, and one peer
+    served both runs there: it alone."""
     a = _run(keys[:3], b"a")
-    b = _run([keys[0], keys[3], keys[2]], b"b", {2: direction} if direction == "backward" else {})
-    if direction == "forward":  # a stage 1 peer of the second run sends other activations
-        b = _run([keys[0], keys[3], keys[2]], b"b", {1: "forward"})
-        finding = first_divergence(a, b)
-        assert finding.stage == 1 and set(finding.peers) == {_peer(keys[1]), _peer(keys[3])}
-        return
+    b = _run([keys[0], keys[3], keys[2]], b"b", {2: "backward"})
     finding = first_divergence(a, b)
     assert finding.stage == 2 and finding.peers == (_peer(keys[2]),), finding
     assert "two different results for the same inputs" in finding.why
+
+
+def test_two_peers_of_a_stage_that_differ_on_equal_inputs_are_named_together(keys):
+    """A stage-1 peer of the second run sends other activations: stage 1, between its two peers (a
+    third run decides which; trainer.verify)."""
+    a = _run(keys[:3], b"a")
+    b = _run([keys[0], keys[3], keys[2]], b"b", {1: "forward"})
+    finding = first_divergence(a, b)
+    assert finding.stage == 1 and set(finding.peers) == {_peer(keys[1]), _peer(keys[3])}
 
 
 def test_an_account_changed_on_the_way_back_convicts_the_peer_that_passed_it_on(keys):
