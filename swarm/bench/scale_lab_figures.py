@@ -10,9 +10,14 @@ peak memory, it takes
   over hivemind in a group of that stage's replicas; without, the local gradients' set alone;
 - the bytes per sample of every boundary (payload) and what the links counted (`wire_overhead`:
   the stage peers' link bytes over their payload bytes, framing, TLS, ACKs and DHT traffic);
+- how the stage peers' links ran (swarm.bench.scale_lab_links): busy fraction, payload rate while
+  sending;
 - the model's samples/s for the same swarm (`swarm.bench.scale_lab.lab_samples_per_s`) with the
-  compute and payloads measured, each payload taking 1 / PAYLOAD_SHARE of its bytes on a link:
-  the peers pace their payload at that share of the link, the rest left to framing and ACKs.
+  compute, the payloads and the links' payload rate while sending measured (`sending_share` of the
+  link, at most PAYLOAD_SHARE: the peers pace their payload at that share, the rest left to
+  framing and ACKs; below it on a busy machine, the pacer and daemons late for a core), and at
+  PAYLOAD_SHARE (`model_paced_samples_per_s`). The model's own part is the schedule: routing,
+  window, fill and drain, averaging.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s
+from swarm.bench.scale_lab_links import link_use, steady_window
 from swarm.bench.throughput_figures import WARMUP_STEPS, RunLinks, measure_run, step_round_trips
 from swarm.transport.hivemind.flow.pacing import PAYLOAD_SHARE
 
@@ -96,6 +102,33 @@ def gather_seconds(timelines: dict[str, dict], stages: int, measured_from: int) 
     return [statistics.fmean(spans[s]) if s in spans else None for s in range(stages)]
 
 
+def links_used(run: LabRun, point: LabPoint, figures: dict, micro_batch: float) -> dict[str, list[float]]:
+    """Over the stage peers: the least and most of their links' busy fraction and payload Mbit/s
+    while sending (swarm.bench.scale_lab_links); empty without the trainer's timeline."""
+    try:
+        window = steady_window(run.timelines.get("trainer", {"traceEvents": []}), WARMUP_STEPS)
+    except ValueError:  # no trainer's timeline of the steps
+        return {}
+    forward, backward = figures["forward_bytes"], figures["backward_bytes"]
+    uses = []
+    for name, trace in run.timelines.items():
+        if name.startswith("stage"):
+            stage = int(name.removeprefix("stage").split(".", 1)[0])
+            payload = {
+                "forward": forward[stage] * micro_batch if stage < point.stages - 1 else 0.0,
+                "backward": backward[stage - 1] * micro_batch if stage else 0.0,
+            }
+            uses.append(link_use(trace, window, stage, payload))
+    busy, rates = [u.busy for u in uses], [u.payload_bits_per_s / 1e6 for u in uses if u.busy > 0]
+    if not rates:
+        return {}
+    return {
+        "link_busy": [round(min(busy), 2), round(max(busy), 2)],
+        "sending_mbit": [round(min(rates), 2), round(max(rates), 2)],
+        "sending_share": round(statistics.fmean(rates) / point.bandwidth_mbit, 3),
+    }
+
+
 def wire_overhead(
     wire: dict[str, list[float]] | None, forward: list[float], backward: list[float], point: LabPoint
 ) -> float:
@@ -139,8 +172,13 @@ def lab_row(point: LabPoint, run: LabRun, params: StageParams) -> dict:
     overhead = wire_overhead(
         figures["wire_bytes_per_sample"], figures["forward_bytes"], figures["backward_bytes"], point
     )
-    model = lab_samples_per_s(model_setup(point, figures, params, train, 1 / PAYLOAD_SHARE))
-    routed = micro_batches_per_replica(run.rows, train["batch_size"] / train["micro_batches"])
+    micro_batch = train["batch_size"] / train["micro_batches"]
+    used = links_used(run, point, figures, micro_batch)
+    # a link's payload rate while it sends: what the peers measured, at most what they pace at
+    share = min(PAYLOAD_SHARE, used.get("sending_share", PAYLOAD_SHARE))
+    model = lab_samples_per_s(model_setup(point, figures, params, train, 1 / share))
+    paced = lab_samples_per_s(model_setup(point, figures, params, train, 1 / PAYLOAD_SHARE))
+    routed = micro_batches_per_replica(run.rows, micro_batch)
     gathers = gather_seconds(run.timelines, point.stages, WARMUP_STEPS)
     replicated = [s for s in range(point.stages) if point.replicas[s] > 1]
     stage_memory = [m for name, m in run.memory.items() if name.startswith("stage")]
@@ -166,6 +204,8 @@ def lab_row(point: LabPoint, run: LabRun, params: StageParams) -> dict:
         "allreduce_s": round(max(gathers[s] or 0.0 for s in replicated), 3) if replicated else None,
         "allreduce_group": max((point.replicas[s] for s in replicated), default=1),
         "wire_overhead": round(overhead, 3),
+        **used,
+        "model_paced_samples_per_s": round(paced, 3),
         "forward_bytes": [round(b) for b in figures["forward_bytes"]],
         "stage_ms_per_sample": [round(ms, 2) for ms in figures["stage_ms_per_sample"]],
         "machine_busy": None if figures["machine_busy"] is None else round(figures["machine_busy"], 2),

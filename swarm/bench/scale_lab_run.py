@@ -47,6 +47,7 @@ class ScaleLabPlan:
     delay_ms: float = 0.0
     seconds: float = 60.0
     overrides: list[str] = field(default_factory=list)
+    stamp: dict = field(default_factory=dict)  # what ran: the commit and date, kept with each run
 
 
 def stage_params(config: str, overrides: list[str]) -> StageParams:
@@ -113,17 +114,17 @@ class PeakMemory:
 
 
 def run_point(plan: ScaleLabPlan, stages: int, replicas: str, directory: Path, log: Callable[[str], None]) -> dict:
-    """One point's row (RuntimeError if its run failed)."""
+    """One point's row (RuntimeError if its run failed); its run's files stay in `directory`."""
     point = LabPoint(stages, parse_replicas(replicas, stages), plan.bandwidth_mbit, plan.delay_ms)
     overrides = [*plan.overrides, f"model.num_stages={stages}"]
     steps = steps_for(plan, point, overrides)
-    results, trace = directory / f"{stages}x{replicas}.jsonl", directory / f"{stages}x{replicas}.trace.json"
+    stem = directory / f"{stages}x{replicas}"
     run = RunOptions(
-        str(results),
+        f"{stem}.jsonl",
         steps,
         list(plan.overrides),
         trainer_args=["--timeout", "900"],
-        trace=str(trace),
+        trace=f"{stem}.trace.json",
         replicas=replicas,
     )
     links = LinkOptions(f"{plan.bandwidth_mbit}mbit", f"{plan.delay_ms}ms" if plan.delay_ms else None, probe=False)
@@ -132,21 +133,52 @@ def run_point(plan: ScaleLabPlan, stages: int, replicas: str, directory: Path, l
     load = os.getloadavg()[0]
     with PeakMemory(lab) as memory:
         code = lab.run()
-    load = [round(load, 1), round(os.getloadavg()[0], 1)]  # the machine is shared: busy or not, said beside
     if code != 0:
         raise RuntimeError(f"the lab run of {stages} stages, replicas {replicas} failed (exit code {code})")
-    timelines = {p.stem: json.loads(p.read_text()) for p in Path(f"{trace}.parts").glob("*.json")}
-    measured = LabRun(read_results(results), timelines, memory.peaks, input_bytes_per_sample(plan.config, overrides))
-    return {**lab_row(point, measured, stage_params(plan.config, overrides)), "load": load}
+    about = {
+        "point": [stages, replicas],
+        "memory": memory.peaks,
+        "load": [round(load, 1), round(os.getloadavg()[0], 1)],
+    }
+    Path(f"{stem}.lab.json").write_text(json.dumps(about))
+    return kept_row(plan, Path(f"{stem}.lab.json"))
 
 
-def run_scale_lab(plan: ScaleLabPlan, log: Callable[[str], None] = print) -> list[dict]:
-    """Every point's row, in `plan.points`' order."""
+def kept_row(plan: ScaleLabPlan, about: Path) -> dict:
+    """The row of a run kept in `about`'s directory (`run_point`'s files): the model beside it as the
+    code has it now. The load before and after the run is the machine's: it is shared."""
+    kept = json.loads(about.read_text())
+    stages, replicas = kept["point"]
+    point = LabPoint(stages, parse_replicas(replicas, stages), plan.bandwidth_mbit, plan.delay_ms)
+    overrides = [*plan.overrides, f"model.num_stages={stages}"]
+    stem = about.parent / f"{stages}x{replicas}"
+    timelines = {p.stem: json.loads(p.read_text()) for p in Path(f"{stem}.trace.json.parts").glob("*.json")}
+    run = LabRun(
+        read_results(f"{stem}.jsonl"), timelines, kept["memory"], input_bytes_per_sample(plan.config, overrides)
+    )
+    return {**lab_row(point, run, stage_params(plan.config, overrides)), "load": kept["load"], **kept["stamp"]}
+
+
+def run_scale_lab(plan: ScaleLabPlan, keep: str | None = None, log: Callable[[str], None] = print) -> list[dict]:
+    """Every point's row, in `plan.points`' order; the runs' files kept in `keep` (None: not kept)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="hivepipe-scale-lab-") as tmp:
+        directory = Path(keep or tmp)
+        directory.mkdir(parents=True, exist_ok=True)
         for stages, replicas in plan.points:
-            rows.append(row := run_point(plan, stages, replicas, Path(tmp), log))
+            rows.append(row := run_point(plan, stages, replicas, directory, log))
             log(row_line(row))
+    return rows
+
+
+def kept_rows(plan: ScaleLabPlan, directory: str) -> list[dict]:
+    """The rows of the runs kept in `directory` (`run_scale_lab`'s `keep`), in `plan.points`' order."""
+    rows = []
+    for stages, replicas in plan.points:
+        about = Path(directory) / f"{stages}x{replicas}.lab.json"
+        if not about.exists():
+            raise RuntimeError(f"{about}: no kept run of {stages} stages, replicas {replicas}")
+        rows.append(kept_row(plan, about))
     return rows
 
 

@@ -14,10 +14,15 @@ def table(rows: list[dict]) -> str:
         averaging = f"{r['allreduce_s']:.2f} ({r['allreduce_group']})" if r["allreduce_s"] is not None else "-"
         gathers = ", ".join("-" if g is None else f"{g:.2f}" for g in r["gather_s"])
         load = "-" if not r.get("load") else f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
+        memory = (
+            "-"
+            if r["rss_mib_per_peer"] is None
+            else f"{r['rss_mib_per_peer']:.0f} ({r['private_mib_per_peer']:.0f}, {r['p2pd_rss_mib_per_peer']:.0f})"
+        )
         lines.append(
             f"| {r['stages']} | {r['replicas']} | {r['peers']} | {r['bandwidth_mbit']:g} | {r['samples_per_s']:.2f} | "
             f"{r['model_samples_per_s']:.2f} | {100 * r['model_error']:+.0f}% | {routed} | {averaging} | {gathers} | "
-            f"{r['wire_overhead']:.3f} | {r['rss_mib_per_peer']:.0f} ({r['private_mib_per_peer']:.0f}, {r['p2pd_rss_mib_per_peer']:.0f}) | {load} |"
+            f"{r['wire_overhead']:.3f} | {memory} | {load} |"
         )
     return "\n".join(lines)
 

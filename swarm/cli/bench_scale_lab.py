@@ -34,6 +34,10 @@ def add_parser(which, positive_int, non_negative_float) -> None:
     lab.add_argument(
         "--seconds", type=non_negative_float, default=60.0, help="about this long of steady steps per point"
     )
+    lab.add_argument("--keep", help="keep every run's results, timelines and memory in this directory")
+    lab.add_argument(
+        "--from_kept", metavar="DIR", help="no runs: the rows of the runs kept in DIR (--keep), the model as it is now"
+    )
     lab.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     lab.add_argument(
         "--json", default="docs/bench/scale.json", help="rows written here, the model's kept ('' for none)"
@@ -67,15 +71,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    plan = scale_lab_run.ScaleLabPlan(args.config, points, args.bandwidth, args.delay, args.seconds, list(args.set))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stamp = {"commit": commit, "date": time.strftime("%Y-%m-%d"), "config": args.config}
+    plan = scale_lab_run.ScaleLabPlan(
+        args.config, points, args.bandwidth, args.delay, args.seconds, list(args.set), stamp
+    )
     try:
-        rows = scale_lab_run.run_scale_lab(plan, lambda line: print(line, flush=True))
+        if args.from_kept:  # each row says the commit and date of its run
+            rows = scale_lab_run.kept_rows(plan, args.from_kept)
+        else:
+            rows = scale_lab_run.run_scale_lab(plan, args.keep, lambda line: print(line, flush=True))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    stamp = {"commit": commit, "date": time.strftime("%Y-%m-%d"), "config": args.config}
-    rows = [{**row, **stamp} for row in rows]
     print(scale_lab_table.table(rows))
     for line in scale_lab_table.scaling(rows):
         print(line)
@@ -86,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         scale_lab_table.plot(
             rows,
             args.plot,
-            f"scale lab: {args.config}, {args.bandwidth:g} Mbit/s links (commit {commit}, {stamp['date']})",
+            f"scale lab: {args.config}, {args.bandwidth:g} Mbit/s links (commit {rows[0]['commit']}, {rows[0]['date']})",
         )
         print(f"plot in {args.plot}")
     return 0

@@ -9,6 +9,7 @@ import pytest
 
 from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s
 from swarm.bench.scale_lab_figures import LabPoint, LabRun, StageParams, lab_row
+from swarm.bench.scale_lab_links import link_use, steady_window, union_s
 from swarm.bench.scale_lab_run import stage_params, write_lab_rows
 from swarm.bench.scale_lab_table import scaling, table
 from swarm.cli.bench_scale_lab import parse_points
@@ -114,3 +115,19 @@ def test_points_parse_and_the_stages_parameters_are_the_model_s():
     params = stage_params("configs/bench/scale-lab.yaml", ["model.num_stages=2"])
     assert len(params.param_bytes) == 2 and all(b > 0 for b in params.param_bytes)
     assert params.tensors[0] == 2  # the stem's 1x1 convolution: weight and bias
+
+
+def test_a_peer_s_link_use_is_its_sending_time_and_payload_rate_in_the_steady_steps():
+    assert union_s([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(4.0)
+    trainer = {
+        "traceEvents": [{"name": f"step {i}", "ph": "X", "ts": 1e6 * (10 * i + 9), "dur": 1e6} for i in range(3)]
+    }
+    assert steady_window(trainer, 1) == (10.0, 30.0)
+    thread = {"name": "thread_name", "ph": "M", "tid": 3, "args": {"name": "send to stage2 ab12"}}
+    back = {"name": "thread_name", "ph": "M", "tid": 4, "args": {"name": "send to stage0 cd34"}}
+    sends = [{"name": "send", "ph": "X", "tid": 3, "ts": 1e6 * t, "dur": 2e6} for t in (5, 12, 13, 20)]
+    sends.append({"name": "send", "ph": "X", "tid": 4, "ts": 25e6, "dur": 1e6})
+    use = link_use({"traceEvents": [thread, back, *sends]}, (10.0, 30.0), 1, {"forward": 1e6, "backward": 5e5})
+    # in the window: 12-15 (two forwards overlapping), 20-22, 25-26 (a backward): 6 of 20 s
+    assert use.busy == pytest.approx(6 / 20)
+    assert use.payload_bits_per_s == pytest.approx(8 * (3 * 1e6 + 5e5) / 6)
