@@ -4,10 +4,13 @@ run's results, timelines and memory as a row of docs/bench/scale.json with the m
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s
+from swarm.bench.fluid_records import StaleRecords
+from swarm.bench.fluid_swarm import Routing, simulate_swarm
+from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s, lab_step
 from swarm.bench.scale_lab_figures import LabPoint, LabRun, StageParams, lab_row
 from swarm.bench.scale_lab_links import link_use, steady_window, union_s
 from swarm.bench.scale_lab_run import stage_params, write_lab_rows
@@ -131,3 +134,33 @@ def test_a_peer_s_link_use_is_its_sending_time_and_payload_rate_in_the_steady_st
     # in the window: 12-15 (two forwards overlapping), 20-22, 25-26 (a backward): 6 of 20 s
     assert use.busy == pytest.approx(6 / 20)
     assert use.payload_bits_per_s == pytest.approx(8 * (3 * 1e6 + 5e5) / 6)
+
+
+def test_senders_read_records_as_old_as_the_dht_s():
+    state = {"a": (3, 10.0), "b": (0, 20.0)}
+    records = StaleRecords(announce_s=5.0, lookup_s=5.0, now=lambda name: state[name])
+    # a stage's replicas announce at 1.25 s and 3.75 s, then every 5 s; a first lookup sees the step's start
+    assert records.read("trainer", ["a", "b"], 0.0) == {"a": (0, 0.0), "b": (0, 0.0)}
+    assert records.read("trainer", ["a", "b"], 4.0) == {"a": (0, 0.0), "b": (0, 0.0)}  # looked up at 0 s
+    assert records.read("stage0", ["a", "b"], 4.0) == state  # another sender's first lookup: both announced
+    state["a"] = (9, 1.0)
+    assert records.read("trainer", ["a", "b"], 5.0)["a"] == (3, 10.0)  # a's next record is due at 6.25 s
+    live = StaleRecords(0.0, 0.0, now=lambda name: state[name])
+    assert live.read("trainer", ["a", "b"], 0.0) == state
+
+
+def test_sticky_senders_on_stale_records_cost_a_link_bound_stage_s_replicas_their_share():
+    def samples_per_s(replicas: int, routing: Routing) -> float:
+        wire = BOUNDARY / PAYLOAD_SHARE
+        setup = LabSetup(
+            2, replicas, 10.0, 0.0, [2.0, 2.5], LabTraffic([wire], [wire], 12_300.0), LabTrain(256, 64, 48)
+        )
+        return 256 / simulate_swarm(replace(lab_step(setup), routing=routing)).step_s
+
+    one = samples_per_s(1, Routing())
+    as_coded, ideal = (
+        samples_per_s(4, Routing()),
+        samples_per_s(4, Routing(announce_s=0.0, lookup_s=0.0, keep_factor=1.0)),
+    )
+    assert ideal >= 0.8 * 4 * one  # current records, no stickiness: close to four replicas' links
+    assert as_coded < 0.85 * ideal  # the code's routing: micro-batches pile on one replica at a time
