@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_samples_per_s
+from swarm.bench.scale_lab import LabSetup, LabTraffic, LabTrain, lab_averaging_s, lab_samples_per_s
 from swarm.bench.scale_lab_links import link_use, steady_window
 from swarm.bench.throughput_figures import WARMUP_STEPS, RunLinks, measure_run, step_round_trips
 from swarm.transport.hivemind.flow.pacing import PAYLOAD_SHARE
@@ -176,7 +176,8 @@ def lab_row(point: LabPoint, run: LabRun, params: StageParams) -> dict:
     used = links_used(run, point, figures, micro_batch)
     # a link's payload rate while it sends: what the peers measured, at most what they pace at
     share = min(PAYLOAD_SHARE, used.get("sending_share", PAYLOAD_SHARE))
-    model = lab_samples_per_s(model_setup(point, figures, params, train, 1 / share))
+    setup = model_setup(point, figures, params, train, 1 / share)
+    model = lab_samples_per_s(setup)
     paced = lab_samples_per_s(model_setup(point, figures, params, train, 1 / PAYLOAD_SHARE))
     routed = micro_batches_per_replica(run.rows, micro_batch)
     gathers = gather_seconds(run.timelines, point.stages, WARMUP_STEPS)
@@ -202,6 +203,7 @@ def lab_row(point: LabPoint, run: LabRun, params: StageParams) -> dict:
         "micro_batches_per_replica": {str(s): counts for s, counts in routed.items()},
         "gather_s": [None if g is None else round(g, 3) for g in gathers],
         "allreduce_s": round(max(gathers[s] or 0.0 for s in replicated), 3) if replicated else None,
+        "model_allreduce_s": round(lab_averaging_s(setup), 3),
         "allreduce_group": max((point.replicas[s] for s in replicated), default=1),
         "wire_overhead": round(overhead, 3),
         **used,

@@ -137,6 +137,7 @@ def run_point(plan: ScaleLabPlan, stages: int, replicas: str, directory: Path, l
         raise RuntimeError(f"the lab run of {stages} stages, replicas {replicas} failed (exit code {code})")
     about = {
         "point": [stages, replicas],
+        "stamp": plan.stamp,
         "memory": memory.peaks,
         "load": [round(load, 1), round(os.getloadavg()[0], 1)],
     }

@@ -6,23 +6,28 @@ from __future__ import annotations
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| stages | replicas | stage peers | Mbit/s | samples/s | model | model off by | micro-batches per replica | all-reduce s (group) | gather s per stage | wire overhead | peak RSS MiB per stage peer (private, p2pd) | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| stages | replicas | stage peers | samples/s | model | model off by | micro-batches per replica | links busy | payload Mbit/s sending | all-reduce s, lab / model (group) | peak RSS MiB per stage peer (private; p2pd RSS) | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         routed = "; ".join("/".join(map(str, c)) for c in r["micro_batches_per_replica"].values())
-        averaging = f"{r['allreduce_s']:.2f} ({r['allreduce_group']})" if r["allreduce_s"] is not None else "-"
-        gathers = ", ".join("-" if g is None else f"{g:.2f}" for g in r["gather_s"])
+        averaging = (
+            f"{r['allreduce_s']:.2f} / {r['model_allreduce_s']:.2f} ({r['allreduce_group']})"
+            if r["allreduce_s"] is not None
+            else "-"
+        )
+        busy, sending = r.get("link_busy"), r.get("sending_mbit")
         load = "-" if not r.get("load") else f"{r['load'][0]:.1f}-{r['load'][1]:.1f}"
         memory = (
             "-"
             if r["rss_mib_per_peer"] is None
-            else f"{r['rss_mib_per_peer']:.0f} ({r['private_mib_per_peer']:.0f}, {r['p2pd_rss_mib_per_peer']:.0f})"
+            else f"{r['rss_mib_per_peer']:.0f} ({r['private_mib_per_peer']:.0f}; {r['p2pd_rss_mib_per_peer']:.0f})"
         )
         lines.append(
-            f"| {r['stages']} | {r['replicas']} | {r['peers']} | {r['bandwidth_mbit']:g} | {r['samples_per_s']:.2f} | "
-            f"{r['model_samples_per_s']:.2f} | {100 * r['model_error']:+.0f}% | {routed} | {averaging} | {gathers} | "
-            f"{r['wire_overhead']:.3f} | {memory} | {load} |"
+            f"| {r['stages']} | {r['replicas']} | {r['peers']} | {r['samples_per_s']:.2f} | "
+            f"{r['model_samples_per_s']:.2f} | {100 * r['model_error']:+.0f}% | {routed} | "
+            f"{f'{busy[0]:.2f}-{busy[1]:.2f}' if busy else '-'} | {f'{sending[0]:.1f}-{sending[1]:.1f}' if sending else '-'} | "
+            f"{averaging} | {memory} | {load} |"
         )
     return "\n".join(lines)
 

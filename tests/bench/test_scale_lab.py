@@ -92,7 +92,7 @@ def test_a_lab_run_becomes_a_row_with_the_model_s_prediction_for_the_same_swarm(
     )
     assert row["model_samples_per_s"] == pytest.approx(lab_samples_per_s(setup), rel=1e-3)
     assert row["model_error"] == pytest.approx(row["model_samples_per_s"] / row["samples_per_s"] - 1, abs=2e-3)
-    assert "| 2 | 2 | 4 | 10 |" in table([{**row, "load": [1.0, 2.0]}])
+    assert "| 2 | 2 | 4 | 12.80 |" in table([{**row, "load": [1.0, 2.0]}])
 
 
 def test_lab_rows_replace_their_own_keep_the_model_s_and_scaling_is_per_added_replica(tmp_path):
