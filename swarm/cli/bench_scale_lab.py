@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         scale_lab_table.plot(
             rows,
             args.plot,
-            f"scale lab: {args.config}, {args.bandwidth:g} Mbit/s links (commit {rows[0]['commit']}, {rows[0]['date']})",
+            f"scale lab: {args.config}, {args.bandwidth:g} Mbit/s links (commit {', '.join(dict.fromkeys(r['commit'] for r in rows))}, {rows[0]['date']})",
         )
         print(f"plot in {args.plot}")
     return 0
