@@ -6,12 +6,15 @@ come back the same way (a sender awaits its receiver's reply: swarm.transport.hi
 .handoff). Each sender chooses the next stage's replica as the trainer's routing policy does
 (`RoutingPolicy` in swarm.transport.hivemind.routing.router): a replica's score is its throughput
 over one plus its queue (the micro-batches inside it) and the micro-batches this sender awaits of
-it; the best wins, ties broken at random. The throughput a replica announces is a moving average
-of its micro-batches' rates through its own compute (forward and backward seconds, waiting for its
-computing thread included, not for links). On a link whose codecs keep state (error feedback) the
-sender counts the queue only and keeps its replica unless another scores `keep_factor` times
-higher. The model reads throughputs and queues as they are; the real ones come from DHT records
-up to `announce_every_s` old.
+it (on a link whose codecs keep state, error feedback, the queue only); the best wins, ties broken
+at random, but a sender keeps the replica it chose last unless another scores `keep_factor` times
+higher (`Handoff.sticky`, whatever the codecs). The throughput a replica announces is a moving
+average of its micro-batches' rates through its own compute (forward and backward seconds, waiting
+for its computing thread included, not for links). Throughputs and queues are read as the DHT has
+them (swarm.bench.fluid_records), up to `announce_s + lookup_s` old; a sender's own awaited count
+is always fresh. Stale queues
+and stickiness together make a sender pile micro-batches on one replica while another, whose record
+still shows an old queue, idles (measured in the lab: docs/bench/scale.md).
 
 Links: a transfer from A to B crosses A's up link and B's down link, which share their rates among
 the transfers crossing them max-min fairly in proportion to the transfers' sizes (as the peers'
@@ -32,6 +35,8 @@ import random
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from swarm.bench.fluid_records import StaleRecords
 
 _EPS = 1e-12
 TRAINER = "trainer"
@@ -80,6 +85,8 @@ class Routing:
     keep_factor: float = 2.0  # settings.routing.route_keep_factor
     smoothing: float = 0.1  # settings.routing.throughput_smoothing
     seed: int = 0  # ties between equal scores are broken at random
+    announce_s: float = 5.0  # settings.dht.announce_every_s (0: records always current)
+    lookup_s: float = 5.0  # settings.dht.lookup_every_s (0: a sender reads the records at every choice)
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,9 @@ class _Step:
         self.awaited: dict[tuple[str, str], int] = defaultdict(int)  # (sender, receiver): replies awaited
         self.inside: dict[str, int] = defaultdict(int)  # micro-batches in a replica (its queue)
         self.sticky: dict[str, str] = {}
+        self.records = StaleRecords(
+            m.routing.announce_s, m.routing.lookup_s, lambda n: (self.inside[n], self.throughput[n])
+        )
         self.throughput: dict[str, float] = defaultdict(float)  # what each replica announces (0: not measured)
         self.routed: dict[str, int] = dict.fromkeys(self.compute_s, 0)
         self.rng = random.Random(m.routing.seed)
@@ -253,17 +263,18 @@ class _Step:
         names = [self.m.name(stage, r) for r in range(len(self.m.stages[stage]))]
         if len(names) == 1:
             return names[0]
-        measured = sorted(self.throughput[n] for n in names if self.throughput[n] > 0)
+        seen = self.records.read(sender, names, self.t)
+        measured = sorted(rate for _, rate in seen.values() if rate > 0)
         typical = measured[len(measured) // 2] if measured else 1.0
         stateful = self.m.routing.stateful
 
         def score(n: str) -> float:
-            rate = self.throughput[n] or typical
-            return rate / (1 + self.inside[n] + (0 if stateful else self.awaited[(sender, n)]))
+            queue, rate = seen[n]
+            return (rate or typical) / (1 + queue + (0 if stateful else self.awaited[(sender, n)]))
 
         best = max(names, key=lambda n: (score(n), self.rng.random()))
         kept = self.sticky.get(sender)
-        if stateful and kept is not None and self.m.routing.keep_factor * score(kept) >= score(best):
+        if kept is not None and self.m.routing.keep_factor * score(kept) >= score(best):
             best = kept
         self.sticky[sender] = best
         return best

@@ -69,23 +69,40 @@ def peer_label(pid: int) -> str | None:
 def sample(root: int) -> dict[str, dict[str, Memory]]:
     """{peer label: {"peer": Memory, "daemon": Memory}} of every hivepipe peer process `root`
     started (its descendants: other swarms on this machine are not counted)."""
+    groups, parents = _groups()
+    labels = {pgid: label for pgid in groups if (label := peer_label(pgid)) and _descends(pgid, root, parents)}
+    return {labels[pgid]: found for pgid, found in _group_memory(groups, labels).items()}
+
+
+def sample_groups(pgids) -> dict[int, dict[str, Memory]]:
+    """{pgid: {"peer": Memory, "daemon": Memory}} of the peers leading these process groups (a lab's
+    peers, which it knows by pid; a forked peer's command line is its spawner's), gone ones left out."""
+    return _group_memory(_groups()[0], set(pgids))
+
+
+def _groups() -> tuple[dict[int, list[tuple[int, str]]], dict[int, int]]:
+    """({pgid: [(pid, command name)]}, {pid: parent pid}) of every process on the machine."""
     groups: dict[int, list[tuple[int, str]]] = {}
     parents: dict[int, int] = {}
     for pid, comm, fields in proc_stats():
         groups.setdefault(int(fields[2]), []).append((pid, comm))
         parents[pid] = int(fields[1])
-    peers = {}
-    for pgid, members in groups.items():
-        label = peer_label(pgid)
-        if label is None or not _descends(pgid, root, parents):
+    return groups, parents
+
+
+def _group_memory(groups: dict[int, list[tuple[int, str]]], leaders) -> dict[int, dict[str, Memory]]:
+    """Each leader's own memory and its group's p2p daemons' (hivemind starts p2pd in the peer's group)."""
+    found = {}
+    for pgid in leaders:
+        peer = memory_of(pgid)
+        if peer is None or pgid not in groups:
             continue
-        found = {"peer": memory_of(pgid), "daemon": Memory()}
-        for pid, comm in members:
+        daemon = Memory()
+        for pid, comm in groups[pgid]:
             if comm == "p2pd" and (memory := memory_of(pid)) is not None:
-                found["daemon"] += memory
-        if found["peer"] is not None:
-            peers[label] = found
-    return peers
+                daemon += memory
+        found[pgid] = {"peer": peer, "daemon": daemon}
+    return found
 
 
 def _descends(pid: int, root: int, parents: dict[int, int]) -> bool:

@@ -78,15 +78,19 @@ def lab_step(setup: LabSetup) -> SwarmStep:
     )
 
 
-def lab_samples_per_s(setup: LabSetup) -> float:
-    """Samples/s the model predicts for a lab run: its step in the fluid model, then the slowest
-    replicated stage's all-reduce (module scale_model)."""
-    step = lab_step(setup)
+def lab_averaging_s(setup: LabSetup) -> float:
+    """The slowest replicated stage's exact sum in the step's gather round (module scale_model)."""
     averaging = 0.0
-    for s, replicas in enumerate(step.stages):
+    for s, replicas in enumerate(lab_step(setup).stages):
         if setup.traffic.param_bytes:
             tensors = setup.traffic.tensors[s] if setup.traffic.tensors else 1
             workload = Workload(param_bytes=setup.traffic.param_bytes[s], tensors=tensors)
             averaging = max(averaging, averaging_s([r.link for r in replicas], workload))
-    seconds = simulate_swarm(step).step_s + averaging
+    return averaging
+
+
+def lab_samples_per_s(setup: LabSetup) -> float:
+    """Samples/s the model predicts for a lab run: its step in the fluid model, then the slowest
+    replicated stage's all-reduce."""
+    seconds = simulate_swarm(lab_step(setup)).step_s + lab_averaging_s(setup)
     return setup.train.batch_size / seconds if seconds > 0 else math.inf

@@ -33,6 +33,12 @@ from swarm.transport.hivemind.net.settings import Settings
 
 MIB = 2**20
 MAX_MEMBERS = 1024  # the trainer's session (swarm.transport.hivemind.trainer.setups.MAX_MEMBERS)
+# What one all-reduce takes beyond its bytes and delays, per other member: the runner's part stream
+# to each through both p2p daemons, the averager's bookkeeping. Measured in the lab (docs/bench/
+# scale.md, "The lab beside the model"): a replicated stage's gather round, two all-reduces of a few
+# KB on 10 Mbit/s links without delay, took 0.14 s in groups of 2, 0.26 of 3, 0.31 of 4 (the machine
+# busy with other sessions, load 10-24: an idle one would take less).
+ALLREDUCE_PEER_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -119,12 +125,13 @@ def draw(point: ScalePoint) -> list[list[Replica]]:
 def allreduce_s(links: list[Link], nbytes: float) -> float:
     """hivemind's butterfly all-reduce of `nbytes` among members on `links` (equal slices): in each of
     its two phases every member sends and receives (n - 1) / n of the bytes, the slowest link
-    finishing last, after the farthest delay."""
+    finishing last, after the farthest delay; and hivemind's own time for each other member
+    (`ALLREDUCE_PEER_S`)."""
     n = len(links)
     if n < 2:
         return 0.0
     slowest = min(min(link.up_bits, link.down_bits) for link in links) / 8
-    return 2 * ((n - 1) / n * nbytes / slowest + max(link.delay_s for link in links))
+    return (n - 1) * ALLREDUCE_PEER_S + 2 * ((n - 1) / n * nbytes / slowest + max(link.delay_s for link in links))
 
 
 def averaging_s(links: list[Link], workload: Workload) -> float:

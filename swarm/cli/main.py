@@ -16,6 +16,7 @@ from swarm.cli import (
     bench_fuzz,
     bench_oracle,
     bench_scale,
+    bench_scale_lab,
     bench_target,
     bench_throughput,
     export_command,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fuzz.add_parser(which, _positive_int)
     bench_oracle.add_parser(which, _positive_int)
     bench_scale.add_parser(which, _positive_int, _non_negative_float)
+    bench_scale_lab.add_parser(which, _positive_int, _non_negative_float)
     bench_target.add_parser(which, _positive_int)
     bench_throughput.add_parser(which, _positive_int, _non_negative_float)
     run = commands.add_parser("run", help="train an experiment in one process (in-process transport)")
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_oracle.run(args)
     if args.command == "bench" and args.bench == "scale":
         return bench_scale.run(args)
+    if args.command == "bench" and args.bench == "scale-lab":
+        return bench_scale_lab.run(args)
     if args.command == "bench" and args.bench == "time-to-target":
         return bench_target.run(args)
     if args.command == "run":
