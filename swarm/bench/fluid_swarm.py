@@ -7,14 +7,15 @@ come back the same way (a sender awaits its receiver's reply: swarm.transport.hi
 (`RoutingPolicy` in swarm.transport.hivemind.routing.router): a replica's score is its throughput
 over one plus its queue (the micro-batches inside it) and the micro-batches this sender awaits of
 it (on a link whose codecs keep state, error feedback, the queue only); the best wins, ties broken
-at random, but a sender keeps the replica it chose last unless another scores `keep_factor` times
-higher (`Handoff.sticky`, whatever the codecs). The throughput a replica announces is a moving
+at random; on a stateful link a sender keeps the replica it chose last unless another scores
+`keep_factor` times higher (`Handoff.sticky`). The throughput a replica announces is a moving
 average of its micro-batches' rates through its own compute (forward and backward seconds, waiting
 for its computing thread included, not for links). Throughputs and queues are read as the DHT has
 them (swarm.bench.fluid_records), up to `announce_s + lookup_s` old; a sender's own awaited count
 is always fresh. Stale queues
-and stickiness together make a sender pile micro-batches on one replica while another, whose record
-still shows an old queue, idles (measured in the lab: docs/bench/scale.md).
+and stickiness together made a sender pile micro-batches on one replica while another, whose record
+still showed an old queue, idled (measured in the lab: docs/bench/scale.md); senders on stateless
+links no longer keep their last replica.
 
 Links: a transfer from A to B crosses A's up link and B's down link, which share their rates among
 the transfers crossing them max-min fairly in proportion to the transfers' sizes (as the peers'
@@ -273,7 +274,7 @@ class _Step:
             return (rate or typical) / (1 + queue + (0 if stateful else self.awaited[(sender, n)]))
 
         best = max(names, key=lambda n: (score(n), self.rng.random()))
-        kept = self.sticky.get(sender)
+        kept = self.sticky.get(sender) if stateful else None
         if kept is not None and self.m.routing.keep_factor * score(kept) >= score(best):
             best = kept
         self.sticky[sender] = best

@@ -150,6 +150,8 @@ def test_senders_read_records_as_old_as_the_dht_s():
 
 
 def test_sticky_senders_on_stale_records_cost_a_link_bound_stage_s_replicas_their_share():
+    """Senders that keep their last replica (stateful links: error feedback) pile micro-batches on
+    it while the others' records show old queues; on stateless links they no longer keep it."""
     def samples_per_s(replicas: int, routing: Routing) -> float:
         wire = BOUNDARY / PAYLOAD_SHARE
         setup = LabSetup(
@@ -158,9 +160,11 @@ def test_sticky_senders_on_stale_records_cost_a_link_bound_stage_s_replicas_thei
         return 256 / simulate_swarm(replace(lab_step(setup), routing=routing)).step_s
 
     one = samples_per_s(1, Routing())
-    as_coded, ideal = (
+    sticky, spread, ideal = (
+        samples_per_s(4, Routing(stateful=True)),
         samples_per_s(4, Routing()),
         samples_per_s(4, Routing(announce_s=0.0, lookup_s=0.0, keep_factor=1.0)),
     )
     assert ideal >= 0.8 * 4 * one  # current records, no stickiness: close to four replicas' links
-    assert as_coded < 0.85 * ideal  # the code's routing: micro-batches pile on one replica at a time
+    assert sticky < 0.85 * ideal  # kept replicas on stale records: micro-batches pile on one at a time
+    assert spread > sticky  # a stateless link's sender takes the best score every time

@@ -91,12 +91,13 @@ class Handoff:
         return avoided(self.check_key, carry.batch.attempt, carry.avoid_tokens, peers)
 
     async def choose(self, session: str, exclude=()) -> StageRecord:
+        stateful = self.stateful()  # only a link state is worth keeping to one peer for
         record = await self.router.choose(
             self.stage,
             exclude=exclude,
-            sticky=self.sticky,
+            sticky=self.sticky if stateful else None,
             session=session,
-            waiting=self.router.policy.awaited(self.stateful(), self.waiting),
+            waiting=self.router.policy.awaited(stateful, self.waiting),
         )
         self.sticky = record.peer_id
         return record

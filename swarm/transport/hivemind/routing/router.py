@@ -30,10 +30,11 @@ class RoutingPolicy:
     - A peer's score is its expected share of the work: its announced throughput over one plus its
       announced queue and the micro-batches this caller awaits from it; a peer not measured yet (one
       that just joined) counts as the median of those measured, so it gets its share.
-    - A working neighbour is kept (its link state stays on the pair) unless another scores
-      `keep_factor` times higher.
-    - Micro-batches on a link whose codecs keep state (error feedback) follow one peer: spreading them
-      over replicas would change the numbers. Others spread by what the caller awaits of each peer.
+    - Micro-batches on a link whose codecs keep state (error feedback) follow one peer, kept unless
+      another scores `keep_factor` times higher (its link state stays on the pair). Others go to the
+      best score each time, which counts what the caller awaits of each peer: they spread over the
+      replicas (a sender that kept its last peer piled its micro-batches on it while the others'
+      records still showed old queues: docs/bench/scale.md).
     - The throughput a peer announces is a moving average of its micro-batches' samples/s, the
       newest weighing `smoothing`.
     """
