@@ -155,14 +155,13 @@ def test_exact_sum_bench_prints_precision_bytes_time_and_memory(capsys):
     from swarm.bench import exact_sum
     from swarm.cli.main import main
     from swarm.config import load_config
-    from swarm.engine.exactsum import BUCKETS
 
     assert main(["bench", "exact-sum", str(SMOKE), "--replicas", "3", "--bandwidth", "10"]) == 0
     out = capsys.readouterr().out
-    assert "all-reduce among 3 replicas" in out and "10 Mbit/s stage 3: today's all-reduce" in out
+    assert "all-reduce among 3 replicas" in out and "10 Mbit/s stage 3: the float sum's all-reduce" in out
     report = exact_sum.measure(load_config(SMOKE, []), replicas=2, repeats=1)
     assert len(report.stages) == 4 and all(s.exact_error <= s.fp32_error for s in report.stages)
-    stage = report.stages[1]  # the grid round: one row of exponents and a count per parameter tensor
+    stage = report.stages[1]  # no grid round: the grid's check, two values per parameter tensor
     added = stage.allreduce_bytes(2, True) - stage.allreduce_bytes(2, False)
-    assert added == 8 * stage.tensors * (BUCKETS + 1)
+    assert added == 8 * stage.tensors * 2
     assert main(["bench", "exact-sum", str(SMOKE), "--replicas", "1"]) == 2
