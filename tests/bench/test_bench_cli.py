@@ -165,3 +165,20 @@ def test_exact_sum_bench_prints_precision_bytes_time_and_memory(capsys):
     added = stage.allreduce_bytes(2, True) - stage.allreduce_bytes(2, False)
     assert added == 8 * stage.tensors * 2
     assert main(["bench", "exact-sum", str(SMOKE), "--replicas", "1"]) == 2
+
+
+def test_exact_sum_memory_measures_a_replicas_gather_against_the_float_sum(capsys):
+    """GPT-2 small's block, one short micro-batch: the exact sum's integers (float64) and its result
+    cost more than the float sum and its float64 copy for the wire, and the probe says by how much."""
+    from swarm.bench.exact_sum_memory import measure
+    from swarm.cli.main import main
+
+    found = measure(micro_batches=2, tokens=16)
+    held = found["held"]
+    assert found["values"] == 7_087_872 and held == 2 * 4 * found["values"]
+    # the float sum: float32 and its float64 copy (12 bytes a value); the exact sum holds its float64
+    # integers and the float32 result, with one tensor's float64 temporaries on top
+    assert 0.9 * held * 12 / 8 <= found["float"] < found["exact"] < held * 12 / 8 + held
+    assert main(["bench", "exact-sum", "--memory", "--tokens", "16", "--micro_batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT-2 small's block" in out and "exact sum" in out and "raises it by" in out
