@@ -22,7 +22,7 @@ import torch
 
 from swarm.config import ExperimentConfig
 from swarm.data import collate
-from swarm.engine.exactsum import exact_sum
+from swarm.engine.exactsum import CHECK_VALUES, exact_sum
 from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import split_micro_batches
@@ -30,7 +30,6 @@ from swarm.transport.local import build_local_pipeline
 
 FLOAT64 = 8  # bytes a value or presence flag takes on the replicas' all-reduce
 CODE = 2  # bytes of one parameter tensor's exponent in a micro-batch's report (exactsum.pack_codes)
-CHECK = 2  # values per parameter tensor of the grid's check on the all-reduce (exactsum.grid_check)
 
 
 @dataclass
@@ -47,7 +46,7 @@ class StageCost:
         """What each member of `replicas` sends (and receives) in the butterfly all-reduce."""
         payload = FLOAT64 * (self.values + self.tensors)
         if exact:
-            payload += FLOAT64 * self.tensors * CHECK  # the grid's check, in the same all-reduce
+            payload += FLOAT64 * self.tensors * CHECK_VALUES  # the grid's check, in the same all-reduce
         return 2 * (replicas - 1) / replicas * payload
 
     def report_bytes(self, micro_batches: int) -> int:
@@ -57,7 +56,7 @@ class StageCost:
 
     def extra_memory(self) -> int:
         """Bytes a replica holds beyond the float32 sum while it sums: float64 integer sums and the check."""
-        return 4 * self.values + FLOAT64 * self.tensors * CHECK * 2
+        return 4 * self.values + FLOAT64 * self.tensors * CHECK_VALUES * 2
 
 
 @dataclass

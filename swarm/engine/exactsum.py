@@ -42,6 +42,7 @@ BUCKETS = HIGHEST_EXPONENT - LOWEST_EXPONENT + 1
 # zeros), else FIRST_EXPONENT + its exponent - LOWEST_EXPONENT; a larger code is a coarser grid.
 ABSENT, ZEROS, FIRST_EXPONENT = 0, 1, 2
 MISFIT = float(1 << 20)  # a member's `grid_check` for a parameter it holds above the grid given
+CHECK_VALUES = 2  # per parameter in a member's `grid_check`: its count and its verdict
 
 Terms = Sequence[Sequence[tuple[str, torch.Tensor]]]  # per micro-batch: (parameter name, gradient) pairs
 
