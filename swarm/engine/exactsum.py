@@ -52,9 +52,10 @@ def exponent(grad: torch.Tensor) -> int | None:
     infinity stays one on any grid and reaches the sum as one process's would)."""
     if grad.numel() == 0:
         return None
-    magnitudes = grad.detach().abs()
-    largest = magnitudes.max()
+    lowest, highest = torch.aminmax(grad.detach())  # one pass, no copy: every micro-batch is reported
+    largest = torch.maximum(highest, -lowest)
     if not torch.isfinite(largest):
+        magnitudes = grad.detach().abs()
         largest = torch.where(torch.isfinite(magnitudes), magnitudes, 0).max()
     largest = largest.double()
     if largest == 0:
