@@ -4,10 +4,12 @@ One step of a config runs in one process; each stage's micro-batches' gradients 
 three ways: in float64 (the reference), in float32 one after another (the sum replicas used before,
 whose order depended on the split), and exactly. Printed per stage: each sum's largest error
 relative to the reference's largest value, the CPU time of both sums, and, for a group of
-`replicas`, what the replicas' all-reduce sends per member (both send float64 tensors: the exact
-sum adds its grid round, one exponent one-hot row per parameter, and that round's latency), its
-time at each bandwidth estimated from bytes / bandwidth (not a shaped run) next to the step's
-busiest pipeline link at that bandwidth, and the extra memory a replica holds while it sums.
+`replicas`, what the replicas' all-reduce sends per member (both send float64 tensors; the exact
+sum, on the grid the trainer sends with the group, adds its check: two values per parameter
+tensor in the same all-reduce, no round of its own), its time at each bandwidth estimated from
+bytes / bandwidth (not a shaped run) next to the step's busiest pipeline link at that bandwidth,
+the bytes the exponent reports add (per micro-batch, stage and parameter tensor, in the result's
+head), and the extra memory a replica holds while it sums.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import torch
 
 from swarm.config import ExperimentConfig
 from swarm.data import collate
-from swarm.engine.exactsum import BUCKETS, exact_sum
+from swarm.engine.exactsum import CHECK_VALUES, exact_sum
 from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import split_micro_batches
 from swarm.transport.local import build_local_pipeline
 
 FLOAT64 = 8  # bytes a value or presence flag takes on the replicas' all-reduce
+CODE = 2  # bytes of one parameter tensor's exponent in a micro-batch's report (exactsum.pack_codes)
 
 
 @dataclass
@@ -43,12 +46,17 @@ class StageCost:
         """What each member of `replicas` sends (and receives) in the butterfly all-reduce."""
         payload = FLOAT64 * (self.values + self.tensors)
         if exact:
-            payload += FLOAT64 * self.tensors * (BUCKETS + 1)  # the grid round
+            payload += FLOAT64 * self.tensors * CHECK_VALUES  # the grid's check, in the same all-reduce
         return 2 * (replicas - 1) / replicas * payload
 
+    def report_bytes(self, micro_batches: int) -> int:
+        """What the step's exponent reports add on the way back to the trainer, and its grid in the
+        gather request to each replica (codes and counts)."""
+        return CODE * self.tensors * micro_batches + 2 * CODE * self.tensors
+
     def extra_memory(self) -> int:
-        """Bytes a replica holds beyond the float32 sum while it sums: float64 integer sums and the grid round."""
-        return 4 * self.values + FLOAT64 * self.tensors * (BUCKETS + 1) * 2
+        """Bytes a replica holds beyond the float32 sum while it sums: float64 integer sums and the check."""
+        return 4 * self.values + FLOAT64 * self.tensors * CHECK_VALUES * 2
 
 
 @dataclass
@@ -121,16 +129,18 @@ def measure(cfg: ExperimentConfig, replicas: int, repeats: int = 21) -> ExactSum
 def format_report(report: ExactSumReport, bandwidths_mbit: list[float], delay_ms: float) -> str:
     r = report.replicas
     lines = [
-        f"one step, {report.micro_batches} micro-batches; all-reduce among {r} replicas of a stage "
-        f"(times estimated from bytes / bandwidth, plus the grid round's {2 * delay_ms:g} ms: two one-way delays)",
-        "stage  values  error exact  error fp32  sum ms fp32  sum ms exact  all-reduce KiB today  exact  "
-        "extra memory KiB",
+        f"one step, {report.micro_batches} micro-batches; all-reduce among {r} replicas of a stage on the "
+        f"trainer's grid (times estimated from bytes / bandwidth, an all-reduce's latency {2 * delay_ms:g} ms: "
+        "two one-way delays, the same for both sums)",
+        "stage  values  error exact  error fp32  sum ms fp32  sum ms exact  all-reduce KiB float sum  exact  "
+        "reports B  extra memory KiB",
     ]
     for s in report.stages:
         today, exact = s.allreduce_bytes(r, False), s.allreduce_bytes(r, True)
         lines.append(
             f"{s.stage:>5}  {s.values:>6}  {s.exact_error:>11.2e}  {s.fp32_error:>10.2e}  {s.fp32_s * 1e3:>11.2f}  "
-            f"{s.exact_s * 1e3:>12.2f}  {today / 1024:>20.1f}  {exact / 1024:>5.1f}  {s.extra_memory() / 1024:>16.1f}"
+            f"{s.exact_s * 1e3:>12.2f}  {today / 1024:>24.2f}  {exact / 1024:>7.2f}  "
+            f"{s.report_bytes(report.micro_batches):>9}  {s.extra_memory() / 1024:>16.1f}"
         )
     for mbit in bandwidths_mbit:
         rate = mbit * 1e6 / 8
@@ -138,12 +148,14 @@ def format_report(report: ExactSumReport, bandwidths_mbit: list[float], delay_ms
         for s in report.stages:
             today = s.allreduce_bytes(r, False) / rate + 2 * delay_ms / 1e3
             extra_bytes = (s.allreduce_bytes(r, True) - s.allreduce_bytes(r, False)) / rate
-            added = extra_bytes + 2 * delay_ms / 1e3 + max(s.exact_s - s.fp32_s, 0.0)
+            reports = s.report_bytes(report.micro_batches) / rate
+            cpu = max(s.exact_s - s.fp32_s, 0.0)
+            added = extra_bytes + reports + cpu
             step = today + link
             lines.append(
-                f"{mbit:g} Mbit/s stage {s.stage}: today's all-reduce {today * 1e3:.1f} ms + busiest link "
-                f"{link * 1e3:.1f} ms = {step * 1e3:.1f} ms; exact adds {added * 1e3:.1f} ms "
-                f"(bytes {extra_bytes * 1e3:.1f}, grid round {2 * delay_ms:g}, CPU {max(s.exact_s - s.fp32_s, 0) * 1e3:.1f}): "
-                f"{added / step:.0%}"
+                f"{mbit:g} Mbit/s stage {s.stage}: the float sum's all-reduce {today * 1e3:.1f} ms + busiest link "
+                f"{link * 1e3:.1f} ms = {step * 1e3:.1f} ms; exact adds {added * 1e3:.2f} ms "
+                f"(check bytes {extra_bytes * 1e3:.2f}, reports {reports * 1e3:.2f}, CPU {cpu * 1e3:.2f}): "
+                f"{added / step:.1%}"
             )
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from swarm.bench.fluid_swarm import Link, Payloads, Replica, Schedule, SwarmStep, simulate_swarm
 from swarm.bench.scale_dht import DhtLoad, dht_load
-from swarm.engine.exactsum import BUCKETS, MAX_GROUP, MAX_TERMS
+from swarm.engine.exactsum import CHECK_VALUES, MAX_GROUP, MAX_TERMS
 from swarm.transport.hivemind.net.settings import Settings
 
 MIB = 2**20
@@ -49,7 +49,7 @@ class Workload:
     boundary_bytes: float = 128 * 768 * 4  # per sample, each boundary, forward and backward alike
     input_bytes: float = 128 * 8 * 2  # trainer -> stage 0 per sample: token ids and targets (int64)
     param_bytes: float = 7.1e6 * 4  # per stage (fp32)
-    tensors: int = 12  # parameter tensors per stage (the exact sum's grid round sends one row each)
+    tensors: int = 12  # parameter tensors per stage (the exact sum's check sends two values each)
     samples_per_micro_batch: int = 4
 
 
@@ -135,11 +135,11 @@ def allreduce_s(links: list[Link], nbytes: float) -> float:
 
 
 def averaging_s(links: list[Link], workload: Workload) -> float:
-    """A replicated stage's exact sum (swarm.transport.hivemind.stage.combine `_exact`): a grid round
-    (one row of exponent counts per tensor, float64) then the gradients as float64 integers."""
-    grid = workload.tensors * (BUCKETS + 1) * 8
-    values = workload.param_bytes / 4 * 8 + workload.tensors * 8  # float64, and a presence flag per tensor
-    return allreduce_s(links, grid) + allreduce_s(links, values)
+    """A replicated stage's exact sum (swarm.transport.hivemind.stage.replicasum): one all-reduce of
+    the gradients as float64 integers on the grid the trainer sent, with a presence flag and the
+    grid's check (two values) per tensor."""
+    values = workload.param_bytes / 4 * 8 + workload.tensors * (1 + CHECK_VALUES) * 8
+    return allreduce_s(links, values)
 
 
 def present_replicas(replicas: int, churn: Churn) -> float:

@@ -15,11 +15,25 @@ def add_parser(which, positive_int) -> None:
     exact.add_argument("--bandwidth", type=float, action="append", help="Mbit/s (default: 100 and 10)")
     exact.add_argument("--delay", type=float, default=50.0, help="one-way delay in ms (default 50)")
     exact.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    exact.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead: what the exact sum adds to a replica's peak memory, GPT-2 small's block (Linux)",
+    )
+    exact.add_argument("--tokens", type=positive_int, default=1024, help="--memory: tokens a micro-batch (1024)")
+    exact.add_argument("--micro_batches", type=positive_int, default=4, help="--memory: micro-batches held (4)")
 
 
 def run(args: argparse.Namespace) -> int:
     from swarm.bench import exact_sum
     from swarm.config import ConfigError, load_config
+
+    if args.memory:
+        from swarm.bench import exact_sum_memory
+
+        found = exact_sum_memory.measure(args.micro_batches, args.tokens)
+        print(exact_sum_memory.format_memory(found, args.micro_batches, args.tokens))
+        return 0
 
     try:
         cfg = load_config(args.config, args.overrides)

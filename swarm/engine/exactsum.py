@@ -8,9 +8,14 @@ float64. Integers below 2^53 add exactly in float64, in any order and grouping, 
 micro-batches, its replicas' all-reduce (swarm.transport.hivemind.stage.averaging) and one process
 all get the same integer sum; times the grid's step it is the gradient (`from_grid`).
 
-The grid of a parameter is the step's: its exponent is the largest of the step's micro-batches'
-(`grid_exponents`; replicas take the largest of theirs first, exactly: `exponent_counts`), so no
-value overflows and none needs a redo. A micro-batch's largest value spans GRID_BITS bits, and a
+The grid of a parameter is the step's: its exponent is the largest of the step's micro-batches',
+so no value overflows. Each micro-batch's exponents are one report (`term_codes`, a code per
+parameter), and one merge of reports (`merged_codes`) gives the grid wherever it is chosen: one
+process over its terms (`step_grid`), the trainer over the reports that come back with each
+micro-batch (it hands the grid to a stage's replicas in the gather request: `pack_grid`), and
+replicas that were given none, in a round of their own (`exponent_counts`). Replicas summing on a
+grid they were given check it in the same all-reduce (`grid_check`, `grid_holds`): a grid that is
+not the step's is redone by that round. A micro-batch's largest value spans GRID_BITS bits, and a
 sum of MAX_TERMS of them stays below 2^46, where an all-reduce's mean of up to MAX_GROUP members
 still recovers every integer (`recovered`).
 
@@ -22,6 +27,7 @@ it (tests/engine/test_exactsum.py measures both against float64; `python -m swar
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Collection, Iterable, Sequence
 
 import torch
@@ -32,8 +38,13 @@ MAX_GROUP = 16  # replicas in an all-reduce whose mean (sum / members) still giv
 # frexp exponents of the largest value a gradient can hold (float32, bfloat16, float16: 2^-149 .. 2^128)
 LOWEST_EXPONENT, HIGHEST_EXPONENT = -150, 129
 BUCKETS = HIGHEST_EXPONENT - LOWEST_EXPONENT + 1
+# A term's code of a parameter (`term_codes`): ABSENT (no gradient of it), ZEROS (no finite value but
+# zeros), else FIRST_EXPONENT + its exponent - LOWEST_EXPONENT; a larger code is a coarser grid.
+ABSENT, ZEROS, FIRST_EXPONENT = 0, 1, 2
+MISFIT = float(1 << 20)  # a member's `grid_check` for a parameter it holds above the grid given
+CHECK_VALUES = 2  # per parameter in a member's `grid_check`: its count and its verdict
 
-Terms = Iterable[Sequence[tuple[str, torch.Tensor]]]  # per micro-batch: (parameter name, gradient) pairs
+Terms = Sequence[Sequence[tuple[str, torch.Tensor]]]  # per micro-batch: (parameter name, gradient) pairs
 
 
 def exponent(grad: torch.Tensor) -> int | None:
@@ -41,9 +52,10 @@ def exponent(grad: torch.Tensor) -> int | None:
     infinity stays one on any grid and reaches the sum as one process's would)."""
     if grad.numel() == 0:
         return None
-    magnitudes = grad.detach().abs()
-    largest = magnitudes.max()
+    lowest, highest = torch.aminmax(grad.detach())  # one pass, no copy: every micro-batch is reported
+    largest = torch.maximum(highest, -lowest)
     if not torch.isfinite(largest):
+        magnitudes = grad.detach().abs()
         largest = torch.where(torch.isfinite(magnitudes), magnitudes, 0).max()
     largest = largest.double()
     if largest == 0:
@@ -51,26 +63,87 @@ def exponent(grad: torch.Tensor) -> int | None:
     return int(torch.frexp(largest).exponent)
 
 
+def term_codes(term: Sequence[tuple[str, torch.Tensor]], names: Sequence[str]) -> list[int]:
+    """One micro-batch's report: per parameter of `names`, its code (ABSENT, ZEROS or its exponent's)."""
+    held = dict(term)
+    codes = []
+    for name in names:
+        e = exponent(held[name]) if name in held else None
+        codes.append(ABSENT if name not in held else ZEROS if e is None else FIRST_EXPONENT + e - LOWEST_EXPONENT)
+    return codes
+
+
+def trained_names(module: torch.nn.Module) -> list[str]:
+    """The parameters a report covers, in module order: those that train (a LoRA run's base never
+    has a gradient)."""
+    return [name for name, p in module.named_parameters() if p.requires_grad]
+
+
+def exponent_report(term: Sequence[tuple[str, torch.Tensor]], module: torch.nn.Module) -> bytes:
+    """A micro-batch's gradients `term` of `module` as the trainer gets them (`term_codes`, packed)."""
+    return pack_codes(term_codes(term, trained_names(module)))
+
+
+def merged_codes(reports: Iterable[Sequence[int]], size: int) -> tuple[list[int], list[int]]:
+    """The step's grid from its micro-batches' reports (`term_codes` of `size` parameters): per
+    parameter the largest code, and how many reports hold it. The one merge of every side."""
+    codes, counts = [ABSENT] * size, [0] * size
+    for report in reports:
+        for i, code in enumerate(report):
+            codes[i] = max(codes[i], code)
+            counts[i] += code != ABSENT
+    return codes, counts
+
+
+def grid_of(codes: Sequence[int], counts: Sequence[int], names: Sequence[str]) -> tuple[dict[str, int], set[str]]:
+    """`merged_codes` by name: the grid's exponents, and the parameters a single term holds."""
+    grid = {n: c - FIRST_EXPONENT + LOWEST_EXPONENT for n, c in zip(names, codes, strict=True) if c >= FIRST_EXPONENT}
+    return grid, {n for n, k in zip(names, counts, strict=True) if k == 1}
+
+
+def step_codes(terms: Terms, names: Sequence[str] | None = None):
+    """`merged_codes` of `terms` over `names` (default: every parameter they hold, in order met); and the names."""
+    if names is None:
+        names = list(dict.fromkeys(name for term in terms for name, _ in term))
+    return (*merged_codes((term_codes(term, names) for term in terms), len(names)), names)
+
+
 def grid_exponents(terms: Terms) -> dict[str, int]:
     """Per parameter, the largest exponent over the micro-batches `terms` (a parameter whose
     gradients are all zeros gets none: its sum is zeros on any grid)."""
-    grid: dict[str, int] = {}
-    for term in terms:
-        for name, grad in term:
-            e = exponent(grad)
-            if e is not None and e > grid.get(name, LOWEST_EXPONENT - 1):
-                grid[name] = e
-    return grid
+    return grid_of(*step_codes(terms))[0]
 
 
 def term_counts(terms: Terms) -> dict[str, int]:
     """Per parameter, how many of `terms` hold a gradient of it. A sum of one term is that term, bit
     for bit (a step's gradients kept whole, as a checkpoint holds them, sum to themselves)."""
-    counts: dict[str, int] = {}
-    for term in terms:
-        for name, _ in term:
-            counts[name] = counts.get(name, 0) + 1
-    return counts
+    _, counts, names = step_codes(terms)
+    return dict(zip(names, counts, strict=True))
+
+
+def pack_codes(codes: Sequence[int]) -> bytes:
+    """Codes (or counts, below 2^16) on the wire: little-endian uint16s."""
+    return struct.pack(f"<{len(codes)}H", *codes)
+
+
+def unpack_codes(data: bytes, size: int, bound: int = FIRST_EXPONENT + BUCKETS) -> list[int] | None:
+    """`pack_codes`'s inverse for `size` values below `bound`; None unless `data` is exactly that (a
+    report that does not fit leaves the grid to the replicas' own round)."""
+    if len(data) != 2 * size:
+        return None
+    values = list(struct.unpack(f"<{size}H", data))
+    return values if all(v < bound for v in values) else None
+
+
+def pack_grid(codes: Sequence[int], counts: Sequence[int]) -> bytes:
+    """A step's grid for its replicas (`merged_codes`): the codes, then the counts."""
+    return pack_codes([*codes, *counts])
+
+
+def unpack_grid(data: bytes, size: int) -> tuple[list[int], list[int]] | None:
+    """`pack_grid`'s inverse for `size` parameters; None unless `data` is one."""
+    codes, counts = unpack_codes(data[: 2 * size], size), unpack_codes(data[2 * size :], size, MAX_TERMS + 1)
+    return None if codes is None or counts is None else (codes, counts)
 
 
 def to_grid(grad: torch.Tensor, e: int | None) -> torch.Tensor:
@@ -97,9 +170,7 @@ def from_grid(total: torch.Tensor, e: int | None, dtype: torch.dtype) -> torch.T
     return torch.ldexp(total, torch.tensor(float(e - GRID_BITS), dtype=torch.float64)).to(dtype)
 
 
-def integer_sums(
-    terms: Sequence[Sequence[tuple[str, torch.Tensor]]], grid: dict[str, int], single: Collection[str] = ()
-) -> dict[str, torch.Tensor]:
+def integer_sums(terms: Terms, grid: dict[str, int], single: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Parameter name -> the sum of its micro-batches' gradients on `grid`, integers in float64
     (exact: the same bits in any order); a parameter in `single` (one term in the whole step holds
     it) keeps its values, in float64. Raises ValueError past MAX_TERMS micro-batches."""
@@ -113,11 +184,9 @@ def integer_sums(
     return sums
 
 
-def exact_sum(terms: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def exact_sum(terms: Terms) -> dict[str, torch.Tensor]:
     """Parameter name -> the sum of its gradients over `terms`, in their dtype, the same bits in any order."""
-    counts = term_counts(terms)
-    single = {name for name, count in counts.items() if count == 1}
-    grid = grid_exponents(terms)
+    grid, single = grid_of(*step_codes(terms))
     like = {name: grad for term in terms for name, grad in term}  # each sum in its gradients' dtype and device
     return {
         name: (total if name in single else from_grid(total, grid.get(name), torch.float64)).to(
@@ -127,30 +196,47 @@ def exact_sum(terms: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> dict[str, 
     }
 
 
-def exponent_counts(grid: dict[str, int], counts: dict[str, int], names: Sequence[str]) -> torch.Tensor:
-    """`grid` as one-hot rows (a parameter without an exponent: zeros) and `term_counts` in a last
-    column, which an all-reduce sums exactly: `exponents_from_counts` of the sum is the largest
-    exponent of every member, and how many terms the whole step has of each parameter."""
-    rows = torch.zeros(len(names), BUCKETS + 1, dtype=torch.float64)
-    for row, name in enumerate(names):
-        if name in grid:
-            rows[row, grid[name] - LOWEST_EXPONENT] = 1.0
-        rows[row, BUCKETS] = float(counts.get(name, 0))
+def exponent_counts(codes: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """A member's `merged_codes` as one-hot exponent rows (ZEROS and ABSENT: none) with its counts in
+    a last column, which an all-reduce sums exactly: `codes_from_counts` of the sum is every
+    member's codes merged, as `merged_codes` merges them."""
+    rows = torch.zeros(len(codes), BUCKETS + 1, dtype=torch.float64)
+    for row, (code, count) in enumerate(zip(codes, counts, strict=True)):
+        if code >= FIRST_EXPONENT:
+            rows[row, code - FIRST_EXPONENT] = 1.0
+        rows[row, BUCKETS] = float(count)
     return rows.flatten()
 
 
-def exponents_from_counts(summed: torch.Tensor, names: Sequence[str]) -> tuple[dict[str, int], set[str]]:
-    """The step's grid (the largest exponent present per parameter) in summed `exponent_counts`, and
-    the parameters a single term holds (its values are the sum)."""
-    rows = summed.reshape(len(names), BUCKETS + 1)
-    grid, single = {}, set()
-    for row, name in enumerate(names):
-        present = torch.nonzero(rows[row, :BUCKETS] > 0.5)
-        if present.numel():
-            grid[name] = int(present.max()) + LOWEST_EXPONENT
-        if round(float(rows[row, BUCKETS])) == 1:
-            single.add(name)
-    return grid, single
+def codes_from_counts(summed: torch.Tensor, size: int) -> tuple[list[int], list[int]]:
+    """The merged codes and counts of `size` parameters in summed `exponent_counts`."""
+    rows = summed.reshape(size, BUCKETS + 1)
+    codes, counts = [], []
+    for row in rows:
+        present = torch.nonzero(row[:BUCKETS] > 0.5)
+        count = round(float(row[BUCKETS]))
+        codes.append(int(present.max()) + FIRST_EXPONENT if present.numel() else ZEROS if count else ABSENT)
+        counts.append(count)
+    return codes, counts
+
+
+def grid_check(mine: Sequence[int], my_counts: Sequence[int], codes: Sequence[int]) -> torch.Tensor:
+    """A member's check of a grid given (`codes`) against its own terms' (`mine`, `my_counts`), to
+    add up in the integers' all-reduce: its counts, then per parameter 1 where its code is the
+    grid's, MISFIT where it is above (its values would not fit), else 0."""
+    verdicts = [0.0 if m == ABSENT or m < c else 1.0 if m == c else MISFIT for m, c in zip(mine, codes, strict=True)]
+    return torch.tensor([*map(float, my_counts), *verdicts], dtype=torch.float64)
+
+
+def grid_holds(summed: torch.Tensor, codes: Sequence[int], counts: Sequence[int]) -> bool:
+    """Whether the members' summed `grid_check`s say the grid given is the step's: every count
+    right, every exponent some member's and none above it (else the sums are redone on the step's)."""
+    size = len(codes)
+    total, verdicts = summed[:size].tolist(), summed[size:].tolist()
+    for code, count, got, verdict in zip(codes, counts, total, verdicts, strict=True):
+        if got != count or (verdict != 0 if code == ABSENT else not 1 <= verdict < MISFIT):
+            return False
+    return True
 
 
 def recovered(mean_times_members: torch.Tensor, members: int) -> torch.Tensor:

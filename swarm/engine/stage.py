@@ -33,7 +33,7 @@ from protocols.message import Encoded
 from swarm.engine.delay import StageDelay
 from swarm.engine.digest import gradient_digest
 from swarm.engine.diverged import require_finite
-from swarm.engine.exactsum import exact_sum, grid_exponents, integer_sums, term_counts
+from swarm.engine.exactsum import exact_sum, integer_sums, step_codes
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.engine.precision import Forward
@@ -249,11 +249,11 @@ class StageRuntime:
             raise KeyError(f"stage {self.index} holds no gradients for micro-batch(es) {missing}")
         return [self.held[key] for key in keys]
 
-    def held_grid(self, keys) -> tuple[dict[str, int], dict[str, int]]:
-        """The exact sum's grid of the held gradients of `keys`, and how many hold each parameter
-        (swarm.engine.exactsum; replicas add up theirs). KeyError if a key is not held."""
-        terms = self._held_terms(keys)
-        return grid_exponents(terms), term_counts(terms)
+    def held_codes(self, keys, names) -> tuple[list[int], list[int]]:
+        """The exact sum's grid of the held gradients of `keys` over `names`, and how many hold each
+        (exactsum.merged_codes; replicas check or merge theirs). KeyError if a key is not held."""
+        codes, counts, _ = step_codes(self._held_terms(keys), names)
+        return codes, counts
 
     def held_integers(self, keys, grid: dict[str, int], single: set[str]) -> dict[str, torch.Tensor]:
         """What replicas add up: the held gradients of `keys` as integers on `grid` (exactsum.integer_sums)."""

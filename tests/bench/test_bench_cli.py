@@ -155,14 +155,30 @@ def test_exact_sum_bench_prints_precision_bytes_time_and_memory(capsys):
     from swarm.bench import exact_sum
     from swarm.cli.main import main
     from swarm.config import load_config
-    from swarm.engine.exactsum import BUCKETS
 
     assert main(["bench", "exact-sum", str(SMOKE), "--replicas", "3", "--bandwidth", "10"]) == 0
     out = capsys.readouterr().out
-    assert "all-reduce among 3 replicas" in out and "10 Mbit/s stage 3: today's all-reduce" in out
+    assert "all-reduce among 3 replicas" in out and "10 Mbit/s stage 3: the float sum's all-reduce" in out
     report = exact_sum.measure(load_config(SMOKE, []), replicas=2, repeats=1)
     assert len(report.stages) == 4 and all(s.exact_error <= s.fp32_error for s in report.stages)
-    stage = report.stages[1]  # the grid round: one row of exponents and a count per parameter tensor
+    stage = report.stages[1]  # no grid round: the grid's check, two values per parameter tensor
     added = stage.allreduce_bytes(2, True) - stage.allreduce_bytes(2, False)
-    assert added == 8 * stage.tensors * (BUCKETS + 1)
+    assert added == 8 * stage.tensors * 2
     assert main(["bench", "exact-sum", str(SMOKE), "--replicas", "1"]) == 2
+
+
+def test_exact_sum_memory_measures_a_replicas_gather_against_the_float_sum(capsys):
+    """GPT-2 small's block, one short micro-batch: the exact sum's integers (float64) and its result
+    cost more than the float sum and its float64 copy for the wire, and the probe says by how much."""
+    from swarm.bench.exact_sum_memory import measure
+    from swarm.cli.main import main
+
+    found = measure(micro_batches=2, tokens=16)
+    held = found["held"]
+    assert found["values"] == 7_087_872 and held == 2 * 4 * found["values"]
+    # the float sum: float32 and its float64 copy (12 bytes a value); the exact sum holds its float64
+    # integers and the float32 result, with one tensor's float64 temporaries on top
+    assert 0.9 * held * 12 / 8 <= found["float"] < found["exact"] < held * 12 / 8 + held
+    assert main(["bench", "exact-sum", "--memory", "--tokens", "16", "--micro_batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT-2 small's block" in out and "exact sum" in out and "raises it by" in out

@@ -152,6 +152,7 @@ def test_senders_read_records_as_old_as_the_dht_s():
 def test_sticky_senders_on_stale_records_cost_a_link_bound_stage_s_replicas_their_share():
     """Senders that keep their last replica (stateful links: error feedback) pile micro-batches on
     it while the others' records show old queues; on stateless links they no longer keep it."""
+
     def samples_per_s(replicas: int, routing: Routing) -> float:
         wire = BOUNDARY / PAYLOAD_SHARE
         setup = LabSetup(

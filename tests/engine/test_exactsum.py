@@ -6,15 +6,30 @@ import pytest
 import torch
 
 from swarm.engine.exactsum import (
+    ABSENT,
+    FIRST_EXPONENT,
     GRID_BITS,
+    LOWEST_EXPONENT,
     MAX_GROUP,
+    ZEROS,
+    codes_from_counts,
     exact_sum,
     exponent_counts,
-    exponents_from_counts,
     from_grid,
+    grid_check,
     grid_exponents,
+    grid_holds,
+    grid_of,
     integer_sums,
+    merged_codes,
+    pack_codes,
+    pack_grid,
     recovered,
+    step_codes,
+    term_codes,
+    term_counts,
+    unpack_codes,
+    unpack_grid,
 )
 
 
@@ -85,11 +100,46 @@ def test_zeros_missing_parameters_and_non_finite_values():
     assert nan[0] == 2.0 and torch.isnan(nan[1])
 
 
+def _code(e: int) -> int:
+    return FIRST_EXPONENT + e - LOWEST_EXPONENT
+
+
 def test_replicas_largest_exponent_travels_as_summable_counts():
-    names = ["w", "b", "none"]
-    mine, theirs = {"w": -3, "b": 7}, {"w": 5}
-    summed = exponent_counts(mine, {"w": 2, "b": 1}, names) + exponent_counts(theirs, {"w": 1}, names)
-    assert exponents_from_counts(summed, names) == ({"w": 5, "b": 7}, {"b"})
+    names = ["w", "b", "zeros", "none"]
+    mine, theirs = (
+        ([_code(-3), _code(7), ZEROS, ABSENT], [2, 1, 1, 0]),
+        ([_code(5), ABSENT, ZEROS, ABSENT], [1, 0, 1, 0]),
+    )
+    summed = exponent_counts(*mine) + exponent_counts(*theirs)
+    merged = codes_from_counts(summed, len(names))
+    assert merged == merged_codes([mine[0], theirs[0]], 4)[:1] + ([3, 1, 2, 0],)
+    assert grid_of(*merged, names) == ({"w": 5, "b": 7}, {"b"})
+
+
+def test_one_merge_of_reports_gives_one_process_its_grid():
+    """The trainer merges each micro-batch's report (as packed on the wire) into the grid its
+    replicas sum on: the same grid and single terms as one process's `exact_sum` takes."""
+    terms = _terms(6, 3)
+    terms[2] = [("weight", torch.zeros(64, 33))]  # a micro-batch without the bias, and one of zeros
+    names = ["weight", "bias"]
+    reports = [unpack_codes(pack_codes(term_codes(term, names)), 2) for term in terms]
+    grid = unpack_grid(pack_grid(*merged_codes(reports, 2)), 2)
+    assert grid_of(*grid, names) == (grid_exponents(terms), {n for n, k in term_counts(terms).items() if k == 1})
+    assert grid[1] == [6, 5] and unpack_grid(b"\x01", 2) is None and unpack_codes(pack_codes([999]), 1) is None
+
+
+def test_a_grid_given_is_checked_by_the_members_own_exponents():
+    """Replicas summing on a grid given add up `grid_check`s: it holds only if it is the step's
+    (each exponent some member's, none above it, the counts right); else they redo the sum."""
+    terms = _terms(4, 1)
+    names = ["weight", "bias"]
+    parts = [terms[:1], terms[1:]]  # two replicas' micro-batches
+    codes, counts, _ = step_codes(terms, names)
+    checks = [grid_check(*step_codes(part, names)[:2], codes) for part in parts]
+    assert grid_holds(sum(checks), codes, counts)
+    for wrong in ([c + 1 for c in codes], [c - 1 for c in codes]):  # coarser than any member's, or too fine
+        assert not grid_holds(sum(grid_check(*step_codes(p, names)[:2], wrong) for p in parts), wrong, counts)
+    assert not grid_holds(sum(checks), codes, [c + 1 for c in counts])
 
 
 def test_a_sum_of_one_term_is_that_term_bit_for_bit():

@@ -106,11 +106,11 @@ def _a_stage_1_member_that_never_sums(swarm, cfg, run_id: str):
     swarm.loop.run(server.averager.stop())  # "protocols not supported" for anyone summing with it
     skipped = []
 
-    async def never_sums(group, tensors, me, *rounds, **flags):  # any round of the group (its grid too)
+    async def never_sums(group, tensors, *rounds, **flags):  # any round of the group (a grid round too)
         skipped.append(group.group_id)
         return tensors
 
-    hostile.rounds.combining._sum = never_sums
+    hostile.rounds.combining.sum = never_sums
     swarm.loop.run(server.announcer.announce_now())
     return node, server, hostile, skipped
 

@@ -13,11 +13,14 @@ import pytest
 import torch
 from _swarm_env import local_rows, smoke, tiny_gpt2
 
+from swarm.engine.exactsum import FIRST_EXPONENT, pack_grid, unpack_grid
 from swarm.engine.microbatch import Mode
 from swarm.training.experiment import build_data
 from swarm.training.loop import Schedule, train
 from swarm.training.results import ResultsWriter
 from swarm.transport.hivemind.stage.host import HostedStage
+from swarm.transport.hivemind.stage.replicasum import GRID_ROUND, REDO
+from swarm.transport.hivemind.trainer.membership import Position
 from swarm.transport.hivemind.trainer.pipeline import SwarmPipeline
 
 pytestmark = pytest.mark.peers  # every test here starts peer processes (tests/_peers_marker.py)
@@ -52,6 +55,21 @@ def _no_gradients_through_the_trainer(pipeline: SwarmPipeline) -> None:
     assert sent["gather.sent"] == 0 and sent["apply.sent"] == 0
 
 
+def _rounds_summed(hosted: list[HostedStage]) -> list[bytes]:
+    """The rounds (id suffixes, stage.replicasum) that `hosted` sum with their groups, as they go."""
+    rounds = []
+    for h in hosted:
+        combining = h.rounds.combining
+
+        async def sum_and_note(group, tensors, round_id=b"", integers=(), sum=combining.sum):
+            if not group.names:  # a replicas' group
+                rounds.append(round_id)
+            return await sum(group, tensors, round_id, integers)
+
+        combining.sum = sum_and_note
+    return rounds
+
+
 def test_replicas_sum_among_themselves_and_one_killed_mid_run_leaves_the_others_exact(swarm, tmp_path):
     cfg = smoke("model.num_stages=3", "compression.forward=topk:0.2", "compression.backward=topk:reuse")
     run_id = uuid.uuid4().hex[:8]
@@ -70,10 +88,13 @@ def test_replicas_sum_among_themselves_and_one_killed_mid_run_leaves_the_others_
         return await gather(kind, head, payload)
 
     mortal.rounds.handle = dies_in_step_5
+    rounds = _rounds_summed([h for h in [*hosted, mortal] if h.stage == 1])
     try:
         results = ResultsWriter(None)
         pipeline = _train(swarm, cfg, run_id, results)
         assert killed.is_set() and mortal.node.peer_id not in pipeline.members[1]
+        # every step's sum on the grid the trainer sent: no round of their own to agree on one
+        assert len(rounds) >= STEPS and set(rounds) == {b""}, rounds
         _same_losses(results.rows, local_rows(cfg, tmp_path, STEPS))
         _no_gradients_through_the_trainer(pipeline)
         replicas = [h for h in hosted if h.stage == 1]
@@ -124,6 +145,35 @@ def test_a_replica_holding_stale_gradients_refuses_its_group_so_the_round_reruns
         assert "no result within" not in failures[0][2]
         assert {h.node.peer_id for h in (stale, other)} == set(pipeline.members[1])
         _same_losses(results.rows, local_rows(cfg, tmp_path, 5))
+    finally:
+        swarm.unhost(run_id)
+
+
+def test_a_grid_that_is_not_the_steps_is_found_in_the_sum_and_redone_exactly(swarm, tmp_path, monkeypatch):
+    """At step 2 the trainer hands stage 1's replicas a grid one exponent too coarse (as a report of
+    other gradients than those summed would): their check in the integers' all-reduce finds it, they
+    agree on the step's grid in a round of their own and sum again, and the losses stay one process's."""
+    cfg = smoke("model.num_stages=3")
+    run_id = uuid.uuid4().hex[:8]
+    hosted = swarm.host(cfg, run_id, [(0, 0), (1, 1), (1, 4), (2, 2)])
+    rounds = _rounds_summed([h for h in hosted if h.stage == 1])
+    merged = Position.grid
+
+    def coarser_at_step_2(position, stage):
+        grid = merged(position, stage)
+        if position.step_index != 2 or stage != 1 or not grid:
+            return grid
+        size = len(grid) // 4
+        codes, counts = unpack_grid(grid, size)
+        return pack_grid([c + 1 if c >= FIRST_EXPONENT else c for c in codes], counts)
+
+    monkeypatch.setattr(Position, "grid", coarser_at_step_2)
+    try:
+        results = ResultsWriter(None)
+        _train(swarm, cfg, run_id, results, steps=4)
+        # both replicas, once: step 2's sum on the grid given, the grid round, the sum again
+        assert rounds.count(GRID_ROUND) == rounds.count(REDO) == 2 and len(rounds) == 2 * (4 + 2), rounds
+        _same_losses(results.rows, local_rows(cfg, tmp_path, 4))
     finally:
         swarm.unhost(run_id)
 

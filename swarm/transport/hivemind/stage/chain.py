@@ -25,6 +25,7 @@ from protocols import stage_pb2 as pb
 from protocols.errors import PayloadError, ProtocolError, RemoteError, SenderFault, TransportError, one_line
 from protocols.framing import frame_parts
 from protocols.wire_names import DIGEST
+from swarm.engine.exactsum import exponent_report
 from swarm.engine.linkend import LinkEnds
 from swarm.engine.microbatch import Kind, Message, MicroBatch, Mode
 from swarm.tracing import TRACER
@@ -93,6 +94,7 @@ class Chain:
                     kind=_KINDS[outcome.kind],
                     metrics=outcome.metrics,
                     route=outcome.route,
+                    exponents=outcome.exponents,
                     share_bits=pacer.offer(sender, self._awaiting()),
                     evidence=outcome.evidence,
                 )
@@ -135,6 +137,9 @@ class Chain:
             done = True
             if runtime is self.state.runtime and self.attempts.get(batch.key) is trip:
                 self.state.attempts.finished(batch, sender)  # its gradients are the ones held here now
+                if batch.mode is Mode.TRAIN:  # the trainer merges them into the step's grid (exactsum)
+                    report = await self.work.run(_held_report, runtime, batch.key)
+                    outcome.exponents[:1] = [report]
                 if batch.mode is Mode.TRAIN and self.state.cfg.train.verify:  # every one: none stands out
                     exact = not self.state.cfg.train.verify_tolerance  # bits, else a norm to compare within it
                     digest = await self.work.run(runtime.held_digest, batch.key, exact)
@@ -211,7 +216,7 @@ class Chain:
                     raise
             if record is None:  # the last stage: gradient (training) or metrics (eval)
                 self._measure(batch, time.perf_counter() - trip.started)
-                return Outcome(message.kind, message.payload, dict(message.metrics), [place.peer_id])
+                return Outcome(message.kind, message.payload, dict(message.metrics), [place.peer_id], exponents=[b""])
             return await self._downstream(trip, message, record, sent)
         finally:
             if trip.ticket is not None:
@@ -283,7 +288,7 @@ class Chain:
                 self._drop_out(target)
                 raise
         self._measure(batch, elapsed + time.perf_counter() - started)
-        return Outcome(back.kind, back.payload, dict(back.metrics), route)
+        return Outcome(back.kind, back.payload, dict(back.metrics), route, exponents=[b"", *result.exponents])
 
     def _drop_out(self, receiver: str) -> None:
         """Our link to `receiver` lost its order or state: its next message starts a new epoch, and
@@ -301,3 +306,8 @@ class Chain:
                 f"micro-batch {trip.batch.key} reached stage {self.place.stage} again through another peer: this attempt is void",
                 pb.UNAVAILABLE,
             )
+
+
+def _held_report(runtime, key: tuple) -> bytes:
+    """On the computing thread: the exponents of the gradients held for micro-batch `key`."""
+    return exponent_report(runtime.held.get(key, []), runtime.module)

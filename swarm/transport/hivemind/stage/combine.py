@@ -4,7 +4,7 @@ through the trainer.
 
 The trainer names the groups in the request (`pb.AverageGroup`): the replicas of a stage sum every
 parameter's gradient exactly (`_exact`: the same bits however they split the step's micro-batches,
-swarm.engine.exactsum), so each holds the stage's whole; then the two stages of a tied parameter
+on the step's grid the trainer sends with the group: stage.replicasum), so each holds the stage's whole; then the two stages of a tied parameter
 (GPT-2's embedding and LM head) add their wholes of it, one peer of each stage contributing and
 every peer of both in the group, so each copy gets the whole sum, as one process's two. A
 peer that joined mid-run and is catching up takes part without contributing: it keeps the sums
@@ -25,14 +25,13 @@ import torch
 
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError
-from swarm.engine.exactsum import exponent_counts, exponents_from_counts, from_grid
+from swarm.engine.exactsum import trained_names
 from swarm.engine.microbatch import Mode
 from swarm.transport.hivemind.net.meta import tensors_to_payload
 from swarm.transport.hivemind.stage.averaging import AveragingError
+from swarm.transport.hivemind.stage.replicasum import ROUNDS, ReplicaSum
 from swarm.transport.hivemind.stage.state import PeerServices, StagePlace, StageState
 from swarm.transport.hivemind.stage.work import StageWork
-
-GRID_ROUND = b"/grid"  # the id suffix of a replicas group's first round: the step's grid (`_exact`)
 
 
 class Combining:
@@ -46,7 +45,7 @@ class Combining:
         if head.held:  # an asynchronous step closing by a round (trainer.closing): its norm, p.grad untouched
             return await self._held(head), b""
         groups = list(head.groups)
-        await self._before_sums(groups, self._local, head)
+        await self.before_sums(groups, self._local, head)
         replicas = [group for group in groups if not group.names]
         tied = [group for group in groups if group.names]
         joining = self.state.joining is not None
@@ -72,14 +71,14 @@ class Combining:
         for group in tied:
             names = list(group.names)
             try:
-                total = await self._sum(group, self._packed(names, sums), self.place.peer_id)
+                total = await self.sum(group, self._packed(names, sums))
             except AveragingError as e:
                 raise self._group_failed(e) from None
             totals.update(self._unpacked(names, total))
             uncounted.update(() if group.counted else names)
         return totals, uncounted
 
-    async def _before_sums(self, groups, fn, *args):
+    async def before_sums(self, groups, fn, *args):
         """`fn(*args)` on the computing thread. When it raises, this peer will not join `groups`:
         their other members' sums fail at once instead of waiting out the all-reduce's timeout for
         it, so the trainer hears the reason (STALE: it runs those micro-batches again) within the round."""
@@ -93,7 +92,8 @@ class Combining:
         if self.peer.averager is not None:
             for group in groups:
                 self.peer.averager.refuse(group.group_id)
-                self.peer.averager.refuse(group.group_id + GRID_ROUND)
+                for round_id in ROUNDS:
+                    self.peer.averager.refuse(group.group_id + round_id)
 
     def _check_held(self, head: pb.GatherRequest) -> None:
         """Raises STALE, naming them, unless every micro-batch the gather counts here is held, of
@@ -126,7 +126,7 @@ class Combining:
             raise RemoteError(f"stage {self.place.stage} peer is still joining: it holds no gradients", pb.UNAVAILABLE)
         replicas = [group for group in head.groups if not group.names]
         tied = [group for group in head.groups if group.names]
-        sums = await self._before_sums(head.groups, self._held_local, head, not replicas)
+        sums = await self.before_sums(head.groups, self._held_local, head, not replicas)
         if replicas:
             names = self._names(replicas[0], set())  # every parameter that trains, tied ones too
             try:
@@ -134,7 +134,7 @@ class Combining:
             except AveragingError as e:
                 self._refuse(tied)
                 raise self._group_failed(e) from None
-            sums = await self._before_sums(tied, self._whole, int(head.step), sums)
+            sums = await self.before_sums(tied, self._whole, int(head.step), sums)
         totals, uncounted = await self._tie(tied, sums)
         return await self.work.run(self.work.timed, self._held_reply, head, {**sums, **totals}, totals, uncounted)
 
@@ -148,28 +148,8 @@ class Combining:
     async def _exact(
         self, head: pb.GatherRequest, group: pb.AverageGroup, names: list[str], refused
     ) -> dict[str, torch.Tensor]:
-        """The replicas' sum of the held gradients the round counts, the same bits whatever
-        micro-batches each ran (swarm.engine.exactsum): a first round takes the largest exponent of
-        every member's micro-batches per parameter (the step's grid), a second sums every member's
-        integers on it. A joiner catching up contributes nothing. By name, in the parameters' dtype."""
-        runtime, me = self.state.runtime, self.place.peer_id
-        contributes = self.state.joining is None
-        keys = _keys(head)
-        grid, counts = await self._before_sums(refused, runtime.held_grid, keys) if contributes else ({}, {})
-        rounds = [True] * (len(names) + 1)  # a grid round's sums are integers, as are presence flags
-        (summed,) = await self._sum(group, [exponent_counts(grid, counts, names)], me, GRID_ROUND, rounds[:1])
-        grid, single = exponents_from_counts(summed, names)
-        integers = await self._before_sums(refused, runtime.held_integers, keys, grid, single) if contributes else {}
-        zeros = [torch.zeros(runtime.parameter(name).shape, dtype=torch.float64) for name in names]
-        packed = [integers.get(name, zero) for name, zero in zip(names, zeros, strict=True)]
-        present = torch.tensor([float(name in integers) for name in names])
-        rounds = [name not in single for name in names] + [True]
-        totals = self._unpacked(names, await self._sum(group, [*packed, present], me, integers=rounds))
-        dtypes = {name: runtime.parameter(name).dtype for name in totals}
-        return {
-            name: t.to(dtypes[name]) if name in single else from_grid(t, grid.get(name), dtypes[name])
-            for name, t in totals.items()
-        }
+        """The replicas' exact sum of the held gradients the round counts (stage.replicasum)."""
+        return await ReplicaSum(self, group, names, _keys(head), refused).run()
 
     def _whole(self, step: int, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The replicas' sum kept as the step's, and returned as it applies (in the parameters'
@@ -196,10 +176,9 @@ class Combining:
     def _names(self, group: pb.AverageGroup, tied: set[str]) -> list[str]:
         if group.names:
             return list(group.names)
-        # frozen parameters (a LoRA run's base) never have a gradient: groups sum only what trains
-        return [
-            name for name, p in self.state.runtime.module.named_parameters() if name not in tied and p.requires_grad
-        ]
+        # frozen parameters (a LoRA run's base) never have a gradient: groups sum only what trains,
+        # in the order of the exponents each micro-batch reported (the step's grid is merged from them)
+        return [name for name in trained_names(self.state.runtime.module) if name not in tied]
 
     def _local(self, head: pb.GatherRequest) -> None:
         """On the computing thread: the micro-batches' exact sum as this peer's gradients (none while
@@ -227,11 +206,12 @@ class Combining:
         blamed = [peer for peer in error.peers if peer != self.place.peer_id]
         return RemoteError(f"stage {self.place.stage}: {error}", pb.GROUP_FAILED, blamed)
 
-    async def _sum(
-        self, group: pb.AverageGroup, tensors: list[torch.Tensor], me: str, round_id: bytes = b"", integers=()
+    async def sum(
+        self, group: pb.AverageGroup, tensors: list[torch.Tensor], round_id: bytes = b"", integers=()
     ) -> list[torch.Tensor]:
-        """The group's sum of `tensors`; `round_id` tells a group's rounds apart (`_exact`'s grid),
+        """The group's sum of `tensors`; `round_id` tells a group's rounds apart (stage.replicasum),
         `integers` flags the tensors that hold integers (ReplicaAverager.sum)."""
+        me = self.place.peer_id
         receivers = set(group.receivers)
         contributors = [peer for peer in group.peers if peer not in receivers]
         if list(group.peers) == [me] or not any(t.numel() for t in tensors):

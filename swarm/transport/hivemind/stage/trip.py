@@ -29,6 +29,7 @@ class Outcome:
     metrics: dict[str, float] = field(default_factory=dict)
     route: list[str] = field(default_factory=list)
     evidence: list = field(default_factory=list)  # signed accounts of the attempt (stage.hop_evidence)
+    exponents: list[bytes] = field(default_factory=list)  # a training micro-batch's, per peer of `route`
 
 
 @dataclass(eq=False, slots=True)

@@ -224,7 +224,7 @@ class Dispatch:
             metrics = Accounted(metrics)
             metrics.accounts, metrics.attempt = RunAccounts(first_peer, tuple(result.evidence)), batch.attempt
         if batch.mode is Mode.TRAIN:
-            self.position.finished(batch, inputs, result.route, counted=avoid is None)
+            self.position.finished(batch, inputs, result.route, avoid is None, result.exponents)
             for peer_id in result.route:
                 self.membership.served(peer_id)  # it served a micro-batch: it is in service
         return metrics, list(result.route)

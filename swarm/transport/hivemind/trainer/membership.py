@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time
 from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, one_line
 from protocols.stubs import STUBS
+from swarm.engine.exactsum import merged_codes, pack_grid, unpack_codes
 from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.events import EventLog
@@ -179,6 +180,8 @@ class Position:
         self.sent: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
         self.held: dict[tuple[int, str], bytes] = {}  # (index, peer) -> the attempt whose gradients it holds
         self.issued: dict[int, set[bytes]] = {}  # index -> every attempt of it sent in this step
+        # (index, stage, peer) -> the exponents of the gradients it holds of that micro-batch (`grid`)
+        self.reports: dict[tuple[int, int, str], bytes] = {}
         # the next step's micro-batches sent and finished before this step is done (an asynchronous
         # schedule starts them early): recorded when it begins, so no step counts another's
         self.early: list = []
@@ -190,17 +193,33 @@ class Position:
             return
         self.issued.setdefault(batch.index, set()).add(batch.attempt)
 
-    def finished(self, batch: MicroBatch, inputs: torch.Tensor, route: list[str], counted: bool = True) -> None:
-        """`batch` came back through `route`; `counted`: its gradients are the step's (else a
-        verification's second run, whose peers hold its gradients now all the same)."""
+    def finished(
+        self, batch: MicroBatch, inputs: torch.Tensor, route: list[str], counted: bool = True, exponents=()
+    ) -> None:
+        """`batch` came back through `route`, with its gradients' `exponents` per peer of it;
+        `counted`: its gradients are the step's (else a verification's second run, whose peers hold
+        its gradients now all the same)."""
         if batch.step > self.step_index:
-            self.early.append(lambda: self.finished(batch, inputs, route, counted))
+            self.early.append(lambda: self.finished(batch, inputs, route, counted, exponents))
             return
         if counted:
             self.routes[batch.index] = list(route)
             self.sent[batch.index] = (batch, inputs)
-        for peer in route:
+        reports = list(exponents) if len(exponents) == len(route) else [b""] * len(route)
+        for stage, (peer, report) in enumerate(zip(route, reports, strict=True)):
             self.held[(batch.index, peer)] = batch.attempt
+            self.reports[(batch.index, stage, peer)] = report
+
+    def grid(self, stage: int) -> bytes:
+        """The step's grid of `stage`'s exact sum (exactsum `pack_grid`), merged from the reports of
+        the gradients its peers hold of the micro-batches counted; empty unless every one came (its
+        replicas then agree on the grid in a round of their own)."""
+        reports = [self.reports.get((index, stage, route[stage]), b"") for index, route in self.routes.items()]
+        size = len(reports[0]) // 2 if reports else 0
+        codes = [unpack_codes(report, size) for report in reports]
+        if not size or any(c is None for c in codes):
+            return b""
+        return pack_grid(*merged_codes(codes, size))
 
     def attempt(self, index: int, peer: str) -> bytes:
         """The attempt of micro-batch `index` whose gradients `peer` holds (the gather names it)."""
@@ -218,4 +237,5 @@ class Position:
         self.sent.clear()
         self.held.clear()
         self.issued.clear()
+        self.reports.clear()
         self.early = []

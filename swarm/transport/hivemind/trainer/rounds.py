@@ -140,7 +140,7 @@ class SwarmRounds:
                 peer for members in by_stage.values() for peer in [p for p in members if p not in following][1:]
             }
 
-        def add(group_id: str, members: list[str], stage: int, names=(), counted=False) -> None:
+        def add(group_id: str, members: list[str], stage: int, names=(), counted=False, grid=b"") -> None:
             receivers = [peer for peer in members if peer in (following if names else self.membership.following)]
             if len(members) < 2 or len(receivers) == len(members):
                 return
@@ -149,14 +149,14 @@ class SwarmRounds:
                     f"a peer hosts both stages of a tied parameter ({', '.join(names)}): run them as separate peers"
                 )
             group = pb.AverageGroup(
-                group_id=group_id.encode(), peers=members, receivers=receivers, names=names, counted=counted
+                group_id=group_id.encode(), peers=members, receivers=receivers, names=names, counted=counted, grid=grid
             )
             for peer in by_stage[stage]:
                 groups[(stage, peer)].append(group)
 
         for stage, members in by_stage.items():
-            if replicas:
-                add(f"{prefix}/stage{stage}", members, stage)
+            if replicas:  # the step's grid goes with it: no round of their own to agree on one
+                add(f"{prefix}/stage{stage}", members, stage, grid=self.position.grid(stage))
         for i, pair in enumerate(self.place.tied):
             (first, first_name), (second, second_name) = pair.first, pair.second
             if first != second:
