@@ -74,3 +74,18 @@ class History:
     copy_bytes: dict[int, int] = field(default_factory=dict)
     pauses: list[dict] = field(default_factory=list)  # {"from_step", "to_step", "paused_s"} per restore
     restarts: list[dict] = field(default_factory=list)  # {"to_step"}: a new trainer took the run over there
+
+
+FETCH_MARGIN = 1.5  # a paced copy shares its link with the payloads: it may arrive later than its rate says
+
+
+def fetch_seconds(taken: dict, holders: dict[int, int], sources: dict[int, str]) -> float:
+    """How long the holders' fetches of a round's copies take: per stage, its copy's bytes times its
+    `holders` (all fetch from its first peer, `sources`) at the rate that peer sends copies at
+    (`taken`: (stage, peer) -> its SnapshotReply frame; 0 when every copy goes unpaced)."""
+    longest = 0.0
+    for stage, count in holders.items():
+        frame = taken.get((stage, sources.get(stage)))
+        if frame is not None and frame.head.background_bits > 0:
+            longest = max(longest, int(frame.head.bytes) * count * 8 / frame.head.background_bits)
+    return longest * FETCH_MARGIN
