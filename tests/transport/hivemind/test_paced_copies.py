@@ -16,7 +16,7 @@ from protocols import stage_pb2 as pb
 from swarm.training.experiment import build_data
 from swarm.training.loop import train
 from swarm.transport.hivemind.flow.background import COPY_SHARE
-from swarm.transport.hivemind.flow.pacing import PAYLOAD_SHARE
+from swarm.transport.hivemind.flow.pacing import MIN_OFFER_BITS, PAYLOAD_SHARE
 from swarm.transport.hivemind.net.node import SwarmNode
 from swarm.transport.hivemind.stage.host import HostedStage
 from swarm.transport.hivemind.stage.server import StageServer
@@ -32,10 +32,14 @@ class _Frame:
 
 
 def test_a_rounds_fetch_time_is_its_slowest_stage_copy_times_its_holders_at_the_senders_copy_rate():
-    taken = {(0, "a"): _Frame(1000, 8000.0), (0, "b"): _Frame(1000, 0.0), (1, "c"): _Frame(3000, 0.0)}
-    # stage 0's two holders fetch from "a" (2 x 1000 bytes at 1000 bytes/s); stage 1's copy is unpaced
+    taken = {(0, "a"): _Frame(100_000, 800_000.0), (0, "b"): _Frame(100_000, 0.0), (1, "c"): _Frame(3000, 0.0)}
+    # stage 0's two holders fetch from "a" (2 x 100,000 bytes at 100,000 bytes/s); stage 1's copy is unpaced
     assert fetch_seconds(taken, {0: 2, 1: 1}, {0: "a", 1: "c"}) == pytest.approx(2.0 * FETCH_MARGIN)
     assert fetch_seconds(taken, {0: 2}, {0: "b"}) == 0.0  # its first peer sends unpaced: no wait
+    # a peer reporting a rate of next to nothing, or not a rate, cannot hold the next rounds off
+    crawling = {(0, "a"): _Frame(8000, 1e-9), (0, "b"): _Frame(8000, float("nan"))}
+    assert fetch_seconds(crawling, {0: 1}, {0: "a"}) == pytest.approx(8000 * 8 / MIN_OFFER_BITS * FETCH_MARGIN)
+    assert fetch_seconds(crawling, {0: 1}, {0: "b"}) == 0.0
 
 
 def test_copies_from_a_declared_uplink_go_at_its_copy_share_and_the_next_round_waits_for_them(swarm, caplog):

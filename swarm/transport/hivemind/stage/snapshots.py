@@ -85,10 +85,13 @@ class Snapshots:
             self._keep(own)
         for order in head.hold:
             self._fetch(int(order.stage), step, list(order.sources), frozenset(order.accepted), order.weights_sha256)
-        paced = self.sending.rate_bits if self.sending is not None else 0.0
-        reply = pb.SnapshotReply(bytes=len(own.payload), sha256=own.sha256, weights_sha256=own.weights)
-        reply.background_bits = paced
-        return reply, b""
+        paced = self.sending.rate_bits if self.sending is not None else 0.0  # the trainer spaces rounds by it
+        return (
+            pb.SnapshotReply(
+                bytes=len(own.payload), sha256=own.sha256, weights_sha256=own.weights, background_bits=paced
+            ),
+            b"",
+        )
 
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""

@@ -4,10 +4,12 @@ mended (the run's summary)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.flow.pacing import MIN_OFFER_BITS
 from swarm.transport.hivemind.trust import manifests
 
 
@@ -82,10 +84,13 @@ FETCH_MARGIN = 1.5  # a paced copy shares its link with the payloads: it may arr
 def fetch_seconds(taken: dict, holders: dict[int, int], sources: dict[int, str]) -> float:
     """How long the holders' fetches of a round's copies take: per stage, its copy's bytes times its
     `holders` (all fetch from its first peer, `sources`) at the rate that peer sends copies at
-    (`taken`: (stage, peer) -> its SnapshotReply frame; 0 when every copy goes unpaced)."""
+    (`taken`: (stage, peer) -> its SnapshotReply frame; 0 when every copy goes unpaced). A rate
+    below MIN_OFFER_BITS counts as that much, one that is not a rate as none: no peer can hold the
+    next rounds off for ever by the rate it reports."""
     longest = 0.0
     for stage, count in holders.items():
         frame = taken.get((stage, sources.get(stage)))
-        if frame is not None and frame.head.background_bits > 0:
-            longest = max(longest, int(frame.head.bytes) * count * 8 / frame.head.background_bits)
+        bits = frame.head.background_bits if frame is not None else 0.0
+        if math.isfinite(bits) and bits > 0:
+            longest = max(longest, int(frame.head.bytes) * count * 8 / max(bits, MIN_OFFER_BITS))
     return longest * FETCH_MARGIN
