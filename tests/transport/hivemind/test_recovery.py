@@ -291,7 +291,7 @@ def test_a_holders_failed_fetch_is_reported_at_the_next_snapshot(swarm, caplog):
     try:
         holder = run.hosted[0].snapshots  # stage 0 holds the last stage's copies
 
-        async def broken(stage, step, sources, accepted, weights):
+        async def broken(stage, step, sources, accepted, weights, background=False):
             raise RuntimeError("the link broke")
 
         holder._download = broken

@@ -291,18 +291,19 @@ class StageServer:
     async def _serve_state(self, request: Request):
         hosted, head = self._addressed(request), request.frame.head
         if head.snapshot:  # a copy the swarm keeps
-            return self._writer("state", *hosted.snapshots.serve(head))
+            return self._writer("state", *hosted.snapshots.serve(head), flow=hosted.snapshots.paced(head))
         head, payload = await hosted.source.serve()
         return self._writer("state", head, payload, hosted.source.done)
 
-    def _writer(self, kind: str, head, payload: bytes, done=None):
-        """`done(bytes sent)`: called once the reply is written, or failed to be."""
+    def _writer(self, kind: str, head, payload: bytes, done=None, flow=None):
+        """`done(bytes sent)`: called once the reply is written, or failed to be; `flow`: its pacing
+        besides the node's egress (a holder's copy: flow.background)."""
 
         async def write(writer: asyncio.StreamWriter) -> None:
             sent = 0
             try:
                 for parts in frame_parts(pb.StageReply, kind, head, payload):
-                    await send_paced(parts, writer, None, self.node.egress)
+                    await send_paced(parts, writer, flow, self.node.egress)
                 sent = len(payload)
             finally:
                 if done is not None:

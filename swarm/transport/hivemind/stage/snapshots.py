@@ -28,6 +28,7 @@ from protocols import stage_pb2 as pb
 from protocols.errors import RemoteError, TransportError, one_line
 from protocols.stubs import STUBS
 from swarm.engine.checkpoint import read_stage
+from swarm.transport.hivemind.flow.background import COPY_SHARE, copy_flow
 from swarm.transport.hivemind.net.calls import ask
 from swarm.transport.hivemind.net.meta import address
 from swarm.transport.hivemind.stage.joining import NO_ENDS, install_state, stage_codecs
@@ -63,6 +64,7 @@ class Snapshots:
         self.paused_s = 0.0
         self._fetches: dict[tuple[int, int], asyncio.Task] = {}
         self.manifests = manifests.Kept(self.place.run_id)  # the owner's word of which copies are the swarm's
+        self.sending = copy_flow(self.place.node.uplink_bits)  # copies to holders, below the payloads (or None)
 
     # ---- the snapshot round --------------------------------------------------------------------
 
@@ -83,7 +85,13 @@ class Snapshots:
             self._keep(own)
         for order in head.hold:
             self._fetch(int(order.stage), step, list(order.sources), frozenset(order.accepted), order.weights_sha256)
-        return pb.SnapshotReply(bytes=len(own.payload), sha256=own.sha256, weights_sha256=own.weights), b""
+        paced = self.sending.rate_bits if self.sending is not None else 0.0  # the trainer spaces rounds by it
+        return (
+            pb.SnapshotReply(
+                bytes=len(own.payload), sha256=own.sha256, weights_sha256=own.weights, background_bits=paced
+            ),
+            b"",
+        )
 
     def _take(self, step: int, trainer: bytes) -> Copy:
         """On the computing thread, between two steps' rounds: this stage's state now."""
@@ -137,7 +145,7 @@ class Snapshots:
         if key in self.copies or (key in self._fetches and not self._fetches[key].done()):
             return
         task = asyncio.get_running_loop().create_task(
-            self._download(stage, step, [(p, stage) for p in sources], accepted, weights)
+            self._download(stage, step, [(p, stage) for p in sources], accepted, weights, background=True)
         )
         self._fetches[key] = task
         task.add_done_callback(lambda t, key=key: self._fetched(key, t))
@@ -160,18 +168,19 @@ class Snapshots:
         sources: list[tuple[str, int]],
         accepted: frozenset = frozenset(),
         weights: bytes = b"",
+        background: bool = False,
     ) -> Copy:
         """The copy of `stage` at `step` from the first of `sources` (peer, the stage it hosts) that
-        has it (one the owner's manifest names: `_named`)."""
+        has it (one the owner's manifest names: `_named`); `background`: a holder's fetch, which the
+        source sends at its uplink's copy share (flow.background), hence given that much longer."""
         place, errors = self.place, []
+        timeout = place.settings.calls.state_timeout_s / (COPY_SHARE if background else 1.0)
         for peer, hosted_stage in sources:
             request = self.gate.state_request(
-                to=address(place.run_id, hosted_stage), snapshot=True, stage=stage, step=step
+                to=address(place.run_id, hosted_stage), snapshot=True, stage=stage, step=step, background=background
             )
             try:
-                frame = await ask(
-                    place.node.streams, peer, STUBS.state.of(request), place.settings.calls.state_timeout_s
-                )
+                frame = await ask(place.node.streams, peer, STUBS.state.of(request), timeout)
             except (TransportError, RemoteError) as e:
                 errors.append(f"{peer[-8:]}: {one_line(e, 120)}")
                 continue
@@ -189,6 +198,7 @@ class Snapshots:
     # ---- serving a copy ------------------------------------------------------------------------
 
     def serve(self, head: pb.StateRequest) -> tuple[pb.StateReply, bytes]:
+        """The copy `head` asks for (sent paced by `paced(head)`)."""
         copy = self.copies.get((int(head.stage), int(head.step)))
         if copy is None:
             raise RemoteError(
@@ -196,6 +206,11 @@ class Snapshots:
                 pb.UNAVAILABLE,
             )
         return pb.StateReply(step=copy.step, codecs=copy.codecs), copy.payload
+
+    def paced(self, head: pb.StateRequest):
+        """The flow a copy asked for by `head` is sent at: a holder's fetch below the payloads, a
+        restore's download (the run waits for it) at once."""
+        return self.sending if head.background else None
 
     # ---- the restore round ---------------------------------------------------------------------
 

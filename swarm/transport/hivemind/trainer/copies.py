@@ -4,10 +4,12 @@ mended (the run's summary)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from protocols import stage_pb2 as pb
+from swarm.transport.hivemind.flow.pacing import MIN_OFFER_BITS
 from swarm.transport.hivemind.trust import manifests
 
 
@@ -74,3 +76,21 @@ class History:
     copy_bytes: dict[int, int] = field(default_factory=dict)
     pauses: list[dict] = field(default_factory=list)  # {"from_step", "to_step", "paused_s"} per restore
     restarts: list[dict] = field(default_factory=list)  # {"to_step"}: a new trainer took the run over there
+
+
+FETCH_MARGIN = 1.5  # a paced copy shares its link with the payloads: it may arrive later than its rate says
+
+
+def fetch_seconds(taken: dict, holders: dict[int, int], sources: dict[int, str]) -> float:
+    """How long the holders' fetches of a round's copies take: per stage, its copy's bytes times its
+    `holders` (all fetch from its first peer, `sources`) at the rate that peer sends copies at
+    (`taken`: (stage, peer) -> its SnapshotReply frame; 0 when every copy goes unpaced). A rate
+    below MIN_OFFER_BITS counts as that much, one that is not a rate as none: no peer can hold the
+    next rounds off for ever by the rate it reports."""
+    longest = 0.0
+    for stage, count in holders.items():
+        frame = taken.get((stage, sources.get(stage)))
+        bits = frame.head.background_bits if frame is not None else 0.0
+        if math.isfinite(bits) and bits > 0:
+            longest = max(longest, int(frame.head.bytes) * count * 8 / max(bits, MIN_OFFER_BITS))
+    return longest * FETCH_MARGIN

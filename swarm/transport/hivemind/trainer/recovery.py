@@ -34,6 +34,7 @@ from swarm.transport.hivemind.trainer.adaptive import AdaptiveCodecs
 from swarm.transport.hivemind.trainer.copies import (
     Held,
     History,
+    fetch_seconds,
     held_named,
     named_of,
     newest_complete,
@@ -82,6 +83,11 @@ class Recovery:
         self.paused: str | None = None  # why the run waits, while it does (its progress record says it)
         self.lineage = place.session
         self.taken: int | None = None  # the step of the last snapshot round
+        # no round before the last one's copies have arrived at their holders (paced copies on a slow
+        # link take longer than `every` steps: flow.background); decided once per step, so the
+        # loop's drain and the round agree
+        self.fetched_by = 0.0
+        self._ready: tuple[int, bool] = (-1, True)
         self.kept = False  # the swarm holds copies of this lineage (a snapshot round went through)
         self.outrun: set[int] = set()  # steps replayed for a micro-batch sent again too late (since the last copies)
         self.history = History()
@@ -93,7 +99,11 @@ class Recovery:
 
     def due(self, step: int) -> bool:
         """Whether the swarm keeps copies at `step`."""
-        return bool(self.every) and not step % self.every and self.taken != step
+        if not self.every or step % self.every or self.taken == step:
+            return False
+        if self._ready[0] != step:
+            self._ready = (step, time.monotonic() >= self.fetched_by)
+        return self._ready[1]
 
     async def snapshot(self, step: int, position: dict) -> None:
         """Every `every` steps: each peer in service keeps a copy of its stage at `step` with the
@@ -147,6 +157,12 @@ class Recovery:
                     order.weights_sha256 = agreed.weights
             holders = [(s, peer) for s, peer in peers if peer in orders]
             await rounds.every(holders, lambda s, peer: one(s, peer, orders[peer]))
+            fetching = defaultdict(int)  # stage -> holders fetching its copy
+            for hold in orders.values():
+                for order in hold:
+                    fetching[int(order.stage)] += 1
+            firsts = {s: serving(s)[0] for s in fetching if serving(s)}
+            self.fetched_by = time.monotonic() + fetch_seconds(taken, fetching, firsts)
             await self._publish(step, named, peers)
         except (TransportError, RemoteError) as e:  # the copies are bookkeeping: only a lost stage stops the run
             await membership.probe()
@@ -373,4 +389,5 @@ class Recovery:
             await membership.probe()
             return None
         self.taken, self.kept = None, True  # the next round at `step` has new holders fetch their copies
+        self.fetched_by = 0.0
         return position
