@@ -164,7 +164,11 @@ def test_a_link_whose_receiver_lost_its_state_restarts_on_both_ends(swarm):
         pipeline.step()
         epoch = hosted[0].links.numbering.epoch(receiver)
 
-        hosted[1].chain.link_grace = 3.0  # as if stage 1 restarted: it knows nothing of the link (a grace a loaded machine meets)
+        hosted[
+            1
+        ].chain.link_grace = (
+            3.0  # as if stage 1 restarted: it knows nothing of the link (a grace a loaded machine meets)
+        )
         hosted[1].links.turnstiles.clear()
         hosted[1].links.ends_in.clear()
         losses = [m["loss"] for m in pipeline.run_many(steps[1])]
