@@ -9,6 +9,8 @@ micro-batch of any size its config allows fits; the head stays small.
 
 from __future__ import annotations
 
+import hashlib
+
 from google.protobuf.message import DecodeError
 
 from protocols import stage_pb2 as pb
@@ -21,6 +23,15 @@ def pack(carried: pb.Carried, body: bytes | memoryview = b"") -> bytes:
     """The payload: `carried`, then `body` (the activations)."""
     head = carried.SerializeToString()
     return b"".join((len(head).to_bytes(LENGTH_BYTES, "little"), head, body))
+
+
+def payload_sha256(carried: pb.Carried, body: bytes | memoryview = b"") -> bytes:
+    """The SHA-256 of `pack(carried, body)`, without building the payload (no copy of `body`)."""
+    head = carried.SerializeToString()
+    digest = hashlib.sha256(len(head).to_bytes(LENGTH_BYTES, "little"))
+    digest.update(head)
+    digest.update(body)
+    return digest.digest()
 
 
 def unpack(payload: bytes | memoryview) -> tuple[pb.Carried, memoryview]:

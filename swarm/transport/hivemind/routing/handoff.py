@@ -57,12 +57,14 @@ class Terms:
     (plus a grace, so a stage's own timeout error arrives first); `offer(peer)`: what this peer can
     take back from it (pacing); `carry`: a head whose words of the run are handed on: the owner's
     step proof and roster, and a step closed on the way (`closing`, `decision`:
-    swarm.transport.hivemind.stage.closing)."""
+    swarm.transport.hivemind.stage.closing); `avoid`: peers it must not go to, first try or retry
+    (the owner's check: `avoided`, or the trainer's own choice of stage 0)."""
 
     session: str
     deadline: float | None = None
     offer: Callable[[str], float] | None = None
     carry: pb.MicroBatchHead | None = None
+    avoid: frozenset[str] = frozenset()
 
 
 class Handoff:
@@ -83,12 +85,12 @@ class Handoff:
         self.waiting: Counter = Counter()  # ... per peer (routing)
         self.check_key = b""  # the owner's key for its checks' avoid tokens (trust.check_tokens)
 
-    async def avoided(self, carry: pb.MicroBatchHead | None) -> set[str]:
-        """The next stage's peers the owner's check tokens in `carry` tell us to avoid."""
-        if carry is None or not carry.avoid_tokens or not self.check_key:
-            return set()
+    async def avoided(self, head: pb.MicroBatchHead) -> frozenset[str]:
+        """The next stage's peers the owner's check tokens in `head` tell us to avoid."""
+        if not head.avoid_tokens or not self.check_key:
+            return frozenset()
         peers = [record.peer_id for record in await self.router.peers(self.stage)]
-        return avoided(self.check_key, carry.batch.attempt, carry.avoid_tokens, peers)
+        return frozenset(avoided(self.check_key, head.batch.attempt, head.avoid_tokens, peers))
 
     async def choose(self, session: str, exclude=()) -> StageRecord:
         stateful = self.stateful()  # only a link state is worth keeping to one peer for
@@ -133,7 +135,7 @@ class Handoff:
         session, deadline, offer, carry = terms.session, terms.deadline, terms.offer, terms.carry
         meta = batch_to_meta(batch)
         carried = carried_of(batch, inputs)
-        tried: set[str] = await self.avoided(carry)  # (the owner's verification)
+        tried: set[str] = set(terms.avoid)  # (the owner's verification)
         further: set[str] = set()  # peers that answered DOWNSTREAM once (a second time: another peer)
         target = record.peer_id
         attempt = 0

@@ -19,6 +19,7 @@ sender start a new epoch, so both ends restart that link's state together instea
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from protocols import stage_pb2 as pb
@@ -198,11 +199,9 @@ class Chain:
                         raise SenderFault(str(e)) from None
                     used[0] = links.end_in(sender, fresh)
                     links.received[(sender, "forward", batch.mode.value)] += len(trip.body)
-                record = (
-                    None
-                    if handoff is None
-                    else await handoff.choose(self.state.session_id, await handoff.avoided(head))
-                )
+                if handoff is not None:
+                    trip.avoid = await handoff.avoided(head)
+                record = None if handoff is None else await handoff.choose(self.state.session_id, trip.avoid)
                 if record is not None:
                     used[1] = links.end_out(record.peer_id)
                     if batch.mode is Mode.TRAIN:
@@ -247,7 +246,8 @@ class Chain:
         last = self.state.cfg.train.micro_batches - 1
         more = not place.first and (batch.mode is not Mode.TRAIN or batch.index < last)
         try:
-            terms = Terms(self.state.session_id, deadline, lambda peer: self.pacer.offer(peer, more), trip.head)
+            offer = functools.partial(self.pacer.offer, other_active=more)
+            terms = Terms(self.state.session_id, deadline, offer, trip.head, trip.avoid)
             frame, target, sent = await self.handoff.send(batch, record, sent, message.payload, again, terms)
         except TransportError as e:  # its peer is banned here now: our caller may simply try us again
             raise RemoteError(f"stage {place.stage + 1}: {one_line(e)}", pb.DOWNSTREAM) from None

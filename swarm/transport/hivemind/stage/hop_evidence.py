@@ -6,8 +6,8 @@ sends outputs whose bits differ between runs, so per-hop hashes could not be com
 
 from __future__ import annotations
 
-from protocols import carried as envelope
 from protocols import stage_pb2 as pb
+from protocols.carried import payload_sha256
 from protocols.errors import RemoteError
 from swarm.engine.microbatch import MicroBatch, Mode
 from swarm.transport.hivemind.net.meta import carried_of
@@ -31,12 +31,12 @@ class HopEvidence:
         `target` (`trip.body_out`) and its `reply`: kept in `trip` (RemoteError when they do not
         match: the downstream's fault, so our caller may try us again)."""
         place = self.state.place
-        sent = sha256(envelope.pack(carried_of(trip.batch), trip.body_out))
+        sent, replied = payload_sha256(carried_of(trip.batch), trip.body_out), sha256(reply)
         where = (place.run_id, place.stage + 1, target)
-        fault = check_downstream(evidence, trip.batch, where, sent, sha256(reply))
+        fault = check_downstream(evidence, trip.batch, where, sent, replied)
         if fault is not None:
             raise RemoteError(f"stage {place.stage + 1}: {fault}", pb.DOWNSTREAM)
-        trip.hashes = (sent, sha256(reply))
+        trip.hashes = (sent, replied)
         trip.downstream = list(evidence)
 
     def ours(self, trip: Trip, received, outcome, digest: float) -> list:

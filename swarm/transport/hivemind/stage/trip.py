@@ -50,6 +50,7 @@ class Trip:
     # train.verify (stage.hop_evidence): the activations sent on, the SHA-256s of the payloads exchanged
     # with the next stage (sent, its reply), and its stage's and later stages' signed accounts
     body_out: bytes = b""
+    avoid: frozenset = frozenset()  # next-stage peers the owner's check tokens named (Handoff.avoided)
     hashes: tuple = (b"", b"")
     downstream: list = field(default_factory=list)
 

@@ -206,7 +206,7 @@ class Dispatch:
             self.overlapped.add(batch.step)
         self.out[batch.step] += training
         try:
-            terms = Terms(place.session, carry=carry)
+            terms = Terms(place.session, carry=carry, avoid=frozenset(avoid[1] if avoid and avoid[0] == 0 else ()))
             frame, first_peer, _ = await handoff.send(batch, record, sent, b"", again, terms, inputs)
         finally:
             self.out[batch.step] -= training

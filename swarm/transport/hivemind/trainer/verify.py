@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from protocols import carried as envelope
+from protocols.carried import payload_sha256
 from protocols.wire_names import DIGEST
 from swarm.compression.spec import keeps_state
 from swarm.config import ExperimentConfig
@@ -44,7 +44,6 @@ from swarm.engine.microbatch import MicroBatch
 from swarm.transport.hivemind.net.meta import carried_of
 from swarm.transport.hivemind.trainer.membership import Membership, Position, TrainerPlace
 from swarm.transport.hivemind.trainer.verdict import Expected, Finding, chain_fault, first_divergence
-from swarm.transport.hivemind.trust.evidence import sha256
 
 log = logging.getLogger(__name__)
 
@@ -235,14 +234,16 @@ class Verification:
         """Whom two runs' accounts convict, as (stage, peer, why), or None when they agree; a tie
         between two peers of a stage goes to a third run there (else `_suspect`)."""
         (batch, inputs), place = item, self.place
-        input_sha = sha256(envelope.pack(carried_of(batch, inputs), b""))
+        input_sha = payload_sha256(carried_of(batch, inputs))
         expected = Expected(place.run_id, batch.step, batch.index, place.num_stages, input_sha)
         for run in runs:
             if (fault := chain_fault(run.accounts, run.attempt, expected)) is not None:
                 return fault.stage, fault.peers[0], fault.why
         finding = first_divergence(runs[0].accounts, runs[1].accounts)
-        if finding is None or len(finding.peers) == 1:
-            return None if finding is None else (finding.stage, finding.peers[0], finding.why)
+        if finding is None:
+            return None
+        if len(finding.peers) == 1:
+            return finding.stage, finding.peers[0], finding.why
         return finding.stage, await self._settle(item, finding, runs, expected), finding.why
 
     async def _settle(self, item: Item, finding: Finding, runs: tuple, expected: Expected) -> str:
