@@ -81,15 +81,29 @@ def steps_against(rows: list[dict], target: Target) -> Steps:
     )
 
 
+# Fields only a swarm reads (how many micro-batches the trainer keeps in the pipeline): one process
+# trains the same steps whatever they say, so a kept run serves configs that differ only there.
+SWARM_ONLY = (("train", "in_flight"),)
+
+
+def _one_process_view(config: dict) -> dict:
+    view = {section: dict(fields) if isinstance(fields, dict) else fields for section, fields in config.items()}
+    for section, field_name in SWARM_ONLY:
+        if isinstance(view.get(section), dict):
+            view[section].pop(field_name, None)
+    return view
+
+
 def _config_of(path: Path) -> dict | None:
-    """The config a finished results file ran (None: unfinished or not a results file)."""
+    """The config a finished results file ran, swarm-only fields left out (None: unfinished or not
+    a results file)."""
     try:
         with path.open() as f:
             head = json.loads(f.readline())
         finished = any(r.get("type") == "summary" for r in read_results(path))
     except (OSError, ValueError):
         return None
-    return head.get("config") if head.get("type") == "config" and finished else None
+    return _one_process_view(head["config"]) if head.get("type") == "config" and finished else None
 
 
 class StepRuns:
@@ -104,7 +118,7 @@ class StepRuns:
 
     def path(self, variant: Variant) -> Path:
         """The finished run of exactly this variant's config, or where a new one goes."""
-        wanted = load_config(self.config, self.sets(variant)).model_dump(mode="json")
+        wanted = _one_process_view(load_config(self.config, self.sets(variant)).model_dump(mode="json"))
         for path in sorted(self.work.glob("*.jsonl")):
             if _config_of(path) == wanted:
                 return path

@@ -127,16 +127,18 @@ class PerSample:
 
 
 def schedule_bound(train: dict, stages: int, links: RunLinks, measured: PerSample, round_trips: int = 0) -> float:
-    """samples/s of one step of this schedule in the fluid model, with the measured bytes and
-    compute, the links and the step's `round_trips`."""
+    """samples/s of this schedule in the fluid model, with the measured bytes and compute, the links
+    and the step's `round_trips`. The asynchronous schedule keeps two steps open: its window
+    streams two steps' micro-batches, the pipeline filled and drained once for both."""
     size = train["batch_size"] / train["micro_batches"]
     in_flight = train.get("in_flight") or 2 * stages
+    open_steps = 2 if train.get("schedule") == "async" else 1
     stage_s = measured.stage_s
     # forward and backward each
     compute = [s * size / 2 for s in stage_s] if stage_s and len(stage_s) == stages else [0.0] * stages
     model = StepModel(
         stages,
-        train["micro_batches"],
+        open_steps * train["micro_batches"],
         in_flight,
         Settings().streams.sending_per_neighbour,
         [b * size for b in measured.forward],
@@ -148,7 +150,7 @@ def schedule_bound(train: dict, stages: int, links: RunLinks, measured: PerSampl
         links.delay_s,
         round_trips,
     )
-    return train["batch_size"] / simulate(model).step_s
+    return open_steps * train["batch_size"] / simulate(model).step_s
 
 
 def measure_run(

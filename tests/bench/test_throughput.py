@@ -319,3 +319,17 @@ def test_lab_bandwidth_forms_and_errors(tmp_path):
     table.write_text("- 10mbit\n")
     with pytest.raises(ValueError, match="must map process names to rates"):
         parse_rates(str(table), NAMES)
+
+
+def test_the_asynchronous_schedule_bound_streams_two_open_steps_through_its_window():
+    from swarm.bench.throughput_figures import PerSample, schedule_bound
+
+    measured = PerSample([8_500] * 3, [8_500] * 3, [0.002] * 4, 1_000)
+    links = RunLinks(10e6, 0.05, True)
+    sync = {"batch_size": 32, "micro_batches": 8, "in_flight": 16}
+    sync_bound = schedule_bound(sync, 4, links, measured, 3)
+    narrow = schedule_bound({**sync, "schedule": "async", "in_flight": 8}, 4, links, measured, 3)
+    wide = schedule_bound({**sync, "schedule": "async"}, 4, links, measured, 3)
+    # one step admits at most its 8 micro-batches, however wide the window; two open steps admit 16
+    assert schedule_bound({**sync, "in_flight": 8}, 4, links, measured, 3) == pytest.approx(sync_bound)
+    assert sync_bound < narrow < wide

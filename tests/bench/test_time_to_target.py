@@ -78,6 +78,8 @@ def test_one_process_runs_are_kept_and_reused_for_the_same_config_only(tmp_path)
     again = StepRuns("configs/smoke.yaml", ["train.max_steps=2", "train.eval_every=0.1"], tmp_path, lines.append)
     assert again.steps([sgd], Target.parse("loss=2.0"))[sgd].losses == first[sgd].losses
     assert sorted(tmp_path.glob("*.jsonl")) == kept and "kept in" in lines[-1]
+    wider = StepRuns("configs/smoke.yaml", ["train.max_steps=2", "train.eval_every=0.1", "train.in_flight=3"], tmp_path)
+    assert wider.path(sgd) == kept[0]  # the window only a swarm reads: the same one-process run
     again.steps([Variant("sgd", "async", "none")], Target.parse("loss=2.0"))  # another config: another run
     assert len(list(tmp_path.glob("*.jsonl"))) == 2
 
